@@ -1,0 +1,3 @@
+from mtpwrap.cli import main
+
+main()

@@ -1,0 +1,72 @@
+"""The `mtpwrap` command line.
+
+Commands live in `mtpwrap/commands/` and are imported only when invoked, so `mtpwrap --help`
+stays instant. Each command parses, calls one library function and renders; errors from the
+library (`MtpwrapError`) become one sentence on stderr and a distinct exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+import click
+
+#: command name -> "module:attribute" of a click command, imported on first use.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "build": ("mtpwrap.commands.build", "Build llama-server from the pinned source for this machine."),
+    "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
+    "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
+    "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module = importlib.import_module(entry[0])
+        return module.command  # type: ignore[no-any-return]
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help text comes from the table, so listing commands imports none of them.
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mtpwrap")
+def cli() -> None:
+    """Build, size, launch and supervise a llama.cpp MTP + TurboQuant server.
+
+    Typical use: `mtpwrap build`, then `mtpwrap up --profile auto`.
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    from mtpwrap.errors import MtpwrapError
+
+    try:
+        return cli.main(args=argv, prog_name="mtpwrap", standalone_mode=False)
+    except MtpwrapError as exc:
+        from mtpwrap import console
+
+        console.error(str(exc))
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        from mtpwrap.errors import EXIT_CONFIG
+
+        sys.exit(EXIT_CONFIG if exc.exit_code == 2 else exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,1 @@
+"""Click commands, one module per command (group), imported lazily by `mtpwrap.cli`."""

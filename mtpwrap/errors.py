@@ -1,0 +1,54 @@
+"""The exception family and the exit codes.
+
+Exit codes are part of the systemd contract: a configuration error must not be restarted
+(`RestartPreventExitStatus=`), a runtime failure may be.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+#: bad input: a flag, a file, a profile key, a model path. systemd is told not to restart on it.
+EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h
+#: a required external tool (cmake, a compiler, a built binary) is missing.
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
+
+
+class MtpwrapError(Exception):
+    """Base class. The message is one sentence a person can act on."""
+
+    exit_code = EXIT_RUNTIME
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message} {self.hint}"
+        return self.message
+
+
+class ConfigError(MtpwrapError):
+    """Bad input: a flag, a config file, a profile, a model path. Not worth a restart."""
+
+    exit_code = EXIT_CONFIG
+
+
+class MissingToolError(MtpwrapError):
+    """A required tool (cmake, a C++ compiler, a built llama-server) is not there."""
+
+    exit_code = EXIT_UNAVAILABLE
+
+
+class IntegrityError(ConfigError):
+    """A download or file did not match its pinned sha256."""
+
+
+class BuildError(MtpwrapError):
+    """CMake configure or build failed."""
+
+
+class RuntimeFailure(MtpwrapError):
+    """Something failed while running: the server would not start, a request failed."""

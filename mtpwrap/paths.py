@@ -1,0 +1,70 @@
+"""State, cache, build and log locations. `MTPWRAP_HOME` redirects all of the per-user ones."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def repo_root() -> Path:
+    """The source checkout this package runs from (where `build/` and `vendor/` live)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def home() -> Path:
+    env = os.environ.get("MTPWRAP_HOME")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mtpwrap"
+
+
+def cache_dir() -> Path:
+    return home()
+
+
+def downloads_dir() -> Path:
+    return home() / "downloads"
+
+
+def sources_dir() -> Path:
+    return home() / "sources"
+
+
+def build_cache_dir() -> Path:
+    """Builds keyed by source and options, shared by every checkout on this machine."""
+    return home() / "builds"
+
+
+def models_dir() -> Path:
+    env = os.environ.get("MTPWRAP_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    return home() / "models"
+
+
+def state_dir() -> Path:
+    env = os.environ.get("MTPWRAP_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return home() / "state"
+
+
+def log_dir() -> Path:
+    env = os.environ.get("MTPWRAP_LOG_DIR")
+    if env:
+        return Path(env).expanduser()
+    return home() / "logs"
+
+
+def build_root() -> Path:
+    """`build/` of the checkout: one folder per variant, each with manifest.json and bin/."""
+    env = os.environ.get("MTPWRAP_BUILD_DIR")
+    if env:
+        return Path(env).expanduser()
+    return repo_root() / "build"
+
+
+def user_config_dir() -> Path:
+    xdg = os.environ.get("XDG_CONFIG_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".config") / "mtpwrap"

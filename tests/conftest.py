@@ -1,0 +1,96 @@
+"""Shared fixtures.
+
+Integration tests use the real llama-server, built from the pinned source by
+`mtpwrap.build.ensure_built` (a no-op once the build cache has it), and the real demo model.
+`MTPWRAP_HOME` is left alone on purpose so the build and model caches are shared between runs;
+tests that need an isolated home use the `isolated_home` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def cpu_manifest() -> dict:
+    """The manifest of the CPU build of llama-server (built on first use, then cached)."""
+    from mtpwrap import build
+
+    return build.ensure_built(variant="cpu").to_dict()
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin(cpu_manifest: dict) -> Path:
+    return Path(cpu_manifest["binaries"]["llama-server"]["path"])
+
+
+@pytest.fixture(scope="session")
+def fit_params_bin(cpu_manifest: dict) -> Path:
+    return Path(cpu_manifest["binaries"]["llama-fit-params"]["path"])
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    from mtpwrap import models
+
+    return models.ensure_demo_model()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def free_port() -> int:
+    return _free_port()
+
+
+@pytest.fixture
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    home = tmp_path / "mtpwrap-home"
+    home.mkdir()
+    monkeypatch.setenv("MTPWRAP_HOME", str(home))
+    return home
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("NO_COLOR", "1")
+    env.setdefault("COLUMNS", "200")
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "mtpwrap", *args],
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(cwd or REPO),
+    )
+
+
+@pytest.fixture
+def cli() -> Iterator[object]:
+    yield run_cli
