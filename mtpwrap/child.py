@@ -1,0 +1,333 @@
+"""One llama-server process: spawn it safely, read its output, ask it questions, end it.
+
+Only the supervisor uses this module; it is the single owner of every `ChildProcess`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import logging
+import logging.handlers
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("mtpwrap.supervisor")
+child_log = logging.getLogger("mtpwrap.child")
+
+#: Environment the child must not inherit: systemd talks to mtpwrap only (NotifyAccess=main),
+#: and the public API keys of the front are none of the child's business.
+_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+             "LISTEN_FDNAMES", "MTPWRAP_API_KEYS")
+
+_OOM_PATTERNS = re.compile(
+    r"out of memory|cudaMalloc failed|CUDA error: out of memory|failed to allocate .*buffer"
+    r"|ErrorOutOfDeviceMemory|unable to allocate .*buffer",
+    re.IGNORECASE,
+)
+_BIND_PATTERNS = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What to run. `env` is added to mtpwrap's own environment (minus systemd's variables)."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
+
+
+def free_loopback_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral port that was free a moment ago. The child may still lose a race for it;
+    the supervisor sees the bind error in its output and restarts on a new port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def describe_returncode(rc: int) -> str:
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = "unknown"
+        return f"signal {-rc} ({name})"
+    return f"exit {rc}"
+
+
+def _make_preexec() -> Any:
+    """A preexec function that makes the child die with mtpwrap (Linux), even on SIGKILL.
+
+    The libc handle is resolved here, in the parent: after fork() only async-signal-safe work
+    is wise, so the child does one prctl call and one getppid check. PR_SET_PDEATHSIG fires
+    when the *thread* that forked exits; the supervisor forks from the event-loop thread,
+    which lives as long as mtpwrap does.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        # mtpwrap may have died between fork() and prctl(): then nobody would signal us.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class _RateLimiter:
+    """Token bucket for forwarding child lines into mtpwrap's log."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s, self.burst = per_s, burst
+        self.tokens = float(burst)
+        self.last = time.monotonic()
+        self.suppressed = 0
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.per_s)
+        self.last = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        self.suppressed += 1
+        return False
+
+
+class ChildProcess:
+    """A started llama-server: pid, process group, output pump, HTTP probes, termination."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, *, base_url: str, api_key: str,
+                 file_logger: logging.Logger | None, lines_per_s: float, log_file: Path | None
+                 ) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.pgid = proc.pid  # start_new_session: the child leads its own session and group
+        self.base_url = base_url
+        self.api_key = api_key
+        self.started_mono = time.monotonic()
+        self.started_at = time.time()
+        self.last_output = time.monotonic()
+        self.saw_oom = False
+        self.saw_bind_error = False
+        self.tail: collections.deque[str] = collections.deque(maxlen=30)
+        self._file_logger = file_logger
+        self._limiter = _RateLimiter(lines_per_s, burst=max(10, int(lines_per_s * 3)))
+        self._log_file = log_file
+        self._pump = asyncio.create_task(self._pump_output(), name=f"child-{self.pid}-output")
+        self._http = httpx.AsyncClient(
+            base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(5.0), trust_env=False,
+        )
+
+    # --- spawning ------------------------------------------------------------------------
+    @classmethod
+    async def spawn(cls, spec: ChildSpec, *, base_url: str, api_key: str,
+                    file_logger: logging.Logger | None, lines_per_s: float,
+                    log_file: Path | None) -> ChildProcess:
+        if any(api_key in arg for arg in spec.argv):
+            # Anything in argv is readable by every local user through /proc and `ps`.
+            raise ValueError("the internal API key must be passed through the environment")
+        env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
+        env.update(spec.env)
+        proc = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group: one killpg reaches grandchildren
+            preexec_fn=_make_preexec(),
+        )
+        return cls(proc, base_url=base_url, api_key=api_key, file_logger=file_logger,
+                   lines_per_s=lines_per_s, log_file=log_file)
+
+    # --- output --------------------------------------------------------------------------
+    async def _pump_output(self) -> None:
+        assert self.proc.stdout is not None
+        partial = b""
+        while True:
+            try:
+                chunk = await self.proc.stdout.read(65536)
+            except (OSError, ValueError):
+                break
+            if not chunk:
+                break
+            # Any output counts as load progress: llama-server prints dots and lines while it
+            # reads tensors, so a quiet child is a stuck one.
+            self.last_output = time.monotonic()
+            partial += chunk
+            *lines, partial = partial.split(b"\n")
+            for raw in lines:
+                self._line(raw.decode("utf-8", "replace").rstrip("\r"))
+        if partial:
+            self._line(partial.decode("utf-8", "replace"))
+
+    def _line(self, line: str) -> None:
+        if self.api_key in line:
+            line = line.replace(self.api_key, "<redacted>")
+        if not line.strip():
+            return
+        self.tail.append(line)
+        if _OOM_PATTERNS.search(line):
+            self.saw_oom = True
+        if _BIND_PATTERNS.search(line):
+            self.saw_bind_error = True
+        if self._file_logger is not None:
+            self._file_logger.info(line)
+        if self._limiter.allow():
+            if self._limiter.suppressed:
+                where = f"; see {self._log_file}" if self._log_file else ""
+                child_log.info("llama-server[%d]: (%d lines not shown%s)", self.pid,
+                               self._limiter.suppressed, where)
+                self._limiter.suppressed = 0
+            child_log.info("llama-server[%d]: %s", self.pid, line)
+
+    def last_error_line(self) -> str | None:
+        for line in reversed(self.tail):
+            if re.search(r"error|failed|abort|out of memory|couldn't", line, re.IGNORECASE):
+                return line.strip()[-200:]
+        return self.tail[-1].strip()[-200:] if self.tail else None
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code, or None when the child is still running after `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    # --- HTTP probes ---------------------------------------------------------------------
+    async def health(self, timeout: float = 2.0) -> int | None:
+        """HTTP status of /health, or None when nothing answers."""
+        try:
+            r = await self._http.get("/health", timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        return r.status_code
+
+    async def generate_one_token(self, timeout: float) -> tuple[bool, str]:
+        """Ask for one token; (True, "") when the model really answers."""
+        body = {"prompt": "Hello", "n_predict": 1, "cache_prompt": False, "temperature": 0.0}
+        try:
+            r = await self._http.post("/completion", json=body, timeout=timeout)
+        except httpx.HTTPError as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}: {r.text[:200]}"
+        try:
+            data = r.json()
+        except ValueError:
+            return False, "the answer was not JSON"
+        if not isinstance(data, dict) or "content" not in data:
+            return False, "the answer had no content"
+        return True, ""
+
+    async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
+        """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""
+        try:
+            r = await self._http.get("/metrics", timeout=timeout)
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        out: dict[str, float] = {}
+        for line in r.text.splitlines():
+            if line.startswith("llamacpp:") and "{" not in line:
+                name, _, value = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    out[name[len("llamacpp:"):]] = float(value)
+        return out
+
+    def memory_bytes(self) -> int:
+        """RSS + swap of the child and everything it started."""
+        import psutil
+
+        total = 0
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for p in procs:
+            try:
+                info = p.memory_full_info()
+                total += info.rss + getattr(info, "swap", 0)
+            except psutil.AccessDenied:
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+            except psutil.Error:
+                continue
+        return total
+
+    # --- ending --------------------------------------------------------------------------
+    async def terminate(self, grace: float) -> int:
+        """SIGTERM, wait up to `grace`, then SIGKILL the whole group. Returns the exit code.
+
+        The group is swept with SIGKILL even after a clean exit: a grandchild the child left
+        behind would otherwise hold the GPU memory or the port the next start needs.
+        """
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+            if await self.wait(grace) is None:
+                log.warning("llama-server[%d] ignored SIGTERM for %.1fs; killing its process "
+                            "group", self.pid, grace)
+                self.kill_group()
+        rc = await self.proc.wait()
+        self.kill_group()
+        await self.close()
+        return rc
+
+    def kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._pump, 2.0)
+        await self._http.aclose()
+
+
+def make_file_logger(path: Path | None, max_bytes: int, backups: int) -> logging.Logger | None:
+    """A logger that writes the child's lines, unfiltered, to a rotating file."""
+    if path is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"mtpwrap.childfile.{path}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes,
+                                                       backupCount=backups, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def close_file_logger(logger: logging.Logger | None) -> None:
+    if logger is None:
+        return
+    for h in list(logger.handlers):
+        h.close()
+        logger.removeHandler(h)

@@ -1,0 +1,516 @@
+"""The single owner of the llama-server child: states, restarts, watchdogs and a clean stop.
+
+One asyncio task (`_run`) owns the child from spawn to reap; everybody else asks through the
+methods below (`status`, `wait_ready`, `report_stall`, `begin_drain`, `stop`). Every state
+change goes through `_set_state`, which also tells the listeners (metrics, sd_notify).
+
+Life of one child: spawn on loopback with an ephemeral port and a random key (environment,
+never argv) → STARTING until `/health` is 200 *and* a one-token generation answers (output
+from the child resets the load-stall timer) → READY, watched for exit, failing health, no token
+progress while requests are processing, and memory growth → on a crash BACKOFF with a capped
+exponential delay, FAILED after too many crashes in a window → on stop SIGTERM, bounded wait,
+SIGKILL of the process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from mtpwrap.child import (
+    ChildProcess,
+    ChildSpec,
+    close_file_logger,
+    describe_returncode,
+    free_loopback_port,
+    make_file_logger,
+)
+
+log = logging.getLogger("mtpwrap.supervisor")
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+_SHUTDOWN_STATES = (State.DRAINING, State.STOPPING, State.STOPPED)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    base_url: str
+    api_key: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SupervisorStatus:
+    state: State
+    reason: str | None
+    restarts: int
+    started_at: float | None
+    child_started_at: float | None
+    ready_since: float | None
+    last_exit: str | None
+    pid: int | None
+    upstream: Upstream | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
+        return {
+            "state": self.state.value,
+            "reason": self.reason,
+            "restarts": self.restarts,
+            "started_at": self.started_at,
+            "child_started_at": self.child_started_at,
+            "ready_since": self.ready_since,
+            "last_exit": self.last_exit,
+            "pid": self.pid,
+            "upstream": None if self.upstream is None else {
+                "base_url": self.upstream.base_url, "generation": self.upstream.generation},
+        }
+
+
+class LaunchFactory(Protocol):
+    def __call__(self, port: int, api_key: str, step: int) -> ChildSpec | None:
+        """The child to run on `port` with `api_key`. `step` > 0 asks for the n-th cheaper
+        configuration after repeated out-of-memory starts; None means there is no such step."""
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    host: str = "127.0.0.1"
+    #: no output and no /health change for this long while loading → the load is stuck
+    load_stall_s: float = 120.0
+    #: time allowed for the one-token readiness generation
+    probe_timeout_s: float = 60.0
+    poll_interval_s: float = 0.05  # /health polling while starting
+    monitor_interval_s: float = 1.0  # checks while ready
+    health_failures: int = 3  # consecutive failed /health checks while ready → restart
+    backoff_initial_s: float = 1.0
+    backoff_max_s: float = 30.0
+    max_failures: int = 5  # crashes within failure_window_s → FAILED
+    failure_window_s: float = 300.0
+    oom_max_retries: int = 8  # out-of-memory starts within the window before FAILED
+    oom_step_down: bool = False
+    oom_step_after: int = 2  # consecutive OOM starts before stepping down
+    stop_grace_s: float = 10.0
+    wedge_s: float = 60.0  # no decode progress while requests are processing → restart (0: off)
+    rss_limit_bytes: int = 0  # child RSS + swap above this → drain and recycle (0: off)
+    memory_interval_s: float = 5.0
+    recycle_drain_s: float = 60.0
+    log_file: Path | None = None
+    log_max_bytes: int = 10 * 2**20
+    log_backups: int = 3
+    log_lines_per_s: float = 20.0
+
+
+@dataclass
+class _Outcome:
+    kind: str  # "exit" | "oom" | "stall" | "probe" | "wedge" | "health" | "recycle" | "stop"
+    detail: str
+
+
+class Supervisor:
+    def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None) -> None:
+        self._factory = factory
+        self.config = config or SupervisorConfig()
+        self._state = State.STARTING
+        self._reason: str | None = "not started yet"
+        self._listeners: list[Callable[[State, State, str | None], None]] = []
+        self._changed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._stop_requested = False
+        self._shutdown = False
+        self._task: asyncio.Task[None] | None = None
+        self._child: ChildProcess | None = None
+        self._upstream: Upstream | None = None
+        self._generation = 0
+        self._started_at: float | None = None
+        self._ready_since: float | None = None
+        self._last_exit: str | None = None
+        self._failures: collections.deque[tuple[float, str]] = collections.deque()
+        self._consecutive_oom = 0
+        self._step = 0
+        self._stall_report: tuple[int, str] | None = None
+        self._stop_grace = self.config.stop_grace_s
+        self._file_logger = make_file_logger(self.config.log_file, self.config.log_max_bytes,
+                                             self.config.log_backups)
+
+    # --- the interface ------------------------------------------------------------------
+    def status(self) -> SupervisorStatus:
+        child = self._child
+        return SupervisorStatus(
+            state=self._state, reason=self._reason, restarts=max(0, self._generation - 1),
+            started_at=self._started_at,
+            child_started_at=child.started_at if child else None,
+            ready_since=self._ready_since, last_exit=self._last_exit,
+            pid=child.pid if child else None, upstream=self._upstream,
+        )
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    def add_listener(self, callback: Callable[[State, State, str | None], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        """Start owning a child. Returns at once; use `wait_ready` to wait for the model."""
+        if self._task is None:
+            self._started_at = time.time()
+            self._task = asyncio.create_task(self._run(), name="supervisor")
+
+    async def wait_ready(self, timeout: float) -> Upstream | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self._state is State.READY and self._upstream is not None:
+                return self._upstream
+            if self._state is State.FAILED or self._state in _SHUTDOWN_STATES:
+                return None
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return None
+
+    def report_stall(self, generation: int, reason: str) -> None:
+        if self._upstream is None or generation != self._upstream.generation:
+            return  # a stream on a child that is already gone
+        if self._state is not State.READY:
+            return
+        log.warning("front reports a stalled stream on child generation %d: %s",
+                    generation, reason)
+        self._stall_report = (generation, reason)
+        self._wake.set()
+
+    def begin_drain(self) -> None:
+        """Readiness drops now; the child keeps serving what it has until `stop`."""
+        self._shutdown = True
+        if self._state not in (State.STOPPING, State.STOPPED):
+            self._set_state(State.DRAINING, "shutting down")
+
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.stop_grace_s if grace is None else grace
+        self._shutdown = True
+        self._stop_requested = True
+        self._stop_grace = grace
+        if self._state is not State.STOPPED:
+            self._set_state(State.STOPPING, "stopping llama-server")
+        self._wake.set()
+        if self._task is not None:
+            # The run task owns the child; it does the SIGTERM → wait → SIGKILL sequence.
+            await asyncio.shield(self._task)
+        else:
+            self._set_state(State.STOPPED, "stopped")
+        close_file_logger(self._file_logger)
+
+    # --- the single state setter --------------------------------------------------------
+    def _set_state(self, new: State, reason: str | None) -> None:
+        old = self._state
+        if self._shutdown and new not in _SHUTDOWN_STATES:
+            # Once draining, nothing brings readiness back; keep only the news.
+            self._reason = reason
+            return
+        if old is State.STOPPED and new is not State.STOPPED:
+            return
+        if new is old and reason == self._reason:
+            return
+        self._state, self._reason = new, reason
+        if new is State.READY:
+            self._ready_since = time.time()
+        elif old is State.READY:
+            self._ready_since = None
+        level = logging.WARNING if new in (State.BACKOFF, State.FAILED) else logging.INFO
+        log.log(level, "state %s -> %s%s", old.value, new.value, f": {reason}" if reason else "")
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for cb in list(self._listeners):
+            try:
+                cb(old, new, reason)
+            except Exception:  # a broken listener must not take the owner down
+                log.exception("state listener failed")
+
+    # --- the owner loop -----------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while not self._stop_requested:
+                outcome = await self._one_child()
+                if self._stop_requested or outcome.kind == "stop":
+                    break
+                if outcome.kind == "recycle":
+                    continue  # planned: no failure, no delay
+                delay = self._record_failure(outcome)
+                if delay is None:
+                    await self._wait_for_stop(None)  # FAILED: stay, report, wait for stop
+                    break
+                self._set_state(State.BACKOFF, f"{outcome.detail}; restarting in {delay:g}s")
+                await self._wait_for_stop(delay)
+        except Exception as exc:  # the owner must never die silently
+            log.exception("supervisor loop failed")
+            self._set_state(State.FAILED, f"internal error: {exc}")
+            await self._wait_for_stop(None)
+        finally:
+            child = self._child
+            if child is not None and child.returncode is None:
+                rc = await child.terminate(self._stop_grace)
+                self._last_exit = describe_returncode(rc)
+            elif child is not None:
+                child.kill_group()
+                await child.close()
+            self._child, self._upstream = None, None
+            self._shutdown = True
+            self._set_state(State.STOPPED, "stopped")
+
+    async def _wait_for_stop(self, delay: float | None) -> None:
+        """Sleep `delay` seconds (forever when None) unless a stop is requested."""
+        loop = asyncio.get_running_loop()
+        end = None if delay is None else loop.time() + delay
+        while not self._stop_requested:
+            remaining = None if end is None else end - loop.time()
+            if remaining is not None and remaining <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), remaining)
+
+    def _record_failure(self, outcome: _Outcome) -> float | None:
+        """Remember a failure; the backoff delay, or None after entering FAILED."""
+        cfg = self.config
+        now = time.monotonic()
+        self._failures.append((now, outcome.kind))
+        while self._failures and now - self._failures[0][0] > cfg.failure_window_s:
+            self._failures.popleft()
+        ooms = sum(1 for _, k in self._failures if k == "oom")
+        crashes = len(self._failures) - ooms
+        if outcome.kind == "oom":
+            # GPU memory is often still held for a moment after a crash (the driver frees it
+            # asynchronously), so an out-of-memory start is retried, not fatal.
+            self._consecutive_oom += 1
+            if ooms >= cfg.oom_max_retries:
+                self._set_state(State.FAILED, f"out of GPU memory at load {ooms} times in "
+                                f"{cfg.failure_window_s:g}s; last: {outcome.detail}")
+                return None
+            if cfg.oom_step_down and self._consecutive_oom >= cfg.oom_step_after:
+                self._consecutive_oom = 0
+                self._try_step_down()
+        else:
+            self._consecutive_oom = 0
+            if crashes >= cfg.max_failures:
+                self._set_state(State.FAILED, f"llama-server failed {crashes} times in "
+                                f"{cfg.failure_window_s:g}s; last: {outcome.detail}")
+                return None
+        n = len(self._failures)
+        return min(cfg.backoff_max_s, cfg.backoff_initial_s * (2 ** (n - 1)))
+
+    def _try_step_down(self) -> None:
+        probe = self._factory(0, "probe-key", self._step + 1)
+        if probe is None:
+            log.warning("out of memory again, and there is no cheaper configuration left")
+            return
+        self._step += 1
+        log.warning("out of memory at load; stepping down (step %d): %s", self._step,
+                    probe.note or "cheaper configuration")
+
+    async def _one_child(self) -> _Outcome:
+        cfg = self.config
+        port = free_loopback_port(cfg.host)
+        key = secrets.token_urlsafe(32)
+        spec = self._factory(port, key, self._step)
+        if spec is None:
+            raise RuntimeError("the launch factory returned no command for step 0")
+        self._generation += 1
+        gen = self._generation
+        base_url = f"http://{cfg.host}:{port}"
+        self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
+                        + (f", {spec.note}" if spec.note else ""))
+        try:
+            child = await ChildProcess.spawn(
+                spec, base_url=base_url, api_key=key, file_logger=self._file_logger,
+                lines_per_s=cfg.log_lines_per_s, log_file=cfg.log_file)
+        except (OSError, ValueError) as exc:
+            self._last_exit = "not started"
+            return _Outcome("exit", f"cannot start {spec.argv[0]}: {exc}")
+        self._child = child
+        self._upstream = Upstream(base_url, key, gen)
+        log.info("llama-server started: pid %d, %s (generation %d)", child.pid, base_url, gen)
+        try:
+            outcome = await self._bring_up(child)
+            if outcome is None:
+                outcome = await self._watch(child)
+        finally:
+            if not self._stop_requested:
+                rc = await child.terminate(cfg.stop_grace_s)
+                self._last_exit = describe_returncode(rc)
+                self._child, self._upstream = None, None
+        if outcome.kind == "exit" and child.saw_oom:
+            outcome = _Outcome("oom", outcome.detail)
+        return outcome
+
+    def _exit_outcome(self, child: ChildProcess, when: str) -> _Outcome:
+        rc = child.returncode
+        assert rc is not None
+        self._last_exit = describe_returncode(rc)
+        line = child.last_error_line()
+        detail = f"llama-server {when}: {self._last_exit}" + (f" ({line})" if line else "")
+        return _Outcome("exit", detail)
+
+    async def _bring_up(self, child: ChildProcess) -> _Outcome | None:
+        """Wait for /health 200 and a one-token answer. None when READY."""
+        cfg = self.config
+        last_health: int | None = -1
+        progress = time.monotonic()
+        while True:
+            if self._stop_requested:
+                return _Outcome("stop", "stop requested")
+            if child.returncode is not None or await child.wait(0) is not None:
+                return self._exit_outcome(child, "exited while loading")
+            code = await child.health(timeout=max(1.0, cfg.poll_interval_s * 10))
+            if code != last_health:
+                last_health, progress = code, time.monotonic()
+            if code == 200:
+                ok, why = await child.generate_one_token(cfg.probe_timeout_s)
+                if ok:
+                    self._consecutive_oom = 0
+                    self._set_state(State.READY, None)
+                    return None
+                if child.returncode is not None or await child.wait(0.2) is not None:
+                    return self._exit_outcome(child, "exited during the first generation")
+                log.warning("readiness generation failed: %s", why)
+                if time.monotonic() - max(progress, child.last_output) > cfg.load_stall_s:
+                    return _Outcome("probe", f"llama-server does not answer: {why}")
+            stalled = time.monotonic() - max(progress, child.last_output)
+            if stalled > cfg.load_stall_s:
+                return _Outcome("stall", f"llama-server made no loading progress for "
+                                f"{stalled:.0f}s")
+            self._wake.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), cfg.poll_interval_s)
+
+    async def _watch(self, child: ChildProcess) -> _Outcome:
+        """Watch a READY child until it exits or must be restarted."""
+        cfg = self.config
+        health_failures = 0
+        last_decode: float | None = None
+        no_progress_since: float | None = None
+        next_memory = time.monotonic()
+        while True:
+            if self._stop_requested:
+                return _Outcome("stop", "stop requested")
+            self._wake.clear()
+            exited = child.returncode is not None
+            if not exited:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        _first(child.wait(None), self._wake.wait()), cfg.monitor_interval_s)
+                exited = child.returncode is not None
+            if self._stop_requested:
+                return _Outcome("stop", "stop requested")
+            if exited:
+                return self._exit_outcome(child, "exited")
+
+            if self._stall_report is not None:
+                _gen, why = self._stall_report
+                self._stall_report = None
+                if await self._confirm_wedge(child):
+                    return _Outcome("wedge", f"llama-server stopped producing tokens ({why})")
+                log.info("stall report ignored: llama-server is still decoding")
+                continue
+
+            code = await child.health()
+            if code == 200:
+                health_failures = 0
+            else:
+                health_failures += 1
+                if health_failures >= cfg.health_failures:
+                    return _Outcome("health", f"/health failed {health_failures} times "
+                                    f"(last: {code or 'no answer'})")
+
+            if cfg.wedge_s > 0:
+                m = await child.metrics()
+                processing = (m or {}).get("requests_processing", 0.0)
+                decode = (m or {}).get("n_decode_total")
+                now = time.monotonic()
+                busy = m is None or processing > 0  # a /metrics that hangs is a wedge sign
+                if m is None and last_decode is None:
+                    busy = False  # metrics are off: only the front's reports can tell
+                if busy and (decode is None or decode == last_decode):
+                    no_progress_since = no_progress_since or now
+                    if now - no_progress_since >= cfg.wedge_s:
+                        quiet = now - no_progress_since
+                        return _Outcome("wedge", f"no token progress for {quiet:.0f}s with "
+                                        f"{processing:g} requests processing")
+                else:
+                    no_progress_since = None
+                if decode is not None:
+                    last_decode = decode
+
+            if cfg.rss_limit_bytes and time.monotonic() >= next_memory:
+                next_memory = time.monotonic() + cfg.memory_interval_s
+                used = child.memory_bytes()
+                if used > cfg.rss_limit_bytes:
+                    return await self._recycle(child, used)
+
+    async def _confirm_wedge(self, child: ChildProcess) -> bool:
+        """A stalled stream means a wedged child only if the whole child stopped decoding."""
+        first = await child.metrics()
+        if first is None:
+            return True  # no metrics (or they hang): trust the front
+        await asyncio.sleep(min(2.0, max(0.2, self.config.monitor_interval_s)))
+        second = await child.metrics()
+        if second is None:
+            return True
+        return (second.get("requests_processing", 0) > 0
+                and second.get("n_decode_total") == first.get("n_decode_total"))
+
+    async def _recycle(self, child: ChildProcess, used: int) -> _Outcome:
+        """Memory grew past the limit: stop routing new work here, let in-flight requests
+        finish (bounded), then restart. New requests wait in the front's queue meanwhile."""
+        cfg = self.config
+        mib = 2**20
+        why = (f"recycling llama-server: memory {used // mib} MiB > limit "
+               f"{cfg.rss_limit_bytes // mib} MiB")
+        self._set_state(State.STARTING, why)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.recycle_drain_s
+        # A request the front picked up just before readiness dropped may not have reached
+        # the child yet; settle briefly, then require two idle samples in a row.
+        await asyncio.sleep(0.3)
+        idle = 0
+        while loop.time() < deadline and idle < 2 and not self._stop_requested:
+            m = await child.metrics()
+            if child.returncode is not None:
+                break
+            busy = (m or {}).get("requests_processing", 0) + (m or {}).get("requests_deferred", 0)
+            idle = idle + 1 if m is not None and busy == 0 else 0
+            await asyncio.sleep(0.2)
+        return _Outcome("recycle", why)
+
+
+async def _first(*aws: Any) -> None:
+    """Return when the first awaitable finishes; cancel the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
