@@ -15,7 +15,10 @@ import click
 
 #: command name -> "module:attribute" of a click command, imported on first use.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "build": ("mtpwrap.commands.build", "Build llama-server from the pinned source for this machine."),
+    "build": (
+        "mtpwrap.commands.build",
+        "Build llama-server from the pinned source for this machine.",
+    ),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
