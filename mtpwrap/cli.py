@@ -22,6 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
+    "status": ("mtpwrap.commands.status", "Report on the running instance."),
+    "down": ("mtpwrap.commands.down", "Stop the running instance cleanly."),
+    "service": ("mtpwrap.commands.service", "Print, install or remove the systemd unit."),
 }
 
 

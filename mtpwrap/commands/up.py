@@ -1,59 +1,41 @@
-"""`mtpwrap up` (first form: the cpu-demo profile in the foreground)."""
+"""`mtpwrap up`: launch, supervise and serve llama-server for a profile until stopped."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
+from pathlib import Path
 
 import click
 
-DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
-
 
 @click.command("up")
-@click.option(
-    "--profile",
-    envvar="MTPWRAP_PROFILE",
-    default="cpu-demo",
-    show_default=True,
-    help="Profile to run.",
-)
-@click.option(
-    "--model",
-    envvar="MTPWRAP_MODEL",
-    default=None,
-    help="Model file (default: the profile's model).",
-)
-@click.option("--host", envvar="MTPWRAP_HOST", default="127.0.0.1", show_default=True)
-@click.option(
-    "--port", envvar="MTPWRAP_PORT", type=click.IntRange(1, 65535), default=8080, show_default=True
-)
-def command(profile: str, model: str | None, host: str, port: int) -> None:
-    """Run llama-server for a profile in the foreground; Ctrl-C stops it cleanly."""
-    from mtpwrap import build, console, models
-    from mtpwrap.errors import ConfigError
+@click.option("--profile", help="Profile name or file, or `auto` for this machine. "
+              "[env: MTPWRAP_PROFILE; default: auto]")
+@click.option("--model", help="Model path or name, overriding the profile's. [env: MTPWRAP_MODEL]")
+@click.option("--host", help="Address the HTTP front listens on. [env: MTPWRAP_HOST; "
+              "default: 127.0.0.1]")
+@click.option("--port", help="Port of the HTTP front. [env: MTPWRAP_PORT; default: 8080]")
+@click.option("--binary", help="llama-server to run (default: the built one). "
+              "[env: MTPWRAP_BINARY]")
+@click.option("--api-key-file", help="File with one client API key per line. "
+              "[env: MTPWRAP_API_KEY_FILE; keys also from MTPWRAP_API_KEYS]")
+@click.option("--drain-s", help="Seconds in-flight requests get on shutdown. "
+              "[env: MTPWRAP_DRAIN_S; default: 30]")
+@click.option("--config", "config", type=click.Path(path_type=Path), envvar="MTPWRAP_CONFIG",
+              help="YAML config file. [env: MTPWRAP_CONFIG; default: /etc/mtpwrap/mtpwrap.yaml "
+                   "when present]")
+def command(profile: str | None, model: str | None, host: str | None, port: str | None,
+            binary: str | None, api_key_file: str | None, drain_s: str | None,
+            config: Path | None) -> None:
+    """Serve a profile: start llama-server on loopback, keep it running, front it over HTTP.
 
-    if profile != "cpu-demo":
-        raise ConfigError(f"--profile {profile}: unknown profile; available: cpu-demo.")
-    model_path = models.resolve_model(model) if model else models.ensure_demo_model()
-    binary = build.find_binary()
-    argv = [str(binary), "-m", str(model_path), "--host", host, "--port", str(port), *DEMO_ARGS]
-    console.info(f"serving {model_path.name} at http://{host}:{port}/v1 (Ctrl-C stops)")
-    proc = subprocess.Popen(argv, start_new_session=True)
+    Runs in the foreground until SIGTERM or Ctrl-C, then drains and stops cleanly. Exit codes:
+    0 after a clean stop, 78 for a configuration error, 1 for a runtime failure.
+    Settings come from flags, then MTPWRAP_* variables, then the config file.
+    """
+    from mtpwrap import runner, settings
 
-    def forward(signum: int, _frame: object) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    try:
-        rc = proc.wait()
-    finally:
-        if proc.poll() is None:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    sys.exit(0 if rc in (0, -signal.SIGTERM) else 1)
+    cli = {"profile": profile, "model": model, "host": host, "port": port, "binary": binary,
+           "api_key_file": api_key_file, "drain_s": drain_s}
+    s = settings.load_settings(cli, config=config)
+    sys.exit(runner.run_up(s))

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """A small stand-in for llama-server that can misbehave on demand (standard library only).
 
 Same shape as the real server where the supervisor and the front look: `--host`, `--port`,

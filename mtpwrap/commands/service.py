@@ -1,0 +1,78 @@
+"""`mtpwrap service`: the systemd unit for this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
+             drain_s: float, stop_grace_s: float) -> object:
+    from mtpwrap import systemd
+
+    return systemd.UnitOptions(
+        exec_start=systemd.default_exec_start(config, profile), user=user, group=user,
+        watchdog_s=watchdog_s, drain_s=drain_s, stop_grace_s=stop_grace_s)
+
+
+def _common(f: object) -> object:
+    for opt in reversed([
+        click.option("--profile", envvar="MTPWRAP_PROFILE", help="Profile the unit serves."),
+        click.option("--config", envvar="MTPWRAP_CONFIG", default="/etc/mtpwrap/mtpwrap.yaml",
+                     show_default=True, help="Config file the unit passes to `mtpwrap up`."),
+        click.option("--user", envvar="MTPWRAP_SERVICE_USER", default="mtpwrap",
+                     show_default=True, help="Dedicated system user the service runs as."),
+        click.option("--watchdog-s", type=click.IntRange(2, 3600), default=30,
+                     envvar="MTPWRAP_WATCHDOG_S", show_default=True, help="WatchdogSec."),
+        click.option("--drain-s", type=click.FloatRange(0), default=30.0,
+                     envvar="MTPWRAP_DRAIN_S", show_default=True,
+                     help="Drain budget; TimeoutStopSec covers it."),
+        click.option("--stop-grace-s", type=click.FloatRange(0), default=10.0,
+                     envvar="MTPWRAP_SUPERVISOR_STOP_GRACE_S", show_default=True,
+                     help="Grace llama-server gets after SIGTERM."),
+    ]):
+        f = opt(f)  # type: ignore[operator]
+    return f
+
+
+@click.group("service")
+def command() -> None:
+    """Print, install or remove the systemd unit (Type=notify, watchdog, hardening)."""
+
+
+@command.command("print")
+@_common  # type: ignore[arg-type]
+def print_(**kw: object) -> None:
+    """Print the unit file to stdout."""
+    from mtpwrap import console, systemd
+
+    console.out.print(systemd.render_unit(_options(**kw)), markup=False, end="")  # type: ignore[arg-type]
+
+
+@command.command("install")
+@_common  # type: ignore[arg-type]
+@click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
+              envvar="MTPWRAP_UNIT_DIR", show_default=True)
+@click.option("--no-user", is_flag=True, help="Do not create the system user.")
+def install(unit_dir: Path, no_user: bool, **kw: object) -> None:
+    """Write the unit and /etc/mtpwrap/env, create the user, reload systemd."""
+    from mtpwrap import console, systemd
+
+    written = systemd.install(_options(**kw), unit_dir=unit_dir,  # type: ignore[arg-type]
+                              create_user=not no_user)
+    for p in written:
+        console.info(f"wrote {p}")
+    console.info("next: edit /etc/mtpwrap/env and /etc/mtpwrap/mtpwrap.yaml, then "
+                 "`systemctl enable --now mtpwrap`")
+
+
+@command.command("uninstall")
+@click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
+              envvar="MTPWRAP_UNIT_DIR", show_default=True)
+def uninstall(unit_dir: Path) -> None:
+    """Stop and disable the service and remove the unit (config and user stay)."""
+    from mtpwrap import console, systemd
+
+    removed = systemd.uninstall(unit_dir=unit_dir)
+    console.info(f"removed {removed}" if removed else "no unit installed")

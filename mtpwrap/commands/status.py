@@ -1,0 +1,38 @@
+"""`mtpwrap status`: what the running instance is doing."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
+def command(as_json: bool) -> None:
+    """Report on the running instance: state, uptime, restarts, last exit, profile, URL.
+
+    Exit code 0 while it is ready, 1 while it runs but is not ready, 3 when none runs.
+    """
+    from mtpwrap import console, runner
+
+    report = runner.instance_report()
+    if as_json:
+        console.print_json(report)
+    else:
+        if not report["running"]:
+            console.out.print(f"not running ({report['reason']})", markup=False)
+        else:
+            rows = [
+                ["state", report["state"] + (f" ({report['reason']})" if report["reason"]
+                                             else "")],
+                ["url", f"{report['url']}/v1"], ["profile", report["profile"]],
+                ["model", report["model"]], ["uptime", runner.human_duration(report["uptime_s"])],
+                ["restarts", report["restarts"]], ["last exit", report["last_exit"] or "-"],
+                ["mtpwrap pid", report["pid"]], ["llama-server pid", report["child_pid"] or "-"],
+                ["log", report["log_file"]],
+            ]
+            for k, v in rows:
+                console.out.print(f"{k:<17} {v}", markup=False)
+    sys.exit(0 if report["running"] and report["state"] == "ready"
+             else 1 if report["running"] else 3)

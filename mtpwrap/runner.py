@@ -1,0 +1,574 @@
+"""`mtpwrap up`: settings → hardware → profile → plan → argv → supervisor + HTTP front.
+
+One asyncio loop runs the supervisor (which owns llama-server), the HTTP front (uvicorn) and
+mtpwrap's own service loop (sd_notify WATCHDOG/STATUS, the state file). Signal handlers only
+set flags; the shutdown order is fixed: readiness drops (DRAINING) → STOPPING=1 → the front
+drains in-flight requests within the drain budget → the supervisor stops llama-server
+(SIGTERM, bounded wait, SIGKILL of its group) → the front closes → the state file goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpwrap import paths
+from mtpwrap.child import ChildSpec
+from mtpwrap.errors import ConfigError
+from mtpwrap.settings import SUPERVISOR, Settings, _convert
+from mtpwrap.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
+from mtpwrap.systemd import Notifier
+
+log = logging.getLogger("mtpwrap.runner")
+
+INSTANCE_FILE = "instance.json"
+#: argv for the demo profile when the profile machinery is not installed
+_DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
+
+
+@dataclass
+class Launch:
+    """Everything `up` decided before starting anything."""
+
+    factory: LaunchFactory
+    info: dict[str, Any]  # static facts: summary, /healthz, state file
+    decisions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
+    proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def resolve_launch(settings: Settings) -> Launch:
+    """The one place that asks hardware, profiles, the planner and the launch builder."""
+    from mtpwrap import build, models
+
+    binary = build.find_binary(explicit=settings.binary)
+    manifest = None if settings.binary else build.load_manifest()
+    commit = manifest.commit if manifest is not None else None
+    try:
+        from mtpwrap import capabilities, hardware, launch, profiles
+    except ImportError:
+        return _demo_launch(settings, binary, commit, models)
+
+    snap = hardware.snapshot()
+    if settings.profile == "auto":
+        prof, why = profiles.select_profile(snap)
+    else:
+        prof, why = profiles.load_profile(settings.profile), "chosen with --profile"
+    caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
+            if manifest is not None and manifest.capabilities
+            else capabilities.probe(binary))
+    what = "--model" if settings.model else f"profile {prof.name}: model"
+    model = models.resolve_model(settings.model or prof.model, what=what)
+    plan, plan_text = _memory_plan(prof, model, snap)
+
+    # Build once now so a bad profile or a missing capability fails before anything starts.
+    first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
+                                 listen_port=0, api_key="x", plan=plan, binary=binary)
+
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        spec = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
+                                    listen_port=port, api_key=api_key, plan=plan, binary=binary)
+        return step_down(ChildSpec(argv=spec.argv, env=spec.env), step)
+
+    values = {d.flag: d.value for d in first.decisions}
+    info = {
+        "profile": prof.name, "profile_reason": why, "binary": str(binary), "commit": commit,
+        "model": str(model), "context": values.get("-c") or values.get("--ctx-size"),
+        "kv": f"{values.get('-ctk') or values.get('--cache-type-k')} / "
+              f"{values.get('-ctv') or values.get('--cache-type-v')}",
+        "speculation": values.get("--spec-type") or "none", "memory_plan": plan_text,
+    }
+    return Launch(factory=factory, info=info,
+                  decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
+                             for d in first.decisions],
+                  warnings=list(first.warnings), supervisor=dict(prof.supervisor),
+                  proxy=dict(prof.proxy))
+
+
+def _memory_plan(prof: Any, model: Path, snap: Any) -> tuple[Any, str]:
+    """A memory plan when the planner is installed; (None, why not) otherwise."""
+    try:
+        from mtpwrap import planner  # noqa: F401
+    except ImportError:
+        return None, "not planned (no planner installed); llama.cpp's --fit decides"
+    return None, "not planned"
+
+
+def _demo_launch(settings: Settings, binary: Path, commit: str | None, models: Any) -> Launch:
+    if settings.profile not in ("auto", "cpu-demo"):
+        raise ConfigError(f"--profile {settings.profile}: unknown profile; available: cpu-demo.")
+    model = (models.resolve_model(settings.model) if settings.model
+             else models.ensure_demo_model())
+
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                *_DEMO_ARGS]
+        return step_down(ChildSpec(argv=argv, env={"LLAMA_API_KEY": api_key}), step)
+
+    info = {"profile": "cpu-demo", "profile_reason": "the demo profile", "binary": str(binary),
+            "commit": commit, "model": str(model), "context": "4096", "kv": "f16 / f16",
+            "speculation": "none",
+            "memory_plan": "not planned (no planner installed); llama.cpp's --fit decides"}
+    return Launch(factory=factory, info=info)
+
+
+def step_down(spec: ChildSpec, step: int) -> ChildSpec | None:
+    """The `step`-th cheaper variant of a command after out-of-memory starts: half the
+    context, then no speculation, then q4_0 KV (steps that do not apply are skipped).
+    None when there is no such step."""
+    if step <= 0:
+        return spec
+
+    def at(argv: list[str], *flags: str) -> int | None:
+        return next((i + 1 for i, a in enumerate(argv[:-1]) if a in flags), None)
+
+    def halve_context(argv: list[str]) -> str | None:
+        i = at(argv, "-c", "--ctx-size")
+        if i is None or not argv[i].isdigit() or int(argv[i]) <= 4096:
+            return None
+        argv[i] = str(max(4096, int(argv[i]) // 2))
+        return f"context {argv[i]}"
+
+    def no_speculation(argv: list[str]) -> str | None:
+        if at(argv, "--spec-type") is None:
+            return None
+        for flag in ("--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "-ctkd",
+                     "-ctvd"):
+            i = at(argv, flag)
+            if i is not None:
+                del argv[i - 1:i + 1]
+        return "no speculation"
+
+    def cheaper_kv(argv: list[str]) -> str | None:
+        changed = False
+        for flags in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
+            i = at(argv, *flags)
+            if i is not None and argv[i] != "q4_0":
+                argv[i], changed = "q4_0", True
+        return "KV q4_0" if changed else None
+
+    argv = list(spec.argv)
+    notes = [n for n in (t(argv) for t in (halve_context, no_speculation, cheaper_kv)) if n]
+    if step > len(notes):
+        return None
+    # Re-apply only the first `step` applicable changes.
+    argv = list(spec.argv)
+    done: list[str] = []
+    for t in (halve_context, no_speculation, cheaper_kv):
+        if len(done) == step:
+            break
+        trial = list(argv)
+        note = t(trial)
+        if note:
+            argv = trial
+            done.append(note)
+    return ChildSpec(argv=argv, env=spec.env, note=f"step-down {step}: " + ", ".join(done))
+
+
+def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
+    values = dict(settings.supervisor)
+    # The profile's supervisor section fills in what no flag, variable or config file set.
+    for key, raw in launch.supervisor.items():
+        if key not in SUPERVISOR:
+            raise ConfigError(f"profile {launch.info.get('profile')}: supervisor.{key}: "
+                              f"unknown key.")
+        if settings.sources.get(f"supervisor.{key}") == "default":
+            values[key] = _convert(raw, SUPERVISOR[key], f"profile {launch.info.get('profile')}",
+                                   f"supervisor.{key}")
+    rss = int(values.pop("rss_limit_mb")) * 2**20
+    values.pop("exit_on_failed")
+    return SupervisorConfig(rss_limit_bytes=rss,
+                            log_file=paths.log_dir() / "llama-server.log", **values)
+
+
+# --------------------------------------------------------------------------- the instance file
+
+
+def instance_path() -> Path:
+    return paths.state_dir() / INSTANCE_FILE
+
+
+def read_instance() -> dict[str, Any] | None:
+    try:
+        data = json.loads(instance_path().read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def instance_running(data: dict[str, Any] | None) -> bool:
+    """True when the recorded mtpwrap process is still there (and is still mtpwrap)."""
+    if not data or not pid_alive(data.get("pid")):
+        return False
+    try:
+        cmdline = Path(f"/proc/{data['pid']}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"mtpwrap" in cmdline
+
+
+def _write_instance(data: dict[str, Any]) -> None:
+    path = instance_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)  # readers never see half a file
+
+
+def reap_leftovers(data: dict[str, Any] | None) -> None:
+    """Kill a llama-server group that a previous, SIGKILLed mtpwrap left behind.
+
+    The child itself dies with its parent (PR_SET_PDEATHSIG), but a grandchild it started
+    would survive and could hold the GPU memory the next start needs."""
+    if not data or instance_running(data):
+        return
+    pgid, binary = data.get("child_pgid"), data.get("binary")
+    if not pgid or not binary:
+        return
+    import psutil
+
+    members = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                members.append(p)
+        except (ProcessLookupError, PermissionError):
+            continue
+    if not members:
+        return
+    log.warning("killing process group %d left behind by an earlier mtpwrap (pid %s)", pgid,
+                data.get("pid"))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- serving
+
+
+def bind_public(host: str, port: int) -> socket.socket:
+    """Bind the public socket before anything starts, so a port in use is a clear error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: cannot resolve ({exc.strerror}).") from exc
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: {host}:{port} is already in use.",
+                              hint="Choose another port with --port (MTPWRAP_PORT), or stop "
+                                   "what holds it (`mtpwrap down`).") from exc
+        if exc.errno == errno.EACCES:
+            raise ConfigError(f"--port {port}: not allowed to bind {host}:{port}.",
+                              hint="Use a port above 1023.") from exc
+        raise ConfigError(f"--host {host}: cannot bind {host}:{port} ({exc.strerror}).") from exc
+    sock.listen(1024)
+    sock.set_inheritable(False)
+    return sock
+
+
+def public_url(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+    return f"http://{shown}:{port}"
+
+
+def make_front(supervisor: Supervisor, settings: Settings, launch: Launch) -> Any:
+    try:
+        from mtpwrap.proxy import Front, ProxyConfig
+    except ImportError:
+        from mtpwrap._plain_front import PlainFront
+
+        return PlainFront(supervisor, settings.api_keys, launch.info)
+    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
+               "api_keys": list(settings.api_keys)}
+    config = ProxyConfig.from_mapping(mapping, settings.proxy_source)
+    return Front(supervisor, config, launch.info)
+
+
+@contextlib.contextmanager
+def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
+             force: asyncio.Event) -> Iterator[None]:
+    def handler(signum: int) -> None:
+        # Only flags here; the shutdown sequence runs in the main coroutine.
+        if stop.is_set():
+            log.warning("second %s: skipping the rest of the drain",
+                        signal.Signals(signum).name)
+            force.set()
+        else:
+            log.info("%s received: shutting down", signal.Signals(signum).name)
+            stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handler, sig)
+    try:
+        yield
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve(settings: Settings, launch: Launch, sock: socket.socket,
+                notifier: Notifier | None = None) -> int:
+    """Run until SIGTERM/SIGINT. 0 after a clean stop, 1 after a runtime failure."""
+    import uvicorn
+
+    notifier = notifier or Notifier()
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+    cfg = supervisor_config(settings, launch)
+    sup = Supervisor(launch.factory, cfg)
+    front = make_front(sup, settings, launch)
+    url = public_url(settings.host, settings.port)
+    t0 = time.monotonic()
+    first_ready = asyncio.Event()
+    exit_code = 0
+    base = {"pid": os.getpid(), "url": url, "host": settings.host, "port": settings.port,
+            "profile": launch.info.get("profile"), "model": launch.info.get("model"),
+            "binary": launch.info.get("binary"), "log_file": str(cfg.log_file),
+            "drain_s": settings.drain_s, "stop_grace_s": cfg.stop_grace_s}
+
+    def record() -> None:
+        st = sup.status()
+        # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
+        data = {**st.to_dict(), **base, "child_pid": st.pid, "child_pgid": st.pid,
+                "updated_at": time.time()}
+        with contextlib.suppress(OSError):
+            _write_instance(data)
+
+    def on_state(old: State, new: State, reason: str | None) -> None:
+        record()
+        if new is State.READY and not first_ready.is_set():
+            first_ready.set()
+            took = time.monotonic() - t0
+            log.info("ready in %.2fs: %s/v1", took, url)
+            notifier.ready(f"ready: {launch.info.get('profile')} at {url}")
+        else:
+            notifier.status(f"{new.value}" + (f": {reason}" if reason else ""))
+        if new is State.FAILED and settings.supervisor.get("exit_on_failed"):
+            stop.set()
+
+    sup.add_listener(on_state)
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # mtpwrap owns the signals (see `_signals`)
+
+    server = _Server(uvicorn.Config(front.app, log_config=None, lifespan="off",
+                                    access_log=False, timeout_graceful_shutdown=5))
+
+    async def service_loop() -> None:
+        # WATCHDOG=1 comes from this loop, not from the child's health: a crashed child is
+        # the supervisor's job, a hung mtpwrap is systemd's.
+        interval = notifier.watchdog_interval()
+        extend_every = 5.0
+        next_extend = 0.0
+        while True:
+            if interval:
+                notifier.watchdog()
+            now = time.monotonic()
+            if not first_ready.is_set() and now >= next_extend:
+                # The model may take minutes to load; each progress-bounded wait extends the
+                # start timeout (the supervisor's stall timer decides what is stuck).
+                notifier.extend_timeout(cfg.load_stall_s + 30)
+                next_extend = now + extend_every
+            await asyncio.sleep(min(interval or 1.0, 1.0))
+
+    with _signals(loop, stop, force):
+        record()
+        await sup.start()
+        server_task = asyncio.create_task(server.serve(sockets=[sock]), name="front")
+        service = asyncio.create_task(service_loop(), name="service")
+        waits = [asyncio.create_task(stop.wait()), server_task]
+        if settings.ready_timeout_s > 0:
+            async def ready_deadline() -> None:
+                if await sup.wait_ready(settings.ready_timeout_s) is None and not stop.is_set():
+                    log.error("not ready within %.0fs (%s)", settings.ready_timeout_s,
+                              sup.status().reason)
+                    stop.set()
+            waits.append(asyncio.create_task(ready_deadline()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if server_task.done():
+            exit_code = 1
+            exc = server_task.exception() if not server_task.cancelled() else None
+            log.error("the HTTP front stopped unexpectedly: %s", exc)
+        elif sup.state is State.FAILED or (settings.ready_timeout_s > 0
+                                           and not first_ready.is_set()):
+            exit_code = 1
+
+        # The documented shutdown order.
+        sup.begin_drain()
+        notifier.stopping("draining: finishing in-flight requests")
+        drain_task = asyncio.create_task(front.drain(settings.drain_s))
+        force_task = asyncio.create_task(force.wait())
+        await asyncio.wait([drain_task, force_task], timeout=settings.drain_s + 5,
+                           return_when=asyncio.FIRST_COMPLETED)
+        for t in (drain_task, force_task):
+            t.cancel()
+        notifier.status("stopping llama-server")
+        await sup.stop(0.0 if force.is_set() else cfg.stop_grace_s)
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server_task, 10)
+        aclose = getattr(front, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(Exception):
+                await aclose()
+        service.cancel()
+        for t in waits:
+            t.cancel()
+        with contextlib.suppress(OSError):
+            instance_path().unlink()
+        notifier.status("stopped")
+    return exit_code
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not any(getattr(h, "_mtpwrap", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: "
+                                               "%(message)s"))
+        handler._mtpwrap = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # Access lines carry paths and client addresses, nothing the journal needs by default.
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def summary_lines(settings: Settings, launch: Launch) -> list[str]:
+    i = launch.info
+    keys = (f"{len(settings.api_keys)} API key(s) required" if settings.api_keys
+            else "no API keys (open to whoever reaches it)")
+    rows = [
+        ("profile", f"{i.get('profile')} ({i.get('profile_reason')})"),
+        ("binary", f"{i.get('binary')}" + (f" (commit {i['commit']})" if i.get("commit") else "")),
+        ("model", i.get("model")),
+        ("context", i.get("context")),
+        ("KV cache", i.get("kv")),
+        ("speculation", i.get("speculation")),
+        ("memory plan", i.get("memory_plan")),
+        ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
+        ("logs", str(paths.log_dir() / "llama-server.log")),
+    ]
+    out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
+    out += [f"  warning: {w}" for w in launch.warnings]
+    return out
+
+
+def run_up(settings: Settings) -> int:
+    """`mtpwrap up`: every check that can fail on bad input runs before anything starts."""
+    _configure_logging(settings.log_level)
+    previous = read_instance()
+    if instance_running(previous):
+        assert previous is not None
+        raise ConfigError(f"an mtpwrap instance is already running (pid {previous['pid']}, "
+                          f"{previous.get('url')}).",
+                          hint="Stop it with `mtpwrap down`, or set MTPWRAP_STATE_DIR to run "
+                               "another one beside it.")
+    reap_leftovers(previous)
+    launch = resolve_launch(settings)
+    supervisor_config(settings, launch)  # validates the profile's supervisor section
+    sock = bind_public(settings.host, settings.port)
+    from mtpwrap import console
+
+    for line in summary_lines(settings, launch):
+        console.out.print(line, markup=False)
+    try:
+        return asyncio.run(serve(settings, launch, sock))
+    finally:
+        sock.close()
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s}s"
+
+
+def instance_report() -> dict[str, Any]:
+    data = read_instance()
+    if data is None:
+        return {"running": False, "reason": f"no state file at {instance_path()}"}
+    if not instance_running(data):
+        return {"running": False,
+                "reason": f"stale state file: pid {data.get('pid')} is gone",
+                "last_state": data.get("state"), "last_exit": data.get("last_exit")}
+    started = data.get("started_at")
+    return {
+        "running": True, "state": data.get("state"), "reason": data.get("reason"),
+        "pid": data.get("pid"), "child_pid": data.get("child_pid"),
+        "url": data.get("url"), "profile": data.get("profile"), "model": data.get("model"),
+        "uptime_s": (time.time() - started) if started else None,
+        "ready_since": data.get("ready_since"), "restarts": data.get("restarts", 0),
+        "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),
+        "updated_at": data.get("updated_at"),
+    }
+
+
+def stop_instance(timeout: float | None = None, force: bool = False) -> int | None:
+    """SIGTERM the running instance and wait for it; its pid, or None when none runs."""
+    from mtpwrap.errors import RuntimeFailure
+
+    data = read_instance()
+    if not instance_running(data):
+        return None
+    assert data is not None
+    pid = int(data["pid"])
+    if timeout is None:
+        timeout = float(data.get("drain_s") or 30) + float(data.get("stop_grace_s") or 10) + 10
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return pid
+    except PermissionError as exc:
+        raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap down` "
+                             "as the user that runs it (or use systemctl stop).") from exc
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not pid_alive(pid):
+            return pid
+        time.sleep(0.1)
+    if force:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        return pid
+    raise RuntimeFailure(f"mtpwrap (pid {pid}) did not stop within {timeout:.0f}s.",
+                         hint="Wait longer with --timeout, or use --force.")
