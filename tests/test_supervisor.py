@@ -10,7 +10,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -175,7 +174,7 @@ def test_crash_loop_backs_off_then_fails_with_reason(tmp_path: Path) -> None:
         assert "failed 4 times" in (st.reason or "") and "exit 3" in (st.reason or "")
         starts = [t for t, _o, n, _w in events if n is State.STARTING]
         assert len(starts) == 4  # no busy loop: exactly max_failures attempts
-        gaps = [b - a for a, b in zip(starts, starts[1:])]
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
         # 0.1 s, 0.2 s, 0.4 s: growing, and capped by backoff_max_s=0.4
         assert gaps[0] < gaps[1] < gaps[2]
         assert gaps[0] >= 0.1 and gaps[2] >= 0.4 and gaps[2] < 2.0

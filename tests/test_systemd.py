@@ -1,0 +1,173 @@
+"""The generated unit passes systemd's own checker; sd_notify reaches a socket we own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtpwrap import systemd
+from tests.conftest import REPO, cli_env, run_cli
+
+
+def _systemd_analyze() -> str:
+    exe = shutil.which("systemd-analyze")
+    if exe is None:  # Debian: the checker ships in the systemd package
+        subprocess.run(["apt-get", "install", "-y", "-q", "systemd"], check=True,
+                       capture_output=True, timeout=600)
+        exe = shutil.which("systemd-analyze")
+    assert exe, "systemd-analyze is needed (apt-get install systemd)"
+    return exe
+
+
+def _verify(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    unit = tmp_path / "mtpwrap.service"
+    unit.write_text(text)
+    return subprocess.run([_systemd_analyze(), "verify", str(unit)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    r = run_cli("service", "print", "--profile", "cpu-demo", "--drain-s", "45")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout
+    result = _verify(text, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "mtpwrap.service" not in result.stderr  # no complaint about our unit at all
+    lines = set(text.splitlines())
+    for needed in ("Type=notify", "NotifyAccess=main", "Restart=on-failure",
+                   "RestartPreventExitStatus=78", "KillMode=mixed", "NoNewPrivileges=yes",
+                   "ProtectSystem=strict", "PrivateTmp=yes", "EnvironmentFile=-/etc/mtpwrap/env",
+                   "DeviceAllow=/dev/nvidiactl rw", "DeviceAllow=/dev/nvidia-uvm rw",
+                   "DeviceAllow=char-nvidia* rw", "User=mtpwrap", "WatchdogSec=30"):
+        assert needed in lines, needed
+    stop = int(next(ln for ln in lines if ln.startswith("TimeoutStopSec=")).split("=")[1])
+    assert stop >= 45 + 10  # the drain budget plus llama-server's grace
+    assert any(ln.startswith("ReadWritePaths=") for ln in lines)
+    exec_start = next(ln for ln in lines if ln.startswith("ExecStart=")).split("=", 1)[1]
+    assert exec_start.split()[:4] == [sys.executable, "-m", "mtpwrap", "up"]
+
+
+def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+    # The checker really checks: the same unit with a bad value is refused.
+    text = systemd.render_unit(systemd.UnitOptions(exec_start=[sys.executable]))
+    bad = text.replace("KillMode=mixed", "KillMode=gently")
+    result = _verify(bad, tmp_path)
+    assert "mtpwrap.service:" in result.stderr and "kill mode" in result.stderr
+
+
+def test_install_and_uninstall_into_a_directory(tmp_path: Path) -> None:
+    unit_dir, etc = tmp_path / "units", tmp_path / "etc"
+    unit_dir.mkdir()
+    opts = systemd.UnitOptions(exec_start=systemd.default_exec_start(None, "cpu-demo"))
+    written = systemd.install(opts, unit_dir=unit_dir, etc_dir=etc, create_user=False,
+                              reload=False)
+    assert (unit_dir / "mtpwrap.service").read_text() == systemd.render_unit(opts)
+    assert (etc / "env") in written and "MTPWRAP_API_KEYS" in (etc / "env").read_text()
+    (etc / "env").write_text("MTPWRAP_PORT=9000\n")
+    systemd.install(opts, unit_dir=unit_dir, etc_dir=etc, create_user=False, reload=False)
+    assert (etc / "env").read_text() == "MTPWRAP_PORT=9000\n"  # an operator's file is kept
+    assert systemd.uninstall(unit_dir=unit_dir, reload=False) == unit_dir / "mtpwrap.service"
+    assert not (unit_dir / "mtpwrap.service").exists()
+    assert systemd.uninstall(unit_dir=unit_dir, reload=False) is None
+
+
+def _listen(tmp_path: Path, abstract: bool) -> tuple[socket.socket, str]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if abstract:
+        name = f"mtpwrap-test-{os.getpid()}-{time.monotonic_ns()}"
+        sock.bind("\0" + name)
+        return sock, "@" + name
+    path = str(tmp_path / "notify.sock")
+    sock.bind(path)
+    return sock, path
+
+
+@pytest.mark.parametrize("abstract", [True, False])
+def test_notifier_reaches_path_and_abstract_sockets(tmp_path: Path, abstract: bool) -> None:
+    sock, address = _listen(tmp_path, abstract)
+    sock.settimeout(2)
+    n = systemd.Notifier({"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "3000000"})
+    assert n.enabled and n.watchdog_interval() == 1.5
+    assert n.ready("ready: demo")
+    assert sock.recv(4096).decode().split("\n")[:2] == ["READY=1", "STATUS=ready: demo"]
+    n.extend_timeout(2.5)
+    assert sock.recv(4096) == b"EXTEND_TIMEOUT_USEC=2500000"
+    sock.close()
+    assert not systemd.Notifier({}).enabled
+    assert not systemd.Notifier({}).watchdog()  # no systemd: nothing sent, nothing raised
+    other = systemd.Notifier({"NOTIFY_SOCKET": address, "WATCHDOG_USEC": "100",
+                              "WATCHDOG_PID": str(os.getpid() + 1)})
+    assert other.watchdog_interval() is None  # the watchdog is meant for another process
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
+    """mtpwrap under a NOTIFY_SOCKET we own: EXTEND while loading, READY only once the model
+    answers, STATUS on state changes, WATCHDOG=1 even while the child is dead, STOPPING=1."""
+    sock, address = _listen(tmp_path, abstract=True)
+    sock.settimeout(0.2)
+    port = _free_port()
+    env = cli_env(NOTIFY_SOCKET=address, WATCHDOG_USEC="400000", MTPWRAP_HOME=str(tmp_path / "h"),
+                  FAKE_LLAMA_FAULTS="load_s=1.0", MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S="1.5",
+                  MTPWRAP_SUPERVISOR_MONITOR_INTERVAL_S="0.1", MTPWRAP_DRAIN_S="2")
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.serve_fake", str(port)],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    got: list[tuple[float, str]] = []
+
+    def pump(until: float, stop_when: str | None = None) -> None:
+        while time.monotonic() < until:
+            try:
+                msg = sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            got.append((time.monotonic() - t0, msg))
+            if stop_when and stop_when in msg:
+                return
+
+    try:
+        pump(time.monotonic() + 20, "READY=1")
+        ready_at = next(t for t, m in got if "READY=1" in m)
+        assert ready_at >= 1.0  # the fake takes a second to load; READY waited for the answer
+        assert any("EXTEND_TIMEOUT_USEC=" in m for t, m in got if t < ready_at)
+        assert f"MAINPID={proc.pid}" in next(m for t, m in got if "READY=1" in m)
+        state = json.loads((tmp_path / "h" / "state" / "instance.json").read_text())
+        assert state["pid"] == proc.pid and state["state"] == "ready"
+
+        os.kill(state["child_pid"], signal.SIGKILL)  # the child dies; mtpwrap must not
+        mark = len(got)
+        pump(time.monotonic() + 1.4)  # inside the 1.5 s backoff: no child at all
+        during = [m for _t, m in got[mark:]]
+        assert any(m.startswith("STATUS=backoff: llama-server exited: signal 9") for m in during)
+        assert sum(m == "WATCHDOG=1" for m in during) >= 3  # pings go on without a child
+        pump(time.monotonic() + 10, "STATUS=ready")
+
+        proc.send_signal(signal.SIGTERM)
+        pump(time.monotonic() + 10, "STATUS=stopped")
+        assert proc.wait(10) == 0
+        msgs = [m for _t, m in got]
+        stopping = next(i for i, m in enumerate(msgs) if m.startswith("STOPPING=1"))
+        assert "STATUS=draining" in msgs[stopping]
+        assert stopping > msgs.index(next(m for m in msgs if "READY=1" in m))
+        assert not (tmp_path / "h" / "state" / "instance.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0] if proc.stdout else ""
+        sock.close()
+    assert "Traceback" not in out, out
