@@ -171,3 +171,23 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
         out = proc.communicate()[0] if proc.stdout else ""
         sock.close()
     assert "Traceback" not in out, out
+
+
+def test_shipped_unit_is_the_generated_one(tmp_path: Path) -> None:
+    shipped = (REPO / "deploy" / "mtpwrap.service").read_text()
+    opts = systemd.UnitOptions(exec_start=["/opt/mtpwrap/.venv/bin/mtpwrap", "up", "--config",
+                                           "/etc/mtpwrap/mtpwrap.yaml"])
+    assert shipped == systemd.render_unit(opts), "regenerate deploy/mtpwrap.service"
+
+
+def test_shipped_example_config_loads(tmp_path: Path) -> None:
+    from mtpwrap.settings import load_settings
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    text = (REPO / "deploy" / "mtpwrap.yaml").read_text().replace("/etc/mtpwrap/api-keys",
+                                                                   str(keys))
+    cfg = tmp_path / "mtpwrap.yaml"
+    cfg.write_text(text)
+    s = load_settings({}, env={}, config=cfg)
+    assert s.api_keys == ("k1",) and s.supervisor["wedge_s"] == 60.0 and s.proxy == {}

@@ -1,0 +1,199 @@
+"""`mtpwrap up` on the real llama-server and the real demo model, driven like an operator would.
+
+up → ready → chat completion (official openai client) → SIGKILL llama-server → automatic
+recovery → a working completion → SIGTERM → clean exit with no process of the group left;
+`status` and `down`; llama-server dies with mtpwrap even when mtpwrap is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import REPO, cli_env, run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in a process group, read straight from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+class Instance:
+    def __init__(self, home: Path, port: int, binary: Path, model: Path,
+                 notify: str | None = None) -> None:
+        self.home, self.port = home, port
+        extra = {"MTPWRAP_HOME": str(home), "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.5",
+                 "MTPWRAP_DRAIN_S": "5"}
+        if notify:
+            extra["NOTIFY_SOCKET"] = notify
+        self.env = cli_env(**extra)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo", "--binary",
+             str(binary), "--model", str(model), "--port", str(port)],
+            env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.base = f"http://127.0.0.1:{port}"
+
+    def status(self) -> tuple[int, dict]:
+        r = run_cli("status", "--json", env=self.env, timeout=30)
+        return r.returncode, json.loads(r.stdout)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail("mtpwrap never became ready:\n" + self.output())
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.communicate(timeout=10)[0] or ""
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def instance(tmp_path: Path, llama_server_bin: Path, demo_model: Path,
+             free_port: int) -> Iterator[Instance]:
+    inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model)
+    try:
+        yield inst
+    finally:
+        inst.close()
+
+
+def ask(base: str, text: str = "Say hello.") -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": text}], max_tokens=8, temperature=0)
+    content = reply.choices[0].message.content
+    assert content and reply.usage and reply.usage.completion_tokens > 0
+    return content
+
+
+def test_up_serves_recovers_from_a_killed_child_and_stops_clean(instance: Instance) -> None:
+    instance.wait_ready()
+    ask(instance.base)
+    rc, st = instance.status()
+    assert rc == 0 and st["running"] and st["state"] == "ready" and st["restarts"] == 0
+    assert st["pid"] == instance.proc.pid and st["profile"] == "cpu-demo"
+    child = st["child_pid"]
+    assert alive(child) and os.getpgid(child) == child  # llama-server leads its own group
+    cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+    assert b"127.0.0.1" in cmdline and b"--api-key" not in cmdline  # loopback, key not in argv
+
+    os.kill(child, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while httpx.get(f"{instance.base}/readyz", timeout=2).status_code == 200:
+        assert time.monotonic() < end, "readiness never dropped after the crash"
+        time.sleep(0.02)
+    instance.wait_ready(60)
+    assert ask(instance.base)
+    rc, st = instance.status()
+    assert st["restarts"] == 1 and st["last_exit"] == "signal 9 (SIGKILL)"
+    new_child = st["child_pid"]
+    assert new_child != child and alive(new_child)
+
+    members_before = group_members(new_child)
+    assert new_child in members_before
+    instance.proc.send_signal(signal.SIGTERM)
+    assert instance.proc.wait(30) == 0
+    out = instance.output()
+    assert "Traceback" not in out
+    assert group_members(new_child) == [] and not alive(new_child)
+    rc, st = instance.status()
+    assert rc == 3 and not st["running"]
+    with socket.socket() as s:  # the public port is free again
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", instance.port))
+
+
+def test_status_and_down(instance: Instance) -> None:
+    instance.wait_ready()
+    r = run_cli("status", env=instance.env)
+    assert r.returncode == 0
+    assert "ready" in r.stdout and f"{instance.base}/v1" in r.stdout and "cpu-demo" in r.stdout
+    child = instance.status()[1]["child_pid"]
+    r = run_cli("down", env=instance.env, timeout=60)
+    assert r.returncode == 0 and f"pid {instance.proc.pid}" in r.stderr
+    assert instance.proc.poll() == 0  # `down` returned only after mtpwrap exited
+    assert group_members(child) == []
+    r = run_cli("down", env=instance.env)
+    assert r.returncode == 0 and "no instance is running" in r.stderr
+    r = run_cli("status", env=instance.env)
+    assert r.returncode == 3 and "not running" in r.stdout
+
+
+def test_llama_server_dies_with_a_sigkilled_mtpwrap(instance: Instance,
+                                                    llama_server_bin: Path,
+                                                    demo_model: Path) -> None:
+    instance.wait_ready()
+    child = instance.status()[1]["child_pid"]
+    instance.proc.kill()
+    instance.proc.wait(10)
+    end = time.monotonic() + 5
+    while alive(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not alive(child)
+    # The next start is not blocked by leftovers (stale state file, port, process group).
+    again = Instance(instance.home, instance.port, llama_server_bin, demo_model)
+    try:
+        again.wait_ready()
+        ask(again.base)
+    finally:
+        again.close()
+
+
+def test_second_instance_and_busy_port_are_config_errors(instance: Instance,
+                                                         llama_server_bin: Path,
+                                                         demo_model: Path) -> None:
+    instance.wait_ready()
+    r = run_cli("up", "--binary", str(llama_server_bin), "--model", str(demo_model), "--port",
+                str(instance.port), env=instance.env)
+    assert r.returncode == 78 and "already running" in r.stderr and "Traceback" not in r.stderr
+    other_home = instance.home.parent / "other"
+    r = run_cli("up", "--binary", str(llama_server_bin), "--model", str(demo_model), "--port",
+                str(instance.port), env=cli_env(MTPWRAP_HOME=str(other_home)))
+    assert r.returncode == 78 and f"--port {instance.port}" in r.stderr
+    assert "already in use" in r.stderr
+    assert not (other_home / "state" / "instance.json").exists()  # nothing half-started
