@@ -301,16 +301,29 @@ def public_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def make_front(supervisor: Supervisor, settings: Settings, launch: Launch) -> Any:
+def proxy_config(settings: Settings, launch: Launch) -> Any:
+    """The front's configuration, checked before anything starts; None when only the plain
+    front is installed. ProxyConfig lives in a light module, so checking it costs no ASGI
+    imports."""
     try:
-        from mtpwrap.proxy import Front, ProxyConfig
+        from mtpwrap.proxy_policy import ProxyConfig
     except ImportError:
+        try:
+            from mtpwrap.proxy import ProxyConfig
+        except ImportError:
+            return None
+    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
+               "api_keys": list(settings.api_keys)}
+    return ProxyConfig.from_mapping(mapping, settings.proxy_source)
+
+
+def make_front(supervisor: Supervisor, settings: Settings, launch: Launch, config: Any) -> Any:
+    if config is None:
         from mtpwrap._plain_front import PlainFront
 
         return PlainFront(supervisor, settings.api_keys, launch.info)
-    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
-               "api_keys": list(settings.api_keys)}
-    config = ProxyConfig.from_mapping(mapping, settings.proxy_source)
+    from mtpwrap.proxy import Front
+
     return Front(supervisor, config, launch.info)
 
 
@@ -337,16 +350,15 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
 
 
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,
-                notifier: Notifier | None = None) -> int:
+                notifier: Notifier | None = None, front_config: Any = None) -> int:
     """Run until SIGTERM/SIGINT. 0 after a clean stop, 1 after a runtime failure."""
-    import uvicorn
-
     notifier = notifier or Notifier()
+    if front_config is None:
+        front_config = proxy_config(settings, launch)
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
     cfg = supervisor_config(settings, launch)
     sup = Supervisor(launch.factory, cfg)
-    front = make_front(sup, settings, launch)
     url = public_url(settings.host, settings.port)
     t0 = time.monotonic()
     first_ready = asyncio.Event()
@@ -377,6 +389,21 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             stop.set()
 
     sup.add_listener(on_state)
+    record()
+    # Start llama-server first and import the HTTP stack while it loads: the imports cost
+    # a few hundred milliseconds that would otherwise add to the time to ready.
+    await sup.start()
+    for _ in range(200):
+        if sup.status().pid is not None or sup.state is not State.STARTING:
+            break
+        await asyncio.sleep(0.005)
+    try:
+        import uvicorn
+
+        front = make_front(sup, settings, launch, front_config)
+    except BaseException:
+        await sup.stop()  # never leave a child behind a front that could not start
+        raise
 
     class _Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -404,8 +431,6 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             await asyncio.sleep(min(interval or 1.0, 1.0))
 
     with _signals(loop, stop, force):
-        record()
-        await sup.start()
         server_task = asyncio.create_task(server.serve(sockets=[sock]), name="front")
         service = asyncio.create_task(service_loop(), name="service")
         waits = [asyncio.create_task(stop.wait()), server_task]
@@ -502,13 +527,14 @@ def run_up(settings: Settings) -> int:
     reap_leftovers(previous)
     launch = resolve_launch(settings)
     supervisor_config(settings, launch)  # validates the profile's supervisor section
+    front_config = proxy_config(settings, launch)
     sock = bind_public(settings.host, settings.port)
     from mtpwrap import console
 
     for line in summary_lines(settings, launch):
         console.out.print(line, markup=False)
     try:
-        return asyncio.run(serve(settings, launch, sock))
+        return asyncio.run(serve(settings, launch, sock, front_config=front_config))
     finally:
         sock.close()
 

@@ -1,0 +1,172 @@
+"""The whole `up` service (supervisor + HTTP front + signals) over the fake llama-server.
+
+These go through the public port, so they hold for whichever front is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mtpwrap.child import ChildSpec
+from mtpwrap.runner import step_down
+from tests.conftest import REPO, cli_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    def __init__(self, tmp_path: Path, faults: str, **env: str) -> None:
+        self.port = _free_port()
+        self.home = tmp_path / "home"
+        self.env = cli_env(MTPWRAP_HOME=str(self.home), FAKE_LLAMA_FAULTS=faults,
+                           MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S="0.3",
+                           MTPWRAP_SUPERVISOR_MONITOR_INTERVAL_S="0.1", **env)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.serve_fake",
+                                      str(self.port)], env=self.env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def readyz(self) -> httpx.Response | None:
+        try:
+            return httpx.get(f"{self.base}/readyz", timeout=2)
+        except httpx.HTTPError:
+            return None
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.output()
+            r = self.readyz()
+            if r is not None and r.status_code == 200:
+                return
+            time.sleep(0.05)
+        pytest.fail("never ready:\n" + self.output())
+
+    def state(self) -> dict:
+        return json.loads((self.home / "state" / "instance.json").read_text())
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.communicate(timeout=10)[0] or ""
+
+
+@pytest.fixture
+def served(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    faults, env = request.param
+    s = Served(tmp_path, faults.replace("{tmp}", str(tmp_path)), **env)
+    try:
+        yield s
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait(10)
+
+
+def sse(base: str, n: int, out: list[str]) -> None:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", timeout=30,
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": n,
+                            "stream": True}) as r:
+        out.append(f"status {r.status_code}")
+        try:
+            for line in r.iter_lines():
+                if line:
+                    out.append(line)
+        except httpx.HTTPError as exc:
+            out.append(f"transport error {type(exc).__name__}")
+
+
+@pytest.mark.parametrize("served", [("crash_after_chunks=3,counter={tmp}/n,fault_starts=1",
+                                     {})], indirect=True)
+def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served) -> None:
+    served.wait_ready()
+    got: list[str] = []
+    sse(served.base, 20, got)
+    assert got[0] == "status 200"
+    data = [ln for ln in got if ln.startswith("data:")]
+    assert len(data) >= 3
+    assert "[DONE]" not in got[-1]  # never a truncated stream that looks complete
+    assert "error" in got[-1]  # a terminal error event (or a transport error) ends it
+    r = served.readyz()
+    assert r is not None and r.status_code == 503  # until the new child answers
+    served.wait_ready()
+    r = httpx.post(f"{served.base}/v1/chat/completions", timeout=10,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert served.state()["restarts"] == 1
+
+
+@pytest.mark.parametrize("served", [("token_delay_s=0.1", {"MTPWRAP_DRAIN_S": "10"})],
+                         indirect=True)
+def test_sigterm_drains_in_flight_streams_then_stops(served: Served) -> None:
+    served.wait_ready()
+    child = served.state()["child_pid"]
+    got: list[str] = []
+    t = threading.Thread(target=sse, args=(served.base, 20, got))
+    t.start()
+    time.sleep(0.5)
+    served.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    r = served.readyz()
+    assert r is not None and r.status_code == 503  # readiness drops at once
+    late = httpx.post(f"{served.base}/v1/chat/completions", timeout=5,
+                      json={"messages": [], "max_tokens": 2})
+    assert late.status_code == 503 and "retry-after" in late.headers
+    t.join(20)
+    assert got[0] == "status 200" and got[-1] == "data: [DONE]"  # finished whole
+    assert served.proc.wait(20) == 0
+    assert not Path(f"/proc/{child}").exists() or \
+        Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.parametrize("served", [("exit=3", {"MTPWRAP_SUPERVISOR_MAX_FAILURES": "3",
+                                                "MTPWRAP_SUPERVISOR_BACKOFF_MAX_S": "0.5"})],
+                         indirect=True)
+def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        r = served.readyz()
+        if r is not None and "failed" in r.text:
+            break
+        time.sleep(0.1)
+    assert r is not None and r.status_code == 503
+    assert "exit 3" in r.text
+    assert served.state()["state"] == "failed"
+    assert served.proc.poll() is None  # mtpwrap stays up to report it
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(20) == 1  # stopped while failed: systemd records a failure
+
+
+def test_step_down_sequence() -> None:
+    spec = ChildSpec(["srv", "-c", "262144", "--spec-type", "mtp", "--spec-draft-n-max", "3",
+                      "-ctk", "tbq4_0", "-ctv", "tbq4_0", "-ctkd", "f16", "-ctvd", "f16"],
+                     env={"K": "v"})
+    one = step_down(spec, 1)
+    assert one is not None and one.argv[1:3] == ["-c", "131072"] and "--spec-type" in one.argv
+    two = step_down(spec, 2)
+    assert two is not None and "--spec-type" not in two.argv and "-ctkd" not in two.argv
+    assert two.argv[1:3] == ["-c", "131072"] and two.env == {"K": "v"}
+    three = step_down(spec, 3)
+    assert three is not None and three.argv[-4:] == ["-ctk", "q4_0", "-ctv", "q4_0"]
+    assert three.note == "step-down 3: context 131072, no speculation, KV q4_0"
+    assert step_down(spec, 4) is None
+    small = ChildSpec(["srv", "-c", "4096", "-ctk", "f16", "-ctv", "f16"])
+    only = step_down(small, 1)
+    assert only is not None and only.note == "step-down 1: KV q4_0"  # inapplicable steps skipped
+    assert step_down(small, 2) is None
+    assert step_down(spec, 0) is spec
