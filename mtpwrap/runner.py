@@ -240,31 +240,39 @@ def _write_instance(data: dict[str, Any]) -> None:
     os.replace(tmp, path)  # readers never see half a file
 
 
-def reap_leftovers(data: dict[str, Any] | None) -> None:
+def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
     """Kill a llama-server group that a previous, SIGKILLed mtpwrap left behind.
 
     The child itself dies with its parent (PR_SET_PDEATHSIG), but a grandchild it started
-    would survive and could hold the GPU memory the next start needs."""
+    survives as an orphan and may hold the GPU memory or port the next start needs. A group
+    id can be reused after its processes are gone, so only orphans are killed (or the
+    recorded binary itself, should the child have survived). Returns the pids killed."""
     if not data or instance_running(data):
-        return
+        return []
     pgid, binary = data.get("child_pgid"), data.get("binary")
-    if not pgid or not binary:
-        return
+    if not isinstance(pgid, int) or pgid <= 1 or not binary:
+        return []
     import psutil
 
-    members = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
+    victims = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
         try:
-            if os.getpgid(p.pid) == pgid:
-                members.append(p)
+            if os.getpgid(p.pid) != pgid or p.info.get("status") == psutil.STATUS_ZOMBIE:
+                continue
         except (ProcessLookupError, PermissionError):
             continue
-    if not members:
-        return
-    log.warning("killing process group %d left behind by an earlier mtpwrap (pid %s)", pgid,
-                data.get("pid"))
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+        cmd = p.info.get("cmdline") or []
+        if p.info.get("ppid") == 1 or (cmd and cmd[0] == binary):
+            victims.append(p.pid)
+        else:
+            return []  # somebody else's live group now: leave it alone
+    for pid in victims:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    if victims:
+        log.warning("killed %d process(es) of group %d left behind by an earlier mtpwrap "
+                    "(pid %s)", len(victims), pgid, data.get("pid"))
+    return victims
 
 
 # --------------------------------------------------------------------------- serving

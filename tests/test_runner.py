@@ -170,3 +170,40 @@ def test_step_down_sequence() -> None:
     assert only is not None and only.note == "step-down 1: KV q4_0"  # inapplicable steps skipped
     assert step_down(small, 2) is None
     assert step_down(spec, 0) is spec
+
+
+def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> None:
+    """mtpwrap SIGKILLed: the child dies with it, its orphaned grandchild is killed by the
+    next start (it could hold the GPU memory that start needs)."""
+    from mtpwrap import runner
+
+    fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
+    script = (f"import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, {str(fake)!r}, '--port', '0', "
+              f"'--fault', 'grandchild=1'], start_new_session=True, stdout=subprocess.PIPE, "
+              f"text=True)\n"
+              f"for line in p.stdout:\n"
+              f"    if 'grandchild pid' in line:\n"
+              f"        print(p.pid, line.split()[-1], flush=True); break\n"
+              f"time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child, grandchild = (int(x) for x in parent.stdout.readline().split())
+        import os
+
+        os.kill(child, signal.SIGKILL)  # what PR_SET_PDEATHSIG does when mtpwrap dies
+        parent.kill()
+        parent.wait()
+        time.sleep(0.3)
+        assert Path(f"/proc/{grandchild}").exists()  # an orphan, still running
+        data = {"pid": parent.pid, "child_pgid": child, "binary": sys.executable}
+        assert runner.reap_leftovers(data) == [grandchild]
+        time.sleep(0.3)
+        stat = Path(f"/proc/{grandchild}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        # A live group that is not an orphan (our own) is never touched.
+        assert runner.reap_leftovers({"pid": parent.pid, "child_pgid": os.getpgid(0),
+                                      "binary": "/nonexistent"}) == []
+    finally:
+        parent.kill()

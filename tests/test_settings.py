@@ -87,3 +87,17 @@ def test_cli_reports_config_errors_in_one_sentence_with_exit_78(tmp_path: Path) 
     assert "Traceback" not in r.stderr and r.stderr.count("\n") <= 3
     r = run_cli("up", "--port", "0", env=cli_env(MTPWRAP_HOME=str(tmp_path / "h")))
     assert r.returncode == EXIT_CONFIG and "--port: port: expected an integer 1..65535" in r.stderr
+
+
+def test_missing_model_is_one_sentence_and_nothing_starts(tmp_path: Path) -> None:
+    from tests.conftest import REPO
+
+    fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
+    home = tmp_path / "h"
+    r = run_cli("up", "--binary", str(fake), "--model", str(tmp_path / "missing.gguf"),
+                "--port", "18999", env=cli_env(MTPWRAP_HOME=str(home)))
+    assert r.returncode == EXIT_CONFIG
+    assert "missing.gguf" in r.stderr and "Traceback" not in r.stderr
+    assert not (home / "state" / "instance.json").exists()
+    r = run_cli("up", "--binary", str(tmp_path / "nope"), env=cli_env(MTPWRAP_HOME=str(home)))
+    assert r.returncode == EXIT_CONFIG and "nope" in r.stderr
