@@ -69,11 +69,11 @@ def resolve_launch(settings: Settings) -> Launch:
         prof, why = profiles.select_profile(snap)
     else:
         prof, why = profiles.load_profile(settings.profile), "chosen with --profile"
+    what = "--model" if settings.model else f"profile {prof.name}: model"
+    model = models.resolve_model(settings.model or prof.model, what=what)
     caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
             if manifest is not None and manifest.capabilities
             else capabilities.probe(binary))
-    what = "--model" if settings.model else f"profile {prof.name}: model"
-    model = models.resolve_model(settings.model or prof.model, what=what)
     plan, plan_text = _memory_plan(prof, model, snap)
 
     # Build once now so a bad profile or a missing capability fails before anything starts.
