@@ -101,12 +101,46 @@ def resolve_launch(settings: Settings) -> Launch:
 
 
 def _memory_plan(prof: Any, model: Path, snap: Any) -> tuple[Any, str]:
-    """A memory plan when the planner is installed; (None, why not) otherwise."""
+    """The memory plan for this profile, model and GPU; (None, why not) when it cannot be
+    made. A plan that does not fit is a ConfigError with the numbers (nothing starts)."""
     try:
-        from mtpwrap import planner  # noqa: F401
+        from mtpwrap import gguf_facts, planner
     except ImportError:
         return None, "not planned (no planner installed); llama.cpp's --fit decides"
-    return None, "not planned"
+    gpus = list(getattr(snap, "gpus", None) or [])
+    on_gpu = bool(gpus) and prof.hardware.requires_gpu
+    device = getattr(gpus[0], "memory_free", None) if on_gpu else None
+    spec = prof.spec
+    draft_kv = spec.draft_kv
+    try:
+        facts = gguf_facts.read_facts(model)
+        n_ctx = prof.context if isinstance(prof.context, int) else 0
+        cfg = planner.PlanConfig(
+            n_ctx=n_ctx or int(getattr(facts, "n_ctx_train", 0) or 4096),
+            type_k=prof.kv.k[0], type_v=prof.kv.v[0],
+            n_slots=1 if spec.kind == "mtp" else prof.slots, spec=spec.kind,
+            draft_depth=spec.depth or 3,
+            type_k_draft=draft_kv.k[0] if draft_kv else "f16",
+            type_v_draft=draft_kv.v[0] if draft_kv else "f16",
+            ubatch=prof.ubatch or 512, batch=prof.batch or 2048,
+            backend="cuda" if on_gpu else "cpu")
+        if prof.context == "max" and device:
+            n = planner.largest_context(facts, cfg, device)
+            if n > 0:
+                from dataclasses import replace
+
+                cfg = replace(cfg, n_ctx=n)
+        p = planner.plan(facts, cfg, device)
+    except ConfigError as exc:
+        # e.g. a KV type the planner has no size for yet: plan nothing rather than refuse.
+        return None, f"not planned ({exc})"
+    planner.check_fits(p)
+    gib = 2**30
+    where = "GPU" if on_gpu else "host"
+    text = f"{p.total / gib:.2f} GiB on the {where} at context {p.context:,}"
+    if p.headroom is not None:
+        text += f", headroom {p.headroom / gib:.2f} GiB"
+    return p, text
 
 
 def _demo_launch(settings: Settings, binary: Path, commit: str | None, models: Any) -> Launch:
