@@ -66,6 +66,7 @@ SUPERVISOR: dict[str, Key] = {
     "stop_grace_s": Key("float", 10.0, _nonneg, "a number of seconds >= 0"),
     "wedge_s": Key("float", 60.0, _nonneg, "a number of seconds >= 0 (0: off)"),
     "rss_limit_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: off)"),
+    "memory_interval_s": Key("float", 5.0, _pos, "a number of seconds > 0"),
     "recycle_drain_s": Key("float", 60.0, _nonneg, "a number of seconds >= 0"),
     "exit_on_failed": Key("bool", False),
 }

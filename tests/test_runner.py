@@ -207,3 +207,29 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
                                       "binary": "/nonexistent"}) == []
     finally:
         parent.kill()
+
+
+@pytest.mark.parametrize("served", [(
+    "grow_mb_per_s=40,token_delay_s=0.02,counter={tmp}/n,fault_starts=1",
+    {"MTPWRAP_SUPERVISOR_RSS_LIMIT_MB": "90", "MTPWRAP_SUPERVISOR_MEMORY_INTERVAL_S": "0.2"},
+)], indirect=True)
+def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
+    served.wait_ready()
+    first_child = served.state()["child_pid"]
+    statuses: list[int] = []
+    end = time.monotonic() + 30
+    with httpx.Client(timeout=30) as c:
+        while time.monotonic() < end:
+            r = c.post(f"{served.base}/v1/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5})
+            statuses.append(r.status_code)
+            st = served.state()
+            if st["restarts"] >= 1 and st["state"] == "ready" and len(statuses) > 5:
+                break
+    st = served.state()
+    assert st["restarts"] == 1 and st["child_pid"] != first_child
+    assert st["last_exit"] == "exit 0"  # stopped politely after draining, not killed
+    assert statuses and set(statuses) == {200}, statuses  # held during the recycle, then served
+    served.proc.send_signal(signal.SIGTERM)
+    assert served.proc.wait(20) == 0
+    assert "recycling llama-server: memory" in served.output()
