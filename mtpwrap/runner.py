@@ -87,7 +87,8 @@ def resolve_launch(settings: Settings) -> Launch:
 
     values = {d.flag: d.value for d in first.decisions}
     info = {
-        "profile": prof.name, "profile_reason": why, "binary": str(binary), "commit": commit,
+        "profile": prof.name, "profile_reason": why, "binary": str(binary),
+        "commit": commit or getattr(caps, "commit", None),
         "model": str(model), "context": values.get("-c") or values.get("--ctx-size"),
         "kv": f"{values.get('-ctk') or values.get('--cache-type-k')} / "
               f"{values.get('-ctv') or values.get('--cache-type-v')}",
