@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 log = logging.getLogger("mtpwrap.supervisor")
 child_log = logging.getLogger("mtpwrap.child")
 
@@ -131,6 +129,10 @@ class ChildProcess:
         self._limiter = _RateLimiter(lines_per_s, burst=max(10, int(lines_per_s * 3)))
         self._log_file = log_file
         self._pump = asyncio.create_task(self._pump_output(), name=f"child-{self.pid}-output")
+        # Imported here, after the fork: the import then overlaps the child's own start-up.
+        import httpx
+
+        self._httpx = httpx
         self._http = httpx.AsyncClient(
             base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
             timeout=httpx.Timeout(5.0), trust_env=False,
@@ -222,7 +224,7 @@ class ChildProcess:
         """HTTP status of /health, or None when nothing answers."""
         try:
             r = await self._http.get("/health", timeout=timeout)
-        except httpx.HTTPError:
+        except self._httpx.HTTPError:
             return None
         return r.status_code
 
@@ -231,7 +233,7 @@ class ChildProcess:
         body = {"prompt": "Hello", "n_predict": 1, "cache_prompt": False, "temperature": 0.0}
         try:
             r = await self._http.post("/completion", json=body, timeout=timeout)
-        except httpx.HTTPError as exc:
+        except self._httpx.HTTPError as exc:
             return False, f"{type(exc).__name__}: {exc}"
         if r.status_code != 200:
             return False, f"HTTP {r.status_code}: {r.text[:200]}"
@@ -247,7 +249,7 @@ class ChildProcess:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""
         try:
             r = await self._http.get("/metrics", timeout=timeout)
-        except httpx.HTTPError:
+        except self._httpx.HTTPError:
             return None
         if r.status_code != 200:
             return None

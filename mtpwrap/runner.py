@@ -18,7 +18,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -393,7 +393,8 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
 
 
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,
-                notifier: Notifier | None = None, front_config: Any = None) -> int:
+                notifier: Notifier | None = None, front_config: Any = None,
+                announce: Callable[[], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT. 0 after a clean stop, 1 after a runtime failure."""
     notifier = notifier or Notifier()
     if front_config is None:
@@ -440,6 +441,8 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         if sup.status().pid is not None or sup.state is not State.STARTING:
             break
         await asyncio.sleep(0.005)
+    if announce is not None:
+        announce()  # the summary, printed while llama-server loads
     try:
         import uvicorn
 
@@ -572,12 +575,16 @@ def run_up(settings: Settings) -> int:
     supervisor_config(settings, launch)  # validates the profile's supervisor section
     front_config = proxy_config(settings, launch)
     sock = bind_public(settings.host, settings.port)
-    from mtpwrap import console
 
-    for line in summary_lines(settings, launch):
-        console.out.print(line, markup=False)
+    def announce() -> None:
+        from mtpwrap import console
+
+        for line in summary_lines(settings, launch):
+            console.out.print(line, markup=False)
+
     try:
-        return asyncio.run(serve(settings, launch, sock, front_config=front_config))
+        return asyncio.run(serve(settings, launch, sock, front_config=front_config,
+                                 announce=announce))
     finally:
         sock.close()
 
