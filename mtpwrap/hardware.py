@@ -191,11 +191,12 @@ def _query(nvml: Any, err: type[BaseException], name: str, *args: Any) -> Any:
         return None
 
 
-def host_info(psutil_module: Any | None = None) -> dict[str, int | None]:
+def host_info(psutil_module: Any | None = None, *,
+              use_psutil: bool = True) -> dict[str, int | None]:
     """CPU cores and RAM. Without psutil, logical cores and RAM come from the OS; physical
     cores stay unknown."""
     ps = psutil_module
-    if ps is None:
+    if ps is None and use_psutil:
         try:
             import psutil as ps
         except ImportError:

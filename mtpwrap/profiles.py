@@ -171,7 +171,7 @@ class _Checker:
         if isinstance(value, str):
             return repr(value)
         if isinstance(value, (list, tuple)):
-            return "a list"
+            return "a list" if value else "an empty list"
         if isinstance(value, dict):
             return "a mapping"
         return str(value)
