@@ -12,6 +12,7 @@ This is the only module that imports pynvml, and it does so inside functions.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -346,10 +347,8 @@ def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
         # NVML can fail half-way (GPU fell off the bus); report what was read so far.
         return out
     finally:
-        try:
+        with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
-        except Exception:
-            pass
     return out
 
 

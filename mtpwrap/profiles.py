@@ -319,7 +319,8 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         else:
             gpu_layers = c.integer(g, "gpu_layers", 0, 999)
 
-    threads = None if data.get("threads") is None else c.integer(data["threads"], "threads", 1, 1024)
+    threads = (None if data.get("threads") is None
+               else c.integer(data["threads"], "threads", 1, 1024))
     batch = None if data.get("batch") is None else c.integer(data["batch"], "batch", 1, 65536)
     ubatch = None if data.get("ubatch") is None else c.integer(data["ubatch"], "ubatch", 1, 65536)
     if batch is not None and ubatch is not None and ubatch > batch:

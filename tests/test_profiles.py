@@ -76,7 +76,8 @@ def test_good_fixture_is_valid(tmp_path: Path) -> None:
 MALFORMED = [
     ("unknown top key", GOOD + "contxt: 4096\n", "contxt", "unknown key"),
     ("unknown nested key", replace("  depth:", "  depht: 3"), "spec.depht", "unknown key"),
-    ("depth out of range", replace("  depth:", "  depth: 12"), "spec.depth", "must be 1..8, got 12"),
+    ("depth out of range", replace("  depth:", "  depth: 12"), "spec.depth",
+     "must be 1..8, got 12"),
     ("depth wrong type", replace("  depth:", "  depth: three"), "spec.depth", "whole number"),
     ("spec kind unknown", replace("  kind:", "  kind: eagle"), "spec.kind", "mtp, draft, ngram"),
     ("kv type unknown", replace("  k: [", "  k: [tbq5_0]"), "kv.k[0]", "must be one of"),

@@ -32,7 +32,8 @@ def command(as_json: bool, record_to: Path | None, replay: Path | None) -> None:
     gib = hardware.GIB
     rows = []
     for g in snap.gpus:
-        cc = f"{g.compute_capability[0]}.{g.compute_capability[1]}" if g.compute_capability else None
+        cc = (f"{g.compute_capability[0]}.{g.compute_capability[1]}"
+              if g.compute_capability else None)
         mem = (f"{g.memory_free / gib:.1f} / {g.memory_total / gib:.1f}"
                if g.memory_total is not None and g.memory_free is not None else None)
         pcie = f"gen{g.pcie_gen} x{g.pcie_width}" if g.pcie_gen and g.pcie_width else None

@@ -39,4 +39,5 @@ def show_cmd(name: str, as_json: bool) -> None:
 
     console.out.print(f"# {p.source}")
     shown = {k: v for k, v in data.items() if k != "source" and v not in (None, {}, [])}
-    console.out.print(yaml.safe_dump(shown, sort_keys=False, width=1000, default_flow_style=None).rstrip(), markup=False)
+    text = yaml.safe_dump(shown, sort_keys=False, width=1000, default_flow_style=None)
+    console.out.print(text.rstrip(), markup=False)
