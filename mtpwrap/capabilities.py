@@ -28,6 +28,7 @@ _VALUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+\-]*$")
 _ENV_RE = re.compile(r"\(env: ([A-Z0-9_]+)\)")
 _DEFAULT_RE = re.compile(r"default: *(?:'([^']*)'|([^),\n]+))")
 _ALLOWED_RE = re.compile(r"allowed values: *([^\n(]+)")
+_BULLET_RE = re.compile(r"^ *- ([A-Za-z0-9][A-Za-z0-9_.+\-]*)(?: \([a-z]+\))?: ")
 _VERSION_RE = re.compile(r"version: *(\S+) *\(build (\d+), commit ([0-9a-fA-F]+|unknown)\)")
 _BUILT_WITH_RE = re.compile(r"built with (.+)")
 _REMOVED = "the argument has been removed"
@@ -220,16 +221,22 @@ def _enumerated(text: str) -> tuple[str, ...] | None:
 def _finish(names: list[str], hint: str | None, help_lines: list[str],
             section: str) -> OptionInfo:
     text = "\n".join(help_lines).strip()
-    env_m = _ENV_RE.search(text)
+    # llama.cpp wraps help at 70 columns, so a value list or a default can span lines.
+    flat = " ".join(line.strip() for line in help_lines)
+    env_m = _ENV_RE.search(flat)
     allowed: tuple[str, ...] | None = None
-    allowed_m = _ALLOWED_RE.search(text)
+    allowed_m = _ALLOWED_RE.search(flat)
     if allowed_m:
         vals = tuple(v.strip() for v in allowed_m.group(1).split(",") if v.strip())
         allowed = vals or None
     elif hint:
         allowed = _enumerated(hint)
+    if allowed is None and hint:
+        # `-lm, --load-mode MODE` lists its values as "- auto: ...", "- mlock: ..." lines
+        bullets = [m.group(1) for m in map(_BULLET_RE.match, help_lines) if m]
+        allowed = tuple(bullets) if len(bullets) >= 2 else None
     default: str | None = None
-    dm = _DEFAULT_RE.search(text)
+    dm = _DEFAULT_RE.search(flat)
     if dm:
         default = (dm.group(1) if dm.group(1) is not None else dm.group(2)).strip()
     return OptionInfo(

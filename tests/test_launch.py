@@ -302,7 +302,7 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert key not in cmdline
         # ... but the server took it from the environment: no key, no completion
-        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200  # open path
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # open path
         denied = httpx.post(f"{base}/v1/chat/completions", timeout=30,
                             json={"messages": [{"role": "user", "content": "hi"}]})
         assert denied.status_code == 401
@@ -313,10 +313,10 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
         assert out.choices[0].message.content
         assert out.usage is not None and out.usage.completion_tokens > 0
         # two slots and --metrics as the argv asked
-        props = httpx.get(f"{base}/props", timeout=10).json()
+        auth = {"Authorization": f"Bearer {key}"}
+        props = httpx.get(f"{base}/props", timeout=10, headers=auth).json()
         assert props.get("total_slots") == 2
-        metrics = httpx.get(f"{base}/metrics", timeout=10,
-                            headers={"Authorization": f"Bearer {key}"})
+        metrics = httpx.get(f"{base}/metrics", timeout=10, headers=auth)
         assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
     finally:
         try:

@@ -37,6 +37,12 @@ def resolve_model(name: str) -> tuple[str, str | None]:
         from mtpwrap import models
     except ImportError:
         return name, None
+    if name in getattr(models, "DEMO_ALIASES", ()):
+        # resolve_model would fetch the demo model; a preview must not download anything.
+        demo = Path(os.environ.get("MTPWRAP_DEMO_MODEL") or models.demo_model_path())
+        if demo.is_file():
+            return str(demo), None
+        return str(demo), f"the demo model is not fetched yet ({demo}); `mtpwrap models` gets it"
     try:
         return str(models.resolve_model(name, what="model")), None
     except ConfigError as exc:
