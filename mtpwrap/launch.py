@@ -219,11 +219,13 @@ def build_command(
     # Flash attention: quantized V needs it
     fa = profile.flash_attn
     fa_reason = "flash attention from the profile"
-    if v not in FULL_PRECISION_KV and fa != "on":
+    if v not in FULL_PRECISION_KV:
         if fa == "off":
             b.warn(f"profile turns flash attention off, but a quantized V cache ({v}) "
                    "needs it; turning it on")
-        fa, fa_reason = "on", f"quantized V cache ({v}) needs flash attention"
+        fa_reason = (f"{fa_reason}; the quantized V cache ({v}) needs it too" if fa == "on"
+                     else f"quantized V cache ({v}) needs flash attention")
+        fa = "on"
     fa_flag = b.flag("flash_attn", why_needed="the profile sets flash attention")
     allowed_fa = caps.allowed(fa_flag)
     if allowed_fa is not None and fa not in allowed_fa:
@@ -235,7 +237,9 @@ def build_command(
 
     if profile.mlock:
         if caps.has("--mlock"):
-            b.add("mlock", None, "keep the weights in RAM (profile: mlock)")
+            deprecated = caps.option("--mlock").deprecated  # type: ignore[union-attr]
+            b.add("mlock", None, "keep the weights in RAM (profile: mlock)"
+                  + ("; deprecated in this build but still accepted" if deprecated else ""))
         elif "mlock" in (caps.allowed("--load-mode") or ()):
             b.args += ["--load-mode", "mlock"]
             b.decisions.append(Decision("--load-mode", "mlock",

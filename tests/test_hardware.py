@@ -188,3 +188,86 @@ def test_host_info_without_psutil_reads_proc() -> None:
     assert info["cpu_logical"] == os.cpu_count()
     # /proc/meminfo and psutil agree on the total (both read the kernel's MemTotal)
     assert info["ram_total"] == psutil.virtual_memory().total
+
+
+# ---------------------------------------------------------------- live NVML (GPU machines only)
+
+
+def _nvidia_smi_rows() -> list[dict[str, str]]:
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return []
+    fields = ["name", "uuid", "memory.total", "compute_cap", "driver_version", "power.limit",
+              "pcie.link.width.current"]
+    proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
+                           "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return []
+    return [dict(zip(fields, (v.strip() for v in line.split(",")), strict=True))
+            for line in proc.stdout.strip().splitlines()]
+
+
+def test_live_snapshot_agrees_with_nvidia_smi() -> None:
+    """On a machine with an NVIDIA GPU: the real pynvml path against nvidia-smi's answers."""
+    rows = _nvidia_smi_rows()
+    if not rows:
+        pytest.skip("no NVIDIA GPU (nvidia-smi missing or failing)")
+    snap = hardware.snapshot()
+    assert snap.error is None
+    assert len(snap.gpus) == len(rows)
+    for g, row in zip(snap.gpus, rows, strict=True):
+        assert g.name == row["name"] and g.uuid == row["uuid"]
+        assert g.memory_total == int(row["memory.total"]) * MiB
+        assert f"{g.compute_capability[0]}.{g.compute_capability[1]}" == row["compute_cap"]
+        assert g.driver_version == row["driver_version"]
+        assert g.power_limit_w == pytest.approx(float(row["power.limit"]), abs=0.1)
+        assert g.pcie_width == int(row["pcie.link.width.current"])
+    metrics = hardware.gpu_metrics()
+    assert [m["uuid"] for m in metrics] == [g.uuid for g in snap.gpus]
+    for m in metrics:
+        assert 0 < m["memory_used"] <= m["memory_total"]
+        assert m["power_w"] is not None and 0 < m["power_w"] <= m["power_limit_w"] * 1.5
+    # a recording made here replays to the same static facts
+    replay = hardware.snapshot(RecordedNvml(hardware.record()))
+    assert [(g.name, g.uuid, g.memory_total) for g in replay.gpus] == \
+        [(g.name, g.uuid, g.memory_total) for g in snap.gpus]
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_hw_json_replay() -> None:
+    from tests.conftest import run_cli
+
+    r = run_cli("hw", "--json", "--replay", str(SNAPSHOTS / "h200.json"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["gpus"][0]["name"] == "NVIDIA H200"
+    assert data["gpus"][0]["compute_capability"] == [9, 0]
+    assert data["cuda_driver_version"] == "13.0"
+
+
+def test_cli_hw_record_then_replay(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    rec = tmp_path / "here.json"
+    r = run_cli("hw", "--record", str(rec), "--json")
+    assert r.returncode == 0, r.stderr
+    live = json.loads(r.stdout)
+    r2 = run_cli("hw", "--json", "--replay", str(rec))
+    assert r2.returncode == 0, r2.stderr
+    replayed = json.loads(r2.stdout)
+    for key in ("error", "cpu_logical", "cpu_physical", "ram_total", "driver_version"):
+        assert replayed[key] == live[key], key
+    assert [g["uuid"] for g in replayed["gpus"]] == [g["uuid"] for g in live["gpus"]]
+
+
+def test_cli_hw_text_without_gpu() -> None:
+    from tests.conftest import run_cli
+
+    r = run_cli("hw", "--replay", str(SNAPSHOTS / "none.json"))
+    assert r.returncode == 0, r.stderr
+    assert "GPU: none (no NVIDIA driver" in r.stdout and "2 physical / 2 logical" in r.stdout

@@ -326,3 +326,77 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
         log.close()
+
+
+# ---------------------------------------------------------------- `mtpwrap args`
+
+
+def _recorded_binary(tmp_path: Path, name: str) -> Path:
+    """A stand-in that prints a recorded --help/--version (the fork cannot be built here)."""
+    exe = tmp_path / "llama-server"
+    help_file = DATA / "help" / f"{name}.txt"
+    version_file = DATA / "help" / f"{name}.version.txt"
+    exe.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{help_file}";; --version) cat "{version_file}";;'
+                   " *) exit 1;; esac\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
+    import json
+
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
+    r = run_cli("args", "--profile", "auto", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "rtx4090.json"), "--port", str(PORT),
+                "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["profile"] == "4090-262k"
+    assert out["argv"] == [str(exe), *HEAD[1:], *PINNED[("4090-262k", "fork")]]
+    assert "RTX 4090" in out["profile_reason"]
+    # the only warning: /models/M.gguf does not exist here, so it is shown as given
+    assert len(out["warnings"]) == 1 and "no such model file" in out["warnings"][0]
+    assert {d["flag"] for d in out["decisions"]} >= {"--spec-type", "-ctk", "--flash-attn"}
+
+
+def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "upstream-0c1e570")
+    r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "rtx4090.json"))
+    assert r.returncode == 0, r.stderr
+    assert "-ctk q4_0 -ctv q4_0 --flash-attn on --spec-type draft-mtp" in r.stdout
+    assert "MTP speculation drafts for a single sequence" in r.stdout
+    assert "K KV type tbq4_0 is not offered" in r.stderr
+
+
+def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
+    from mtpwrap.errors import EXIT_CONFIG
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
+    r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "none.json"))
+    assert r.returncode == EXIT_CONFIG
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "profile 4090-262k needs a GPU" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path) -> None:
+    import json
+
+    from tests.conftest import cli_env, run_cli
+
+    r = run_cli("args", "--binary", str(llama_server_bin), "--json",
+                env=cli_env(MTPWRAP_DEMO_MODEL=str(demo_model)))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["profile"] == "cpu-demo"  # no GPU on the test machine
+    assert out["argv"][:3] == [str(llama_server_bin), "-m", str(demo_model)]
+    assert "commit 0c1e570" in out["binary"]

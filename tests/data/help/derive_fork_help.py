@@ -61,7 +61,8 @@ def derive(upstream: str) -> str:
 def main() -> None:
     upstream = (HERE / "upstream-0c1e570.txt").read_text()
     (HERE / "fork-1c6e4ea.txt").write_text(derive(upstream))
-    version = "version: 0.5.0-dev (build 1, commit 1c6e4ea)\nbuilt with GNU 12.2.0 for Linux x86_64\n"
+    version = ("version: 0.5.0-dev (build 1, commit 1c6e4ea)\n"
+               "built with GNU 12.2.0 for Linux x86_64\n")
     (HERE / "fork-1c6e4ea.version.txt").write_text(version)
 
 
