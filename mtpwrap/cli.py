@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
+    "plan": ("mtpwrap.commands.plan", "Will a model fit a GPU at a context? Memory per buffer."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
 }
 
