@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "hw": ("mtpwrap.commands.hw", "Show GPUs, CPU and RAM (NVML and psutil)."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
+    "plan": ("mtpwrap.commands.plan", "Will a model fit a GPU at a context? Memory per buffer."),
     "profiles": ("mtpwrap.commands.profiles", "List and show profiles."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
 }
