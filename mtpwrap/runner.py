@@ -608,8 +608,16 @@ def instance_report() -> dict[str, Any]:
                 "reason": f"stale state file: pid {data.get('pid')} is gone",
                 "last_state": data.get("state"), "last_exit": data.get("last_exit")}
     started = data.get("started_at")
+    import httpx
+
+    try:
+        responding = httpx.get(f"{data.get('url')}/livez", timeout=1.0,
+                               trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        responding = False
     return {
-        "running": True, "state": data.get("state"), "reason": data.get("reason"),
+        "running": True, "responding": responding, "state": data.get("state"),
+        "reason": data.get("reason"),
         "pid": data.get("pid"), "child_pid": data.get("child_pid"),
         "url": data.get("url"), "profile": data.get("profile"), "model": data.get("model"),
         "uptime_s": (time.time() - started) if started else None,

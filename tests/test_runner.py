@@ -233,3 +233,26 @@ def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(20) == 0
     assert "recycling llama-server: memory" in served.output()
+
+
+@pytest.mark.parametrize("served", [("load_s=3,progress_s=0.2", {
+    "MTPWRAP_SUPERVISOR_LOAD_STALL_S": "1"})], indirect=True)
+def test_slow_load_is_live_but_not_ready(served: Served) -> None:
+    """Loading takes three times the stall budget, with progress: live, not ready, no restart."""
+    end = time.monotonic() + 10
+    seen_loading = False
+    while time.monotonic() < end:
+        try:
+            live = httpx.get(f"{served.base}/livez", timeout=2)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        ready = served.readyz()
+        assert live.status_code == 200
+        if ready is not None and ready.status_code == 200:
+            break
+        assert ready is not None and ready.status_code == 503
+        seen_loading = True
+        time.sleep(0.1)
+    assert seen_loading and ready is not None and ready.status_code == 200
+    assert served.state()["restarts"] == 0

@@ -116,6 +116,7 @@ def test_up_serves_recovers_from_a_killed_child_and_stops_clean(instance: Instan
     ask(instance.base)
     rc, st = instance.status()
     assert rc == 0 and st["running"] and st["state"] == "ready" and st["restarts"] == 0
+    assert st["responding"] is True
     assert st["pid"] == instance.proc.pid and st["profile"] == "cpu-demo"
     child = st["child_pid"]
     assert alive(child) and os.getpgid(child) == child  # llama-server leads its own group

@@ -29,6 +29,7 @@ def command(as_json: bool) -> None:
                 ["url", f"{report['url']}/v1"], ["profile", report["profile"]],
                 ["model", report["model"]], ["uptime", runner.human_duration(report["uptime_s"])],
                 ["restarts", report["restarts"]], ["last exit", report["last_exit"] or "-"],
+                ["front", "answering" if report["responding"] else "NOT answering /livez"],
                 ["mtpwrap pid", report["pid"]], ["llama-server pid", report["child_pid"] or "-"],
                 ["log", report["log_file"]],
             ]
