@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import signal
@@ -23,16 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import paths
+from mtpwrap import instance, paths
 from mtpwrap.child import ChildSpec
 from mtpwrap.errors import ConfigError
-from mtpwrap.settings import SUPERVISOR, Settings, _convert
+from mtpwrap.settings import SUPERVISOR, Settings, convert
 from mtpwrap.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
 from mtpwrap.systemd import Notifier
 
 log = logging.getLogger("mtpwrap.runner")
 
-INSTANCE_FILE = "instance.json"
 #: argv for the demo profile when the profile machinery is not installed
 _DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
 
@@ -223,91 +221,12 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
             raise ConfigError(f"profile {launch.info.get('profile')}: supervisor.{key}: "
                               f"unknown key.")
         if settings.sources.get(f"supervisor.{key}") == "default":
-            values[key] = _convert(raw, SUPERVISOR[key], f"profile {launch.info.get('profile')}",
+            values[key] = convert(raw, SUPERVISOR[key], f"profile {launch.info.get('profile')}",
                                    f"supervisor.{key}")
     rss = int(values.pop("rss_limit_mb")) * 2**20
     values.pop("exit_on_failed")
     return SupervisorConfig(rss_limit_bytes=rss,
                             log_file=paths.log_dir() / "llama-server.log", **values)
-
-
-# --------------------------------------------------------------------------- the instance file
-
-
-def instance_path() -> Path:
-    return paths.state_dir() / INSTANCE_FILE
-
-
-def read_instance() -> dict[str, Any] | None:
-    try:
-        data = json.loads(instance_path().read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def instance_running(data: dict[str, Any] | None) -> bool:
-    """True when the recorded mtpwrap process is still there (and is still mtpwrap)."""
-    if not data or not pid_alive(data.get("pid")):
-        return False
-    try:
-        cmdline = Path(f"/proc/{data['pid']}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"mtpwrap" in cmdline
-
-
-def _write_instance(data: dict[str, Any]) -> None:
-    path = instance_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)  # readers never see half a file
-
-
-def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
-    """Kill a llama-server group that a previous, SIGKILLed mtpwrap left behind.
-
-    The child itself dies with its parent (PR_SET_PDEATHSIG), but a grandchild it started
-    survives as an orphan and may hold the GPU memory or port the next start needs. A group
-    id can be reused after its processes are gone, so only orphans are killed (or the
-    recorded binary itself, should the child have survived). Returns the pids killed."""
-    if not data or instance_running(data):
-        return []
-    pgid, binary = data.get("child_pgid"), data.get("binary")
-    if not isinstance(pgid, int) or pgid <= 1 or not binary:
-        return []
-    import psutil
-
-    victims = []
-    for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
-        try:
-            if os.getpgid(p.pid) != pgid or p.info.get("status") == psutil.STATUS_ZOMBIE:
-                continue
-        except (ProcessLookupError, PermissionError):
-            continue
-        cmd = p.info.get("cmdline") or []
-        if p.info.get("ppid") == 1 or (cmd and cmd[0] == binary):
-            victims.append(p.pid)
-        else:
-            return []  # somebody else's live group now: leave it alone
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    if victims:
-        log.warning("killed %d process(es) of group %d left behind by an earlier mtpwrap "
-                    "(pid %s)", len(victims), pgid, data.get("pid"))
-    return victims
 
 
 # --------------------------------------------------------------------------- serving
@@ -418,7 +337,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         data = {**st.to_dict(), **base, "child_pid": st.pid, "child_pgid": st.pid,
                 "updated_at": time.time()}
         with contextlib.suppress(OSError):
-            _write_instance(data)
+            instance.write_instance(data)
 
     def on_state(old: State, new: State, reason: str | None) -> None:
         record()
@@ -518,7 +437,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         for t in waits:
             t.cancel()
         with contextlib.suppress(OSError):
-            instance_path().unlink()
+            instance.instance_path().unlink()
         notifier.status("stopped")
     return exit_code
 
@@ -563,14 +482,14 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
 def run_up(settings: Settings) -> int:
     """`mtpwrap up`: every check that can fail on bad input runs before anything starts."""
     _configure_logging(settings.log_level)
-    previous = read_instance()
-    if instance_running(previous):
+    previous = instance.read_instance()
+    if instance.instance_running(previous):
         assert previous is not None
         raise ConfigError(f"an mtpwrap instance is already running (pid {previous['pid']}, "
                           f"{previous.get('url')}).",
                           hint="Stop it with `mtpwrap down`, or set MTPWRAP_STATE_DIR to run "
                                "another one beside it.")
-    reap_leftovers(previous)
+    instance.reap_leftovers(previous)
     launch = resolve_launch(settings)
     supervisor_config(settings, launch)  # validates the profile's supervisor section
     front_config = proxy_config(settings, launch)
@@ -587,72 +506,3 @@ def run_up(settings: Settings) -> int:
                                  announce=announce))
     finally:
         sock.close()
-
-
-def human_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    d, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return (f"{d}d " if d else "") + (f"{h}h " if d or h else "") + f"{m}m {s}s"
-
-
-def instance_report() -> dict[str, Any]:
-    data = read_instance()
-    if data is None:
-        return {"running": False, "reason": f"no state file at {instance_path()}"}
-    if not instance_running(data):
-        return {"running": False,
-                "reason": f"stale state file: pid {data.get('pid')} is gone",
-                "last_state": data.get("state"), "last_exit": data.get("last_exit")}
-    started = data.get("started_at")
-    import httpx
-
-    try:
-        responding = httpx.get(f"{data.get('url')}/livez", timeout=1.0,
-                               trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        responding = False
-    return {
-        "running": True, "responding": responding, "state": data.get("state"),
-        "reason": data.get("reason"),
-        "pid": data.get("pid"), "child_pid": data.get("child_pid"),
-        "url": data.get("url"), "profile": data.get("profile"), "model": data.get("model"),
-        "uptime_s": (time.time() - started) if started else None,
-        "ready_since": data.get("ready_since"), "restarts": data.get("restarts", 0),
-        "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),
-        "updated_at": data.get("updated_at"),
-    }
-
-
-def stop_instance(timeout: float | None = None, force: bool = False) -> int | None:
-    """SIGTERM the running instance and wait for it; its pid, or None when none runs."""
-    from mtpwrap.errors import RuntimeFailure
-
-    data = read_instance()
-    if not instance_running(data):
-        return None
-    assert data is not None
-    pid = int(data["pid"])
-    if timeout is None:
-        timeout = float(data.get("drain_s") or 30) + float(data.get("stop_grace_s") or 10) + 10
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return pid
-    except PermissionError as exc:
-        raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap down` "
-                             "as the user that runs it (or use systemctl stop).") from exc
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if not pid_alive(pid):
-            return pid
-        time.sleep(0.1)
-    if force:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        return pid
-    raise RuntimeFailure(f"mtpwrap (pid {pid}) did not stop within {timeout:.0f}s.",
-                         hint="Wait longer with --timeout, or use --force.")

@@ -96,7 +96,7 @@ class Settings:
         return str(self.config_file) if self.config_file else "settings"
 
 
-def _convert(raw: Any, key: Key, where: str, name: str) -> Any:
+def convert(raw: Any, key: Key, where: str, name: str) -> Any:
     """Turn a YAML value or an environment string into the key's type, or say what is wrong."""
     value: Any = raw
     bad = False
@@ -208,13 +208,13 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         env_name = "MTPWRAP_" + dotted.replace(".", "_").upper()
         flag = dotted.replace("_", "-")
         if cli.get(dotted) is not None:
-            values[dotted] = _convert(cli[dotted], key, f"--{flag}", dotted)
+            values[dotted] = convert(cli[dotted], key, f"--{flag}", dotted)
             sources[dotted] = f"--{flag}"
         elif env.get(env_name) not in (None, ""):
-            values[dotted] = _convert(env[env_name], key, env_name, dotted)
+            values[dotted] = convert(env[env_name], key, env_name, dotted)
             sources[dotted] = env_name
         elif present and from_file is not None:
-            values[dotted] = _convert(from_file, key, where_file, dotted)
+            values[dotted] = convert(from_file, key, where_file, dotted)
             sources[dotted] = where_file
         else:
             values[dotted] = key.default

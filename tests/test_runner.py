@@ -175,7 +175,7 @@ def test_step_down_sequence() -> None:
 def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> None:
     """mtpwrap SIGKILLed: the child dies with it, its orphaned grandchild is killed by the
     next start (it could hold the GPU memory that start needs)."""
-    from mtpwrap import runner
+    from mtpwrap import instance
 
     fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
     script = (f"import subprocess, sys, time\n"
@@ -198,12 +198,12 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
         time.sleep(0.3)
         assert Path(f"/proc/{grandchild}").exists()  # an orphan, still running
         data = {"pid": parent.pid, "child_pgid": child, "binary": sys.executable}
-        assert runner.reap_leftovers(data) == [grandchild]
+        assert instance.reap_leftovers(data) == [grandchild]
         time.sleep(0.3)
         stat = Path(f"/proc/{grandchild}/stat")
         assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
         # A live group that is not an orphan (our own) is never touched.
-        assert runner.reap_leftovers({"pid": parent.pid, "child_pgid": os.getpgid(0),
+        assert instance.reap_leftovers({"pid": parent.pid, "child_pgid": os.getpgid(0),
                                       "binary": "/nonexistent"}) == []
     finally:
         parent.kill()

@@ -12,9 +12,9 @@ import click
               help="SIGKILL mtpwrap if it has not stopped within the timeout.")
 def command(timeout: float | None, force: bool) -> None:
     """Send SIGTERM to the running instance and wait until it has exited."""
-    from mtpwrap import console, runner
+    from mtpwrap import console, instance
 
-    pid = runner.stop_instance(timeout=timeout, force=force)
+    pid = instance.stop_instance(timeout=timeout, force=force)
     if pid is None:
         console.info("no instance is running")
     else:

@@ -14,9 +14,9 @@ def command(as_json: bool) -> None:
 
     Exit code 0 while it is ready, 1 while it runs but is not ready, 3 when none runs.
     """
-    from mtpwrap import console, runner
+    from mtpwrap import console, instance
 
-    report = runner.instance_report()
+    report = instance.instance_report()
     if as_json:
         console.print_json(report)
     else:
@@ -27,7 +27,7 @@ def command(as_json: bool) -> None:
                 ["state", report["state"] + (f" ({report['reason']})" if report["reason"]
                                              else "")],
                 ["url", f"{report['url']}/v1"], ["profile", report["profile"]],
-                ["model", report["model"]], ["uptime", runner.human_duration(report["uptime_s"])],
+                ["model", report["model"]], ["uptime", instance.human_duration(report["uptime_s"])],
                 ["restarts", report["restarts"]], ["last exit", report["last_exit"] or "-"],
                 ["front", "answering" if report["responding"] else "NOT answering /livez"],
                 ["mtpwrap pid", report["pid"]], ["llama-server pid", report["child_pid"] or "-"],
