@@ -50,12 +50,11 @@ def alive(pid: int) -> bool:
 
 class Instance:
     def __init__(self, home: Path, port: int, binary: Path, model: Path,
-                 notify: str | None = None) -> None:
+                 **more_env: str) -> None:
         self.home, self.port = home, port
         extra = {"MTPWRAP_HOME": str(home), "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.5",
                  "MTPWRAP_DRAIN_S": "5"}
-        if notify:
-            extra["NOTIFY_SOCKET"] = notify
+        extra.update(more_env)
         self.env = cli_env(**extra)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo", "--binary",
@@ -198,3 +197,51 @@ def test_second_instance_and_busy_port_are_config_errors(instance: Instance,
     assert r.returncode == 78 and f"--port {instance.port}" in r.stderr
     assert "already in use" in r.stderr
     assert not (other_home / "state" / "instance.json").exists()  # nothing half-started
+
+
+def test_sd_notify_sequence_with_the_real_server(tmp_path: Path, llama_server_bin: Path,
+                                                 demo_model: Path, free_port: int) -> None:
+    """Under a NOTIFY_SOCKET the test owns: READY=1 comes when the model answers (a request
+    sent the moment it arrives succeeds), then WATCHDOG=1 pings, STOPPING=1 on SIGTERM."""
+    import threading
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"mtpwrap-real-{os.getpid()}-{time.monotonic_ns()}"
+    sock.bind("\0" + name)
+    sock.settimeout(0.2)
+    got: list[str] = []
+    ready = threading.Event()
+    done = threading.Event()
+
+    def listen() -> None:
+        while not done.is_set():
+            try:
+                msg = sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            got.append(msg)
+            if "READY=1" in msg:
+                ready.set()
+
+    t = threading.Thread(target=listen, daemon=True)
+    t.start()
+    inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model,
+                    NOTIFY_SOCKET="@" + name, WATCHDOG_USEC="1000000")
+    try:
+        assert ready.wait(120), inst.output()
+        assert ask(inst.base)  # at READY=1 the model answers, no retry needed
+        time.sleep(1.2)
+        inst.proc.send_signal(signal.SIGTERM)
+        assert inst.proc.wait(30) == 0
+    finally:
+        done.set()
+        t.join(2)
+        sock.close()
+        inst.close()
+    first_ready = next(i for i, m in enumerate(got) if "READY=1" in m)
+    stopping = next(i for i, m in enumerate(got) if m.startswith("STOPPING=1"))
+    assert first_ready < stopping
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in got[:first_ready])
+    assert any(m.startswith("STATUS=starting") for m in got[:first_ready])
+    assert sum(m == "WATCHDOG=1" for m in got[first_ready:stopping]) >= 2
+    assert got[-1] == "STATUS=stopped"
