@@ -402,7 +402,7 @@ def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path)
     assert "commit 0c1e570" in out["binary"]
 
 
-# ---------------------------------------------------------------- draft-model and n-gram speculation
+# ---------------------------------------------------------------- draft model and n-gram
 
 DRAFT_DEMO = """\
 description: demo model drafting for itself
