@@ -38,12 +38,12 @@ SHIPPED = {p.name: p for p in profiles.list_profiles(profiles.shipped_dirs())}
 SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SNAPSHOT_NAMES}
 
 HEAD = [EXE, "-m", MODEL, "--host", "127.0.0.1", "--port", str(PORT)]
-QWEN_TAIL = ["--no-warmup", "--metrics"]
+QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 
 #: (profile, binary) → argv after HEAD. Reviewed by hand against FACTS.md §1 and the --help texts.
 PINNED: dict[tuple[str, str], list[str]] = {
     ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
-                               "--flash-attn", "auto", "--metrics"],
+                               "--flash-attn", "auto", "--metrics", "--no-webui"],
     ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
                             "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
                             "--spec-type", "mtp", "--spec-draft-n-max", "3",
@@ -435,13 +435,14 @@ def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
     tail = argv[argv.index("--spec-type"):]
     assert tail == ["--spec-type", "draft-simple", "--spec-draft-n-max", "3",
                     "--spec-draft-p-min", "0.5", "-md", "/models/D.gguf",
-                    "-ctkd", "q8_0", "-ctvd", "q8_0", "--metrics"]
+                    "-ctkd", "q8_0", "-ctvd", "q8_0", "--metrics", "--no-webui"]
     ngram = _profile(tmp_path, "ngram-demo", DRAFT_DEMO.replace("kind: draft", "kind: ngram")
                      .replace("  draft_model: demo\n", "").replace(
                          "  draft_kv: {k: [q8_0], v: [q8_0]}\n", ""))
     argv = launch.build_command(ngram, CAPS["fork"], SNAPS["none"], model=MODEL).argv
     assert argv[argv.index("--spec-type"):] == ["--spec-type", "ngram-mod",
-                                                "--spec-draft-p-min", "0.5", "--metrics"]
+                                                "--spec-draft-p-min", "0.5", "--metrics",
+                                                "--no-webui"]
 
 
 @pytest.mark.integration
