@@ -244,7 +244,9 @@ def snapshot(
         load_error = None
         source = getattr(nvml, "SOURCE", "nvml")
     if host is None:
-        host = getattr(nvml, "recorded_host", None) or host_info()
+        # a recording carries the host it was made on; never mix in this machine's figures
+        recorded = getattr(nvml, "recorded_host", None)
+        host = recorded if recorded is not None else host_info()
     base = {k: host.get(k) for k in ("cpu_physical", "cpu_logical", "ram_total", "ram_available")}
     if nvml is None:
         return HardwareSnapshot(error=load_error, source="none", **base)  # type: ignore[arg-type]

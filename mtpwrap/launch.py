@@ -44,6 +44,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "mlock": ("--mlock",),
     "no_warmup": ("--no-warmup",),
     "metrics": ("--metrics",),
+    "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
 }
 #: flags mtpwrap owns: extra args may not set them (the child must stay on loopback, keyed).
@@ -249,6 +250,8 @@ def build_command(
     if profile.no_warmup:
         b.add("no_warmup", None, "skip the empty warm-up run (profile: no_warmup)")
     b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
+    if caps.first_of(SPELLINGS["no_webui"]):
+        b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
 
     if api_key is not None:
         flag = b.flag("api_key", why_needed="the proxy authenticates to llama-server with a key")

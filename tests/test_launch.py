@@ -38,12 +38,12 @@ SHIPPED = {p.name: p for p in profiles.list_profiles(profiles.shipped_dirs())}
 SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SNAPSHOT_NAMES}
 
 HEAD = [EXE, "-m", MODEL, "--host", "127.0.0.1", "--port", str(PORT)]
-QWEN_TAIL = ["--no-warmup", "--metrics"]
+QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 
 #: (profile, binary) → argv after HEAD. Reviewed by hand against FACTS.md §1 and the --help texts.
 PINNED: dict[tuple[str, str], list[str]] = {
     ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
-                               "--flash-attn", "auto", "--metrics"],
+                               "--flash-attn", "auto", "--metrics", "--no-webui"],
     ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
                             "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
                             "--spec-type", "mtp", "--spec-draft-n-max", "3",
@@ -400,3 +400,82 @@ def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path)
     assert out["profile"] == "cpu-demo"  # no GPU on the test machine
     assert out["argv"][:3] == [str(llama_server_bin), "-m", str(demo_model)]
     assert "commit 0c1e570" in out["binary"]
+
+
+# ---------------------------------------------------------------- draft model and n-gram
+
+DRAFT_DEMO = """\
+description: demo model drafting for itself
+hardware:
+  requires_gpu: false
+model: demo
+context: 2048
+kv: {k: [f16], v: [f16]}
+spec:
+  kind: draft
+  depth: 3
+  p_min: 0.5
+  draft_model: demo
+  draft_kv: {k: [q8_0], v: [q8_0]}
+slots: 1
+"""
+
+
+def _profile(tmp_path: Path, name: str, text: str) -> profiles.Profile:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return profiles.load_file(path)
+
+
+def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
+    prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
+    spec = launch.build_command(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
+                                draft_model="/models/D.gguf")
+    argv = spec.argv
+    tail = argv[argv.index("--spec-type"):]
+    assert tail == ["--spec-type", "draft-simple", "--spec-draft-n-max", "3",
+                    "--spec-draft-p-min", "0.5", "-md", "/models/D.gguf",
+                    "-ctkd", "q8_0", "-ctvd", "q8_0", "--metrics", "--no-webui"]
+    ngram = _profile(tmp_path, "ngram-demo", DRAFT_DEMO.replace("kind: draft", "kind: ngram")
+                     .replace("  draft_model: demo\n", "").replace(
+                         "  draft_kv: {k: [q8_0], v: [q8_0]}\n", ""))
+    argv = launch.build_command(ngram, CAPS["fork"], SNAPS["none"], model=MODEL).argv
+    assert argv[argv.index("--spec-type"):] == ["--spec-type", "ngram-mod",
+                                                "--spec-draft-p-min", "0.5", "--metrics",
+                                                "--no-webui"]
+
+
+@pytest.mark.integration
+def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_model: Path,
+                                                   free_port: int, tmp_path: Path) -> None:
+    """The draft mapping is accepted by the real binary and drafting really happens: the demo
+    model drafting for itself (FACTS.md §2 saw acceptance 1.0 this way)."""
+    import httpx
+
+    from mtpwrap import capabilities
+
+    prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
+    spec = launch.build_command(prof, capabilities.probe(llama_server_bin), None,
+                                model=demo_model, draft_model=demo_model, listen_port=free_port)
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        _wait_ready(base, proc, time.monotonic() + 120)
+        # short: on a loaded 2-core machine this model can drop below 1 token/s
+        r = httpx.post(f"{base}/completion", timeout=300, json={
+            "prompt": "Count from one to twenty: one, two, three,", "n_predict": 8,
+            "temperature": 0, "seed": 1})
+        assert r.status_code == 200
+        timings = r.json()["timings"]
+        assert timings.get("draft_n", 0) > 0, timings
+        assert timings.get("draft_n_accepted", 0) > 0, timings
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
