@@ -55,7 +55,10 @@ def resolve_launch(settings: Settings) -> Launch:
     from mtpwrap import build, models
 
     binary = build.find_binary(explicit=settings.binary)
-    manifest = None if settings.binary else build.load_manifest()
+    manifest = build.load_manifest()
+    built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
+    if built != str(binary):
+        manifest = None  # another binary (--binary, MTPWRAP_LLAMA_SERVER): its own facts count
     commit = manifest.commit if manifest is not None else None
     try:
         from mtpwrap import capabilities, hardware, launch, profiles
