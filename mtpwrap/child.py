@@ -121,6 +121,7 @@ class ChildProcess:
         self.api_key = api_key
         self.started_mono = time.monotonic()
         self.started_at = time.time()
+        self.health_ok_at: float | None = None  # first /health 200, wall time
         self.last_output = time.monotonic()
         self.saw_oom = False
         self.saw_bind_error = False

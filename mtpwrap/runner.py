@@ -31,8 +31,6 @@ from mtpwrap.systemd import Notifier
 
 log = logging.getLogger("mtpwrap.runner")
 
-#: argv for the demo profile when the profile machinery is not installed
-_DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
 
 
 @dataclass
@@ -45,6 +43,8 @@ class Launch:
     warnings: list[str] = field(default_factory=list)
     supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
     proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
+    #: work that only informs (the summary), run once llama-server is starting
+    deferred: Callable[[], None] | None = None
 
 
 # --------------------------------------------------------------------------- resolving
@@ -60,10 +60,7 @@ def resolve_launch(settings: Settings) -> Launch:
     if built != str(binary):
         manifest = None  # another binary (--binary, MTPWRAP_LLAMA_SERVER): its own facts count
     commit = manifest.commit if manifest is not None else None
-    try:
-        from mtpwrap import capabilities, hardware, launch, profiles
-    except ImportError:
-        return _demo_launch(settings, binary, commit, models)
+    from mtpwrap import capabilities, hardware, launch, profiles
 
     snap = hardware.snapshot()
     if settings.profile == "auto":
@@ -75,7 +72,14 @@ def resolve_launch(settings: Settings) -> Launch:
     caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
             if manifest is not None and manifest.capabilities
             else capabilities.probe(binary))
-    plan, plan_text = _memory_plan(prof, model, snap)
+    gpus = list(getattr(snap, "gpus", None) or [])
+    if prof.context == "max" or (gpus and prof.hardware.requires_gpu):
+        plan, plan_text = _memory_plan(prof, model, snap)
+    else:
+        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
+        # made after llama-server has started, for the summary only (it costs the `gguf`
+        # package's import, a few hundred milliseconds of time to ready).
+        plan, plan_text = None, None
 
     # Build once now so a bad profile or a missing capability fails before anything starts.
     first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
@@ -95,20 +99,27 @@ def resolve_launch(settings: Settings) -> Launch:
               f"{values.get('-ctv') or values.get('--cache-type-v')}",
         "speculation": values.get("--spec-type") or "none", "memory_plan": plan_text,
     }
-    return Launch(factory=factory, info=info,
-                  decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
-                             for d in first.decisions],
-                  warnings=list(first.warnings), supervisor=dict(prof.supervisor),
-                  proxy=dict(prof.proxy))
+    result = Launch(factory=factory, info=info,
+                    decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
+                               for d in first.decisions],
+                    warnings=list(first.warnings), supervisor=dict(prof.supervisor),
+                    proxy=dict(prof.proxy))
+    if plan_text is None:
+        def plan_later() -> None:
+            try:
+                info["memory_plan"] = _memory_plan(prof, model, snap)[1]
+            except ConfigError as exc:
+                info["memory_plan"] = f"not planned ({exc})"
+
+        result.deferred = plan_later
+    return result
 
 
 def _memory_plan(prof: Any, model: Path, snap: Any) -> tuple[Any, str]:
     """The memory plan for this profile, model and GPU; (None, why not) when it cannot be
     made. A plan that does not fit is a ConfigError with the numbers (nothing starts)."""
-    try:
-        from mtpwrap import gguf_facts, planner
-    except ImportError:
-        return None, "not planned (no planner installed); llama.cpp's --fit decides"
+    from mtpwrap import gguf_facts, planner
+
     gpus = list(getattr(snap, "gpus", None) or [])
     on_gpu = bool(gpus) and prof.hardware.requires_gpu
     device = getattr(gpus[0], "memory_free", None) if on_gpu else None
@@ -143,24 +154,6 @@ def _memory_plan(prof: Any, model: Path, snap: Any) -> tuple[Any, str]:
     if p.headroom is not None:
         text += f", headroom {p.headroom / gib:.2f} GiB"
     return p, text
-
-
-def _demo_launch(settings: Settings, binary: Path, commit: str | None, models: Any) -> Launch:
-    if settings.profile not in ("auto", "cpu-demo"):
-        raise ConfigError(f"--profile {settings.profile}: unknown profile; available: cpu-demo.")
-    model = (models.resolve_model(settings.model) if settings.model
-             else models.ensure_demo_model())
-
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                *_DEMO_ARGS]
-        return step_down(ChildSpec(argv=argv, env={"LLAMA_API_KEY": api_key}), step)
-
-    info = {"profile": "cpu-demo", "profile_reason": "the demo profile", "binary": str(binary),
-            "commit": commit, "model": str(model), "context": "4096", "kv": "f16 / f16",
-            "speculation": "none",
-            "memory_plan": "not planned (no planner installed); llama.cpp's --fit decides"}
-    return Launch(factory=factory, info=info)
 
 
 def step_down(spec: ChildSpec, step: int) -> ChildSpec | None:
@@ -337,8 +330,8 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     def record() -> None:
         st = sup.status()
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
-        data = {**st.to_dict(), **base, "child_pid": st.pid, "child_pgid": st.pid,
-                "updated_at": time.time()}
+        data = {**st.to_dict(), **sup.timeline(), **base, "child_pid": st.pid,
+                "child_pgid": st.pid, "updated_at": time.time()}
         with contextlib.suppress(OSError):
             instance.write_instance(data)
 
@@ -501,6 +494,8 @@ def run_up(settings: Settings) -> int:
     def announce() -> None:
         from mtpwrap import console
 
+        if launch.deferred is not None:
+            launch.deferred()
         for line in summary_lines(settings, launch):
             console.out.print(line, markup=False)
 

@@ -99,7 +99,7 @@ class SupervisorConfig:
     load_stall_s: float = 120.0
     #: time allowed for the one-token readiness generation
     probe_timeout_s: float = 60.0
-    poll_interval_s: float = 0.05  # /health polling while starting
+    poll_interval_s: float = 0.02  # /health polling while starting (cheap: no model work)
     monitor_interval_s: float = 1.0  # checks while ready
     health_failures: int = 3  # consecutive failed /health checks while ready → restart
     backoff_initial_s: float = 1.0
@@ -166,6 +166,14 @@ class Supervisor:
     @property
     def state(self) -> State:
         return self._state
+
+    def timeline(self) -> dict[str, float | None]:
+        """Wall times of the current child: spawned, first /health 200 (llama-server's own
+        idea of ready), READY (a generated token). For the instance file and benchmarks."""
+        child = self._child
+        return {"child_started_at": child.started_at if child else None,
+                "child_health_ok_at": child.health_ok_at if child else None,
+                "ready_since": self._ready_since}
 
     def add_listener(self, callback: Callable[[State, State, str | None], None]) -> None:
         self._listeners.append(callback)
@@ -388,6 +396,8 @@ class Supervisor:
             if code != last_health:
                 last_health, progress = code, time.monotonic()
             if code == 200:
+                if child.health_ok_at is None:
+                    child.health_ok_at = time.time()
                 ok, why = await child.generate_one_token(cfg.probe_timeout_s)
                 if ok:
                     self._consecutive_oom = 0
