@@ -8,7 +8,6 @@ checked by it; `MTPWRAP_API_KEYS` (comma separated) and `--api-key-file` feed it
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -149,6 +148,8 @@ def convert(raw: Any, key: Key, where: str, name: str) -> Any:
 
 
 def _unknown(where: str, name: str, known: list[str]) -> ConfigError:
+    import difflib
+
     close = difflib.get_close_matches(name.rsplit(".", 1)[-1], known, n=1)
     hint = f"Did you mean {close[0]!r}?" if close else f"Known keys: {', '.join(sorted(known))}."
     return ConfigError(f"{where}: {name}: unknown key.", hint=hint)
