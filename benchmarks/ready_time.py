@@ -89,7 +89,8 @@ def direct(binary: Path, model: Path) -> tuple[float, float]:
 def via_mtpwrap(binary: Path, model: Path, explicit: bool) -> dict[str, float]:
     port = free_port()
     with tempfile.TemporaryDirectory() as home:
-        env = {**os.environ, "MTPWRAP_HOME": home, "PYTHONPATH": str(REPO)}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "MTPWRAP_HOME": home, "PYTHONPATH": path}
         t0, wall0 = time.monotonic(), time.time()
         # Without --binary, `up` uses the build's manifest (capabilities recorded at build
         # time), as a deployment does; --binary makes it probe the binary's --help first.

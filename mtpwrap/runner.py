@@ -108,7 +108,7 @@ def resolve_launch(settings: Settings) -> Launch:
         def plan_later() -> None:
             try:
                 info["memory_plan"] = _memory_plan(prof, model, snap)[1]
-            except ConfigError as exc:
+            except Exception as exc:  # informational only: never stop serving over it
                 info["memory_plan"] = f"not planned ({exc})"
 
         result.deferred = plan_later
