@@ -208,7 +208,7 @@ def install(opts: UnitOptions, *, unit_dir: Path = UNIT_DIR, etc_dir: Path = ETC
                           "as root (sudo).") from exc
     if create_user:
         ensure_user(opts.user)
-    if reload and shutil.which("systemctl"):
+    if reload and booted():
         _systemctl("daemon-reload")
     return written
 
@@ -217,14 +217,14 @@ def uninstall(*, unit_dir: Path = UNIT_DIR, reload: bool = True) -> Path | None:
     unit = unit_dir / UNIT_NAME
     if not unit.exists():
         return None
-    if reload and shutil.which("systemctl"):
+    if reload and booted():
         _systemctl("disable", "--now", UNIT_NAME, check=False)
     try:
         unit.unlink()
     except PermissionError as exc:
         raise ConfigError(f"{unit}: permission denied; run `mtpwrap service uninstall` as root "
                           "(sudo).") from exc
-    if reload and shutil.which("systemctl"):
+    if reload and booted():
         _systemctl("daemon-reload", check=False)
     return unit
 
@@ -243,6 +243,11 @@ def ensure_user(user: str) -> None:
                              "create a system user for the service first.")
     subprocess.run([useradd, "--system", "--home-dir", "/var/lib/mtpwrap", "--no-create-home",
                     "--shell", "/usr/sbin/nologin", "--user-group", user], check=True)
+
+
+def booted() -> bool:
+    """True when systemd is the init system (sd_booted): only then can systemctl work."""
+    return Path("/run/systemd/system").is_dir() and shutil.which("systemctl") is not None
 
 
 def _systemctl(*args: str, check: bool = True) -> None:

@@ -191,3 +191,19 @@ def test_shipped_example_config_loads(tmp_path: Path) -> None:
     cfg.write_text(text)
     s = load_settings({}, env={}, config=cfg)
     assert s.api_keys == ("k1",) and s.supervisor["wedge_s"] == 60.0 and s.proxy == {}
+
+
+def test_service_install_command_writes_where_told(tmp_path: Path) -> None:
+    units, etc = tmp_path / "units", tmp_path / "etc"
+    units.mkdir()
+    r = run_cli("service", "install", "--unit-dir", str(units), "--etc-dir", str(etc),
+                "--no-user", "--profile", "4090-262k", "--drain-s", "60")
+    assert r.returncode == 0, r.stderr
+    text = (units / "mtpwrap.service").read_text()
+    assert "--profile 4090-262k" in text and "TimeoutStopSec=85" in text
+    assert (etc / "env").exists()
+    assert _verify(text, tmp_path).stderr.count("mtpwrap.service:") == 0
+    r = run_cli("service", "uninstall", "--unit-dir", str(units))
+    assert r.returncode == 0 and not (units / "mtpwrap.service").exists()
+    r = run_cli("service", "install", "--unit-dir", str(tmp_path / "none"), "--no-user")
+    assert r.returncode == 78 and "no such directory" in r.stderr

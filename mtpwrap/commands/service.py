@@ -54,16 +54,21 @@ def print_(**kw: object) -> None:
 @_common  # type: ignore[arg-type]
 @click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
               envvar="MTPWRAP_UNIT_DIR", show_default=True)
+@click.option("--etc-dir", type=click.Path(path_type=Path), default="/etc/mtpwrap",
+              envvar="MTPWRAP_ETC_DIR", show_default=True,
+              help="Where the environment file goes.")
 @click.option("--no-user", is_flag=True, help="Do not create the system user.")
-def install(unit_dir: Path, no_user: bool, **kw: object) -> None:
+def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
     """Write the unit and /etc/mtpwrap/env, create the user, reload systemd."""
     from mtpwrap import console, systemd
 
     written = systemd.install(_options(**kw), unit_dir=unit_dir,  # type: ignore[arg-type]
-                              create_user=not no_user)
+                              etc_dir=etc_dir, create_user=not no_user)
     for p in written:
         console.info(f"wrote {p}")
-    console.info("next: edit /etc/mtpwrap/env and /etc/mtpwrap/mtpwrap.yaml, then "
+    if not systemd.booted():
+        console.warn("systemd is not running here; the unit is written but not loaded")
+    console.info(f"next: edit {etc_dir}/env and {etc_dir}/mtpwrap.yaml, then "
                  "`systemctl enable --now mtpwrap`")
 
 
