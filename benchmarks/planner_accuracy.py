@@ -56,7 +56,7 @@ def cases(quick: bool, heavy: bool) -> list[Case]:
         return PlanConfig(backend="cpu", **kw)  # type: ignore[arg-type]
 
     def srv(**kw: object) -> PlanConfig:
-        return PlanConfig(backend="cpu", **kw)  # type: ignore[arg-type]
+        return PlanConfig(backend="cpu", cpu_repack=False, **kw)  # type: ignore[arg-type]
 
     out: list[Case] = []
     for model in gguf_writer.SHAPES:

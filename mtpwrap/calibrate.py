@@ -21,7 +21,8 @@ MiB = 1024 * 1024
 #: values per "block" in the stored sizes: every ggml block size divides 256, so bytes per 256
 #: values is an integer for every real type.
 CAL_BLOCK = 256
-_CAL_CELLS = 16384
+#: large enough that the log's two-decimal MiB figures are exact for every block type
+_CAL_CELLS = 131072
 
 _KV_SIZE = re.compile(
     r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/\s*(\d+) "
@@ -46,6 +47,7 @@ class Allocations:
     """
 
     model: dict[str, int] = field(default_factory=dict)
+    #: KV bytes per context, in log order (main first, then an MTP/draft context)
     kv: list[int] = field(default_factory=list)
     kv_detail: list[dict[str, Any]] = field(default_factory=list)
     recurrent: list[int] = field(default_factory=list)
@@ -89,20 +91,24 @@ def parse_allocations(log: str) -> Allocations:
         a.kv_detail.append({"cells": int(m.group(2)), "layers": int(m.group(3)),
                             "streams": int(m.group(4)), "type_k": m.group(6),
                             "k": _b(m.group(7)), "type_v": m.group(8), "v": _b(m.group(9))})
-    a.kv = [d["k"] + d["v"] for d in a.kv_detail]
     a.recurrent = [_b(m.group(1)) for m in _RS_SIZE.finditer(log)]
     for m in _COMPUTE_BUF.finditer(log):
         a.compute[m.group(1)] = max(a.compute.get(m.group(1), 0), _b(m.group(2)))
-    # each context logs its output buffer first, then its caches and compute reservations
-    starts = [m.start() for m in _OUTPUT_BUF.finditer(log)]
-    outs = [_b(m.group(2)) for m in _OUTPUT_BUF.finditer(log)]
-    bounds = starts + [len(log)]
-    for i in range(len(starts)):
-        seg = log[bounds[i]:bounds[i + 1]]
+    # Each context logs its output buffer first, then its caches (two for sliding-window
+    # models: full and SWA) and its compute reservations; split the log there.
+    outs = list(_OUTPUT_BUF.finditer(log))
+    a.output = _b(outs[0].group(2)) if outs else 0
+    bounds = [m.start() for m in outs] + [len(log)]
+    if not outs:
+        bounds = [0, len(log)]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        seg = log[lo:hi]
+        caches = [_b(m.group(7)) + _b(m.group(9)) for m in _KV_SIZE.finditer(seg)]
+        if caches:
+            a.kv.append(sum(caches))
         sizes = [_b(m.group(2)) for m in _COMPUTE_BUF.finditer(seg)]
         if sizes:
             a.compute_per_context.append(max(sizes))
-    a.output = outs[0] if outs else 0
     return a
 
 
@@ -157,7 +163,7 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
         raise RuntimeFailure(f"{fit_bin.name}: no KV cache line for type {cache_type}.")
     d = details[0]
     values = d["cells"] * d["layers"] * d["streams"] * n_values_per_cell
-    return int(round(d["k"] * CAL_BLOCK / values))
+    return int(round((d["k"] + d["v"]) * CAL_BLOCK / (2 * values)))
 
 
 def kv_type_sizes(binary: Path, model: Path | None = None,
@@ -216,6 +222,8 @@ def llama_args(cfg: Any, server: bool = False) -> list[str]:
             args.append("-kvu" if cfg.kv_unified else "-no-kvu")
         elif cfg.kv_unified:
             raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
+    if not getattr(cfg, "cpu_repack", True):
+        args.append("--no-repack")
     if cfg.spec == "mtp":
         args += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(cfg.draft_depth),
                  "-ctkd", cfg.type_k_draft, "-ctvd", cfg.type_v_draft]
@@ -236,12 +244,13 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     Unlike llama-fit-params this shows the MTP context (its KV and compute buffers) and the
     server's own output reservation (slots × (1 + draft depth) logits rows, not a whole ubatch).
     The weights are memory-mapped; with --no-warmup nothing computes, so a shape-only model's
-    holes are only read by the loader's prefetch.
+    holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
+    repacking copies every quantized weight into RAM.
     """
     import time
 
     cmd = [str(server_bin), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--fit", "off", "--no-warmup", "--no-repack", "-t", "2", "-lv", "4",
+           "--fit", "off", "--no-warmup", "-t", "2", "-lv", "4",
            *llama_args(cfg, server=True)]
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -62,6 +62,8 @@ class PlanConfig:
     n_gpu_layers: int = 999
     backend: str = "cuda"     #: "cuda" | "cpu"
     margin: int = DEFAULT_MARGIN
+    #: CPU weight repacking (llama.cpp's default): a tied output matrix then gets its own copy
+    cpu_repack: bool = True
     #: logits rows reserved per ubatch; None: what llama-server reserves (slots × (1 + depth)).
     #: llama-fit-params reserves a whole ubatch.
     n_outputs: int | None = None
@@ -245,8 +247,13 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         if il < trunk_layers and il >= trunk_layers - min(offloaded, trunk_layers))
     other = facts.tensor_bytes - layer_sum - facts.mtp_bytes - facts.host_bytes
     out_on_gpu = cfg.n_gpu_layers > trunk_layers  # llama.cpp offloads output with -ngl > n_layer
-    w_gpu = on_gpu_layers + (other if out_on_gpu else 0)
-    w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other)
+    # A model without output.weight reuses token_embd as its output matrix; llama.cpp loads that
+    # second copy into the output's buffer (the GPU, or the CPU repack buffer).
+    tied = facts.token_embd_bytes if facts.output_bytes == 0 else 0
+    if gpu == "host" and not cfg.cpu_repack:
+        tied = 0
+    w_gpu = on_gpu_layers + (other + tied if out_on_gpu else 0)
+    w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other + tied)
     if gpu == "host":
         w_host, w_gpu = w_host + w_gpu, 0
 

@@ -101,7 +101,7 @@ def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, fre
             time.sleep(0.5)
         else:
             pytest.fail("llama-server did not become ready")
-        body = json.dumps({"prompt": "The quick brown fox", "n_predict": 48,
+        body = json.dumps({"prompt": "The quick brown fox", "n_predict": 16,
                            "temperature": 0}).encode()
         req = urllib.request.Request(base + "/completion", data=body,
                                      headers={"Content-Type": "application/json"})
