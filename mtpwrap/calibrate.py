@@ -276,3 +276,18 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
         tail = " | ".join(text.strip().splitlines()[-3:])
         raise RuntimeFailure(f"{server_bin.name} did not start on {model.name}: {tail}")
     return parse_allocations(text), text
+
+
+def calibrate_build(variant: str | None = None, force: bool = False) -> dict[str, dict[str, int]]:
+    """Measure the installed build's cache types once and keep them in its manifest."""
+    from mtpwrap import build
+
+    manifest = build.load_manifest(variant)
+    if manifest is None:
+        raise MissingToolError("no built llama-server to calibrate.", hint="Run `mtpwrap build`.")
+    cached = load_kv_sizes(manifest)
+    if cached and not force:
+        return cached
+    sizes = kv_type_sizes(manifest.binary("llama-server"))
+    build.update_manifest(manifest, kv_type_sizes=sizes)
+    return sizes

@@ -187,7 +187,8 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
 
     The reserve graph is one ubatch; its peak is the larger of two phases:
     - output: the logits rows (n_outputs × vocabulary × 4 B) next to the last hidden states
-      (8 B × n_embd per token; for hybrid Qwen3.5 the widest of FFN and DeltaNet projection);
+      (8 B × n_embd per token; for hybrid Qwen3.5 the widest of FFN and DeltaNet projection;
+      MLA adds 8 B × heads × latent width);
     - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
       inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
       attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
@@ -204,6 +205,8 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
         layer_tok = 44 * facts.recurrent_inner
     else:
         out_tok = 8 * facts.n_embd
+        if facts.is_mla:  # absorbed MLA keeps per-head latent rows (K and V width) around
+            out_tok += 8 * _kq_heads(facts) * facts.head_dim_v
         layer_tok = 16 * widest
     mask = 2 * n_ctx * ub
     type_k = cfg.type_k_draft if mtp_context else cfg.type_k
