@@ -309,6 +309,12 @@ def build(
         if not force and cached_manifest.is_file() and (src is None or src.kind != "path"):
             manifest = Manifest.from_dict(json.loads(cached_manifest.read_text()))
             if _binaries_ok(manifest):
+                if manifest.capabilities is None:
+                    # Recorded by an older mtpwrap: parse --help once and keep it.
+                    server = Path(manifest.binaries["llama-server"]["cache_path"])
+                    manifest.capabilities = _capabilities(server)
+                    if manifest.capabilities is not None:
+                        _write_json(cached_manifest, manifest.to_dict())
                 if progress:
                     progress("up to date", 100.0, None)
                 return _install(manifest, variant_dir), True, why

@@ -27,20 +27,11 @@ class Check:
         return asdict(self)
 
 
-def check_gpus() -> list[Check]:
-    try:
+def check_gpus(snap: Any | None = None) -> list[Check]:
+    if snap is None:
         from mtpwrap import hardware
 
         snap = hardware.snapshot()
-    except ImportError:
-        return [
-            Check(
-                "NVIDIA driver / GPUs",
-                WARNING,
-                "hardware probing is not available",
-                "pip install nvidia-ml-py",
-            )
-        ]
     gpus = list(getattr(snap, "gpus", ()) or ())
     if not gpus:
         why = getattr(snap, "error", None) or "NVML found no NVIDIA GPU"
@@ -187,9 +178,9 @@ def check_model(model: str | None) -> Check:
     )
 
 
-def run_checks(model: str | None = None) -> list[Check]:
+def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
     return [
-        *check_gpus(),
+        *check_gpus(snap),
         check_cuda(),
         check_cmake(),
         check_compiler(),

@@ -91,8 +91,9 @@ def resolve_model(name_or_path: str | Path, *, what: str = "--model") -> Path:
         raise ConfigError(
             f"{what} {raw}: not a regular file.", hint="Give the path of a .gguf file."
         )
+    looked = str(p) if p.is_absolute() else f"{p} and {in_dir}"
     raise ConfigError(
-        f"{what} {raw}: no such model file (looked at {p} and {in_dir}).",
+        f"{what} {raw}: no such model file (looked at {looked}).",
         hint="Give the path of a .gguf file, or `mtpwrap models demo` for the demo model.",
     )
 

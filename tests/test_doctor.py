@@ -44,3 +44,21 @@ def test_doctor_sees_the_real_build(cpu_manifest: dict) -> None:
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert checks["llama-server build"]["status"] == "ok"
     assert str(cpu_manifest["source"]["commit"]) in checks["llama-server build"]["detail"]
+
+
+def test_doctor_reports_a_recorded_rtx_4090() -> None:
+    from mtpwrap import doctor, hardware
+
+    snap = hardware.load_snapshot(Path(__file__).parent / "data" / "snapshots" / "rtx4090.json")
+    checks = doctor.check_gpus(snap)
+    assert len(checks) == 1 and checks[0].status == doctor.OK
+    assert "RTX 4090" in checks[0].detail and "sm_89" in checks[0].detail
+    assert "23.6 GiB" in checks[0].detail or "24.0 GiB" in checks[0].detail
+
+
+def test_doctor_without_driver_warns_and_says_why() -> None:
+    from mtpwrap import doctor, hardware
+
+    snap = hardware.load_snapshot(Path(__file__).parent / "data" / "snapshots" / "none.json")
+    (check,) = doctor.check_gpus(snap)
+    assert check.status == doctor.WARNING and "no GPU" in check.detail
