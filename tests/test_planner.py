@@ -176,3 +176,21 @@ def test_cli_plan_table_and_json(q27_path: Path) -> None:
     assert d["largest_context"]["q4_0"] == 262_144
     r = run_cli("plan", "--model", str(q27_path), "--gpu", "rtx9999")
     assert r.returncode == 78 and "unknown GPU" in r.stderr
+
+
+def test_cli_plan_from_a_profile(q27_path: Path, tmp_path: Path) -> None:
+    import json
+
+    prof = tmp_path / "mine.yaml"
+    prof.write_text("description: test\nhardware:\n  gpu_name: RTX 4090\nmodel: x.gguf\n"
+                    "context: max\nkv:\n  k: [tbq4_0, q8_0]\n  v: [tbq4_0, q8_0]\n"
+                    "spec:\n  kind: mtp\n  depth: 2\nubatch: 32\n")
+    r = run_cli("plan", "--profile", str(prof), "--model", str(q27_path), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    # tbq4_0 has no known size without calibration: the profile's fallback q8_0 is planned
+    assert d["config"]["type_k"] == "q8_0" and d["config"]["spec"] == "mtp"
+    assert d["config"]["ubatch"] == 32 and d["config"]["draft_depth"] == 2
+    # context: max resolves to the largest context that fits, and it does fit
+    assert d["fits"] is True and 0 < d["context"] < 262_144
+    assert d["context"] == d["largest_context"]["q8_0"]
