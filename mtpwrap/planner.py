@@ -242,12 +242,13 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
         raise ConfigError(f"{facts.path}: the model has no MTP (nextn) layers, so --spec-type "
                           "mtp cannot be used; choose another speculative mode or model.")
 
-    # Weights: token embeddings stay on the host; layers beyond -ngl stay on the host too.
+    # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
+    # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).
     trunk_layers = facts.n_layer
-    offloaded = min(cfg.n_gpu_layers, trunk_layers + (1 if cfg.n_gpu_layers > trunk_layers else 0))
+    n_off = max(0, min(cfg.n_gpu_layers, trunk_layers))
     layer_sum = sum(b for il, b in facts.layer_bytes.items() if il < trunk_layers)
     on_gpu_layers = sum(b for il, b in facts.layer_bytes.items()
-                        if il < trunk_layers and il >= trunk_layers - min(offloaded, trunk_layers))
+                        if trunk_layers - n_off <= il < trunk_layers)
     other = facts.tensor_bytes - layer_sum - facts.mtp_bytes - facts.host_bytes
     out_on_gpu = cfg.n_gpu_layers > trunk_layers  # llama.cpp offloads output with -ngl > n_layer
     # A model without output.weight reuses token_embd as its output matrix; llama.cpp loads that
@@ -262,8 +263,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
 
     rows: list[Row] = []
     if gpu == "gpu":
-        rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{min(offloaded, trunk_layers)}/"
-                        f"{trunk_layers} layers"))
+        rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{n_off}/{trunk_layers} layers"
+                        + (" + output" if out_on_gpu else "")))
     rows.append(Row("weights (host)", w_host, "host",
                     "token embeddings" + (" + all layers" if gpu == "host" else "")))
 
