@@ -8,7 +8,9 @@ planner's prediction next to it. The temporary models are deleted at the end.
     python benchmarks/planner_accuracy.py [--bin-dir DIR] [--quick] [--heavy] [--json OUT]
 
 MTP on/off is measured with llama-server (llama-fit-params has no speculative flags), on a tiny
-random hybrid MTP model and, with --heavy, on the 27B shape model.
+random hybrid MTP model and, with --heavy, on the 27B shape model (plus the 8B without MTP).
+llama-server maps the weights and the kernel reads the holes in: about 90 s and 16 GB of page
+cache for the 27B, so --heavy is for a quiet machine.
 """
 
 from __future__ import annotations
@@ -87,8 +89,10 @@ def cases(quick: bool, heavy: bool) -> list[Case]:
                                     kv_unified=True, spec="mtp", draft_depth=3), "server"),
     ]
     if heavy:
-        out.append(Case("qwen3.6-27b", srv(n_ctx=16384, type_k="q4_0", type_v="q4_0",
-                                           spec="mtp", draft_depth=3), "server"))
+        out += [Case("llama3-8b", srv(n_ctx=16384, type_k="f16", type_v="f16"), "server"),
+                Case("llama3-8b", srv(n_ctx=4096, type_k="q4_0", type_v="q4_0"), "server"),
+                Case("qwen3.6-27b", srv(n_ctx=16384, type_k="q4_0", type_v="q4_0",
+                                        spec="mtp", draft_depth=3), "server")]
     return out
 
 
@@ -118,7 +122,7 @@ def main() -> int:
                     "(default: the installed build's)")
     ap.add_argument("--quick", action="store_true", help="three configurations per model")
     ap.add_argument("--heavy", action="store_true",
-                    help="also start llama-server on the 27B shape model with MTP")
+                    help="also start llama-server on the 8B and 27B (MTP) shape models")
     ap.add_argument("--json", type=Path, help="also write every number here")
     ap.add_argument("--models", nargs="*", default=None, help="subset of models")
     a = ap.parse_args()

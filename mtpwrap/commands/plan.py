@@ -75,36 +75,14 @@ def _fmt(n: int) -> str:
 
 
 def _from_profile(name: str, kv_sizes: dict[str, Any] | None) -> dict[str, Any]:
-    """Plan settings a profile implies: model, GPU, context, KV, speculation, batch sizes."""
     from mtpwrap import profiles
-    from mtpwrap.planner import BUILTIN_KV_TYPES
+    from mtpwrap.planner import profile_settings
 
     prof = profiles.load_profile(name)
-    known = set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
-
-    def first_known(types: tuple[str, ...], key: str) -> str:
-        for t in types:
-            if t in known:
-                return t
-        raise ConfigError(f"profile {prof.name}: {key}: none of {', '.join(types)} is a cache "
-                          "type this build supports; run `mtpwrap build` or edit the profile.")
-
-    spec = prof.spec.kind if prof.spec.kind in ("mtp", "draft", "ngram") else "none"
-    draft = prof.spec.draft_kv
-    return {
-        "model": prof.model,
-        "gpu": _gpu_for_profile(prof.hardware.gpu_name) if prof.hardware.requires_gpu else "cpu",
-        "context": prof.context,
-        "kv": first_known(prof.kv.k, "kv.k"),
-        "spec": spec,
-        "depth": prof.spec.depth or 3,
-        "kv_draft": first_known(draft.k, "spec.draft_kv.k") if draft else "f16",
-        "slots": prof.slots,
-        "ubatch": prof.ubatch or 512,
-        "batch": prof.batch or 2048,
-        "flash_attn": prof.flash_attn != "off",
-        "ngl": prof.gpu_layers if isinstance(prof.gpu_layers, int) else 999,
-    }
+    settings = profile_settings(prof, kv_sizes)
+    settings["gpu"] = (_gpu_for_profile(prof.hardware.gpu_name)
+                       if prof.hardware.requires_gpu else "cpu")
+    return settings
 
 
 @click.command("plan")
