@@ -205,7 +205,8 @@ class Front:
                     up.base_url + "/metrics",
                     headers={"authorization": f"Bearer {up.api_key}"},
                     timeout=self.config.backend_metrics_timeout_s)
-                if r.status_code == 200:
+                if r.status_code == 200 and r.headers.get("content-type", "").startswith(
+                        "text/plain"):
                     text = r.text
             except httpx.HTTPError as err:
                 log.debug("child /metrics unreadable: %s", err)
@@ -362,7 +363,9 @@ class Front:
         if self.queued >= cfg.queue_size:
             ready = _state(st) == "ready"
             self.metrics.shed.labels("overload" if ready else "not_ready").inc()
-            raise _Refusal(429 if ready else 503, "shed", "The server is busy; retry later.")
+            raise _Refusal(429 if ready else 503, "shed",
+                           "The server is busy; retry later." if ready else
+                           "The model is not ready; retry later.")
         self.queued += 1
         t = time.perf_counter()
         deadline = asyncio.get_running_loop().time() + cfg.queue_timeout_s
@@ -574,7 +577,7 @@ class Front:
                 ex.committed_sse = ex.started = True
                 await send({"type": "http.response.start", "status": 200,
                             "headers": list(_SSE_HEADERS)})
-            elif not ex.sse:
+            elif not (ex.sse or ex.committed_sse):
                 return
             await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
 

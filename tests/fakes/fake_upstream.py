@@ -166,6 +166,21 @@ class FakeUpstream:
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await w.drain()
             return True
+        if seen.path == "/metrics":
+            # llama-server's exposition format, as its --metrics flag serves it
+            body = (b"# HELP llamacpp:tokens_predicted_total Number of generation tokens.\n"
+                    b"# TYPE llamacpp:tokens_predicted_total counter\n"
+                    b"llamacpp:tokens_predicted_total 300\n"
+                    b"# HELP llamacpp:tokens_predicted_seconds_total Generation time.\n"
+                    b"# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
+                    b"llamacpp:tokens_predicted_seconds_total 2\n"
+                    b"# HELP llamacpp:requests_processing Requests processing.\n"
+                    b"# TYPE llamacpp:requests_processing gauge\n"
+                    b"llamacpp:requests_processing 0\n")
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+            return True
         if mode == "close_without_response":
             w.close()
             return False

@@ -243,3 +243,25 @@ class LlamaChild:
                       headers={"authorization": f"Bearer {self.api_key}"}, timeout=5)
         r.raise_for_status()
         return sum(1 for s in r.json() if s.get("is_processing"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = None,
+                state: State = State.READY, pid: int | None = None):  # noqa: ANN201
+    """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
+    from mtpwrap.proxy import Front
+
+    sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
+    srv = FrontServer(lambda: Front(sup, config, info or {}), free_port(), sup).start()
+    try:
+        yield srv, sup
+    finally:
+        srv.stop()
