@@ -109,6 +109,7 @@ class _Exchange:
     sse: bool = False
     at_boundary: bool = True         # the last byte sent ends an SSE event
     in_send: bool = False
+    send_started: float = 0.0
     first_chunk: bool = False
     last_progress: float = 0.0
     last_chunk_at: float = 0.0
@@ -146,7 +147,8 @@ class Front:
         self._hosts = derive_allowed_hosts(config)
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4))
+        self._tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
+                                   config.write_timeout_s / 4))
         n = config.max_concurrency + 4
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
@@ -472,7 +474,7 @@ class Front:
                 headers = [(k.lower(), v) for k, v in resp.headers.raw
                            if k.decode("latin-1").lower() not in _DROP_RESPONSE
                            and not k.lower().startswith(b"access-control-")]
-                if sse:
+                if sse and not any(k == b"x-accel-buffering" for k, _ in headers):
                     headers.append((b"x-accel-buffering", b"no"))
                 await send({"type": "http.response.start", "status": resp.status_code,
                             "headers": headers})
@@ -481,7 +483,6 @@ class Front:
         ex.phase = "body"
         ttft = self.metrics.ttft.labels(ex.label)
         itl = self.metrics.itl.labels(ex.label)
-        write_timeout = self.config.write_timeout_s
         async for chunk in resp.aiter_raw():
             now = loop.time()
             if not ex.first_chunk:
@@ -491,15 +492,13 @@ class Front:
             elif sse:
                 itl.observe(now - ex.last_chunk_at)
             ex.last_chunk_at = ex.last_progress = now
+            # The guard enforces write_timeout_s on this send (a timer per chunk would cost
+            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
             async with ex.send_lock:
                 ex.in_send = True
+                ex.send_started = now
                 try:
-                    async with asyncio.timeout(write_timeout):
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
-                except TimeoutError:
-                    ex.cancel_reason = "slow_reader"
-                    raise asyncio.CancelledError from None
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 finally:
                     ex.in_send = False
                 ex.at_boundary = chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")
@@ -556,7 +555,13 @@ class Front:
                 continue
             except TimeoutError:
                 pass
-            if ex.phase not in ("headers", "body") or ex.in_send:
+            if ex.in_send:
+                if loop.time() - ex.send_started >= cfg.write_timeout_s:
+                    ex.cancel_reason = "slow_reader"
+                    worker.cancel()
+                    return
+                continue
+            if ex.phase not in ("headers", "body"):
                 continue
             idle = loop.time() - ex.last_progress
             budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s

@@ -224,7 +224,7 @@ class ProxyConfig:
     max_n_probs: int = 100
     metrics_public: bool = False
     healthz_public: bool = False
-    backend_metrics_timeout_s: float = 2.0
+    backend_metrics_timeout_s: float = 5.0
     cors_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
