@@ -9,7 +9,6 @@ acceptance and tokens/s are derived from it.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -155,11 +154,12 @@ def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
         ("mtpwrap_gpu_memory_total_bytes", "GPU memory in total",
          ("memory_total_bytes", "mem_total_bytes", "memory_total"), 1.0),
         ("mtpwrap_gpu_utilization_ratio", "GPU busy fraction (0..1)",
-         ("utilization_ratio", "utilization", "util_percent", "utilization_gpu"), None),
+         ("utilization_gpu", "util_percent"), 0.01),
         ("mtpwrap_gpu_temperature_celsius", "GPU temperature",
          ("temperature_c", "temperature_celsius", "temperature"), 1.0),
         ("mtpwrap_gpu_power_watts", "GPU power draw",
          ("power_w", "power_watts", "power_draw_w", "power"), 1.0),
+        ("mtpwrap_gpu_power_limit_watts", "GPU power limit", ("power_limit_w",), 1.0),
     ]
     for name, doc, keys, scale in specs:
         g = GaugeMetricFamily(name, doc, labels=["gpu"])
@@ -168,9 +168,7 @@ def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
             v = _first(s, *keys)
             if v is None:
                 continue
-            if scale is None and v > 1.0:  # utilisation given in percent
-                v /= 100.0
-            g.add_metric([str(s.get("index", 0))], v)
+            g.add_metric([str(s.get("index", 0))], v * scale)
             any_value = True
         if any_value:
             yield g
@@ -178,7 +176,7 @@ def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
                           labels=["gpu", "reason"])
     any_value = False
     for s in samples:
-        reasons = s.get("throttle_reasons") or s.get("throttle") or ()
+        reasons = s.get("throttle_reasons") or ()
         if isinstance(reasons, str):
             reasons = [reasons]
         for r in reasons:
@@ -251,5 +249,3 @@ class FrontMetrics:
         return generate_latest(self.registry)
 
 
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None

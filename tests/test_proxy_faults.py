@@ -295,3 +295,38 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
             drained.result()
         assert sse_events(done.content)[-1] == "[DONE]"
         assert srv.front.inflight == 0
+
+
+# --------------------------------------------------------------------------- GPU telemetry
+
+
+def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
+    """Recorded NVML answers of an H200 go through hardware.gpu_metrics into both pages."""
+    from mtpwrap import hardware
+    from tests.test_hardware import RecordedNvml, load
+
+    real = hardware.gpu_metrics
+    monkeypatch.setattr(hardware, "gpu_metrics", lambda: real(RecordedNvml(load("h200"))))
+    expected = real(RecordedNvml(load("h200")))[0]
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        assert metric(srv.url, "mtpwrap_gpu_memory_total_bytes", gpu="0") == \
+            expected["memory_total"]
+        assert metric(srv.url, "mtpwrap_gpu_temperature_celsius") == expected["temperature_c"]
+        util = metric(srv.url, "mtpwrap_gpu_utilization_ratio")
+        assert util == pytest.approx(expected["utilization_gpu"] / 100)
+        gpu = HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"][0]
+        assert gpu["memory_total_bytes"] == expected["memory_total"]
+        assert gpu["temperature_c"] == expected["temperature_c"]
+
+
+def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
+    from mtpwrap import hardware
+
+    def boom():
+        raise RuntimeError("NVML driver not loaded")
+
+    monkeypatch.setattr(hardware, "gpu_metrics", boom)
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        text = HTTP.get(srv.url + "/metrics", headers=AUTH).text
+        assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_" not in text
+        assert HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"] == []
