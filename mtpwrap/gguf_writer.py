@@ -465,7 +465,8 @@ def tiny_spec(arch: str = "qwen35", mtp: bool = True) -> ModelSpec:
             d_state=32, n_group=2, n_v_heads=4, n_vocab=None, n_ctx=4096, rope_dim=16,
             sections=[3, 3, 2, 0], ftype="f16", tied=True)
     if arch == "llama":
-        return _llama_spec(name="tiny-llama", n_embd=128, n_layer=2, n_head=4, n_head_kv=2,
+        # head size 128: fork cache types with 128-value blocks need whole heads per block
+        return _llama_spec(name="tiny-llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1,
                            n_ff=256, n_ctx=4096, ftype="f16", tied=True)
     raise ConfigError(f"no tiny model for architecture {arch!r}; use 'qwen35' or 'llama'.")
 
