@@ -260,26 +260,16 @@ def public_url(host: str, port: int) -> str:
 
 
 def proxy_config(settings: Settings, launch: Launch) -> Any:
-    """The front's configuration, checked before anything starts; None when only the plain
-    front is installed. ProxyConfig lives in a light module, so checking it costs no ASGI
-    imports."""
-    try:
-        from mtpwrap.proxy_policy import ProxyConfig
-    except ImportError:
-        try:
-            from mtpwrap.proxy import ProxyConfig
-        except ImportError:
-            return None
+    """The front's configuration, checked before anything starts. ProxyConfig lives in a
+    light module (no ASGI imports), so checking it early costs nothing."""
+    from mtpwrap.proxy_policy import ProxyConfig
+
     mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
                "api_keys": list(settings.api_keys)}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
-def make_front(supervisor: Supervisor, settings: Settings, launch: Launch, config: Any) -> Any:
-    if config is None:
-        from mtpwrap._plain_front import PlainFront
-
-        return PlainFront(supervisor, settings.api_keys, launch.info)
+def make_front(supervisor: Supervisor, launch: Launch, config: Any) -> Any:
     from mtpwrap.proxy import Front
 
     return Front(supervisor, config, launch.info)
@@ -361,7 +351,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     try:
         import uvicorn
 
-        front = make_front(sup, settings, launch, front_config)
+        front = make_front(sup, launch, front_config)
     except BaseException:
         await sup.stop()  # never leave a child behind a front that could not start
         raise
