@@ -448,7 +448,7 @@ def _configure_logging(level: str) -> None:
 def summary_lines(settings: Settings, launch: Launch) -> list[str]:
     i = launch.info
     keys = (f"{len(settings.api_keys)} API key(s) required" if settings.api_keys
-            else "no API keys (open to whoever reaches it)")
+            else "no API keys: open to anyone who can reach it")
     rows = [
         ("profile", f"{i.get('profile')} ({i.get('profile_reason')})"),
         ("binary", f"{i.get('binary')}" + (f" (commit {i['commit']})" if i.get("commit") else "")),
