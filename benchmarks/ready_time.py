@@ -112,6 +112,32 @@ def via_mtpwrap(binary: Path, model: Path, explicit: bool) -> dict[str, float]:
             "probe": ready - health, "notice": seen - ready}
 
 
+PRE_SPAWN = """
+import time, sys
+from mtpwrap import cli
+from mtpwrap.commands import up
+from mtpwrap import instance, runner, settings
+s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
+instance.read_instance()
+launch = runner.resolve_launch(s)
+runner.supervisor_config(s, launch)
+runner.proxy_config(s, launch)
+print(time.process_time())
+"""
+
+
+def pre_spawn_cpu(model: Path) -> float:
+    """CPU seconds (user + system) `up` spends before it can spawn llama-server: interpreter
+    start-up, imports, settings, profile, argv. Unlike wall time, a busy machine barely
+    changes it."""
+    with tempfile.TemporaryDirectory() as home:
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        out = subprocess.run([sys.executable, "-c", PRE_SPAWN, str(model)], cwd=REPO,
+                             env={**os.environ, "MTPWRAP_HOME": home, "PYTHONPATH": path},
+                             capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--binary", type=Path, default=None)
@@ -141,6 +167,8 @@ def main() -> None:
           f"(target <= 0.5 s)")
     print(f"  = pre-spawn {med[5]:.3f} s (Python, imports, settings, profile, memory plan) "
           f"+ probe {med[6]:.3f} s (one generated token) + notice {med[7]:.3f} s")
+    cpu = statistics.median(pre_spawn_cpu(model) for _ in range(5))
+    print(f"CPU time before the spawn (load-independent), median of 5: {cpu:.3f} s")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
