@@ -256,3 +256,43 @@ def test_slow_load_is_live_but_not_ready(served: Served) -> None:
         time.sleep(0.1)
     assert seen_loading and ready is not None and ready.status_code == 200
     assert served.state()["restarts"] == 0
+
+
+@pytest.fixture
+def stall_config(tmp_path: Path) -> Path:
+    cfg = tmp_path / "mtpwrap.yaml"
+    cfg.write_text("proxy:\n  stream_stall_s: 1.0\n  keepalive_s: 0.5\n")
+    return cfg
+
+
+def test_wedged_stream_ends_in_an_error_and_the_child_is_replaced(tmp_path: Path,
+                                                                  stall_config: Path) -> None:
+    """/health stays 200 while no token comes: the front ends the stream after its stall
+    budget and reports it; the supervisor sees no decode progress and replaces the child.
+    The global token watchdog is off here, so the replacement comes from the report."""
+    s = Served(tmp_path, f"wedge_after_chunks=2,counter={tmp_path}/n,fault_starts=1",
+               MTPWRAP_CONFIG=str(stall_config), MTPWRAP_SUPERVISOR_WEDGE_S="0")
+    try:
+        s.wait_ready()
+        got: list[str] = []
+        t0 = time.monotonic()
+        sse(s.base, 20, got)
+        took = time.monotonic() - t0
+        assert got[0] == "status 200"
+        assert "[DONE]" not in got[-1] and "error" in got[-1]
+        assert 1.0 <= took < 10
+        end = time.monotonic() + 15
+        while time.monotonic() < end and s.state().get("restarts", 0) < 1:
+            time.sleep(0.1)
+        st = s.state()
+        assert st["restarts"] == 1
+        s.wait_ready()
+        r = httpx.post(f"{s.base}/v1/chat/completions", timeout=10,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(20) == 0
+        assert "stopped producing tokens" in s.output()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()

@@ -8,6 +8,7 @@ supervisor, the front, signals, sd_notify and the state file, not argv building.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 
 
 def main() -> int:
-    s = settings.load_settings({"port": sys.argv[1]})
+    s = settings.load_settings({"port": sys.argv[1]}, config=os.environ.get("MTPWRAP_CONFIG"))
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port", str(port)],
