@@ -148,6 +148,13 @@ def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
     assert "exit 3" in r.text
     assert served.state()["state"] == "failed"
     assert served.proc.poll() is None  # mtpwrap stays up to report it
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{served.base}/metrics", timeout=5).text
+    states = {smp.labels["state"]: smp.value
+              for fam in text_string_to_metric_families(text)
+              if fam.name == "mtpwrap_supervisor_state" for smp in fam.samples}
+    assert states["failed"] == 1.0 and states["ready"] == 0.0
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(20) == 1  # stopped while failed: systemd records a failure
 
