@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,20 @@ from tests.conftest import run_cli
 MiB = 1024 * 1024
 
 
+@pytest.fixture(autouse=True)
+def _drop_models(tmp_path: Path) -> Iterator[None]:
+    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
+    yield
+    for f in tmp_path.glob("*.gguf"):
+        f.unlink()
+
+
 @pytest.fixture(scope="module")
-def q27(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
+def q27(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
                                         "qwen3.6-27b")
+    yield path
+    path.unlink()
 
 
 @pytest.fixture(scope="module")
