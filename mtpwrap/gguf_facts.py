@@ -274,9 +274,37 @@ def _per_layer(val: Any, n: int, default: int) -> list[int]:
     return [int(val)] * n
 
 
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _split_siblings(path: Path, n_split: int) -> list[Path]:
+    """The other shards of a split model (`NAME-00001-of-00003.gguf` naming)."""
+    m = _SPLIT.match(path.name)
+    if not m or int(m.group(3)) != n_split:
+        raise ConfigError(f"{path}: the GGUF says it is part 1 of {n_split} but its name does not "
+                          "follow NAME-00001-of-0000N.gguf; keep the shards' original names.")
+    shards = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n_split:05d}.gguf")
+              for i in range(1, n_split + 1)]
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise ConfigError(f"{path}: split model is missing {', '.join(missing)}; download every "
+                          "part into the same folder.")
+    return [p for p in shards if p.name != path.name]
+
+
 def read_facts(path: Path) -> ModelFacts:
     """Facts the planner needs, from the header only. Raises ConfigError for a bad file."""
     meta, infos, data_offset, size = read_header(path)
+    n_split = int(meta.get("split.count", 1) or 1)
+    if n_split > 1 and int(meta.get("split.no", 0) or 0) != 0:
+        first = [p for p in _split_siblings(Path(path), n_split) if "-00001-of-" in p.name]
+        return read_facts(first[0])  # the first shard holds the model's metadata
+    if n_split > 1:
+        # a split model: every shard carries tensor infos of its own part of the weights
+        for shard in _split_siblings(Path(path), n_split):
+            _m, more, _off, more_size = read_header(shard)
+            infos = infos + more
+            size += more_size
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ConfigError(f"{path}: the GGUF has no general.architecture key; it is not a "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,10 +29,20 @@ RTX4090 = 24_080 * MiB
 KV425 = {"kv425": {"block": 32, "bytes": 17}}
 
 
+@pytest.fixture(autouse=True)
+def _drop_models(tmp_path: Path) -> Iterator[None]:
+    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
+    yield
+    for f in tmp_path.glob("*.gguf"):
+        f.unlink()
+
+
 @pytest.fixture(scope="module")
-def q27_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
+def q27_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
                                         "qwen3.6-27b")
+    yield path
+    path.unlink()
 
 
 @pytest.fixture(scope="module")

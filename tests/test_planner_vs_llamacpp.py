@@ -7,6 +7,7 @@ state must be within 1 %, compute within 15 %.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,22 @@ def weights(p: MemoryPlan) -> int:
     return sum(r.bytes for r in p.rows if r.name.startswith("weights"))
 
 
+@pytest.fixture(autouse=True)
+def _drop_models(tmp_path: Path) -> Iterator[None]:
+    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
+    yield
+    for f in tmp_path.glob("*.gguf"):
+        f.unlink()
+
+
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("shapes")
-    return {m: gguf_writer.write_shape_only(tmp / f"{m}.gguf", m)
-            for m in ("qwen3.6-27b", "llama3-8b", "gemma3-12b")}
+    paths = {m: gguf_writer.write_shape_only(tmp / f"{m}.gguf", m)
+             for m in ("qwen3.6-27b", "llama3-8b", "gemma3-12b")}
+    yield paths
+    for p in paths.values():
+        p.unlink()
 
 
 CASES = [
