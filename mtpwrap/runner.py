@@ -72,18 +72,23 @@ def resolve_launch(settings: Settings) -> Launch:
     caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
             if manifest is not None and manifest.capabilities
             else capabilities.probe(binary))
+    # The flags that do not depend on the plan (KV types the binary offers, speculation):
+    # building them first also makes a bad profile or a missing capability fail right here.
+    first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
+                                 listen_port=0, api_key="x", plan=None, binary=binary)
+    chosen = {d.flag: d.value for d in first.decisions}
+    kv_sizes = _kv_sizes(manifest)
     gpus = list(getattr(snap, "gpus", None) or [])
     if prof.context == "max" or (gpus and prof.hardware.requires_gpu):
-        plan, plan_text = _memory_plan(prof, model, snap)
+        plan, plan_text = _memory_plan(prof, model, snap, chosen, kv_sizes)
+        if plan is not None:
+            first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
+                                         listen_port=0, api_key="x", plan=plan, binary=binary)
     else:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only (it costs the `gguf`
         # package's import, a few hundred milliseconds of time to ready).
         plan, plan_text = None, None
-
-    # Build once now so a bad profile or a missing capability fails before anything starts.
-    first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
-                                 listen_port=0, api_key="x", plan=plan, binary=binary)
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         spec = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
@@ -107,7 +112,7 @@ def resolve_launch(settings: Settings) -> Launch:
     if plan_text is None:
         def plan_later() -> None:
             try:
-                info["memory_plan"] = _memory_plan(prof, model, snap)[1]
+                info["memory_plan"] = _memory_plan(prof, model, snap, chosen, kv_sizes)[1]
             except Exception as exc:  # informational only: never stop serving over it
                 info["memory_plan"] = f"not planned ({exc})"
 
@@ -115,35 +120,52 @@ def resolve_launch(settings: Settings) -> Launch:
     return result
 
 
-def _memory_plan(prof: Any, model: Path, snap: Any) -> tuple[Any, str]:
-    """The memory plan for this profile, model and GPU; (None, why not) when it cannot be
-    made. A plan that does not fit is a ConfigError with the numbers (nothing starts)."""
+def _kv_sizes(manifest: Any) -> dict[str, Any] | None:
+    """KV type sizes measured from the built binary (fork types such as tbq4_0 included)."""
+    try:
+        from mtpwrap.calibrate import load_kv_sizes
+    except ImportError:
+        return None
+    return load_kv_sizes(manifest)
+
+
+def _memory_plan(prof: Any, model: Path, snap: Any, chosen: dict[str, str | None],
+                 kv_sizes: dict[str, Any] | None) -> tuple[Any, str]:
+    """The memory plan for this profile, model and GPU, with the KV types the launch chose;
+    (None, why not) when it cannot be made. A plan that does not fit is a ConfigError with
+    the numbers (nothing starts)."""
     from mtpwrap import gguf_facts, planner
 
     gpus = list(getattr(snap, "gpus", None) or [])
     on_gpu = bool(gpus) and prof.hardware.requires_gpu
     device = getattr(gpus[0], "memory_free", None) if on_gpu else None
     spec = prof.spec
-    draft_kv = spec.draft_kv
+
+    def pick(*flags: str, default: str) -> str:
+        return next((v for f in flags if (v := chosen.get(f))), default)
+
     try:
         facts = gguf_facts.read_facts(model)
         n_ctx = prof.context if isinstance(prof.context, int) else 0
         cfg = planner.PlanConfig(
             n_ctx=n_ctx or int(getattr(facts, "n_ctx_train", 0) or 4096),
-            type_k=prof.kv.k[0], type_v=prof.kv.v[0],
+            type_k=pick("-ctk", "--cache-type-k", default=prof.kv.k[0]),
+            type_v=pick("-ctv", "--cache-type-v", default=prof.kv.v[0]),
             n_slots=1 if spec.kind == "mtp" else prof.slots, spec=spec.kind,
             draft_depth=spec.depth or 3,
-            type_k_draft=draft_kv.k[0] if draft_kv else "f16",
-            type_v_draft=draft_kv.v[0] if draft_kv else "f16",
+            type_k_draft=pick("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft",
+                              default="f16"),
+            type_v_draft=pick("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft",
+                              default="f16"),
             ubatch=prof.ubatch or 512, batch=prof.batch or 2048,
             backend="cuda" if on_gpu else "cpu")
         if prof.context == "max" and device:
-            n = planner.largest_context(facts, cfg, device)
+            n = planner.largest_context(facts, cfg, device, kv_sizes)
             if n > 0:
                 from dataclasses import replace
 
                 cfg = replace(cfg, n_ctx=n)
-        p = planner.plan(facts, cfg, device)
+        p = planner.plan(facts, cfg, device, kv_sizes)
     except ConfigError as exc:
         # e.g. a KV type the planner has no size for yet: plan nothing rather than refuse.
         return None, f"not planned ({exc})"
