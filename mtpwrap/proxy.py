@@ -153,7 +153,10 @@ class Front:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
                                   write=config.write_timeout_s, pool=config.queue_timeout_s),
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            # Idle connections expire before llama-server's own 5 s keep-alive timeout, so the
+            # front never sends a request on a connection the child is closing.
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                                keepalive_expiry=2.0),
             trust_env=False,  # an HTTP_PROXY in the environment must never see loopback traffic
             follow_redirects=False,
         )
