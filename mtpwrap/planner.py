@@ -62,6 +62,11 @@ class PlanConfig:
     n_gpu_layers: int = 999
     backend: str = "cuda"     #: "cuda" | "cpu"
     margin: int = DEFAULT_MARGIN
+    #: CPU weight repacking (llama.cpp's default): a tied output matrix then gets its own copy
+    cpu_repack: bool = True
+    #: logits rows reserved per ubatch; None: what llama-server reserves (slots × (1 + depth)).
+    #: llama-fit-params reserves a whole ubatch.
+    n_outputs: int | None = None
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -165,31 +170,59 @@ def _kq_heads(facts: ModelFacts) -> int:
     return max(facts.n_head) if facts.n_head else 1
 
 
+_F_TYPES = ("f16", "bf16", "f32")
+
+
+def n_outputs(cfg: PlanConfig) -> int:
+    """Logit rows the context reserves: llama-server keeps slots × (1 + draft depth)."""
+    if cfg.n_outputs:
+        return min(cfg.n_outputs, cfg.ubatch)
+    depth = cfg.draft_depth if cfg.spec != "none" else 0
+    return min(cfg.ubatch, cfg.n_slots * (1 + depth))
+
+
 def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context: bool = False
                   ) -> int:
-    """Compute-buffer estimate (fitted to llama.cpp's CPU allocations; scaled for CUDA).
+    """Compute-buffer estimate, fitted to what llama.cpp's graph allocator reserves on the CPU.
 
-    The worst-case graph is one ubatch: activations proportional to ubatch × the widest layer
-    (FFN or expert FFN, attention projections, logits for the output rows), plus the attention
-    mask (f16, n_ctx × ubatch) with flash attention, or the f32 score matrix
-    (n_ctx × ubatch × heads) without.
+    The reserve graph is one ubatch; its peak is the larger of two phases:
+    - output: the logits rows (n_outputs × vocabulary × 4 B) next to the last hidden states
+      (8 B × n_embd per token; for hybrid Qwen3.5 the widest of FFN and DeltaNet projection;
+      MLA adds 8 B × heads × latent width);
+    - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
+      inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
+      attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
+    Hybrid models with float K keep the mask live in the output phase too. On CUDA, quantized
+    K/V are converted to f16 for one layer (2 B × n_ctx × K+V width); that part is an allowance
+    from the same rules, not a measurement.
     """
     ub = min(cfg.ubatch, max(n_ctx, 1))
-    n_embd = facts.n_embd
-    width = max(facts.n_ff, n_embd * 4,
-                facts.n_head[0] * facts.head_dim_k * 3 if facts.n_head else 0)
-    per_tok = 4 * (3 * n_embd + 2 * width)
-    logits = 4 * facts.n_vocab * cfg.n_slots  # output rows kept at reserve time
-    if cfg.flash_attn:
-        attn = 2 * n_ctx * ub
-        if cfg.type_k not in ("f16", "f32", "bf16") and not mtp_context:
-            # quantized K/V are converted to f16 for one layer at a time
-            nk, nv = facts.kv_row_values(facts.kv_layers[0]) if facts.kv_layers else (0, 0)
-            attn += 2 * n_ctx * (nk + nv)
+    n_out = n_outputs(cfg)
+    hybrid = bool(facts.recurrent_layers) and not mtp_context
+    widest = facts.n_ff or 4 * facts.n_embd  # MoE models carry no dense FFN width
+    if hybrid:
+        out_tok = 4 * (max(facts.n_ff, facts.recurrent_conv_dim) + 10)
+        layer_tok = 44 * facts.recurrent_inner
     else:
-        attn = 4 * n_ctx * ub * _kq_heads(facts)
-    cpu = ub * per_tok + attn + logits
-    return int(cpu * (1.5 if cfg.backend == "cuda" else 1.0))
+        out_tok = 8 * facts.n_embd
+        if facts.is_mla:  # absorbed MLA keeps per-head latent rows (K and V width) around
+            out_tok += 8 * _kq_heads(facts) * facts.head_dim_v
+        layer_tok = 16 * widest
+    mask = 2 * n_ctx * ub
+    type_k = cfg.type_k_draft if mtp_context else cfg.type_k
+    out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
+    if cfg.flash_attn:
+        if hybrid and type_k in _F_TYPES:
+            out_phase += mask
+        layer_phase = ub * layer_tok + mask
+    else:
+        layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
+    total = max(out_phase, layer_phase)
+    if cfg.backend == "cuda" and cfg.flash_attn and type_k not in _F_TYPES:
+        layers = facts.kv_layers or [0]
+        nk, nv = max((facts.kv_row_values(il) for il in layers), key=sum)
+        total += 2 * n_ctx * (nk + nv)
+    return int(total)
 
 
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
@@ -209,23 +242,29 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
         raise ConfigError(f"{facts.path}: the model has no MTP (nextn) layers, so --spec-type "
                           "mtp cannot be used; choose another speculative mode or model.")
 
-    # Weights: token embeddings stay on the host; layers beyond -ngl stay on the host too.
+    # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
+    # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).
     trunk_layers = facts.n_layer
-    offloaded = min(cfg.n_gpu_layers, trunk_layers + (1 if cfg.n_gpu_layers > trunk_layers else 0))
+    n_off = max(0, min(cfg.n_gpu_layers, trunk_layers))
     layer_sum = sum(b for il, b in facts.layer_bytes.items() if il < trunk_layers)
     on_gpu_layers = sum(b for il, b in facts.layer_bytes.items()
-                        if il < trunk_layers and il >= trunk_layers - min(offloaded, trunk_layers))
+                        if trunk_layers - n_off <= il < trunk_layers)
     other = facts.tensor_bytes - layer_sum - facts.mtp_bytes - facts.host_bytes
     out_on_gpu = cfg.n_gpu_layers > trunk_layers  # llama.cpp offloads output with -ngl > n_layer
-    w_gpu = on_gpu_layers + (other if out_on_gpu else 0)
-    w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other)
+    # A model without output.weight reuses token_embd as its output matrix; llama.cpp loads that
+    # second copy into the output's buffer (the GPU, or the CPU repack buffer).
+    tied = facts.token_embd_bytes if facts.output_bytes == 0 else 0
+    if gpu == "host" and not cfg.cpu_repack:
+        tied = 0
+    w_gpu = on_gpu_layers + (other + tied if out_on_gpu else 0)
+    w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other + tied)
     if gpu == "host":
         w_host, w_gpu = w_host + w_gpu, 0
 
     rows: list[Row] = []
     if gpu == "gpu":
-        rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{min(offloaded, trunk_layers)}/"
-                        f"{trunk_layers} layers"))
+        rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{n_off}/{trunk_layers} layers"
+                        + (" + output" if out_on_gpu else "")))
     rows.append(Row("weights (host)", w_host, "host",
                     "token embeddings" + (" + all layers" if gpu == "host" else "")))
 
@@ -345,3 +384,37 @@ def check_fits(p: MemoryPlan) -> None:
         f"device plus a {p.config.margin / GiB:.2f} GiB margin, but the device has "
         f"{p.device_bytes / GiB:.2f} GiB (short by {-p.headroom / GiB:.2f} GiB).{hint}"
     )
+
+
+def profile_settings(prof: Any, kv_sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan settings a profile (mtpwrap.profiles.Profile) implies.
+
+    The KV lists are preferences: the first type with a known size (built in, or measured from
+    the binary) is planned. `context` stays "max" when the profile says so; resolve it with
+    largest_context() once the device is known.
+    """
+    known = set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
+
+    def first_known(types: tuple[str, ...], key: str) -> str:
+        for t in types:
+            if t in known:
+                return t
+        raise ConfigError(f"profile {prof.name}: {key}: none of {', '.join(types)} is a cache "
+                          "type with a known size; run `mtpwrap build` (it measures the "
+                          "binary's types) or edit the profile.")
+
+    spec = prof.spec.kind if prof.spec.kind in ("mtp", "draft", "ngram") else "none"
+    draft = prof.spec.draft_kv
+    return {
+        "model": prof.model,
+        "context": prof.context,
+        "kv": first_known(prof.kv.k, "kv.k"),
+        "spec": spec,
+        "depth": prof.spec.depth or 3,
+        "kv_draft": first_known(draft.k, "spec.draft_kv.k") if draft else "f16",
+        "slots": prof.slots,
+        "ubatch": prof.ubatch or 512,
+        "batch": prof.batch or 2048,
+        "flash_attn": prof.flash_attn != "off",
+        "ngl": prof.gpu_layers if isinstance(prof.gpu_layers, int) else 999,
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,20 @@ from tests.conftest import run_cli
 MiB = 1024 * 1024
 
 
+@pytest.fixture(autouse=True)
+def _drop_models(tmp_path: Path) -> Iterator[None]:
+    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
+    yield
+    for f in tmp_path.glob("*.gguf"):
+        f.unlink()
+
+
 @pytest.fixture(scope="module")
-def q27(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
+def q27(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
                                         "qwen3.6-27b")
+    yield path
+    path.unlink()
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +125,29 @@ def test_cli_plan_bad_file_is_one_sentence_and_exit_78(tmp_path: Path) -> None:
     r = run_cli("plan", "--model", str(txt), "--gpu", "rtx4090")
     assert r.returncode == 78
     assert "not a GGUF file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_split_models_count_every_shard(tmp_path: Path) -> None:
+    from gguf import GGUFWriter
+
+    whole = read_facts(gguf_writer.write_tiny_random(tmp_path / "whole.gguf", arch="llama"))
+    spec = gguf_writer.tiny_spec("llama")
+    first = tmp_path / "m-00001-of-00002.gguf"
+    # the writer names shards STEM-0000i-of-0000n.gguf
+    w = GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=len(spec.tensors) // 2 + 1)
+    gguf_writer._add_meta(w, "llama", spec.meta)
+    gguf_writer._add_tokenizer(w, spec.vocab, None)
+    for name, arr in gguf_writer._random_tensors(spec, 0):
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert (tmp_path / "m-00002-of-00002.gguf").is_file()
+    f = read_facts(first)
+    assert f.tensor_bytes == whole.tensor_bytes and f.layer_bytes == whole.layer_bytes
+    second = read_facts(tmp_path / "m-00002-of-00002.gguf")  # any shard names the model
+    assert second.tensor_bytes == whole.tensor_bytes and second.architecture == "llama"
+    (tmp_path / "m-00002-of-00002.gguf").unlink()
+    with pytest.raises(ConfigError, match="missing m-00002-of-00002.gguf"):
+        read_facts(first)

@@ -74,6 +74,7 @@ def command(
                 console.err.print(f"  [dim]{line}[/dim]", markup=True, highlight=False)
             raise
         prog.update(task, completed=100, description="up to date" if reused else "built")
+        kv_note = _calibrate(manifest.variant)
 
     if as_json:
         console.print_json(manifest.to_dict())
@@ -85,7 +86,20 @@ def command(
     for name, info in manifest.binaries.items():
         console.info(f"{name}: {info['path']}")
     console.info(f"manifest: {build.paths.build_root() / manifest.variant / build.MANIFEST}")
+    console.info(kv_note)
     if reused:
         console.info("nothing changed since the last build; reused it.")
     else:
         console.info(f"built in {manifest.build_seconds:.0f} s; log: {manifest.log}")
+
+
+def _calibrate(variant: str) -> str:
+    """Size each KV cache type from what this binary allocates (fork types have no standard)."""
+    from mtpwrap import calibrate
+    from mtpwrap.errors import MtpwrapError
+
+    try:
+        sizes = calibrate.calibrate_build(variant)
+    except MtpwrapError as exc:
+        return f"KV type sizes: not measured ({exc.message}); the built-in table is used."
+    return f"KV type sizes measured from the binary: {', '.join(sorted(sizes))}"
