@@ -79,7 +79,7 @@ class RestartingSupervisor:
                 return None
             try:
                 await asyncio.wait_for(self.changed.wait(), left)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 return None
         return self.status().upstream
 
@@ -148,7 +148,7 @@ async def kill_run(url: str, concurrency: int, per_worker: int, body: dict,
                 try:
                     kind = await asyncio.wait_for(
                         one_stream(client, url + "/v1/chat/completions", body, res, {}), 180)
-                except TimeoutError:
+                except asyncio.TimeoutError:
                     kind = "hung"
                 outcomes[kind] = outcomes.get(kind, 0) + 1
 
