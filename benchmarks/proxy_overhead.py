@@ -325,6 +325,9 @@ def main() -> None:
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
     ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--real-levels", default=None, help="concurrency levels for the real server "
+                    "(default: --levels)")
+    ap.add_argument("--real-tokens", type=int, default=64)
     ap.add_argument("--interval-ms", type=float, default=10.0,
                     help="synthetic upstream: time between chunks")
     ap.add_argument("--json", type=Path)
@@ -347,17 +350,19 @@ def main() -> None:
                             furl + "/v1/chat/completions", levels,
                             lambda c: max(2, 48 // c), body)
         if not args.skip_real:
+            rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lport = free_port()
-            procs.append(start_llama(lport, max(levels)))
-            front, furl = start_front(f"http://127.0.0.1:{lport}", max(levels))
+            procs.append(start_llama(lport, max(rlevels)))
+            front, furl = start_front(f"http://127.0.0.1:{lport}", max(rlevels))
             procs.append(front)
-            body = {"model": "x", "stream": True, "max_tokens": 64, "temperature": 0,
+            body = {"model": "x", "stream": True, "max_tokens": args.real_tokens,
+                    "temperature": 0,
                     "seed": 1, "messages": [{"role": "user",
                                              "content": "Write a short story about a lighthouse."}]}
             rows += compare("llama-server (demo model, CPU)",
                             f"http://127.0.0.1:{lport}/v1/chat/completions",
-                            furl + "/v1/chat/completions", levels,
-                            lambda c: 2 if c < 32 else 1, body)
+                            furl + "/v1/chat/completions", rlevels,
+                            lambda c: 2 if c < 8 else 1, body)
     finally:
         for p in reversed(procs):
             stop(p)

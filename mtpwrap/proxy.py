@@ -5,8 +5,9 @@ One `Front` serves one supervised child. It forwards every allowed llama-server 
 relays the answer chunk by chunk as it arrives, without buffering.
 
 Transparency. Status codes and bodies pass unchanged, byte for byte; a request with temperature 0
-and a seed gets the same bytes as a direct request, apart from fields llama-server itself varies
-per call (`id`, `created`, `timings`, and in streams `system_fingerprint`-free chunk `id`s).
+and a seed gets the same bytes as a direct request, apart from the fields llama-server itself
+varies per call: `id`, `created` and `timings` (and the cached-token counts in `usage` when the
+prompt cache is on, since the second of two identical requests finds the first one's prompt).
 Response headers pass too, except: hop-by-hop headers (`Connection`, `Keep-Alive`,
 `Transfer-Encoding`) which the front's own HTTP layer sets, every `Access-Control-*` header
 (llama-server reflects any `Origin`; the front has no permissive CORS), and `Server`/`Date`,
@@ -153,7 +154,10 @@ class Front:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
                                   write=config.write_timeout_s, pool=config.queue_timeout_s),
-            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            # Idle connections expire before llama-server's own 5 s keep-alive timeout, so the
+            # front never sends a request on a connection the child is closing.
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n,
+                                keepalive_expiry=2.0),
             trust_env=False,  # an HTTP_PROXY in the environment must never see loopback traffic
             follow_redirects=False,
         )
@@ -184,7 +188,7 @@ class Front:
     async def drain(self, timeout: float) -> None:
         """Refuse new requests (503 + Retry-After) and wait up to `timeout` for in-flight ones."""
         self.draining = True
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
         if self.inflight:
             log.warning("drain budget spent with %d request(s) still in flight", self.inflight)
@@ -381,7 +385,7 @@ class Front:
             left = deadline - asyncio.get_running_loop().time()
             try:
                 await asyncio.wait_for(self._gate.acquire(), max(0.0, left))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin before Python 3.11
                 self.metrics.shed.labels("queue_timeout").inc()
                 raise _Refusal(503, "queue_timeout", "The server is busy; retry later.") from None
             # The child may have restarted while we waited for a slot: ask again.
@@ -544,8 +548,7 @@ class Front:
         loop = asyncio.get_running_loop()
         while not worker.done():
             try:
-                async with asyncio.timeout(self._tick):
-                    msg = await receive()
+                msg = await asyncio.wait_for(receive(), self._tick)
                 if msg["type"] == "http.disconnect":
                     if ex.phase == "done":
                         return  # uvicorn says "disconnect" once the response is complete
@@ -553,7 +556,7 @@ class Front:
                     worker.cancel()
                     return
                 continue
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 pass
             if ex.in_send:
                 if loop.time() - ex.send_started >= cfg.write_timeout_s:

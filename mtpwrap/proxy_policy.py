@@ -12,6 +12,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from mtpwrap.errors import ConfigError
@@ -263,6 +264,11 @@ class ProxyConfig:
             raise ConfigError(f"{source}: proxy: must be a mapping, got {type(data).__name__}")
         known = {f.name: f for f in fields(cls)}
         kwargs: dict[str, Any] = {}
+        data = dict(data)
+        keys_file = data.pop("api_keys_file", None)
+        file_keys: tuple[str, ...] = ()
+        if keys_file is not None:
+            file_keys = read_keys_file(keys_file, f"{source}: proxy.api_keys_file")
         for key, value in data.items():
             if key not in known:
                 raise ConfigError(
@@ -294,6 +300,8 @@ class ProxyConfig:
                 if not isinstance(value, str):
                     raise ConfigError(f"{source}: proxy.{key}: must be a string, got {value!r}")
                 kwargs[key] = value
+        if file_keys:
+            kwargs["api_keys"] = tuple(kwargs.get("api_keys", ())) + file_keys
         cfg = object.__new__(cls)
         for f in fields(cls):
             object.__setattr__(cfg, f.name, kwargs.get(f.name, f.default))
@@ -309,6 +317,22 @@ class ProxyConfig:
             return ipaddress.ip_address(self.listen_host.strip("[]")).is_loopback
         except ValueError:
             return self.listen_host == "localhost"
+
+
+def read_keys_file(path: Any, where: str) -> tuple[str, ...]:
+    """API keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}: must be a file path")
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{where}: cannot read {path}: {err.strerror or err}; create it with "
+                          "one key per line, readable only by the service user") from err
+    keys = tuple(ln.strip() for ln in text.splitlines()
+                 if ln.strip() and not ln.strip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"{where}: {path} holds no key; put one key per line")
+    return keys
 
 
 def derive_allowed_hosts(cfg: ProxyConfig) -> frozenset[str] | None:

@@ -95,3 +95,15 @@ def test_hosts():
     assert derive_allowed_hosts(ProxyConfig(allowed_hosts=("*",))) is None
     wide = derive_allowed_hosts(ProxyConfig(listen_host="0.0.0.0"))
     assert wide is not None and "127.0.0.1" in wide and "evil.example" not in wide
+
+
+def test_api_keys_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# service keys\nkey-from-file-1\n\n  key-from-file-2  \n")
+    cfg = ProxyConfig.from_mapping({"api_keys_file": str(f), "api_keys": ["inline-key-1"]}, "c")
+    assert cfg.api_keys == ("inline-key-1", "key-from-file-1", "key-from-file-2")
+    with pytest.raises(ConfigError, match="c: proxy.api_keys_file: cannot read"):
+        ProxyConfig.from_mapping({"api_keys_file": str(tmp_path / "nope")}, "c")
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        ProxyConfig.from_mapping({"api_keys_file": str(tmp_path / "empty")}, "c")

@@ -98,7 +98,7 @@ class SupervisorDouble:
                 left = deadline - asyncio.get_running_loop().time()
                 if left <= 0:
                     return None
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), left)
 
     def report_stall(self, generation: int, reason: str) -> None:
