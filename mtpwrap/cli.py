@@ -15,9 +15,11 @@ import click
 
 #: command name -> "module:attribute" of a click command, imported on first use.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("mtpwrap.commands.bench", "Benchmark speed, acceptance, KV; write a report."),
     "build": ("mtpwrap.commands.build", "Build llama-server from the pinned source for this machine."),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
+    "tune": ("mtpwrap.commands.tune", "Sweep speculation settings, pick the fastest."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
 }
 
