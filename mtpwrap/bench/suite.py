@@ -47,6 +47,8 @@ class Plan:
     api_key: str | None = None
     threads: int | None = None
     profile: str | None = None
+    server_extra: list[str] = field(default_factory=list)  # e.g. -ngl 99 on a GPU
+    launch_timeout: float = 300.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -227,7 +229,9 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
             assert plan.binary and plan.model
             base_url, stop = launch_config(cfg, binary=plan.binary, model=plan.model,
                                            ctx_size=ctx_size, parallel=parallel,
-                                           log_path=log_path, threads=plan.threads)
+                                           log_path=log_path, threads=plan.threads,
+                                           extra=plan.server_extra,
+                                           timeout=plan.launch_timeout)
         client = Client(base_url, plan.api_key)
         try:
             props = client.props()
