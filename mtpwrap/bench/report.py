@@ -34,8 +34,8 @@ DEFINITIONS = {
     "rejection rate by class": "rejections ÷ tokens at drafted positions, per token class of the "
                                "token the target model emitted; inferred from stream timing "
                                "(see the method section).",
-    "KV bytes per value": "the K (or V) buffer llama.cpp logged ÷ (cells × layers × KV heads × "
-                          "head size).",
+    "KV bytes per value": "the K (or V) buffer llama.cpp logged ÷ (cells × streams × layers × "
+                          "KV heads × head size).",
     "TTFT / ITL": "time to first streamed token and inter-token latency (gap between streamed "
                   "tokens) at each concurrency level, p50/p99 over all requests.",
     "quality agreement": "leading generated tokens (temperature 0) identical to the baseline "
@@ -74,13 +74,14 @@ def summarize(results: dict) -> dict:
             total = _add(total, stats.Counters(**c["counters"]))
         inferred_acc = sum(c["stream"]["inferred_accepted"] for c in cs)
         tokens = sum(c["generated_tokens"] for c in cs)
+        speculative = any(c.get("spec") for c in cs)
         timing_err.append({
-            "config": name, "lang": lang, "speculative": cfg["spec"] != "none",
+            "config": name, "lang": lang, "speculative": speculative,
             "true_accepted": int(total.accepted), "inferred_accepted": inferred_acc,
             "tokens": tokens,
             "error_tokens_share": abs(inferred_acc - total.accepted) / tokens if tokens else None,
         })
-        if cfg["spec"] == "none":
+        if not speculative:
             continue
         depth = len(total.per_pos) or cfg["depth"]
         s = stats.spec_stats(total, depth)
@@ -118,8 +119,9 @@ def _kv_bpv(results: dict) -> dict:
     for name, kv in (results.get("kv") or {}).items():
         rec = dict(kv)
         if geo and kv.get("cells") and kv.get("layers"):
-            n_k = kv["cells"] * kv["layers"] * geo["n_head_kv"] * geo["key_length"]
-            n_v = kv["cells"] * kv["layers"] * geo["n_head_kv"] * geo["value_length"]
+            cells = kv["cells"] * kv.get("streams", 1)
+            n_k = cells * kv["layers"] * geo["n_head_kv"] * geo["key_length"]
+            n_v = cells * kv["layers"] * geo["n_head_kv"] * geo["value_length"]
             rec["k_bytes_per_value"] = kv["k_mib"] * 2**20 / n_k
             rec["v_bytes_per_value"] = kv["v_mib"] * 2**20 / n_v
         out[name] = rec

@@ -69,6 +69,8 @@ def server_argv(binary: Path, model: Path, cfg: BenchConfig, *, host: str, port:
     (`--draft*`), which make current llama-server abort."""
     argv = [str(binary), "-m", str(model), "--host", host, "--port", str(port),
             "-c", str(ctx_size), "-np", str(parallel), "--metrics", "--no-warmup",
+            # Verbosity 4 is where llama.cpp logs its buffer sizes (the KV actually allocated).
+            "-lv", "4",
             "-ctk", cfg.kv, "-ctv", cfg.kv]
     # A quantized V cache needs flash attention; keep it on for every cell so cells compare.
     argv += ["-fa", "on"]
@@ -183,6 +185,7 @@ class StreamResult:
     total_s: float
     timings: dict
     probs: list[float | None] = field(default_factory=list)  # log-probability per token
+    held: list[bool] = field(default_factory=list)  # True: text held back, sent with the next
 
     @property
     def n(self) -> int:
@@ -195,8 +198,11 @@ class Client:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
+        # No keep-alive: llama-server's HTTP library closes a connection after a few requests,
+        # and a pooled connection closed under us reads as "server disconnected".
         self.http = httpx.Client(base_url=self.base_url, headers=headers,
-                                 timeout=httpx.Timeout(timeout, connect=10.0))
+                                 timeout=httpx.Timeout(timeout, connect=10.0),
+                                 limits=httpx.Limits(max_keepalive_connections=0))
 
     def close(self) -> None:
         self.http.close()
@@ -236,6 +242,7 @@ class Client:
         ids: list[int] = []
         arrivals: list[float] = []
         probs: list[float | None] = []
+        held: list[bool] = []
         timings: dict = {}
         t0 = time.perf_counter()
         with self.http.stream("POST", "/completion", json=body) as r:
@@ -250,21 +257,29 @@ class Client:
                     break
                 chunk = json.loads(payload)
                 now = time.perf_counter() - t0
+                content = chunk.get("content", "") or ""
                 toks = chunk.get("tokens") or []
-                content = chunk.get("content", "")
-                if toks or content:
-                    # One chunk per token; if a server ever packs several, split the time.
-                    for j, tok in enumerate(toks or [None]):
-                        pieces.append(content if j == 0 else "")
-                        ids.append(int(tok) if tok is not None else -1)
-                        arrivals.append(now)
-                    for p in chunk.get("completion_probabilities") or []:
-                        probs.append(p.get("logprob"))
+                done = chunk.get("tokens_predicted")
+                # llama-server holds back a token that ends inside a multi-byte character and
+                # sends it with the next one; `tokens_predicted` counts them all. Held-back
+                # tokens get an empty piece and id -1 (their ids are not sent).
+                m = int(done) - len(pieces) if done is not None else max(len(toks),
+                                                                         1 if content else 0)
+                for j in range(m):
+                    last = j == m - 1
+                    pieces.append(content if last else "")
+                    ids.append(int(toks[-1]) if last and toks else -1)
+                    arrivals.append(now)
+                    held.append(not last)
+                cps = chunk.get("completion_probabilities") or []
+                for j in range(m):
+                    last = j == m - 1
+                    probs.append(cps[-1].get("logprob") if last and cps else None)
                 if chunk.get("stop"):
                     timings = chunk.get("timings", {}) or {}
         total = time.perf_counter() - t0
         return StreamResult(pieces, ids, arrivals, arrivals[0] if arrivals else None, total,
-                            timings, probs)
+                            timings, probs, held)
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,8 +381,8 @@ def iter_cells(configs: list[BenchConfig], langs: list[str],
 
 
 _KV_LINE = re.compile(
-    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers.*?K \((\w+)\):"
-    r"\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
+    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs"
+    r"\), K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
 )
 
 
@@ -376,7 +391,10 @@ def parse_kv_log(text: str) -> dict | None:
     found = list(_KV_LINE.finditer(text))
     if not found:
         return None
-    m = found[-1]  # the target model's cache; a draft context logs its own line first
-    return {"total_mib": float(m.group(1)), "cells": int(m.group(2)), "layers": int(m.group(3)),
-            "k_type": m.group(4), "k_mib": float(m.group(5)), "v_type": m.group(6),
-            "v_mib": float(m.group(7))}
+    # The target model's cache is logged first; a draft model's (or MTP context's) follows.
+    m = found[0]
+    # "(cells, layers, n_seq_max/n_stream seqs)": cells are per stream.
+    return {"contexts_logged": len(found), "total_mib": float(m.group(1)),
+            "cells": int(m.group(2)), "layers": int(m.group(3)), "streams": int(m.group(5)),
+            "k_type": m.group(6), "k_mib": float(m.group(7)), "v_type": m.group(8),
+            "v_mib": float(m.group(9))}

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
+import httpx
+
 from mtpwrap.bench import corpora, stats, tokenclass
 from mtpwrap.bench.runner import (
     BenchConfig,
@@ -23,7 +25,7 @@ from mtpwrap.bench.runner import (
     parse_kv_log,
     rejection_points,
 )
-from mtpwrap.errors import ConfigError
+from mtpwrap.errors import ConfigError, RuntimeFailure
 
 SCHEMA = 1
 #: Tokens within this many seconds of the previous one count as one verification step.
@@ -139,22 +141,15 @@ def profile_provenance(name: str | None) -> dict | None:
         return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def _spec_from_props(props: dict) -> tuple[str, int]:
-    params = (props.get("default_generation_settings") or {}).get("params") or {}
-    types = str(params.get("speculative.types", "none"))
-    for kind, name in (("mtp", "mtp"), ("draft", "draft"), ("ngram", "ngram")):
-        if name in types:
-            return kind, 3
-    return "none", 3
-
-
 def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: StreamResult,
           counters: stats.Counters, gap_s: float) -> dict:
     t = res.timings
     depth = cfg.depth
-    if cfg.speculative and counters.per_pos:
+    if counters.per_pos:
         depth = len(counters.per_pos)  # the server's own k: one counter per draft position
-    spec = stats.spec_stats(counters, depth) if cfg.speculative else None
+    # A running server does not say in /props whether it speculates; its counters do.
+    speculative = cfg.speculative or counters.steps > 0
+    spec = stats.spec_stats(counters, depth) if speculative else None
     sizes = bursts(res.arrivals[1:], gap_s)
     inferred_accepted = sum(g - 1 for g in sizes)
     decode_wall = (res.arrivals[-1] - res.arrivals[0]) if res.n > 1 else None
@@ -178,9 +173,10 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
             "burst_sizes": sizes,
             "inferred_steps": len(sizes),
             "inferred_accepted": inferred_accepted,
+            "held_back_tokens": sum(res.held),
             "inter_token_gaps_s": [b - a for a, b in pairwise(res.arrivals)],
         },
-        "token_classes": rejection_points(res, depth, gap_s) if cfg.speculative else None,
+        "token_classes": rejection_points(res, depth, gap_s) if speculative else None,
         "reconcile": {
             "streamed_eq_timings_predicted_n": res.n == t.get("predicted_n"),
             "timings_predicted_n_eq_counter": t.get("predicted_n") == counters.predicted_tokens,
@@ -219,8 +215,9 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
         "servers": {},
     }
     need_ctx = max(plan.contexts + [plan.load_context]) + max(plan.n_predict, plan.load_predict)
-    ctx_size = (need_ctx + 64 + 255) // 256 * 256
     parallel = max(plan.concurrency + [1])
+    # Without a unified KV each slot gets n_ctx / slots, so every slot must fit the longest.
+    ctx_size = (need_ctx + 64 + 255) // 256 * 256 * parallel
     for cfg in plan.configs:
         log_path = workdir / f"server-{cfg.name}.log"
         if plan.url:
@@ -234,42 +231,12 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
                                            timeout=plan.launch_timeout)
         client = Client(base_url, plan.api_key)
         try:
-            props = client.props()
-            if plan.url:
-                kind, depth = _spec_from_props(props)
-                cfg.spec, cfg.depth = kind, depth
-            n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
-            results["servers"][cfg.name] = {"base_url": base_url, "n_ctx": n_ctx,
-                                            "total_slots": props.get("total_slots")}
-            for lang in plan.langs:
-                for ctx in plan.contexts:
-                    if n_ctx and ctx + plan.n_predict > n_ctx:
-                        results["cells"].append({"config": cfg.name, "lang": lang,
-                                                 "context": ctx, "skipped":
-                                                 f"server context {n_ctx} too small"})
-                        continue
-                    if progress:
-                        progress(f"{cfg.name} {lang} {ctx}", 1)
-                    prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
-                    before = client.metrics()
-                    res = client.complete(prompt.tokens, plan.n_predict)
-                    after = client.metrics()
-                    results["cells"].append(
-                        _cell(cfg, lang, ctx, prompt, res, after - before, plan.gap_s))
-            for lang in plan.langs:
-                prompt = corpora.build_prompt(corp[lang], plan.load_context, client.tokenize)
-                res = client.complete(prompt.tokens, plan.quality_tokens, n_probs=1)
-                results["quality"].append({"config": cfg.name, "kv": cfg.kv, "lang": lang,
-                                           "speculative": cfg.speculative,
-                                           "token_ids": res.token_ids, "logprobs": res.probs})
-            load_prompts = [corpora.build_prompt(corp[lang], plan.load_context,
-                                                 client.tokenize).tokens for lang in plan.langs]
-            for n in plan.concurrency:
-                if progress:
-                    progress(f"{cfg.name} load x{n}", 1)
-                rec = load_test(base_url, plan.api_key, load_prompts, n, plan.load_predict)
-                rec["config"] = cfg.name
-                results["load"].append(rec)
+            _run_config(plan, cfg, client, base_url, corp, results, progress)
+        except httpx.HTTPError as exc:
+            raise RuntimeFailure(
+                f"llama-server for configuration {cfg.name!r} stopped answering ({exc});"
+                f" see {log_path if log_path.exists() else base_url}."
+            ) from exc
         finally:
             client.close()
             rc = stop()
@@ -280,6 +247,44 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
                 results["kv"][cfg.name] = kv
     results["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return results
+
+
+def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
+                corp: dict[str, corpora.Corpus], results: dict,
+                progress: Callable[[str, int], None] | None) -> None:
+    props = client.props()
+    n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+    results["servers"][cfg.name] = {"base_url": base_url, "n_ctx": n_ctx,
+                                    "total_slots": props.get("total_slots")}
+    for lang in plan.langs:
+        for ctx in plan.contexts:
+            if n_ctx and ctx + plan.n_predict > n_ctx:
+                results["cells"].append({"config": cfg.name, "lang": lang,
+                                         "context": ctx, "skipped":
+                                         f"server context {n_ctx} too small"})
+                continue
+            if progress:
+                progress(f"{cfg.name} {lang} {ctx}", 1)
+            prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            before = client.metrics()
+            res = client.complete(prompt.tokens, plan.n_predict)
+            after = client.metrics()
+            results["cells"].append(
+                _cell(cfg, lang, ctx, prompt, res, after - before, plan.gap_s))
+    for lang in plan.langs:
+        prompt = corpora.build_prompt(corp[lang], plan.load_context, client.tokenize)
+        res = client.complete(prompt.tokens, plan.quality_tokens, n_probs=1)
+        results["quality"].append({"config": cfg.name, "kv": cfg.kv, "lang": lang,
+                                   "speculative": cfg.speculative,
+                                   "token_ids": res.token_ids, "logprobs": res.probs})
+    load_prompts = [corpora.build_prompt(corp[lang], plan.load_context,
+                                         client.tokenize).tokens for lang in plan.langs]
+    for n in plan.concurrency:
+        if progress:
+            progress(f"{cfg.name} load x{n}", 1)
+        rec = load_test(base_url, plan.api_key, load_prompts, n, plan.load_predict)
+        rec["config"] = cfg.name
+        results["load"].append(rec)
 
 
 def total_steps(plan: Plan) -> int:

@@ -36,7 +36,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               show_default=True, help="Concurrency levels for the latency test.")
 @click.option("--gap-ms", type=float, default=2.0, envvar="MTPWRAP_BENCH_GAP_MS",
               show_default=True, help="Stream gap that separates verification steps.")
-@click.option("--threads", type=int, default=None, envvar="MTPWRAP_BENCH_THREADS")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              envvar="MTPWRAP_BENCH_THREADS",
+              help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
 @click.option("--profile", default=None, envvar="MTPWRAP_PROFILE",
               help="Profile name recorded in the report's provenance.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -83,6 +85,11 @@ def command(quick: bool, url: str | None, api_key: str | None, model: str | None
         cfgs.append(BenchConfig(f"kv-{kv_type}", spec="none", kv=kv_type))
         cfgs.append(BenchConfig(f"{kinds[0]}+kv-{kv_type}", spec=kinds[0],
                                 depth=8 if kinds[0] == "ngram" else depth, kv=kv_type))
+    if quick and threads is None:
+        # Multi-threaded CPU kernels do not give bit-identical logits for a batch of 1 (the
+        # drafter) and a batch of k+1 (verification), so a self-draft loses its known answer
+        # (acceptance exactly 1.0); one thread also avoids spin-waits on a shared machine.
+        threads = 1
     plan = suite.Plan(configs=cfgs, contexts=ctx_list, langs=lang_list,
                       n_predict=n_predict or (64 if quick else 256), concurrency=conc,
                       gap_s=gap_ms / 1000.0, binary=binary, model=mpath, url=url,

@@ -23,7 +23,8 @@ import click
 @click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
               help="Drafter GGUF for --kind draft (default: the model itself).")
 @click.option("--server-bin", envvar="MTPWRAP_BENCH_SERVER_BIN", default=None)
-@click.option("--threads", type=int, default=None, envvar="MTPWRAP_BENCH_THREADS")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              envvar="MTPWRAP_BENCH_THREADS", help="llama-server threads (default: its own).")
 @click.option("--profile", default="cpu-demo", envvar="MTPWRAP_PROFILE", show_default=True,
               help="Profile the override is written for.")
 @click.option("--write", "write_", is_flag=True, envvar="MTPWRAP_TUNE_WRITE",
