@@ -71,18 +71,22 @@ def write_model(work: Path) -> tuple[Path | None, str]:
 
 
 def planner(model: Path, contexts: tuple[int, ...]) -> list[dict]:
-    """`mtpwrap plan` for each KV type and context, as JSON, where the command exists."""
+    """`mtpwrap plan --json` for every cell and context: the prediction to set beside what
+    CUDA allocated (the `allocations` of the same cell)."""
     out = []
-    for kv in KV_TYPES:
+    for cfg in configs():
         for ctx in contexts:
-            cmd = [sys.executable, "-m", "mtpwrap", "plan", "--model", str(model), "-c",
-                   str(ctx), "--kv", kv, "--json"]
+            cmd = [sys.executable, "-m", "mtpwrap", "plan", "-m", str(model), "--gpu", "auto",
+                   "-c", str(ctx), "--kv", cfg.kv, "--spec", cfg.spec, "--depth",
+                   str(cfg.depth), "--json"]
+            rec: dict = {"config": cfg.name, "context": ctx}
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
             except subprocess.TimeoutExpired:
-                out.append({"kv": kv, "context": ctx, "error": "timed out"})
+                rec["error"] = "timed out"
+                out.append(rec)
                 continue
-            rec: dict = {"kv": kv, "context": ctx, "rc": p.returncode}
+            rec["rc"] = p.returncode
             try:
                 rec["plan"] = json.loads(p.stdout)
             except json.JSONDecodeError:
@@ -113,13 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                        "seconds_to_write": round(time.monotonic() - t0, 2)}
     if model:
         result["commands"] = command_lines(args.server_bin, model, contexts)
+        # The planner reads only the GGUF header: its prediction is made on any machine.
+        result["planner"] = planner(model, contexts)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     if args.dry_run or model is None:
         return 0 if model else 2
 
     from mtpwrap.bench import report, suite
 
-    result["planner"] = planner(model, contexts)
     plan = suite.Plan(configs=configs(), contexts=list(contexts), langs=["en"], n_predict=64,
                       concurrency=[1], quality_tokens=16, binary=args.server_bin, model=model,
                       server_extra=GPU_EXTRA, launch_timeout=600.0)

@@ -119,7 +119,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
     env = cli_env(MTPWRAP_LLAMA_SERVER=str(server_bin), MTPWRAP_DEMO_MODEL=str(model))
-    p = run_cli("bench", "--quick", "--contexts", "128,512", "--concurrency", "1,2",
+    p = run_cli("bench", "--quick", "--contexts", "64,192", "--concurrency", "1,2",
                 "--n-predict", "24", "--out", str(out), env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((out / "report.json").read_text())

@@ -99,13 +99,16 @@ def test_bursts_group_by_gap() -> None:
     t = [0.0, 0.010, 0.0101, 0.0102, 0.0103, 0.020, 0.0201, 0.030]
     assert bursts(t, 0.001) == [1, 4, 2, 1]
     assert bursts([], 0.001) == []
+    # A held-back token arrives with the next step: the surplus over depth + 1 goes back.
+    assert bursts([0.0, 0.0001, 0.010, 0.0101, 0.0102, 0.0103, 0.0104], 0.001, cap=4) == [3, 4]
 
 
 def test_rejection_points_by_class() -> None:
     # first token (prefill), then a full step of 4 at depth 3, then a step of 2 ending on a
     # Latin word (rejection at "law"), then a step of 1 ending on a digit (rejection at "17").
-    pieces = ["제", "1", "조", "는", " 법", " the", "law", "17"]
-    t = [0.0, 0.010, 0.0101, 0.0102, 0.0103, 0.020, 0.0201, 0.030]
+    # A final burst follows; it is not counted (the token limit may have cut it).
+    pieces = ["제", "1", "조", "는", " 법", " the", "law", "17", "."]
+    t = [0.0, 0.010, 0.0101, 0.0102, 0.0103, 0.020, 0.0201, 0.030, 0.040]
     per = rejection_points(_result(t, pieces), depth=3, gap_s=0.001)
     assert per["latin"] == {"drafted_positions": 2, "rejections": 1}
     assert per["digits_article"]["rejections"] == 1

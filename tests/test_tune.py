@@ -57,12 +57,12 @@ def test_write_override_copies_profile_and_sets_spec(tmp_path: Path,
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     pts = [_point("baseline", "none", 3, None, 100.0),
            _point("draft-k2-p0.5", "draft", 2, 0.5, 150.0, 15, 10, 20)]
-    path = tune.write_override(tune.analyse(pts), "cpu-demo")
+    path = tune.write_override(tune.analyse(pts), "cpu-demo", draft_model="/m/drafter.gguf")
     assert path == tmp_path / "mtpwrap" / "profiles" / "cpu-demo.yaml"
     data = yaml.safe_load(path.read_text())
     assert data["name"] == "cpu-demo"
     assert data["spec"]["kind"] == "draft" and data["spec"]["depth"] == 2
-    assert data["spec"]["p_min"] == 0.5
+    assert data["spec"]["p_min"] == 0.5 and data["spec"]["draft_model"] == "/m/drafter.gguf"
     assert "150.0 t/s" in data["description"]
 
 

@@ -24,7 +24,9 @@ DEFINITIONS = {
     "acceptance rate": "llama.cpp's number: accepted ÷ drafted.",
     "per-position acceptance": "`spec_decode_num_accepted_tokens_per_pos_total{position=i}` ÷ "
                                "steps: the share of verification steps whose draft token i was "
-                               "accepted (position 0 first).",
+                               "accepted (position 0 first). A step whose draft stopped short "
+                               "of position i (p_min, or the request's token limit) counts as "
+                               "not accepted there.",
     "mean accepted length": "tokens emitted per verification step = 1 + accepted ÷ steps (the "
                             "target model's own token plus the accepted drafts).",
     "α": "the per-position acceptance the recipe's formula needs: the α in [0,1] with "
@@ -236,8 +238,12 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
               f"steps are a forward pass apart; tokens arriving within {gap * 1000:.1f} ms of the "
               "previous one are taken as one step. In a step of g tokens the first g−1 are "
               "accepted drafts; if g−1 is below the draft depth the last token is where a draft "
-              "was rejected. For drafters that sometimes propose nothing (ngram), a plain step "
-              "also looks like a rejection, so their rates are upper bounds.", "",
+              "was rejected. A token whose text ends inside a multi-byte character (common in "
+              "Korean with byte-level vocabularies) is held back by the server and sent with the "
+              "next step, so a run longer than depth + 1 hands its surplus back to the run before "
+              "it. The request's last run is not counted (the token limit may have cut it). For "
+              "drafters that sometimes propose nothing (ngram), a plain step also looks like a "
+              "rejection, so their rates are upper bounds.", "",
               "Error, measured on this run against the server's counters (accepted drafts "
               "inferred from timing vs `spec_decode_num_accepted_tokens_total`; for "
               "configurations without speculation the truth is 0):", "",

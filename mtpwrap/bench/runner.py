@@ -286,11 +286,14 @@ class Client:
 # Stream timing: which tokens came out of one verification step
 
 
-def bursts(arrivals: list[float], gap_s: float) -> list[int]:
+def bursts(arrivals: list[float], gap_s: float, cap: int | None = None) -> list[int]:
     """Sizes of runs of tokens whose arrivals are within `gap_s` of the previous token.
 
     llama-server emits all tokens of one verification step (the accepted drafts plus the
     target's own token) back to back, while consecutive steps are a full forward pass apart.
+    `cap` is the most tokens one step can emit (depth + 1). A token whose text ends inside a
+    multi-byte character is held back and sent with the next step's first token, so a run
+    longer than `cap` hands its surplus back to the run before it.
     """
     if not arrivals:
         return []
@@ -300,6 +303,11 @@ def bursts(arrivals: list[float], gap_s: float) -> list[int]:
             sizes[-1] += 1
         else:
             sizes.append(1)
+    if cap:
+        for i in range(len(sizes) - 1, 0, -1):
+            if sizes[i] > cap:
+                sizes[i - 1] += sizes[i] - cap
+                sizes[i] = cap
     return sizes
 
 
@@ -309,13 +317,16 @@ def rejection_points(result: StreamResult, depth: int, gap_s: float) -> dict[str
     The first token (from prefill) is skipped. In a burst of g tokens, the first g-1 were
     accepted drafts; if g-1 < depth the last one is the target's correction of a rejected draft
     (a rejection at that token's class); if g-1 == depth it is the bonus token and not counted.
+    The request's last burst is skipped: the token limit, not a rejection, may have cut it.
     """
     classes = tokenclass.classify_pieces(result.pieces)
     per: dict[str, dict] = {c: {"drafted_positions": 0, "rejections": 0}
                             for c in tokenclass.CLASSES}
-    sizes = bursts(result.arrivals[1:], gap_s)
+    sizes = bursts(result.arrivals[1:], gap_s, cap=depth + 1)
     i = 1
-    for g in sizes:
+    for n, g in enumerate(sizes):
+        if n == len(sizes) - 1:
+            break
         for j in range(g - 1):
             per[classes[i + j]]["drafted_positions"] += 1
         last = classes[i + g - 1]

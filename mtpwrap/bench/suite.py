@@ -150,7 +150,7 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
     # A running server does not say in /props whether it speculates; its counters do.
     speculative = cfg.speculative or counters.steps > 0
     spec = stats.spec_stats(counters, depth) if speculative else None
-    sizes = bursts(res.arrivals[1:], gap_s)
+    sizes = bursts(res.arrivals[1:], gap_s, cap=depth + 1 if speculative else 1)
     inferred_accepted = sum(g - 1 for g in sizes)
     decode_wall = (res.arrivals[-1] - res.arrivals[0]) if res.n > 1 else None
     return {

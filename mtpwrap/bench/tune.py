@@ -127,39 +127,48 @@ def override_path(profile: str) -> Path:
 
 
 def _base_profile(name: str) -> dict:
+    """The profile as a plain mapping of its YAML keys (None values and empty sections left
+    out), so that the override reads like a hand-written profile."""
     try:
         from mtpwrap import profiles  # type: ignore[attr-defined]
     except ImportError:
-        return {"name": name}
-    prof = profiles.load_profile(name)
-    if isinstance(prof, dict):
-        return dict(prof)
-    for attr in ("to_dict", "model_dump", "dict"):
-        fn = getattr(prof, attr, None)
-        if callable(fn):
-            return dict(fn())
-    return dict(vars(prof))
+        return {"name": name, "description": "", "model": "", "context": 4096}
+    d = profiles.load_profile(name).to_dict()
+    out = {k: v for k, v in d.items()
+           if k in profiles.TOP_KEYS and v is not None and v != {} and v != []}
+    return out
 
 
-def write_override(result: dict, profile: str) -> Path:
-    """Save the best setting as a user profile override: the base profile with its spec keys
-    replaced. A best setting without speculation writes kind 'none'."""
+def _validate(data: dict, path: Path, name: str) -> None:
+    try:
+        from mtpwrap import profiles  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    profiles.validate(data, where=str(path), expected_name=name)
+
+
+def write_override(result: dict, profile: str, *, draft_model: str | None = None) -> Path:
+    """Save the best measured setting as a user profile override: the base profile with its
+    spec keys replaced, validated as a profile before it is written (atomically)."""
     import yaml
 
     best = result["best"]
     data = _base_profile(profile)
     data["name"] = profile
-    spec = dict(data.get("spec") or {})
-    spec["kind"] = best["kind"]
+    spec: dict = {"kind": best["kind"]}
     if best["kind"] != "none":
         spec["depth"] = best["depth"]
-        spec["p_min"] = best["p_min"] if best["p_min"] is not None else 0.0
+        if best["kind"] != "ngram":
+            spec["p_min"] = best["p_min"] if best["p_min"] is not None else 0.0
+        if best["kind"] == "draft":
+            spec["draft_model"] = draft_model or str(data.get("model", ""))
     data["spec"] = spec
     data["description"] = (
         f"Tuned by mtpwrap tune on {result['created']}: {best['name']} measured "
         f"{best['tokens_per_s']:.1f} t/s ({best['measured_speedup']:.2f}x baseline)."
     )
     path = override_path(profile)
+    _validate(data, path, profile)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))

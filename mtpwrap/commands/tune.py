@@ -67,5 +67,6 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, k
     console.info(f"best measured: {best['name']} {best['tokens_per_s']:.1f} t/s; "
                  f"report {files['md']}")
     if write_:
-        path = tune.write_override(result, profile)
+        drafter = plan.draft_model or plan.model
+        path = tune.write_override(result, profile, draft_model=str(drafter))
         console.info(f"wrote profile override {path}")
