@@ -47,7 +47,13 @@ class IntegrityError(ConfigError):
 
 
 class BuildError(MtpwrapError):
-    """CMake configure or build failed."""
+    """CMake configure or build failed. `tail` holds the compiler's last relevant lines."""
+
+    tail: list[str] = []
+
+    def with_tail(self, lines: list[str]) -> BuildError:
+        self.tail = list(lines)
+        return self
 
 
 class RuntimeFailure(MtpwrapError):

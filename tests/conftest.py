@@ -34,20 +34,29 @@ def cpu_manifest() -> dict:
 
 
 @pytest.fixture(scope="session")
-def llama_server_bin(cpu_manifest: dict) -> Path:
-    return Path(cpu_manifest["binaries"]["llama-server"]["path"])
+def llama_server_bin(request: pytest.FixtureRequest) -> Path:
+    # MTPWRAP_LLAMA_SERVER points the tests at another build (a CUDA one, say).
+    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    if env:
+        return Path(env)
+    manifest = request.getfixturevalue("cpu_manifest")
+    return Path(manifest["binaries"]["llama-server"]["path"])
 
 
 @pytest.fixture(scope="session")
-def fit_params_bin(cpu_manifest: dict) -> Path:
-    return Path(cpu_manifest["binaries"]["llama-fit-params"]["path"])
+def fit_params_bin(request: pytest.FixtureRequest) -> Path:
+    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    if env:
+        return Path(env).with_name("llama-fit-params")
+    manifest = request.getfixturevalue("cpu_manifest")
+    return Path(manifest["binaries"]["llama-fit-params"]["path"])
 
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     from mtpwrap import models
 
-    return models.ensure_demo_model()
+    return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 
 
 def _free_port() -> int:
@@ -78,8 +87,9 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
     return subprocess.run(
         [sys.executable, "-m", "mtpwrap", *args],

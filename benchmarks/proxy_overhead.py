@@ -1,0 +1,374 @@
+"""What the HTTP front costs: direct vs through mtpwrap, in one run.
+
+Two upstreams:
+- synthetic: a tiny uvicorn app that emits SSE chunks at a fixed rate, so any difference in
+  inter-token latency between direct and proxied is the front's own cost;
+- real: llama-server (CPU build) with the demo model.
+
+For each upstream and concurrency (1, 8, 32) it measures, direct and proxied, time to first token
+(request sent → first `data:` event), inter-token latency p50/p99 (gaps between consecutive
+`data:` events of one stream, pooled over streams) and aggregate tokens/s (events with content /
+wall time). The front and each upstream run in their own processes; the load generator is an
+asyncio httpx client in this process.
+
+    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--json OUT]
+
+The llama-server binary and model come from MTPWRAP_LLAMA_SERVER / MTPWRAP_DEMO_MODEL, else from
+mtpwrap's build and models modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+INTERNAL_KEY = "bench-internal-key-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 120, headers: dict | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1, headers=headers).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
+
+
+def spawn(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+# ------------------------------------------------------------------------------- processes
+
+
+def synthetic_main(port: int, interval: float) -> None:
+    """The synthetic upstream: OpenAI-style chat chunks every `interval` seconds."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def chat(request: Request):
+        body = await request.json()
+        n = int(body.get("max_tokens", 64))
+
+        async def events():
+            for i in range(n):
+                chunk = {"id": "chatcmpl-synthetic", "object": "chat.completion.chunk",
+                         "created": 0, "model": "synthetic",
+                         "choices": [{"index": 0, "delta": {"content": f" tok{i}"},
+                                      "finish_reason": None}]}
+                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+                await asyncio.sleep(interval)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def health(_r: Request):
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                            Route("/health", health)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+class StaticSupervisor:
+    """A child that is always ready at one address (the contract's Supervisor methods)."""
+
+    def __init__(self, base_url: str, api_key: str) -> None:
+        from types import SimpleNamespace
+
+        self.up = SimpleNamespace(base_url=base_url, api_key=api_key, generation=1)
+        self.t0 = time.time()
+
+    def status(self):  # noqa: ANN201
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state="ready", reason=None, restarts=0, started_at=self.t0,
+                               child_started_at=self.t0, ready_since=self.t0, last_exit=None,
+                               pid=None, upstream=self.up)
+
+    async def wait_ready(self, timeout: float):  # noqa: ANN201
+        return self.up
+
+    def report_stall(self, generation: int, reason: str) -> None:
+        print(f"stall reported: {reason}", file=sys.stderr)
+
+    def add_listener(self, cb) -> None:  # noqa: ANN001
+        pass
+
+
+def front_main(upstream: str, port: int, concurrency: int) -> None:
+    """mtpwrap's front over a fixed upstream, served like `mtpwrap up` serves it."""
+    import uvicorn
+
+    sys.path.insert(0, str(REPO))
+    from mtpwrap.proxy import Front, ProxyConfig
+
+    cfg = ProxyConfig(max_concurrency=concurrency, queue_size=concurrency * 2)
+    front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, {"profile": "bench"})
+    kw = {}
+    if os.environ.get("BENCH_UVICORN_HTTP"):
+        kw["http"] = os.environ["BENCH_UVICORN_HTTP"]
+    if os.environ.get("BENCH_UVICORN_LOOP"):
+        kw["loop"] = os.environ["BENCH_UVICORN_LOOP"]
+    uvicorn.run(front.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
+                lifespan="off", **kw)
+
+
+# ------------------------------------------------------------------------------- load
+
+
+@dataclass
+class Result:
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+    ok: int = 0
+
+    def err(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict, res: Result,
+                     headers: dict) -> str:
+    """Run one streamed chat request; return its outcome class."""
+    t0 = time.perf_counter()
+    last = None
+    done = False
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                await r.aread()
+                res.err(f"http_{r.status_code}")
+                return f"http_{r.status_code}"
+            buf = b""
+            async for chunk in r.aiter_raw():
+                now = time.perf_counter()
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if not event.startswith(b"data: "):
+                        continue
+                    data = event[6:]
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    if data.startswith(b'{"error"'):
+                        res.err("error_event")
+                        return "error_event"
+                    if b'"content"' not in data:
+                        continue
+                    if last is None:
+                        res.ttft.append(now - t0)
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    res.tokens += 1
+    except httpx.HTTPError as e:
+        res.err(type(e).__name__)
+        return type(e).__name__
+    if not done:
+        res.err("no_done_unexplained")
+        return "no_done_unexplained"
+    res.ok += 1
+    return "ok"
+
+
+async def run_load(url: str, concurrency: int, per_worker: int, body: dict,
+                   headers: dict | None = None) -> Result:
+    res = Result()
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits,
+                                 trust_env=False) as client:
+        async def worker() -> None:
+            for _ in range(per_worker):
+                await one_stream(client, url, body, res, headers or {})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        res.wall = time.perf_counter() - t0
+    return res
+
+
+def summary(res: Result) -> dict:
+    return {
+        "ttft_p50_ms": pct(res.ttft, 50) * 1e3, "ttft_p99_ms": pct(res.ttft, 99) * 1e3,
+        "itl_p50_ms": pct(res.itl, 50) * 1e3, "itl_p95_ms": pct(res.itl, 95) * 1e3,
+        "itl_p99_ms": pct(res.itl, 99) * 1e3,
+        "itl_mean_ms": (statistics.fmean(res.itl) * 1e3) if res.itl else float("nan"),
+        "ttft_p95_ms": pct(res.ttft, 95) * 1e3,
+        "tokens_per_s": res.tokens / res.wall if res.wall else 0.0,
+        "tokens": res.tokens, "ok": res.ok, "errors": res.errors, "wall_s": res.wall,
+    }
+
+
+DIRECT_HEADERS = {"authorization": f"Bearer {INTERNAL_KEY}"}
+
+
+def compare(name: str, direct_url: str, proxied_url: str, levels: list[int], per_worker,
+            body: dict) -> list[dict]:
+    rows = []
+    print(f"\n== {name}: direct vs through mtpwrap ==")
+    print(f"{'conc':>4} {'path':>8} {'TTFT p50':>9} {'ITL p50':>9} {'ITL p99':>9} "
+          f"{'tok/s':>9} {'ok':>4} errors")
+    for c in levels:
+        n = per_worker(c)
+        # warm both paths (connections, prompt cache) before measuring
+        asyncio.run(run_load(direct_url, min(c, 4), 1, body, DIRECT_HEADERS))
+        asyncio.run(run_load(proxied_url, min(c, 4), 1, body))
+        pair = {}
+        for path, url, h in (("direct", direct_url, DIRECT_HEADERS),
+                             ("mtpwrap", proxied_url, {})):
+            s = summary(asyncio.run(run_load(url, c, n, body, h)))
+            pair[path] = s
+            print(f"{c:>4} {path:>8} {s['ttft_p50_ms']:8.2f}ms {s['itl_p50_ms']:8.3f}ms "
+                  f"{s['itl_p99_ms']:8.3f}ms {s['tokens_per_s']:9.1f} {s['ok']:>4} "
+                  f"{s['errors'] or ''}")
+        d, p = pair["direct"], pair["mtpwrap"]
+        delta = {"itl_p50_added_ms": p["itl_p50_ms"] - d["itl_p50_ms"],
+                 "itl_p99_added_ms": p["itl_p99_ms"] - d["itl_p99_ms"],
+                 "ttft_p50_added_ms": p["ttft_p50_ms"] - d["ttft_p50_ms"],
+                 "tokens_per_s_ratio": p["tokens_per_s"] / d["tokens_per_s"]
+                 if d["tokens_per_s"] else float("nan")}
+        print(f"{c:>4} {'added':>8} {delta['ttft_p50_added_ms']:+8.2f}ms "
+              f"{delta['itl_p50_added_ms']:+8.3f}ms {delta['itl_p99_added_ms']:+8.3f}ms "
+              f"{delta['tokens_per_s_ratio'] * 100:8.1f}%")
+        rows.append({"upstream": name, "concurrency": c, "direct": d, "mtpwrap": p, **delta})
+    return rows
+
+
+def llama_paths() -> tuple[Path, Path]:
+    binary = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    model = os.environ.get("MTPWRAP_DEMO_MODEL")
+    if not binary:
+        from mtpwrap import build
+
+        binary = str(build.ensure_built(variant="cpu").binary("llama-server"))
+    if not model:
+        from mtpwrap import models
+
+        model = str(models.ensure_demo_model())
+    return Path(binary), Path(model)
+
+
+def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
+                extra: list[str] | None = None) -> subprocess.Popen:
+    binary, model = llama_paths()
+    env = {"LLAMA_API_KEY": INTERNAL_KEY,
+           "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    proc = spawn([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                  "-np", str(slots), "-c", str(slots * ctx_per_slot), "--metrics",
+                  "--no-webui", *(extra or [])], env=env)
+    wait_http(f"http://127.0.0.1:{port}/health", 180)
+    return proc
+
+
+def start_front(upstream: str, concurrency: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = spawn([PY, __file__, "_front", upstream, str(port), str(concurrency)])
+    wait_http(f"http://127.0.0.1:{port}/livez", 30)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-real", action="store_true")
+    ap.add_argument("--skip-synthetic", action="store_true")
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--interval-ms", type=float, default=10.0,
+                    help="synthetic upstream: time between chunks")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    rows: list[dict] = []
+    procs: list[subprocess.Popen] = []
+    try:
+        if not args.skip_synthetic:
+            sport = free_port()
+            procs.append(spawn([PY, __file__, "_synthetic", str(sport),
+                                str(args.interval_ms / 1000)]))
+            wait_http(f"http://127.0.0.1:{sport}/health", 30)
+            front, furl = start_front(f"http://127.0.0.1:{sport}", max(levels))
+            procs.append(front)
+            body = {"model": "x", "stream": True, "max_tokens": 100,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
+                            f"http://127.0.0.1:{sport}/v1/chat/completions",
+                            furl + "/v1/chat/completions", levels,
+                            lambda c: max(2, 48 // c), body)
+        if not args.skip_real:
+            lport = free_port()
+            procs.append(start_llama(lport, max(levels)))
+            front, furl = start_front(f"http://127.0.0.1:{lport}", max(levels))
+            procs.append(front)
+            body = {"model": "x", "stream": True, "max_tokens": 64, "temperature": 0,
+                    "seed": 1, "messages": [{"role": "user",
+                                             "content": "Write a short story about a lighthouse."}]}
+            rows += compare("llama-server (demo model, CPU)",
+                            f"http://127.0.0.1:{lport}/v1/chat/completions",
+                            furl + "/v1/chat/completions", levels,
+                            lambda c: 2 if c < 32 else 1, body)
+    finally:
+        for p in reversed(procs):
+            stop(p)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_synthetic":
+        synthetic_main(int(sys.argv[2]), float(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_front":
+        front_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()

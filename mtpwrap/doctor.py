@@ -1,0 +1,191 @@
+"""What the recipe asks a person to check by hand, checked: driver, GPUs, toolchain, disk,
+the built binary and the model. Each check says ok / warning / missing and the command that
+fixes it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpwrap import paths, toolchain
+
+OK, WARNING, MISSING = "ok", "warning", "missing"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str | None = None
+    hard: bool = False  # a missing hard requirement makes `doctor` exit non-zero
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_gpus(snap: Any | None = None) -> list[Check]:
+    if snap is None:
+        from mtpwrap import hardware
+
+        snap = hardware.snapshot()
+    gpus = list(getattr(snap, "gpus", ()) or ())
+    if not gpus:
+        why = getattr(snap, "error", None) or "NVML found no NVIDIA GPU"
+        return [
+            Check(
+                "NVIDIA driver / GPUs",
+                WARNING,
+                f"no GPU: {why}; only CPU builds and the cpu-demo profile will run",
+                "install the NVIDIA driver (nvidia-smi must work) on a GPU machine",
+            )
+        ]
+    checks = []
+    driver = getattr(snap, "driver_version", None) or getattr(gpus[0], "driver_version", None)
+    for i, g in enumerate(gpus):
+        total = getattr(g, "memory_total", None)
+        cc = getattr(g, "compute_capability", None)
+        mem = f"{total / 2**30:.1f} GiB" if total else "memory unknown"
+        ccs = f"sm_{cc[0]}{cc[1]}" if cc else "compute capability unknown"
+        checks.append(
+            Check(
+                f"GPU {i}",
+                OK,
+                f"{getattr(g, 'name', '?')}, {mem}, {ccs}, driver {driver or 'unknown'}",
+            )
+        )
+    return checks
+
+
+def check_cuda() -> Check:
+    tk = toolchain.cuda_toolkit()
+    if tk.nvcc is None:
+        return Check(
+            "CUDA toolkit (nvcc)",
+            WARNING,
+            "nvcc not found; only CPU builds are possible",
+            "install the CUDA toolkit (NVIDIA cuda-toolkit package) and put nvcc on PATH",
+        )
+    if not tk.cublas:
+        return Check(
+            "CUDA toolkit (nvcc)",
+            WARNING,
+            f"nvcc {tk.version} at {tk.nvcc}, but cuBLAS is missing under {tk.root}, "
+            "so CUDA builds cannot link",
+            "install cuBLAS (e.g. `apt-get install libcublas-dev-13-0` from NVIDIA's repo)",
+        )
+    return Check("CUDA toolkit (nvcc)", OK, f"nvcc {tk.version} with cuBLAS at {tk.root}")
+
+
+def check_cmake() -> Check:
+    v = toolchain.cmake_version()
+    if v is None:
+        return Check("cmake", MISSING, "cmake not found", "apt-get install cmake", hard=True)
+    return Check("cmake", OK, f"cmake {v}")
+
+
+def check_compiler() -> Check:
+    v = toolchain.cxx_version()
+    if v is None:
+        return Check(
+            "C++ compiler",
+            MISSING,
+            "no c++, g++ or clang++ on PATH",
+            "apt-get install build-essential",
+            hard=True,
+        )
+    return Check("C++ compiler", OK, v)
+
+
+def check_ccache() -> Check:
+    if toolchain.ccache() is None:
+        return Check(
+            "ccache",
+            WARNING,
+            "not installed; rebuilds of a changed source start over",
+            "apt-get install ccache",
+        )
+    return Check("ccache", OK, toolchain.ccache() or "")
+
+
+def check_disk(min_free_gib: float = 20.0) -> Check:
+    where = paths.home()
+    probe = where if where.exists() else Path.home()
+    free = shutil.disk_usage(probe).free / 2**30
+    if free < 2:
+        return Check(
+            "free disk",
+            MISSING,
+            f"{free:.1f} GiB free at {probe}",
+            "free space: a build needs ~2 GiB, a 27B model ~17 GiB",
+            hard=True,
+        )
+    if free < min_free_gib:
+        return Check(
+            "free disk",
+            WARNING,
+            f"{free:.1f} GiB free at {probe} (a 27B model and a CUDA build need about 20 GiB)",
+            "free some space",
+        )
+    return Check("free disk", OK, f"{free:.0f} GiB free at {probe}")
+
+
+def check_binary() -> Check:
+    from mtpwrap import build
+
+    m = build.load_manifest()
+    if m is None:
+        return Check(
+            "llama-server build",
+            MISSING,
+            f"no built binary under {paths.build_root()}",
+            "mtpwrap build   (or `mtpwrap build --cpu`)",
+        )
+    return Check(
+        "llama-server build",
+        OK,
+        f"{m.variant}, {m.source.get('kind')} source, commit {m.commit}, "
+        f"{m.binary('llama-server')}",
+    )
+
+
+def check_model(model: str | None) -> Check:
+    from mtpwrap import models
+    from mtpwrap.errors import ConfigError
+
+    if model:
+        try:
+            p = models.resolve_model(model)
+        except ConfigError as exc:
+            return Check(
+                "model file",
+                MISSING,
+                str(exc.message),
+                "check the path, or download the GGUF into " + str(paths.models_dir()),
+            )
+        return Check("model file", OK, f"{p} ({p.stat().st_size / 1e9:.1f} GB)")
+    demo = models.demo_model_path()
+    if demo.is_file():
+        return Check("model file", OK, f"demo model {demo}; pass --model for yours")
+    return Check(
+        "model file",
+        WARNING,
+        "no model given and the demo model is not fetched",
+        "mtpwrap models demo",
+    )
+
+
+def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
+    return [
+        *check_gpus(snap),
+        check_cuda(),
+        check_cmake(),
+        check_compiler(),
+        check_ccache(),
+        check_disk(),
+        check_binary(),
+        check_model(model),
+    ]

@@ -1,0 +1,543 @@
+"""What this machine has: GPUs through NVML, CPU cores and RAM through psutil.
+
+NVML is passed in as a module-like object (the real `pynvml` by default), so the same code runs
+against a recording: `record()` captures NVML's raw answers as JSON and `RecordedNvml` replays
+them. A recording taken on a server can be replayed on a laptop (`mtpwrap hw --replay FILE`) to
+see which profile and command line that server would get.
+
+Unknown is `None`, never a guess: a field NVML does not support, or a call that fails, stays
+`None`; no driver or no GPU gives a snapshot with `gpus == ()` and `error` saying why.
+This is the only module that imports pynvml, and it does so inside functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+GIB = 1024**3
+
+#: NVML "clocks event" (throttle) reason bits, names as `nvidia-smi -q` prints them.
+THROTTLE_REASONS: dict[int, str] = {
+    0x1: "gpu_idle",
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown",
+    0x100: "display_clock_setting",
+}
+
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_TEMPERATURE_GPU = 0
+
+RECORD_FORMAT = "mtpwrap-nvml-record/1"
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    index: int
+    name: str | None = None
+    uuid: str | None = None
+    memory_total: int | None = None  # bytes
+    memory_free: int | None = None  # bytes
+    compute_capability: tuple[int, int] | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None  # "12.8": the highest CUDA the driver supports
+    power_limit_w: float | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    temperature_c: int | None = None
+    utilization_gpu: int | None = None  # percent
+    utilization_memory: int | None = None  # percent
+
+    @property
+    def memory_total_gib(self) -> float | None:
+        return None if self.memory_total is None else self.memory_total / GIB
+
+    @property
+    def memory_free_gib(self) -> float | None:
+        return None if self.memory_free is None else self.memory_free / GIB
+
+    @property
+    def cuda_arch(self) -> str | None:
+        """The CMAKE_CUDA_ARCHITECTURES value for this card ("89" for an RTX 4090)."""
+        if self.compute_capability is None:
+            return None
+        return f"{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["compute_capability"] = (
+            list(self.compute_capability) if self.compute_capability is not None else None
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GpuInfo:
+        known = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        cc = kwargs.get("compute_capability")
+        kwargs["compute_capability"] = tuple(cc) if cc is not None else None
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class HardwareSnapshot:
+    gpus: tuple[GpuInfo, ...] = ()
+    cpu_physical: int | None = None
+    cpu_logical: int | None = None
+    ram_total: int | None = None  # bytes
+    ram_available: int | None = None  # bytes
+    #: why there is no GPU information (no driver, no GPU, NVML error); None when NVML answered.
+    error: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+    source: str = field(default="nvml", compare=False)
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpus)
+
+    @property
+    def total_gpu_memory(self) -> int | None:
+        if not self.gpus or any(g.memory_total is None for g in self.gpus):
+            return None
+        return sum(g.memory_total or 0 for g in self.gpus)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": [g.to_dict() for g in self.gpus],
+            "cpu_physical": self.cpu_physical,
+            "cpu_logical": self.cpu_logical,
+            "ram_total": self.ram_total,
+            "ram_available": self.ram_available,
+            "error": self.error,
+            "driver_version": self.driver_version,
+            "cuda_driver_version": self.cuda_driver_version,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HardwareSnapshot:
+        return cls(
+            gpus=tuple(GpuInfo.from_dict(g) for g in data.get("gpus") or ()),
+            cpu_physical=data.get("cpu_physical"),
+            cpu_logical=data.get("cpu_logical"),
+            ram_total=data.get("ram_total"),
+            ram_available=data.get("ram_available"),
+            error=data.get("error"),
+            driver_version=data.get("driver_version"),
+            cuda_driver_version=data.get("cuda_driver_version"),
+            source=data.get("source", "dict"),
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _cuda_version_text(value: int | None) -> str | None:
+    if value is None or value <= 0:
+        return None
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _load_nvml() -> tuple[Any | None, str | None]:
+    try:
+        import pynvml
+    except ImportError:
+        return None, "the nvidia-ml-py package (pynvml) is not installed"
+    return pynvml, None
+
+
+def _error_class(nvml: Any) -> type[BaseException]:
+    cls = getattr(nvml, "NVMLError", None)
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else Exception
+
+
+def _init_error_text(exc: BaseException) -> str:
+    code = getattr(exc, "value", None)
+    if code == NVML_ERROR_LIBRARY_NOT_FOUND:
+        return "no NVIDIA driver: the NVML library (libnvidia-ml.so) was not found"
+    if code == NVML_ERROR_DRIVER_NOT_LOADED:
+        return "the NVIDIA driver is not loaded"
+    return f"NVML failed to start: {exc}"
+
+
+def _query(nvml: Any, err: type[BaseException], name: str, *args: Any) -> Any:
+    """Call `nvml.<name>(*args)`; None when NVML lacks or refuses it (unknown, not a guess)."""
+    fn = getattr(nvml, name, None)
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except err:
+        return None
+
+
+def host_info(psutil_module: Any | None = None, *,
+              use_psutil: bool = True) -> dict[str, int | None]:
+    """CPU cores and RAM. Without psutil, logical cores and RAM come from the OS; physical
+    cores stay unknown."""
+    ps = psutil_module
+    if ps is None and use_psutil:
+        try:
+            import psutil as ps
+        except ImportError:
+            ps = None
+    if ps is not None:
+        vm = ps.virtual_memory()
+        return {
+            "cpu_physical": ps.cpu_count(logical=False),
+            "cpu_logical": ps.cpu_count(logical=True),
+            "ram_total": int(vm.total),
+            "ram_available": int(vm.available),
+        }
+    info: dict[str, int | None] = {
+        "cpu_physical": None,
+        "cpu_logical": os.cpu_count(),
+        "ram_total": None,
+        "ram_available": None,
+    }
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key == "MemTotal":
+                info["ram_total"] = int(rest.split()[0]) * 1024
+            elif key == "MemAvailable":
+                info["ram_available"] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return info
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def snapshot(
+    nvml: Any | None = None,
+    *,
+    host: Mapping[str, int | None] | None = None,
+) -> HardwareSnapshot:
+    """Take a hardware snapshot. Never raises for a missing driver or GPU: `error` says why."""
+    source = "nvml"
+    if nvml is None:
+        nvml, load_error = _load_nvml()
+    else:
+        load_error = None
+        source = getattr(nvml, "SOURCE", "nvml")
+    if host is None:
+        # a recording carries the host it was made on; never mix in this machine's figures
+        recorded = getattr(nvml, "recorded_host", None)
+        host = recorded if recorded is not None else host_info()
+    base = {k: host.get(k) for k in ("cpu_physical", "cpu_logical", "ram_total", "ram_available")}
+    if nvml is None:
+        return HardwareSnapshot(error=load_error, source="none", **base)  # type: ignore[arg-type]
+
+    err = _error_class(nvml)
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError, or OSError from a broken library install
+        return HardwareSnapshot(error=_init_error_text(exc), source=source, **base)  # type: ignore[arg-type]
+    try:
+        driver = _text(_query(nvml, err, "nvmlSystemGetDriverVersion"))
+        cuda = _cuda_version_text(_query(nvml, err, "nvmlSystemGetCudaDriverVersion"))
+        count = _query(nvml, err, "nvmlDeviceGetCount")
+        if count is None:
+            return HardwareSnapshot(
+                error="NVML could not count the GPUs", driver_version=driver,
+                cuda_driver_version=cuda, source=source, **base,  # type: ignore[arg-type]
+            )
+        gpus = tuple(_gpu_info(nvml, err, i, driver, cuda) for i in range(int(count)))
+        error = None if gpus else "the NVIDIA driver is loaded but reports no GPU"
+        return HardwareSnapshot(
+            gpus=gpus, error=error, driver_version=driver, cuda_driver_version=cuda,
+            source=source, **base,  # type: ignore[arg-type]
+        )
+    finally:
+        _query(nvml, err, "nvmlShutdown")
+
+
+def _gpu_info(nvml: Any, err: type[BaseException], index: int,
+              driver: str | None, cuda: str | None) -> GpuInfo:
+    handle = _query(nvml, err, "nvmlDeviceGetHandleByIndex", index)
+    if handle is None:
+        return GpuInfo(index=index, driver_version=driver, cuda_driver_version=cuda)
+
+    def q(name: str, *args: Any) -> Any:
+        return _query(nvml, err, name, handle, *args)
+
+    mem = q("nvmlDeviceGetMemoryInfo")
+    cc = q("nvmlDeviceGetCudaComputeCapability")
+    limit_mw = q("nvmlDeviceGetPowerManagementLimit")
+    util = q("nvmlDeviceGetUtilizationRates")
+    return GpuInfo(
+        index=index,
+        name=_text(q("nvmlDeviceGetName")),
+        uuid=_text(q("nvmlDeviceGetUUID")),
+        memory_total=int(mem.total) if mem is not None else None,
+        memory_free=int(mem.free) if mem is not None else None,
+        compute_capability=(int(cc[0]), int(cc[1])) if cc is not None else None,
+        driver_version=driver,
+        cuda_driver_version=cuda,
+        power_limit_w=round(limit_mw / 1000.0, 1) if limit_mw is not None else None,
+        pcie_gen=q("nvmlDeviceGetCurrPcieLinkGeneration"),
+        pcie_width=q("nvmlDeviceGetCurrPcieLinkWidth"),
+        temperature_c=q("nvmlDeviceGetTemperature", NVML_TEMPERATURE_GPU),
+        utilization_gpu=int(util.gpu) if util is not None else None,
+        utilization_memory=int(util.memory) if util is not None else None,
+    )
+
+
+def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
+    """Live per-GPU gauges for /metrics. No driver, no GPU or any NVML failure: an empty list."""
+    if nvml is None:
+        nvml, _ = _load_nvml()
+        if nvml is None:
+            return []
+    err = _error_class(nvml)
+    try:
+        nvml.nvmlInit()
+    except Exception:  # a scrape must never fail because the GPU side did
+        return []
+    out: list[dict[str, Any]] = []
+    try:
+        for i in range(int(_query(nvml, err, "nvmlDeviceGetCount") or 0)):
+            h = _query(nvml, err, "nvmlDeviceGetHandleByIndex", i)
+            if h is None:
+                continue
+            mem = _query(nvml, err, "nvmlDeviceGetMemoryInfo", h)
+            util = _query(nvml, err, "nvmlDeviceGetUtilizationRates", h)
+            power_mw = _query(nvml, err, "nvmlDeviceGetPowerUsage", h)
+            limit_mw = _query(nvml, err, "nvmlDeviceGetPowerManagementLimit", h)
+            reasons = _query(nvml, err, "nvmlDeviceGetCurrentClocksEventReasons", h)
+            if reasons is None:
+                reasons = _query(nvml, err, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
+            out.append({
+                "index": i,
+                "name": _text(_query(nvml, err, "nvmlDeviceGetName", h)),
+                "uuid": _text(_query(nvml, err, "nvmlDeviceGetUUID", h)),
+                "memory_used": int(mem.used) if mem is not None else None,
+                "memory_total": int(mem.total) if mem is not None else None,
+                "utilization_gpu": int(util.gpu) if util is not None else None,
+                "utilization_memory": int(util.memory) if util is not None else None,
+                "temperature_c": _query(nvml, err, "nvmlDeviceGetTemperature", h,
+                                        NVML_TEMPERATURE_GPU),
+                "power_w": round(power_mw / 1000.0, 1) if power_mw is not None else None,
+                "power_limit_w": round(limit_mw / 1000.0, 1) if limit_mw is not None else None,
+                "throttle_reasons_mask": reasons,
+                "throttle_reasons": throttle_reason_names(reasons),
+            })
+    except Exception:
+        # NVML can fail half-way (GPU fell off the bus); report what was read so far.
+        return out
+    finally:
+        with contextlib.suppress(Exception):
+            nvml.nvmlShutdown()
+    return out
+
+
+def throttle_reason_names(mask: int | None) -> list[str]:
+    if not mask:
+        return []
+    names = [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
+    unknown = mask & ~sum(THROTTLE_REASONS)
+    if unknown:
+        names.append(f"other_0x{unknown:x}")
+    return names
+
+
+# --------------------------------------------------------------------------- record / replay
+
+def record(nvml: Any | None = None, *, note: str = "") -> dict[str, Any]:
+    """NVML's raw answers as JSON-able data, for `RecordedNvml` to replay. Never raises."""
+    data: dict[str, Any] = {"format": RECORD_FORMAT, "note": note, "host": host_info()}
+    if nvml is None:
+        nvml, load_error = _load_nvml()
+        if nvml is None:
+            data["init_error"] = {"code": NVML_ERROR_LIBRARY_NOT_FOUND, "message": load_error}
+            return data
+    err = _error_class(nvml)
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        data["init_error"] = {"code": getattr(exc, "value", None), "message": str(exc)}
+        return data
+    try:
+        data["driver_version"] = _text(_query(nvml, err, "nvmlSystemGetDriverVersion"))
+        data["cuda_driver_version"] = _query(nvml, err, "nvmlSystemGetCudaDriverVersion")
+        devices = []
+        for i in range(int(_query(nvml, err, "nvmlDeviceGetCount") or 0)):
+            h = _query(nvml, err, "nvmlDeviceGetHandleByIndex", i)
+            if h is None:
+                devices.append({})
+                continue
+
+            def q(name: str, *args: Any, _h: Any = h) -> Any:
+                return _query(nvml, err, name, _h, *args)
+
+            mem = q("nvmlDeviceGetMemoryInfo")
+            util = q("nvmlDeviceGetUtilizationRates")
+            cc = q("nvmlDeviceGetCudaComputeCapability")
+            devices.append({
+                "name": _text(q("nvmlDeviceGetName")),
+                "uuid": _text(q("nvmlDeviceGetUUID")),
+                "memory": None if mem is None else
+                {"total": int(mem.total), "free": int(mem.free), "used": int(mem.used)},
+                "cuda_compute_capability": None if cc is None else [int(cc[0]), int(cc[1])],
+                "power_management_limit_mw": q("nvmlDeviceGetPowerManagementLimit"),
+                "power_usage_mw": q("nvmlDeviceGetPowerUsage"),
+                "pcie_link_gen": q("nvmlDeviceGetCurrPcieLinkGeneration"),
+                "pcie_link_width": q("nvmlDeviceGetCurrPcieLinkWidth"),
+                "temperature_gpu_c": q("nvmlDeviceGetTemperature", NVML_TEMPERATURE_GPU),
+                "utilization": None if util is None else
+                {"gpu": int(util.gpu), "memory": int(util.memory)},
+                "clocks_event_reasons": q("nvmlDeviceGetCurrentClocksEventReasons"),
+            })
+        data["devices"] = devices
+    finally:
+        _query(nvml, err, "nvmlShutdown")
+    return data
+
+
+class RecordedNvmlError(Exception):
+    """Stands in for pynvml.NVMLError: carries the NVML return code in `.value`."""
+
+    def __init__(self, value: int, message: str | None = None) -> None:
+        super().__init__(message or f"NVML error {value}")
+        self.value = value
+
+
+class RecordedNvml:
+    """A pynvml look-alike that answers from a `record()`: the calls mtpwrap makes, nothing more.
+
+    A value that is missing or null in the recording raises NOT_SUPPORTED, as NVML does for a
+    field a board does not report.
+    """
+
+    NVMLError = RecordedNvmlError
+
+    def __init__(self, data: Mapping[str, Any], source: str = "recording") -> None:
+        if data.get("format") != RECORD_FORMAT:
+            raise ValueError(f"not an NVML recording (format {data.get('format')!r})")
+        self._data = data
+        self._devices: list[Mapping[str, Any]] = list(data.get("devices") or [])
+        self.SOURCE = source
+        self.recorded_host = data.get("host")
+        self.initialized = 0
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RecordedNvml:
+        import json
+
+        p = Path(path)
+        return cls(json.loads(p.read_text()), source=f"recording:{p.name}")
+
+    # -- system
+    def nvmlInit(self) -> None:
+        init_error = self._data.get("init_error")
+        if init_error:
+            raise RecordedNvmlError(init_error.get("code") or 999, init_error.get("message"))
+        self.initialized += 1
+
+    def nvmlShutdown(self) -> None:
+        self.initialized -= 1
+
+    def _value(self, value: Any) -> Any:
+        if value is None:
+            raise RecordedNvmlError(NVML_ERROR_NOT_SUPPORTED, "Not Supported")
+        return value
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._value(self._data.get("driver_version"))  # type: ignore[no-any-return]
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self._value(self._data.get("cuda_driver_version"))  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self._devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if not 0 <= index < len(self._devices):
+            raise RecordedNvmlError(2, "Invalid Argument")
+        return index
+
+    # -- per device
+    def _dev(self, handle: int, key: str) -> Any:
+        return self._value(self._devices[handle].get(key))
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return self._dev(h, "name")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return self._dev(h, "uuid")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(**self._dev(h, "memory"))
+
+    def nvmlDeviceGetCudaComputeCapability(self, h: int) -> tuple[int, int]:
+        cc = self._dev(h, "cuda_compute_capability")
+        return int(cc[0]), int(cc[1])
+
+    def nvmlDeviceGetPowerManagementLimit(self, h: int) -> int:
+        return self._dev(h, "power_management_limit_mw")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        return self._dev(h, "power_usage_mw")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
+        return self._dev(h, "pcie_link_gen")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
+        return self._dev(h, "pcie_link_width")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        if sensor != NVML_TEMPERATURE_GPU:
+            raise RecordedNvmlError(2, "Invalid Argument")
+        return self._dev(h, "temperature_gpu_c")  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
+        return SimpleNamespace(**self._dev(h, "utilization"))
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
+        return self._dev(h, "clocks_event_reasons")  # type: ignore[no-any-return]
+
+
+def snapshot_from_record(data: Mapping[str, Any], source: str = "recording") -> HardwareSnapshot:
+    return snapshot(RecordedNvml(data, source=source))
+
+
+def load_snapshot(path: str | Path) -> HardwareSnapshot:
+    """A snapshot from a file: an NVML recording (replayed) or a saved `to_dict()`."""
+    import json
+
+    from mtpwrap.errors import ConfigError
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{p}: cannot read a hardware snapshot: {exc}") from exc
+    if isinstance(data, dict) and data.get("format") == RECORD_FORMAT:
+        return snapshot(RecordedNvml(data, source=f"recording:{p.name}"))
+    if isinstance(data, dict) and "gpus" in data:
+        return HardwareSnapshot.from_dict(data)
+    raise ConfigError(f"{p}: not an NVML recording or a saved snapshot; "
+                      "make one with `mtpwrap hw --record`.")

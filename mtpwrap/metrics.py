@@ -1,0 +1,251 @@
+"""Prometheus exposition for one front: its own counters, the supervisor, the child, the GPU.
+
+Every Front owns a private `CollectorRegistry` (never the process-global one), so several fronts
+in one process (tests, benchmarks) do not collide. llama-server's own `/metrics` page is fetched
+at scrape time and re-exported with `llamacpp:` replaced by `mtpwrap_backend_`; speculative
+acceptance and tokens/s are derived from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger("mtpwrap.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BACKEND_PREFIX = "mtpwrap_backend_"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
+                0.5, 1, 2.5, 5)
+STATES = ("starting", "ready", "draining", "stopping", "backoff", "failed", "stopped")
+
+
+def gpu_samples() -> list[dict[str, Any]]:
+    """GPU readings through `mtpwrap.hardware.gpu_metrics()`, or [] when that is unavailable.
+
+    The hardware module owns NVML; this is the one place the front calls it, guarded so that a
+    missing function, no driver or no GPU never breaks a scrape. Each reading becomes a dict.
+    """
+    try:
+        from mtpwrap import hardware  # noqa: PLC0415 - optional, and only hardware imports NVML
+
+        fn = getattr(hardware, "gpu_metrics", None)
+        if fn is None:
+            return []
+        readings = fn() or []
+    except Exception as err:  # noqa: BLE001 - GPU telemetry is best effort
+        log.debug("GPU metrics unavailable: %s", err)
+        return []
+    out: list[dict[str, Any]] = []
+    for i, r in enumerate(readings):
+        if isinstance(r, dict):
+            d = dict(r)
+        else:
+            d = {k: getattr(r, k) for k in dir(r)
+                 if not k.startswith("_") and not callable(getattr(r, k))}
+        d.setdefault("index", i)
+        out.append(d)
+    return out
+
+
+def _first(d: dict[str, Any], *keys: str) -> float | None:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+class _LiveCollector:
+    """Values read at scrape time: supervisor status, backend page, GPU."""
+
+    def __init__(self, status: Callable[[], Any], front_stats: Callable[[], dict[str, float]]):
+        self._status = status
+        self._front_stats = front_stats
+        self.backend_families: list[Metric] = []
+        self.backend_up = 0.0
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._status()
+        state = str(getattr(getattr(st, "state", None), "value", getattr(st, "state", "")))
+        g = GaugeMetricFamily("mtpwrap_supervisor_state", "1 for the supervisor's current state",
+                              labels=["state"])
+        for s in STATES:
+            g.add_metric([s], 1.0 if state == s else 0.0)
+        yield g
+        c = CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start")
+        c.add_metric([], float(getattr(st, "restarts", 0) or 0))
+        yield c
+        up = getattr(st, "upstream", None)
+        g = GaugeMetricFamily("mtpwrap_child_generation", "Generation of the running child")
+        g.add_metric([], float(up.generation) if up is not None else 0.0)
+        yield g
+        for name, value in self._front_stats().items():
+            g = GaugeMetricFamily(f"mtpwrap_{name}", name.replace("_", " "))
+            g.add_metric([], value)
+            yield g
+
+        g = GaugeMetricFamily("mtpwrap_backend_up", "1 when the child's /metrics page was read")
+        g.add_metric([], self.backend_up)
+        yield g
+        yield from self.backend_families
+        yield from _derived(self.backend_families)
+        yield from _gpu_families(gpu_samples())
+
+
+def _sample_values(families: Iterable[Metric], name: str) -> list[tuple[dict[str, str], float]]:
+    out = []
+    for fam in families:
+        for s in fam.samples:
+            if s.name == name:
+                out.append((s.labels, s.value))
+    return out
+
+
+def _derived(families: list[Metric]) -> Iterator[Metric]:
+    """Speculative acceptance and tokens/s from the re-exported backend counters."""
+    p = BACKEND_PREFIX
+
+    def total(name: str) -> float | None:
+        vals = _sample_values(families, p + name) or _sample_values(families, p + name + "_total")
+        return sum(v for _, v in vals) if vals else None
+
+    drafted = total("spec_decode_num_draft_tokens_total")
+    accepted = total("spec_decode_num_accepted_tokens_total")
+    drafts = total("spec_decode_num_drafts_total")
+    if drafted and accepted is not None:
+        g = GaugeMetricFamily("mtpwrap_spec_acceptance_ratio",
+                              "Accepted draft tokens / drafted tokens (llama.cpp's acceptance)")
+        g.add_metric([], accepted / drafted)
+        yield g
+    per_pos = (_sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos_total")
+               or _sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos"))
+    if per_pos and drafts:
+        g = GaugeMetricFamily(
+            "mtpwrap_spec_acceptance_by_position",
+            "Drafts whose token at this position was accepted / drafts (per-position acceptance)",
+            labels=["position"],
+        )
+        for labels, v in sorted(per_pos, key=lambda lv: int(lv[0].get("position", "0") or 0)):
+            g.add_metric([labels.get("position", "")], v / drafts)
+        yield g
+    tokens = total("tokens_predicted_total")
+    seconds = total("tokens_predicted_seconds_total")
+    if tokens is not None and seconds:
+        g = GaugeMetricFamily("mtpwrap_decode_tokens_per_second",
+                              "Generated tokens / generation seconds since the child started")
+        g.add_metric([], tokens / seconds)
+        yield g
+
+
+def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
+    if not samples:
+        return
+    specs = [
+        ("mtpwrap_gpu_memory_used_bytes", "GPU memory in use",
+         ("memory_used_bytes", "mem_used_bytes", "memory_used"), 1.0),
+        ("mtpwrap_gpu_memory_total_bytes", "GPU memory in total",
+         ("memory_total_bytes", "mem_total_bytes", "memory_total"), 1.0),
+        ("mtpwrap_gpu_utilization_ratio", "GPU busy fraction (0..1)",
+         ("utilization_gpu", "util_percent"), 0.01),
+        ("mtpwrap_gpu_temperature_celsius", "GPU temperature",
+         ("temperature_c", "temperature_celsius", "temperature"), 1.0),
+        ("mtpwrap_gpu_power_watts", "GPU power draw",
+         ("power_w", "power_watts", "power_draw_w", "power"), 1.0),
+        ("mtpwrap_gpu_power_limit_watts", "GPU power limit", ("power_limit_w",), 1.0),
+    ]
+    for name, doc, keys, scale in specs:
+        g = GaugeMetricFamily(name, doc, labels=["gpu"])
+        any_value = False
+        for s in samples:
+            v = _first(s, *keys)
+            if v is None:
+                continue
+            g.add_metric([str(s.get("index", 0))], v * scale)
+            any_value = True
+        if any_value:
+            yield g
+    g = GaugeMetricFamily("mtpwrap_gpu_throttle", "1 for each active throttle reason",
+                          labels=["gpu", "reason"])
+    any_value = False
+    for s in samples:
+        reasons = s.get("throttle_reasons") or ()
+        if isinstance(reasons, str):
+            reasons = [reasons]
+        for r in reasons:
+            g.add_metric([str(s.get("index", 0)), str(r)], 1.0)
+            any_value = True
+    if any_value:
+        yield g
+
+
+def parse_backend(text: str) -> list[Metric]:
+    """llama-server's exposition with `llamacpp:` names moved under `mtpwrap_backend_`."""
+    out: list[Metric] = []
+    for fam in text_string_to_metric_families(text):
+        name = BACKEND_PREFIX + fam.name.split(":", 1)[-1].replace(":", "_")
+        m = Metric(name, fam.documentation, fam.type, fam.unit)
+        for s in fam.samples:
+            sname = BACKEND_PREFIX + s.name.split(":", 1)[-1].replace(":", "_")
+            m.add_sample(sname, s.labels, s.value, s.timestamp, s.exemplar)
+        out.append(m)
+    return out
+
+
+class FrontMetrics:
+    """The front's instruments, all on one private registry."""
+
+    def __init__(self, status: Callable[[], Any], front_stats: Callable[[], dict[str, float]]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter("mtpwrap_requests", "Requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.duration = Histogram("mtpwrap_request_duration_seconds",
+                                  "Arrival to last byte sent", ["route"],
+                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("mtpwrap_time_to_first_token_seconds",
+                              "Arrival to first streamed event from the child", ["route"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mtpwrap_inter_token_seconds",
+                             "Gap between consecutive streamed chunks from the child", ["route"],
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.queue_wait = Histogram("mtpwrap_queue_wait_seconds", "Time spent waiting in the queue",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.shed = Counter("mtpwrap_shed", "Requests refused without forwarding (overload, "
+                            "not ready, draining, queue timeout)", ["reason"], registry=r)
+        self.cancelled = Counter("mtpwrap_cancelled", "Requests cut short, by cause",
+                                 ["reason"], registry=r)
+        self.upstream_errors = Counter("mtpwrap_upstream_errors",
+                                       "Failures talking to the child", ["kind"], registry=r)
+        self.refused = Counter("mtpwrap_refused", "Requests refused by policy", ["reason"],
+                               registry=r)
+        self.live = _LiveCollector(status, front_stats)
+        r.register(self.live)  # type: ignore[arg-type]
+        # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
+        for reason in ("overload", "not_ready", "draining", "queue_timeout"):
+            self.shed.labels(reason)
+        for reason in ("client_disconnect", "slow_reader", "stall", "upstream_error"):
+            self.cancelled.labels(reason)
+
+    def set_backend(self, text: str | None) -> None:
+        if text is None:
+            self.live.backend_up, self.live.backend_families = 0.0, []
+            return
+        try:
+            self.live.backend_families = parse_backend(text)
+            self.live.backend_up = 1.0
+        except Exception as err:  # noqa: BLE001 - a malformed page must not break our own
+            log.warning("could not parse the child's /metrics page: %s", err)
+            self.live.backend_up, self.live.backend_families = 0.0, []
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+

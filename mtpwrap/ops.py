@@ -1,0 +1,99 @@
+"""Ops endpoints of the front: /livez, /readyz, /healthz.
+
+- `/livez`: 200 whenever mtpwrap's own event loop answers; never looks at the child, so a slow
+  model load or a crash loop does not get mtpwrap itself killed by a liveness probe.
+- `/readyz`: 200 only when the child is READY and the front is not draining; otherwise 503 with
+  `{"status": <state>, "reason": ...}` and `Retry-After`.
+- `/healthz`: one JSON document for people (always 200): state, profile, build, model, context,
+  uptime, restarts, last error, GPU memory and temperature, queue and in-flight counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mtpwrap.metrics import gpu_samples
+
+if TYPE_CHECKING:
+    from mtpwrap.proxy import Front
+
+
+def _state(st: Any) -> str:
+    s = getattr(st, "state", None)
+    return str(getattr(s, "value", s))
+
+
+async def livez(_request: Request) -> Response:
+    return JSONResponse({"status": "alive"})
+
+
+def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
+    st = front.supervisor.status()
+    state = _state(st)
+    if front.draining:
+        return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
+    if state != "ready" or st.upstream is None:
+        return False, {"status": state, "reason": st.reason or f"child is {state}"}
+    return True, {"status": "ready", "generation": st.upstream.generation}
+
+
+def make_readyz(front: Front):  # noqa: ANN201 - a starlette endpoint
+    async def readyz(_request: Request) -> Response:
+        ok, body = readiness(front)
+        headers = {} if ok else {"Retry-After": str(front.config.retry_after_s)}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+    return readyz
+
+
+def health_document(front: Front) -> dict[str, Any]:
+    st = front.supervisor.status()
+    now = time.time()
+    ready, _ = readiness(front)
+    info = dict(front.info)
+    gpus = []
+    for g in gpu_samples():
+        gpus.append({
+            "index": g.get("index"),
+            "name": g.get("name"),
+            "memory_used_bytes": g.get("memory_used_bytes", g.get("memory_used")),
+            "memory_total_bytes": g.get("memory_total_bytes", g.get("memory_total")),
+            "temperature_c": g.get("temperature_c", g.get("temperature")),
+        })
+    up = st.upstream
+    return {
+        "state": _state(st),
+        "ready": ready,
+        "draining": front.draining,
+        "reason": st.reason,
+        "profile": info.pop("profile", None),
+        "model": info.pop("model", None),
+        "context": info.pop("context", None),
+        "binary": info.pop("binary", None),
+        "uptime_s": round(now - st.started_at, 1) if st.started_at else None,
+        "child_uptime_s": round(now - st.child_started_at, 1) if st.child_started_at else None,
+        "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
+        "restarts": st.restarts,
+        "last_error": st.last_exit or (st.reason if _state(st) in ("failed", "backoff") else None),
+        "child_pid": st.pid,
+        "generation": up.generation if up is not None else None,
+        "requests": {
+            "in_flight": front.inflight,
+            "queued": front.queued,
+            "max_concurrency": front.config.max_concurrency,
+            "queue_size": front.config.queue_size,
+        },
+        "gpu": gpus,
+        **info,
+    }
+
+
+def make_healthz(front: Front):  # noqa: ANN201 - a starlette endpoint
+    async def healthz(_request: Request) -> Response:
+        return JSONResponse(health_document(front))
+
+    return healthz

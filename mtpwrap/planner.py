@@ -1,0 +1,420 @@
+"""The memory plan: will this model, at this context, with this KV type and MTP, fit this device?
+
+Every row follows what llama.cpp allocates (src/llama-context.cpp, src/llama-kv-cache*.cpp,
+src/llama-memory-recurrent.cpp, common/speculative.cpp), so the plan can be checked against
+llama.cpp's own accounting on a CPU with shape-only GGUFs (benchmarks/planner_accuracy.py):
+
+- n_ctx is padded to 256; unified KV is one stream of n_ctx cells, otherwise one stream per slot
+  of n_ctx/slots cells (padded to 256 again);
+- K and V rows are `values / block × block bytes` of their cache type; MLA caches K only;
+- sliding-window layers hold `pad(min(n_ctx_seq, window × (unified ? slots : 1) + ubatch), 256)`;
+- hybrid models keep KV only in full-attention layers; their recurrent layers hold f32 state of
+  `max(1, slots) × (1 + snapshots)` rows, snapshots = draft depth for MTP-style speculation;
+- MTP loads the nextn block's weights and opens a second context caching only that block, at the
+  draft KV types (-ctkd/-ctvd, f16 unless set), with its own compute buffer.
+
+The compute-buffer terms are fitted to llama.cpp's CPU allocations and scaled for CUDA; they are
+the only estimated rows and are labelled so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mtpwrap.errors import ConfigError
+from mtpwrap.gguf_facts import ModelFacts
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+#: cache type -> (values per block, bytes per block) for the types upstream llama.cpp accepts.
+#: Fork types are measured from the binary (mtpwrap.calibrate) and passed in as kv_sizes.
+BUILTIN_KV_TYPES: dict[str, tuple[int, int]] = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
+    "q8_0": (32, 34), "q5_1": (32, 24), "q5_0": (32, 22),
+    "q4_1": (32, 20), "q4_0": (32, 18), "iq4_nl": (32, 18),
+}
+SPEC_KINDS = ("mtp", "draft", "ngram", "none")
+#: a fixed allowance per backend for what llama.cpp allocates outside the named buffers
+#: (CUDA context, cuBLAS workspace, graph metadata). Measured CUDA contexts are 300-500 MiB.
+BACKEND_OVERHEAD = {"cuda": 512 * MiB, "cpu": 0}
+#: kept free on the device (llama.cpp's --fit uses the same 1024 MiB margin).
+DEFAULT_MARGIN = 1024 * MiB
+#: contexts tried by largest_context, besides the exact search.
+_CTX_STEP = 256
+
+
+@dataclass
+class PlanConfig:
+    n_ctx: int = 4096
+    type_k: str = "f16"
+    type_v: str = "f16"
+    n_slots: int = 1
+    kv_unified: bool = True
+    spec: str = "none"        #: "mtp" | "draft" | "ngram" | "none"
+    draft_depth: int = 3
+    type_k_draft: str = "f16"
+    type_v_draft: str = "f16"
+    ubatch: int = 512
+    batch: int = 2048
+    flash_attn: bool = True
+    n_gpu_layers: int = 999
+    backend: str = "cuda"     #: "cuda" | "cpu"
+    margin: int = DEFAULT_MARGIN
+    #: CPU weight repacking (llama.cpp's default): a tied output matrix then gets its own copy
+    cpu_repack: bool = True
+    #: logits rows reserved per ubatch; None: what llama-server reserves (slots × (1 + depth)).
+    #: llama-fit-params reserves a whole ubatch.
+    n_outputs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPEC_KINDS:
+            raise ConfigError(f"spec kind {self.spec!r} is not one of {', '.join(SPEC_KINDS)}.")
+        if self.backend not in ("cuda", "cpu"):
+            raise ConfigError(f"backend {self.backend!r} is not 'cuda' or 'cpu'.")
+        if self.n_ctx <= 0 or self.n_slots <= 0 or self.ubatch <= 0:
+            raise ConfigError("context, slots and ubatch must be positive "
+                              f"(got {self.n_ctx}, {self.n_slots}, {self.ubatch}).")
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    where: str          #: "gpu" | "host"
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    model: str
+    architecture: str
+    generic: bool
+    config: PlanConfig
+    context: int                       #: the resolved (padded) n_ctx
+    device_bytes: int | None
+    rows: list[Row]
+    total: int                         #: bytes on the device (the GPU, or host for cpu)
+    host_total: int
+    fits: bool | None
+    headroom: int | None               #: device - total - margin (negative: short by)
+    largest_context: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def row(self, name: str) -> Row:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [asdict(r) for r in self.rows]
+        return d
+
+
+def type_size(t: str, kv_sizes: dict[str, Any] | None = None) -> tuple[int, int]:
+    """(values per block, bytes per block) of a cache type; measured sizes win."""
+    if kv_sizes and t in kv_sizes:
+        v = kv_sizes[t]
+        if isinstance(v, dict):
+            return int(v["block"]), int(v["bytes"])
+        return int(v[0]), int(v[1])
+    if t in BUILTIN_KV_TYPES:
+        return BUILTIN_KV_TYPES[t]
+    known = sorted(set(BUILTIN_KV_TYPES) | set(kv_sizes or {}))
+    raise ConfigError(f"KV cache type {t!r} has no known size; use one of {', '.join(known)} "
+                      "or run `mtpwrap build` so the binary's types are measured.")
+
+
+def row_bytes(t: str, n_values: int, kv_sizes: dict[str, Any] | None = None) -> int:
+    block, size = type_size(t, kv_sizes)
+    return -(-n_values // block) * size
+
+
+def _pad(x: int, n: int) -> int:
+    return -(-x // n) * n
+
+
+def kv_geometry(n_ctx: int, n_slots: int, unified: bool) -> tuple[int, int, int]:
+    """(padded n_ctx, cells per stream, streams) as llama_context computes them."""
+    n_ctx = _pad(n_ctx, 256)
+    if unified:
+        return n_ctx, n_ctx, 1
+    seq = _pad(n_ctx // n_slots, 256)
+    return seq * n_slots, seq, n_slots
+
+
+def kv_bytes(facts: ModelFacts, layers: list[int], cells: int, streams: int, type_k: str,
+             type_v: str, cfg: PlanConfig, kv_sizes: dict[str, Any] | None,
+             swa_cells: int | None = None) -> int:
+    total = 0
+    v_max = max((facts.kv_row_values(il)[1] for il in layers), default=0)
+    for il in layers:
+        nk, nv = facts.kv_row_values(il)
+        if not cfg.flash_attn and nv:
+            nv = v_max  # transposed V is sized to the widest layer
+        c = swa_cells if (swa_cells is not None and il in facts.swa_layers) else cells
+        total += c * streams * (row_bytes(type_k, nk, kv_sizes)
+                                + (row_bytes(type_v, nv, kv_sizes) if nv else 0))
+    return total
+
+
+def _swa_cells(facts: ModelFacts, cells: int, cfg: PlanConfig) -> int:
+    win = facts.sliding_window * (cfg.n_slots if cfg.kv_unified else 1) + cfg.ubatch
+    return _pad(min(cells, win), 256)
+
+
+def _kq_heads(facts: ModelFacts) -> int:
+    return max(facts.n_head) if facts.n_head else 1
+
+
+_F_TYPES = ("f16", "bf16", "f32")
+
+
+def n_outputs(cfg: PlanConfig) -> int:
+    """Logit rows the context reserves: llama-server keeps slots × (1 + draft depth)."""
+    if cfg.n_outputs:
+        return min(cfg.n_outputs, cfg.ubatch)
+    depth = cfg.draft_depth if cfg.spec != "none" else 0
+    return min(cfg.ubatch, cfg.n_slots * (1 + depth))
+
+
+def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context: bool = False
+                  ) -> int:
+    """Compute-buffer estimate, fitted to what llama.cpp's graph allocator reserves on the CPU.
+
+    The reserve graph is one ubatch; its peak is the larger of two phases:
+    - output: the logits rows (n_outputs × vocabulary × 4 B) next to the last hidden states
+      (8 B × n_embd per token; for hybrid Qwen3.5 the widest of FFN and DeltaNet projection;
+      MLA adds 8 B × heads × latent width);
+    - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
+      inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
+      attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
+    Hybrid models with float K keep the mask live in the output phase too. On CUDA, quantized
+    K/V are converted to f16 for one layer (2 B × n_ctx × K+V width); that part is an allowance
+    from the same rules, not a measurement.
+    """
+    ub = min(cfg.ubatch, max(n_ctx, 1))
+    n_out = n_outputs(cfg)
+    hybrid = bool(facts.recurrent_layers) and not mtp_context
+    widest = facts.n_ff or 4 * facts.n_embd  # MoE models carry no dense FFN width
+    if hybrid:
+        out_tok = 4 * (max(facts.n_ff, facts.recurrent_conv_dim) + 10)
+        layer_tok = 44 * facts.recurrent_inner
+    else:
+        out_tok = 8 * facts.n_embd
+        if facts.is_mla:  # absorbed MLA keeps per-head latent rows (K and V width) around
+            out_tok += 8 * _kq_heads(facts) * facts.head_dim_v
+        layer_tok = 16 * widest
+    mask = 2 * n_ctx * ub
+    type_k = cfg.type_k_draft if mtp_context else cfg.type_k
+    out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
+    if cfg.flash_attn:
+        if hybrid and type_k in _F_TYPES:
+            out_phase += mask
+        layer_phase = ub * layer_tok + mask
+    else:
+        layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
+    total = max(out_phase, layer_phase)
+    if cfg.backend == "cuda" and cfg.flash_attn and type_k not in _F_TYPES:
+        layers = facts.kv_layers or [0]
+        nk, nv = max((facts.kv_row_values(il) for il in layers), key=sum)
+        total += 2 * n_ctx * (nk + nv)
+    return int(total)
+
+
+def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
+         kv_sizes: dict[str, Any] | None = None) -> MemoryPlan:
+    """The full plan for one configuration."""
+    cfg = config
+    for t in (cfg.type_k, cfg.type_v, cfg.type_k_draft, cfg.type_v_draft):
+        type_size(t, kv_sizes)  # unknown types fail here, with the list of known ones
+    warnings = list(facts.warnings)
+    n_ctx, cells, streams = kv_geometry(cfg.n_ctx, cfg.n_slots, cfg.kv_unified)
+    if facts.n_ctx_train and cells > facts.n_ctx_train:
+        warnings.append(f"context per slot {cells} exceeds the trained context "
+                        f"{facts.n_ctx_train}")
+    gpu = "gpu" if cfg.backend == "cuda" else "host"
+    mtp = cfg.spec == "mtp"
+    if mtp and not facts.has_mtp:
+        raise ConfigError(f"{facts.path}: the model has no MTP (nextn) layers, so --spec-type "
+                          "mtp cannot be used; choose another speculative mode or model.")
+
+    # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
+    # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).
+    trunk_layers = facts.n_layer
+    n_off = max(0, min(cfg.n_gpu_layers, trunk_layers))
+    layer_sum = sum(b for il, b in facts.layer_bytes.items() if il < trunk_layers)
+    on_gpu_layers = sum(b for il, b in facts.layer_bytes.items()
+                        if trunk_layers - n_off <= il < trunk_layers)
+    other = facts.tensor_bytes - layer_sum - facts.mtp_bytes - facts.host_bytes
+    out_on_gpu = cfg.n_gpu_layers > trunk_layers  # llama.cpp offloads output with -ngl > n_layer
+    # A model without output.weight reuses token_embd as its output matrix; llama.cpp loads that
+    # second copy into the output's buffer (the GPU, or the CPU repack buffer).
+    tied = facts.token_embd_bytes if facts.output_bytes == 0 else 0
+    if gpu == "host" and not cfg.cpu_repack:
+        tied = 0
+    w_gpu = on_gpu_layers + (other + tied if out_on_gpu else 0)
+    w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other + tied)
+    if gpu == "host":
+        w_host, w_gpu = w_host + w_gpu, 0
+
+    rows: list[Row] = []
+    if gpu == "gpu":
+        rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{n_off}/{trunk_layers} layers"
+                        + (" + output" if out_on_gpu else "")))
+    rows.append(Row("weights (host)", w_host, "host",
+                    "token embeddings" + (" + all layers" if gpu == "host" else "")))
+
+    kv_on = gpu if cfg.n_gpu_layers > 0 else "host"
+    swa = _swa_cells(facts, cells, cfg) if facts.swa_layers else None
+    main_kv = kv_bytes(facts, facts.kv_layers, cells, streams, cfg.type_k, cfg.type_v, cfg,
+                       kv_sizes, swa)
+    rows.append(Row("main KV", main_kv, kv_on,
+                    f"{len(facts.kv_layers)} layers × {cells} cells × {streams} stream(s), "
+                    f"K {cfg.type_k} / V {cfg.type_v}"))
+    if facts.recurrent_layers:
+        snapshots = cfg.draft_depth if cfg.spec in ("mtp",) else 0
+        n_rows = max(1, cfg.n_slots) * (1 + snapshots)
+        rs = n_rows * len(facts.recurrent_layers) * (
+            facts.recurrent_r_floats + facts.recurrent_s_floats) * 4
+        rows.append(Row("recurrent state", rs, kv_on,
+                        f"{len(facts.recurrent_layers)} layers × {n_rows} rows (f32)"))
+    else:
+        rows.append(Row("recurrent state", 0, kv_on, "none (no recurrent layers)"))
+    if mtp:
+        rows.append(Row("MTP weights", facts.mtp_bytes, gpu,
+                        f"{facts.n_layer_nextn} nextn block(s), loaded only with MTP"))
+        mtp_layers = list(range(facts.n_layer, facts.n_layer_all))
+        mtp_kv = kv_bytes(facts, mtp_layers, cells, streams, cfg.type_k_draft, cfg.type_v_draft,
+                          cfg, kv_sizes)
+        rows.append(Row("MTP context KV", mtp_kv, kv_on,
+                        f"{len(mtp_layers)} layer(s), K {cfg.type_k_draft} / "
+                        f"V {cfg.type_v_draft} (-ctkd/-ctvd)"))
+        rows.append(Row("MTP compute", compute_bytes(facts, n_ctx, cfg, mtp_context=True), gpu,
+                        "estimate"))
+    rows.append(Row("compute", compute_bytes(facts, n_ctx, cfg), gpu,
+                    f"estimate, ubatch {cfg.ubatch}, flash attention "
+                    f"{'on' if cfg.flash_attn else 'off'}"))
+    rows.append(Row("output", 4 * facts.n_vocab * cfg.n_slots, "host",
+                    "logits for one token per slot"))
+    overhead = BACKEND_OVERHEAD[cfg.backend]
+    if overhead:
+        rows.append(Row("overhead", overhead, gpu, f"{cfg.backend} context and workspace"))
+
+    total = sum(r.bytes for r in rows if r.where == gpu)
+    host_total = sum(r.bytes for r in rows if r.where == "host")
+    fits: bool | None = None
+    headroom: int | None = None
+    if device_memory_bytes is not None:
+        headroom = device_memory_bytes - total - cfg.margin
+        fits = headroom >= 0
+    rows.append(Row("margin", cfg.margin if device_memory_bytes is not None else 0, gpu,
+                    "kept free"))
+    return MemoryPlan(model=facts.path, architecture=facts.architecture, generic=facts.generic,
+                      config=cfg, context=n_ctx, device_bytes=device_memory_bytes, rows=rows,
+                      total=total, host_total=host_total, fits=fits, headroom=headroom,
+                      warnings=warnings)
+
+
+def plan_with_limits(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
+                     kv_sizes: dict[str, Any] | None = None,
+                     kv_types: list[str] | None = None) -> MemoryPlan:
+    """plan() plus the largest context that fits for each KV type (device size required)."""
+    p = plan(facts, config, device_memory_bytes, kv_sizes)
+    if device_memory_bytes is not None:
+        types = kv_types or supported_kv_types(kv_sizes)
+        for t in types:
+            try:
+                p.largest_context[t] = largest_context(facts, config, device_memory_bytes,
+                                                       kv_sizes, kv_type=t)
+            except ConfigError:
+                continue
+    return p
+
+
+def supported_kv_types(kv_sizes: dict[str, Any] | None = None) -> list[str]:
+    order = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
+    extra = sorted(t for t in (kv_sizes or {}) if t not in order and t not in ("f32", "bf16"))
+    return [t for t in order if t in BUILTIN_KV_TYPES or t in (kv_sizes or {})] + extra
+
+
+def largest_context(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int,
+                    kv_sizes: dict[str, Any] | None = None, kv_type: str | None = None,
+                    limit: int | None = None) -> int:
+    """The largest n_ctx (multiple of 256) that fits, with K and V at kv_type; 0 if none."""
+    from dataclasses import replace
+
+    base = replace(config, type_k=kv_type, type_v=kv_type) if kv_type else config
+    # a slot count > 1 needs n_ctx/slots per slot: search over the total
+    hi_limit = limit or max(facts.n_ctx_train * (1 if base.kv_unified else base.n_slots),
+                            256)
+
+    def fits(n: int) -> bool:
+        p = plan(facts, replace(base, n_ctx=n), device_memory_bytes, kv_sizes)
+        return bool(p.fits)
+
+    if not fits(_CTX_STEP * max(1, base.n_slots if not base.kv_unified else 1)):
+        return 0
+    lo, hi = 1, hi_limit // _CTX_STEP
+    if fits(hi * _CTX_STEP):
+        return hi * _CTX_STEP
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        if fits(mid * _CTX_STEP):
+            lo = mid
+        else:
+            hi = mid
+    return lo * _CTX_STEP
+
+
+def check_fits(p: MemoryPlan) -> None:
+    """Raise ConfigError with the numbers when a plan does not fit its device."""
+    if p.fits is None or p.fits:
+        return
+    assert p.device_bytes is not None and p.headroom is not None
+    best = ", ".join(f"{t}: {n:,}" for t, n in p.largest_context.items() if n > 0)
+    hint = f" Largest context that fits per KV type — {best}." if best else (
+        " No context fits with these settings; use fewer GPU layers or a smaller model.")
+    raise ConfigError(
+        f"{p.model}: context {p.context:,} with KV {p.config.type_k}/{p.config.type_v}"
+        f"{' and MTP' if p.config.spec == 'mtp' else ''} needs {p.total / GiB:.2f} GiB on the "
+        f"device plus a {p.config.margin / GiB:.2f} GiB margin, but the device has "
+        f"{p.device_bytes / GiB:.2f} GiB (short by {-p.headroom / GiB:.2f} GiB).{hint}"
+    )
+
+
+def profile_settings(prof: Any, kv_sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Plan settings a profile (mtpwrap.profiles.Profile) implies.
+
+    The KV lists are preferences: the first type with a known size (built in, or measured from
+    the binary) is planned. `context` stays "max" when the profile says so; resolve it with
+    largest_context() once the device is known.
+    """
+    known = set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
+
+    def first_known(types: tuple[str, ...], key: str) -> str:
+        for t in types:
+            if t in known:
+                return t
+        raise ConfigError(f"profile {prof.name}: {key}: none of {', '.join(types)} is a cache "
+                          "type with a known size; run `mtpwrap build` (it measures the "
+                          "binary's types) or edit the profile.")
+
+    spec = prof.spec.kind if prof.spec.kind in ("mtp", "draft", "ngram") else "none"
+    draft = prof.spec.draft_kv
+    return {
+        "model": prof.model,
+        "context": prof.context,
+        "kv": first_known(prof.kv.k, "kv.k"),
+        "spec": spec,
+        "depth": prof.spec.depth or 3,
+        "kv_draft": first_known(draft.k, "spec.draft_kv.k") if draft else "f16",
+        "slots": prof.slots,
+        "ubatch": prof.ubatch or 512,
+        "batch": prof.batch or 2048,
+        "flash_attn": prof.flash_attn != "off",
+        "ngl": prof.gpu_layers if isinstance(prof.gpu_layers, int) else 999,
+    }

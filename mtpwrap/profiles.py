@@ -1,0 +1,513 @@
+"""Profiles: the intent for one kind of machine, one YAML file each.
+
+A profile says what to run (model, context, KV types with fallbacks, speculation, batch sizes,
+slots) and what hardware it is for. It does not say which flags to pass: `launch` maps it onto
+what the built llama-server accepts.
+
+Search path, first match by name wins: `MTPWRAP_PROFILES_PATH` (colon-separated folders),
+`~/.config/mtpwrap/profiles/`, `/etc/mtpwrap/profiles/`, then the shipped ones (`profiles/` of
+the checkout, or `mtpwrap/profiles/` inside the wheel).
+
+Every problem is a `ConfigError` of one line: `FILE: key.path: what was expected, got what`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpwrap import paths
+from mtpwrap.errors import ConfigError
+from mtpwrap.hardware import GpuInfo, HardwareSnapshot
+
+SPEC_KINDS = ("mtp", "draft", "ngram", "none")
+FLASH_ATTN = ("on", "off", "auto")
+#: KV cache types known to upstream llama.cpp and to the MTP + TurboQuant fork. A profile may
+#: name any of them; `launch` then keeps only what the built binary offers.
+KV_TYPES = (
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+    "tbq3_0", "tbq4_0", "tbqp3_0", "tbqp4_0", "planar3_0", "iso3_0", "planar4_0", "iso4_0",
+)
+MAX_CONTEXT = 1 << 24
+MAX_DEPTH = 8
+#: sections other modules own and validate; here they only have to be mappings.
+FREE_SECTIONS = ("supervisor", "proxy")
+SYSTEM_PROFILES_DIR = Path("/etc/mtpwrap/profiles")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(frozen=True)
+class HardwareReq:
+    requires_gpu: bool = True
+    gpu_name: str | None = None  # regular expression, searched case-insensitively
+    min_memory_gib: float | None = None
+
+    def matches(self, gpu: GpuInfo) -> bool:
+        if self.gpu_name and not re.search(self.gpu_name, gpu.name or "", re.IGNORECASE):
+            return False
+        if self.min_memory_gib is not None:
+            have = gpu.memory_total_gib
+            if have is None or have < self.min_memory_gib:
+                return False
+        return True
+
+    def describe(self) -> str:
+        if not self.requires_gpu:
+            return "any machine (no GPU needed)"
+        parts = [f"GPU /{self.gpu_name}/" if self.gpu_name else "any GPU"]
+        if self.min_memory_gib is not None:
+            parts.append(f">= {self.min_memory_gib:g} GiB")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class KvTypes:
+    k: tuple[str, ...] = ("f16",)
+    v: tuple[str, ...] = ("f16",)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    kind: str = "none"
+    depth: int | None = None
+    p_min: float | None = None
+    draft_model: str | None = None
+    draft_kv: KvTypes | None = None
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    model: str
+    context: int | str  # tokens, or "max"
+    hardware: HardwareReq = field(default_factory=HardwareReq)
+    kv: KvTypes = field(default_factory=KvTypes)
+    spec: Speculation = field(default_factory=Speculation)
+    gpu_layers: int | str | None = None  # a number, "all" or "auto"
+    threads: int | None = None
+    batch: int | None = None
+    ubatch: int | None = None
+    slots: int = 1
+    flash_attn: str = "auto"
+    mlock: bool = False
+    no_warmup: bool = False
+    extra_args: tuple[str, ...] = ()
+    supervisor: Mapping[str, Any] = field(default_factory=dict)
+    proxy: Mapping[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+    @property
+    def context_tokens(self) -> int | None:
+        return self.context if isinstance(self.context, int) else None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "hardware": {"requires_gpu": self.hardware.requires_gpu,
+                         "gpu_name": self.hardware.gpu_name,
+                         "min_memory_gib": self.hardware.min_memory_gib},
+            "model": self.model,
+            "context": self.context,
+            "kv": {"k": list(self.kv.k), "v": list(self.kv.v)},
+            "spec": {"kind": self.spec.kind, "depth": self.spec.depth, "p_min": self.spec.p_min,
+                     "draft_model": self.spec.draft_model,
+                     "draft_kv": None if self.spec.draft_kv is None else
+                     {"k": list(self.spec.draft_kv.k), "v": list(self.spec.draft_kv.v)}},
+            "gpu_layers": self.gpu_layers,
+            "threads": self.threads,
+            "batch": self.batch,
+            "ubatch": self.ubatch,
+            "slots": self.slots,
+            "flash_attn": self.flash_attn,
+            "mlock": self.mlock,
+            "no_warmup": self.no_warmup,
+            "extra_args": list(self.extra_args),
+            "supervisor": dict(self.supervisor),
+            "proxy": dict(self.proxy),
+            "source": self.source,
+        }
+        return d
+
+    def summary(self) -> dict[str, Any]:
+        """One row of `mtpwrap profiles list`."""
+        spec = self.spec.kind if self.spec.kind == "none" else (
+            f"{self.spec.kind} depth {self.spec.depth}" if self.spec.depth else self.spec.kind)
+        return {
+            "name": self.name,
+            "hardware": self.hardware.describe(),
+            "context": self.context,
+            "kv": f"K {'>'.join(self.kv.k)} / V {'>'.join(self.kv.v)}",
+            "speculation": spec,
+            "description": self.description,
+            "source": self.source,
+        }
+
+
+# --------------------------------------------------------------------------- validation
+
+
+class _Checker:
+    """Reads one parsed YAML document, raising ConfigError with `file: key.path: ...`."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.where}: {key}: {message}")
+
+    @staticmethod
+    def show(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if value is None:
+            return "null"
+        if isinstance(value, str):
+            return repr(value)
+        if isinstance(value, (list, tuple)):
+            return "a list" if value else "an empty list"
+        if isinstance(value, dict):
+            return "a mapping"
+        return str(value)
+
+    def keys(self, data: Mapping[str, Any], key: str, allowed: Iterable[str]) -> None:
+        allowed = tuple(allowed)
+        for k in data:
+            if k not in allowed:
+                path = f"{key}.{k}" if key else str(k)
+                raise self.fail(path, f"unknown key; allowed keys: {', '.join(allowed)}")
+
+    def mapping(self, value: Any, key: str) -> Mapping[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(key, f"expected a mapping, got {self.show(value)}")
+        for k in value:
+            if not isinstance(k, str):
+                raise self.fail(key, f"keys must be text, got {self.show(k)}")
+        return value
+
+    def string(self, value: Any, key: str, *, one_line: bool = False) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise self.fail(key, f"expected non-empty text, got {self.show(value)}")
+        if one_line and "\n" in value.strip():
+            raise self.fail(key, "expected one line of text, got several lines")
+        return value.strip()
+
+    def boolean(self, value: Any, key: str) -> bool:
+        if not isinstance(value, bool):
+            raise self.fail(key, f"expected true or false, got {self.show(value)}")
+        return value
+
+    def integer(self, value: Any, key: str, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"expected a whole number {lo}..{hi}, got {self.show(value)}")
+        if not lo <= value <= hi:
+            raise self.fail(key, f"must be {lo}..{hi}, got {value}")
+        return value
+
+    def number(self, value: Any, key: str, lo: float, hi: float) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.fail(key, f"expected a number {lo:g}..{hi:g}, got {self.show(value)}")
+        if not lo <= value <= hi:
+            raise self.fail(key, f"must be {lo:g}..{hi:g}, got {value:g}")
+        return float(value)
+
+    def choice(self, value: Any, key: str, choices: Iterable[str]) -> str:
+        choices = tuple(choices)
+        if not isinstance(value, str) or value not in choices:
+            raise self.fail(key, f"must be one of {', '.join(choices)}, got {self.show(value)}")
+        return value
+
+    def kv_list(self, value: Any, key: str) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise self.fail(key, f"expected a KV type or a list of them in preference order, "
+                                 f"got {self.show(value)}")
+        out: list[str] = []
+        for i, t in enumerate(items):
+            if not isinstance(t, str) or t not in KV_TYPES:
+                raise self.fail(f"{key}[{i}]", f"must be one of {', '.join(KV_TYPES)}, "
+                                               f"got {self.show(t)}")
+            if t in out:
+                raise self.fail(f"{key}[{i}]", f"{t} is listed twice")
+            out.append(t)
+        return tuple(out)
+
+    def kv(self, value: Any, key: str) -> KvTypes:
+        m = self.mapping(value, key)
+        self.keys(m, key, ("k", "v"))
+        for part in ("k", "v"):
+            if part not in m:
+                raise self.fail(f"{key}.{part}", "missing; give the KV types in preference order")
+        return KvTypes(k=self.kv_list(m["k"], f"{key}.k"), v=self.kv_list(m["v"], f"{key}.v"))
+
+
+TOP_KEYS = (
+    "name", "description", "hardware", "model", "context", "kv", "spec", "gpu_layers", "threads",
+    "batch", "ubatch", "slots", "flash_attn", "mlock", "no_warmup", "extra_args",
+    *FREE_SECTIONS,
+)
+REQUIRED_KEYS = ("description", "model", "context")
+
+
+def validate(data: Any, *, where: str, expected_name: str | None = None) -> Profile:
+    """A parsed YAML document → Profile, or ConfigError naming `where` and the key path."""
+    c = _Checker(where)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of profile keys at the top, "
+                          f"got {c.show(data)}")
+    c.keys(data, "", TOP_KEYS)
+    for k in REQUIRED_KEYS:
+        if k not in data:
+            raise c.fail(k, "missing (required)")
+
+    name = expected_name
+    if "name" in data:
+        name = c.string(data["name"], "name")
+        if not _NAME_RE.match(name):
+            raise c.fail("name", f"letters, digits, '.', '_' and '-' only, got {name!r}")
+        if expected_name is not None and name != expected_name:
+            raise c.fail("name", f"must match the file name {expected_name!r}, got {name!r}")
+    if name is None:
+        raise c.fail("name", "missing (required when the profile is not read from a file)")
+
+    hw = HardwareReq()
+    if "hardware" in data:
+        h = c.mapping(data["hardware"], "hardware")
+        c.keys(h, "hardware", ("requires_gpu", "gpu_name", "min_memory_gib"))
+        requires_gpu = c.boolean(h.get("requires_gpu", True), "hardware.requires_gpu")
+        gpu_name = None
+        if h.get("gpu_name") is not None:
+            gpu_name = c.string(h["gpu_name"], "hardware.gpu_name")
+            try:
+                re.compile(gpu_name)
+            except re.error as exc:
+                raise c.fail("hardware.gpu_name",
+                             f"expected a regular expression, got {gpu_name!r} ({exc})") from exc
+        min_mem = None
+        if h.get("min_memory_gib") is not None:
+            min_mem = c.number(h["min_memory_gib"], "hardware.min_memory_gib", 0.5, 4096)
+        if not requires_gpu and (gpu_name or min_mem):
+            raise c.fail("hardware.requires_gpu",
+                         "is false, so gpu_name and min_memory_gib would never apply")
+        hw = HardwareReq(requires_gpu=requires_gpu, gpu_name=gpu_name, min_memory_gib=min_mem)
+
+    model = c.string(data["model"], "model")
+    ctx_raw = data["context"]
+    context: int | str
+    if ctx_raw == "max":
+        context = "max"
+    elif isinstance(ctx_raw, int) and not isinstance(ctx_raw, bool):
+        context = c.integer(ctx_raw, "context", 256, MAX_CONTEXT)
+    else:
+        raise c.fail("context", f"expected a number of tokens 256..{MAX_CONTEXT} or \"max\", "
+                                f"got {c.show(ctx_raw)}")
+
+    kv = c.kv(data["kv"], "kv") if "kv" in data else KvTypes()
+    spec = _speculation(c, data.get("spec"))
+
+    gpu_layers: int | str | None = None
+    if data.get("gpu_layers") is not None:
+        g = data["gpu_layers"]
+        if isinstance(g, str):
+            gpu_layers = c.choice(g, "gpu_layers", ("all", "auto"))
+        else:
+            gpu_layers = c.integer(g, "gpu_layers", 0, 999)
+
+    threads = (None if data.get("threads") is None
+               else c.integer(data["threads"], "threads", 1, 1024))
+    batch = None if data.get("batch") is None else c.integer(data["batch"], "batch", 1, 65536)
+    ubatch = None if data.get("ubatch") is None else c.integer(data["ubatch"], "ubatch", 1, 65536)
+    if batch is not None and ubatch is not None and ubatch > batch:
+        raise c.fail("ubatch", f"must not exceed batch ({batch}), got {ubatch}")
+    slots = c.integer(data.get("slots", 1), "slots", 1, 256)
+
+    fa_raw = data.get("flash_attn", "auto")
+    if isinstance(fa_raw, bool):  # YAML 1.1 reads a bare on/off as a boolean
+        fa_raw = "on" if fa_raw else "off"
+    flash_attn = c.choice(fa_raw, "flash_attn", FLASH_ATTN)
+
+    mlock = c.boolean(data.get("mlock", False), "mlock")
+    no_warmup = c.boolean(data.get("no_warmup", False), "no_warmup")
+
+    extra = data.get("extra_args", [])
+    if not isinstance(extra, list):
+        raise c.fail("extra_args", f"expected a list of arguments, got {c.show(extra)}")
+    for i, a in enumerate(extra):
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+            raise c.fail(f"extra_args[{i}]", f"expected text, got {c.show(a)}")
+    free: dict[str, Mapping[str, Any]] = {}
+    for section in FREE_SECTIONS:
+        free[section] = c.mapping(data[section], section) if section in data else {}
+
+    return Profile(
+        name=name, description=c.string(data["description"], "description", one_line=True),
+        model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
+        threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
+        mlock=mlock, no_warmup=no_warmup, extra_args=tuple(str(a) for a in extra),
+        supervisor=free["supervisor"], proxy=free["proxy"], source=where,
+    )
+
+
+def _speculation(c: _Checker, raw: Any) -> Speculation:
+    if raw is None:
+        return Speculation()
+    s = c.mapping(raw, "spec")
+    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv"))
+    if "kind" not in s:
+        raise c.fail("spec.kind", f"missing; one of {', '.join(SPEC_KINDS)}")
+    kind = c.choice(s["kind"], "spec.kind", SPEC_KINDS)
+    if kind == "none":
+        extra = [k for k in s if k != "kind"]
+        if extra:
+            raise c.fail(f"spec.{extra[0]}", "has no meaning when spec.kind is none")
+        return Speculation()
+    depth = None
+    if s.get("depth") is not None:
+        depth = c.integer(s["depth"], "spec.depth", 1, MAX_DEPTH)
+    elif kind in ("mtp", "draft"):
+        raise c.fail("spec.depth", f"missing; how many tokens to draft, 1..{MAX_DEPTH}")
+    p_min = None if s.get("p_min") is None else c.number(s["p_min"], "spec.p_min", 0.0, 1.0)
+    draft_model = None
+    if kind == "draft":
+        if s.get("draft_model") is None:
+            raise c.fail("spec.draft_model", "missing; spec.kind draft needs a draft model")
+        draft_model = c.string(s["draft_model"], "spec.draft_model")
+    elif s.get("draft_model") is not None:
+        raise c.fail("spec.draft_model", f"only applies to spec.kind draft, not {kind}")
+    draft_kv = c.kv(s["draft_kv"], "spec.draft_kv") if s.get("draft_kv") is not None else None
+    if draft_kv is not None and kind == "ngram":
+        raise c.fail("spec.draft_kv", "ngram speculation has no draft KV cache")
+    return Speculation(kind=kind, depth=depth, p_min=p_min, draft_model=draft_model,
+                       draft_kv=draft_kv)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def display_path(path: Path) -> str:
+    """`profiles/4090-262k.yaml` for a shipped file, the full path for others."""
+    for base in (Path.cwd(), paths.repo_root()):
+        try:
+            return str(path.resolve().relative_to(base.resolve()))
+        except ValueError:
+            continue
+    return str(path)
+
+
+def load_file(path: Path) -> Profile:
+    import yaml
+
+    where = display_path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read the profile: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        loc = f"{where}:{mark.line + 1}" if mark is not None else where
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{loc}: YAML syntax error: {problem}") from exc
+    if data is None:
+        raise ConfigError(f"{where}: the file is empty; a profile needs at least "
+                          f"{', '.join(REQUIRED_KEYS)}")
+    return validate(data, where=where, expected_name=path.stem)
+
+
+def shipped_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [here / "profiles", paths.repo_root() / "profiles"]
+
+
+def search_path() -> list[Path]:
+    dirs: list[Path] = []
+    env = os.environ.get("MTPWRAP_PROFILES_PATH")
+    if env:
+        dirs.extend(Path(p).expanduser() for p in env.split(os.pathsep) if p)
+    dirs.append(paths.user_config_dir() / "profiles")
+    dirs.append(SYSTEM_PROFILES_DIR)
+    dirs.extend(shipped_dirs())
+    return dirs
+
+
+def _profile_files(dirs: Iterable[Path]) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for f in sorted([*d.glob("*.yaml"), *d.glob("*.yml")]):
+            found.setdefault(f.stem, f)  # earlier folders override later ones by name
+    return found
+
+
+def list_profiles(dirs: Iterable[Path] | None = None) -> list[Profile]:
+    files = _profile_files(search_path() if dirs is None else dirs)
+    return [load_file(files[name]) for name in sorted(files)]
+
+
+def load_profile(name_or_path: str | Path, dirs: Iterable[Path] | None = None) -> Profile:
+    raw = str(name_or_path)
+    p = Path(raw).expanduser()
+    if raw.endswith((".yaml", ".yml")) or os.sep in raw:
+        if not p.is_file():
+            raise ConfigError(f"--profile {raw}: no such profile file.")
+        return load_file(p)
+    files = _profile_files(search_path() if dirs is None else dirs)
+    if raw not in files:
+        names = ", ".join(sorted(files)) or "none"
+        raise ConfigError(f"--profile {raw}: no such profile; available: {names}.",
+                          hint="`mtpwrap profiles list` shows them with their hardware.")
+    return load_file(files[raw])
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def _rank(p: Profile) -> tuple[int, float, int, str]:
+    ctx = p.context if isinstance(p.context, int) else MAX_CONTEXT
+    return (1 if p.hardware.gpu_name else 0, p.hardware.min_memory_gib or 0.0, ctx, p.name)
+
+
+def select_profile(snapshot: HardwareSnapshot,
+                   profiles: Iterable[Profile] | None = None) -> tuple[Profile, str]:
+    """The best profile for this machine and why. GPU profiles beat CPU ones when a GPU is
+    there; among matches, a named GPU beats a generic one, then the larger memory floor, then
+    the larger context."""
+    candidates = list(list_profiles() if profiles is None else profiles)
+    gpu_matches: list[tuple[Profile, GpuInfo]] = []
+    for p in candidates:
+        if not p.hardware.requires_gpu:
+            continue
+        for gpu in snapshot.gpus:
+            if p.hardware.matches(gpu):
+                gpu_matches.append((p, gpu))
+                break
+    if gpu_matches:
+        gpu_matches.sort(key=lambda pg: _rank(pg[0]), reverse=True)
+        best, gpu = gpu_matches[0]
+        mem = f"{gpu.memory_total_gib:.1f} GiB" if gpu.memory_total_gib is not None else "? GiB"
+        reason = f"GPU {gpu.index} {gpu.name} ({mem}) matches {best.hardware.describe()}"
+        others = [p.name for p, _ in gpu_matches[1:]]
+        if others:
+            reason += (f"; preferred over {', '.join(others)} "
+                       "(named GPU, then memory floor, then context)")
+        return best, reason
+    cpu = sorted((p for p in candidates if not p.hardware.requires_gpu), key=_rank, reverse=True)
+    if cpu:
+        why = snapshot.error or "no GPU profile matches " + ", ".join(
+            f"{g.name} ({g.memory_total_gib or 0:.1f} GiB)" for g in snapshot.gpus)
+        return cpu[0], f"{why}; {cpu[0].name} needs no GPU"
+    have = snapshot.error or ", ".join(
+        f"{g.name} ({g.memory_total_gib or 0:.1f} GiB)" for g in snapshot.gpus)
+    listing = "; ".join(f"{p.name} ({p.hardware.describe()})" for p in candidates) or "none"
+    raise ConfigError(f"no profile matches this machine ({have}); candidates: {listing}.",
+                      hint="Choose one with --profile NAME.")
+
+

@@ -1,0 +1,650 @@
+"""The HTTP front: clients talk to this, never to llama-server.
+
+One `Front` serves one supervised child. It forwards every allowed llama-server route through an
+`httpx.AsyncClient` (one pool per front, HTTP/1.1 keep-alive, sized for `max_concurrency`) and
+relays the answer chunk by chunk as it arrives, without buffering.
+
+Transparency. Status codes and bodies pass unchanged, byte for byte; a request with temperature 0
+and a seed gets the same bytes as a direct request, apart from fields llama-server itself varies
+per call (`id`, `created`, `timings`, and in streams `system_fingerprint`-free chunk `id`s).
+Response headers pass too, except: hop-by-hop headers (`Connection`, `Keep-Alive`,
+`Transfer-Encoding`) which the front's own HTTP layer sets, every `Access-Control-*` header
+(llama-server reflects any `Origin`; the front has no permissive CORS), and `Server`/`Date`,
+which uvicorn sets. Added: `X-Accel-Buffering: no` on event streams. On the way in the client's
+`Authorization`, `X-Api-Key`, `Cookie` and `Host` are dropped and the child's internal key is sent
+as `Authorization: Bearer`.
+
+Faults. A request is never retried once its body may have reached the child (a generation is not
+idempotent); only a refused connect is retried, once. If the child dies or the loopback link
+breaks mid-stream, or a stream makes no progress within its budget (`prefill_stall_s` before the
+first chunk, `stream_stall_s` after), the client gets a terminal SSE event
+`data: {"error": {...}}` and the stream ends without `[DONE]`; a stall is reported to the
+supervisor. A client that goes away, before or after the first token, cancels the upstream
+request at once (the connection to the child is closed, which llama-server treats as a cancel).
+A client that does not read gets `write_timeout_s` per write, bounded by uvicorn's write buffer.
+While a streamed request waits for its first token, `: keep-alive` SSE comments go out every
+`keepalive_s` (the 200 event-stream headers are sent early for that; a later upstream error then
+arrives as an error event instead of an HTTP status).
+
+Load. At most `max_concurrency` requests are forwarded at once; up to `queue_size` more wait
+(also while the child restarts) for at most `queue_timeout_s`, then get 503 + `Retry-After`.
+Beyond that, requests are refused at once: 429 when the child is ready (overload), 503 when not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount, Route
+
+from mtpwrap import ops
+from mtpwrap.metrics import CONTENT_TYPE, FrontMetrics
+from mtpwrap.proxy_policy import (
+    BadBody,
+    ProxyConfig,
+    check_fields,
+    classify,
+    derive_allowed_hosts,
+    host_of,
+    key_matches,
+    parse_json_body,
+    presented_key,
+)
+
+__all__ = ["Front", "ProxyConfig"]
+
+log = logging.getLogger("mtpwrap.proxy")
+access_log = logging.getLogger("mtpwrap.access")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_OPEN_PATHS = frozenset({"/livez", "/readyz"})
+_DROP_REQUEST = frozenset({
+    b"host", b"authorization", b"x-api-key", b"cookie", b"content-length", b"connection",
+    b"keep-alive", b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
+    b"transfer-encoding", b"upgrade", b"expect",
+})
+_DROP_RESPONSE = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate",
+    "trailer", "upgrade",
+})
+_KEEPALIVE = b": keep-alive\n\n"
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, reason: str, message: str, retry: bool = True) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.retry = status, reason, message, retry
+
+
+@dataclass
+class _Exchange:
+    """Mutable state of one forwarded request, shared by its worker and its guard."""
+
+    label: str
+    stream: bool
+    t0: float
+    phase: str = "queued"            # queued -> headers -> body -> done
+    started: bool = False            # http.response.start sent to the client
+    committed_sse: bool = False      # we sent event-stream headers before the child answered
+    sse: bool = False
+    at_boundary: bool = True         # the last byte sent ends an SSE event
+    in_send: bool = False
+    send_started: float = 0.0
+    first_chunk: bool = False
+    last_progress: float = 0.0
+    last_chunk_at: float = 0.0
+    last_keepalive: float = 0.0
+    cancel_reason: str | None = None
+    status: int = 0
+    generation: int | None = None
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def _error_body(status: int, message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+
+
+def _kind(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+            404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+            421: "invalid_request_error", 429: "rate_limit_error"}.get(status, "unavailable_error")
+
+
+class Front:
+    """The ASGI front for one supervised llama-server (see the module docstring)."""
+
+    def __init__(self, supervisor: Any, config: ProxyConfig, info: dict[str, Any]) -> None:
+        self.supervisor = supervisor
+        self.config = config
+        self.info = dict(info)
+        self.inflight = 0
+        self.queued = 0
+        self.draining = False
+        self._active = 0
+        self._gate = asyncio.Semaphore(config.max_concurrency)
+        self._keys = tuple(k.encode() for k in config.api_keys)
+        self._enabled = frozenset(config.enable_paths)
+        self._hosts = derive_allowed_hosts(config)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
+                                   config.write_timeout_s / 4))
+        n = config.max_concurrency + 4
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
+                                  write=config.write_timeout_s, pool=config.queue_timeout_s),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+            trust_env=False,  # an HTTP_PROXY in the environment must never see loopback traffic
+            follow_redirects=False,
+        )
+        self.metrics = FrontMetrics(supervisor.status, self._front_stats)
+        if not config.auth_enabled and not config.listen_is_loopback():
+            log.warning("the front listens on %s without API keys: anyone who reaches this "
+                        "address can use the model; set proxy.api_keys_file or MTPWRAP_API_KEYS",
+                        config.listen_host)
+        routes = [
+            Route("/livez", ops.livez, methods=["GET", "HEAD"]),
+            Route("/readyz", ops.make_readyz(self), methods=["GET", "HEAD"]),
+            Route("/healthz", ops.make_healthz(self), methods=["GET", "HEAD"]),
+            Route("/metrics", self._metrics_endpoint, methods=["GET", "HEAD"]),
+            Mount("", app=self._proxy),
+        ]
+        middleware = [Middleware(_Guard, front=self)]
+        if config.cors_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=list(config.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "x-api-key", "content-type"]))
+        self.app = Starlette(routes=routes, middleware=middleware)
+
+    # ----------------------------------------------------------------------------- lifecycle
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new requests (503 + Retry-After) and wait up to `timeout` for in-flight ones."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        if self.inflight:
+            log.warning("drain budget spent with %d request(s) still in flight", self.inflight)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def _front_stats(self) -> dict[str, float]:
+        return {"requests_in_flight": float(self.inflight), "queue_depth": float(self.queued),
+                "forwarding": float(self._active), "draining": 1.0 if self.draining else 0.0}
+
+    # ----------------------------------------------------------------------------- metrics
+
+    async def _metrics_endpoint(self, _request: Request) -> Response:
+        up = self.supervisor.status().upstream
+        text = None
+        if up is not None:
+            try:
+                r = await self.client.get(
+                    up.base_url + "/metrics",
+                    headers={"authorization": f"Bearer {up.api_key}"},
+                    timeout=self.config.backend_metrics_timeout_s)
+                if r.status_code == 200 and r.headers.get("content-type", "").startswith(
+                        "text/plain"):
+                    text = r.text
+            except httpx.HTTPError as err:
+                log.debug("child /metrics unreadable: %s", err)
+        self.metrics.set_backend(text)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ----------------------------------------------------------------------------- helpers
+
+    async def _answer(self, send: Send, status: int, message: str, label: str, t0: float,
+                      retry: bool = False, close: bool = False,
+                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        body = _error_body(status, message, _kind(status))
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if retry:
+            headers.append((b"retry-after", str(self.config.retry_after_s).encode()))
+        if close:
+            headers.append((b"connection", b"close"))
+        headers += extra or []
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self._record(label, status, t0)
+
+    def _record(self, label: str, status: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.metrics.requests.labels(label, str(status)).inc()
+        self.metrics.duration.labels(label).observe(dt)
+        # Route pattern and status only: never the query, headers or body (privacy).
+        access_log.info("%s %d %.3fs", label, status, dt)
+
+    def _hold(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def _release(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    # ----------------------------------------------------------------------------- the proxy
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        t0 = time.perf_counter()
+        method = scope["method"]
+        route = classify(method, scope.get("raw_path") or scope["path"].encode(), self._enabled)
+        if route.status:
+            self.metrics.refused.labels("path").inc()
+            await self._answer(send, route.status, route.message, route.label, t0)
+            return
+        if self.draining:
+            self.metrics.shed.labels("draining").inc()
+            await self._answer(send, 503, "The server is shutting down.", route.label, t0,
+                               retry=True, close=True)
+            return
+        self._hold()
+        try:
+            await self._forward(scope, receive, send, route.label, route.upstream_path, t0)
+        finally:
+            self._release()
+
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send, label: str,
+                         t0: float) -> bytes | None:
+        limit = self.config.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = -1
+                if declared < 0 or declared > limit:
+                    self.metrics.refused.labels("body_size").inc()
+                    await self._answer(send, 413 if declared > limit else 400,
+                                       f"The request body is larger than {limit} bytes."
+                                       if declared > limit else "Bad Content-Length.",
+                                       label, t0, close=True)
+                    return None
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self.metrics.cancelled.labels("client_disconnect").inc()
+                self._record(label, 499, t0)
+                return None
+            part = msg.get("body", b"")
+            size += len(part)
+            if size > limit:
+                # Stop reading here: memory stays bounded by the limit plus one read.
+                self.metrics.refused.labels("body_size").inc()
+                await self._answer(send, 413, f"The request body is larger than {limit} bytes.",
+                                   label, t0, close=True)
+                return None
+            if part:
+                chunks.append(part)
+            more = msg.get("more_body", False)
+        return b"".join(chunks)
+
+    def _must_queue(self) -> bool:
+        st = self.supervisor.status()
+        return self._active >= self.config.max_concurrency or _state(st) != "ready"
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, label: str,
+                       upstream_path: str, t0: float) -> None:
+        # Shed before reading the body: overload is answered fast and costs no memory.
+        if self._must_queue() and self.queued >= self.config.queue_size:
+            ready = _state(self.supervisor.status()) == "ready"
+            reason = "overload" if ready else "not_ready"
+            self.metrics.shed.labels(reason).inc()
+            await self._answer(send, 429 if ready else 503,
+                               "The server is busy; retry later." if ready else
+                               "The model is not ready; retry later.", label, t0,
+                               retry=True, close=True)
+            return
+        body = await self._read_body(scope, receive, send, label, t0)
+        if body is None:
+            return
+        stream = False
+        ctype = b""
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                ctype = value.lower()
+        if body and scope["method"] == "POST" and not ctype.startswith(b"multipart/"):
+            try:
+                doc = parse_json_body(body)
+                check_fields(doc, self.config.max_n_probs)
+            except BadBody as err:
+                self.metrics.refused.labels("body").inc()
+                await self._answer(send, 400, str(err), label, t0)
+                return
+            stream = isinstance(doc, dict) and doc.get("stream") is True
+        ex = _Exchange(label=label, stream=stream, t0=t0)
+        worker = asyncio.create_task(self._work(ex, scope, send, body, upstream_path))
+        guard = asyncio.create_task(self._guard(ex, receive, send, worker))
+        try:
+            await worker
+        except asyncio.CancelledError:
+            if ex.cancel_reason is None or not worker.cancelled():
+                raise  # the server is cancelling us; not ours to swallow
+        finally:
+            guard.cancel()
+        if worker.cancelled() and ex.cancel_reason is not None:
+            await self._finish_cancelled(ex, send)
+
+    async def _admit(self, ex: _Exchange) -> Any:
+        """Wait for a forwarding slot and a ready child; return the Upstream or raise _Refusal."""
+        cfg = self.config
+        st = self.supervisor.status()
+        if not self._gate.locked() and _state(st) == "ready" and st.upstream is not None:
+            await self._gate.acquire()  # uncontended: returns without suspending
+            return st.upstream
+        if self.queued >= cfg.queue_size:
+            ready = _state(st) == "ready"
+            self.metrics.shed.labels("overload" if ready else "not_ready").inc()
+            raise _Refusal(429 if ready else 503, "shed",
+                           "The server is busy; retry later." if ready else
+                           "The model is not ready; retry later.")
+        self.queued += 1
+        t = time.perf_counter()
+        deadline = asyncio.get_running_loop().time() + cfg.queue_timeout_s
+        try:
+            up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
+            if up is None:
+                st = self.supervisor.status()
+                reason = "queue_timeout" if _state(st) in ("starting", "backoff") else "not_ready"
+                self.metrics.shed.labels(reason).inc()
+                raise _Refusal(503, reason, f"The model is not ready ({_state(st)}); retry later.")
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                await asyncio.wait_for(self._gate.acquire(), max(0.0, left))
+            except TimeoutError:
+                self.metrics.shed.labels("queue_timeout").inc()
+                raise _Refusal(503, "queue_timeout", "The server is busy; retry later.") from None
+            # The child may have restarted while we waited for a slot: ask again.
+            st = self.supervisor.status()
+            if _state(st) == "ready" and st.upstream is not None:
+                up = st.upstream
+            return up
+        finally:
+            self.queued -= 1
+            self.metrics.queue_wait.observe(time.perf_counter() - t)
+
+    def _upstream_headers(self, scope: Scope, api_key: str) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST]
+        if not any(k == b"accept-encoding" for k, _ in headers):
+            headers.append((b"accept-encoding", b"identity"))
+        headers.append((b"authorization", b"Bearer " + api_key.encode()))
+        return headers
+
+    async def _send_upstream(self, ex: _Exchange, scope: Scope, body: bytes, upstream: Any,
+                             path: str) -> httpx.Response:
+        qs = scope.get("query_string", b"")
+        for attempt in (1, 2):
+            url = upstream.base_url + path + (("?" + qs.decode("latin-1")) if qs else "")
+            req = self.client.build_request(
+                scope["method"], url, headers=self._upstream_headers(scope, upstream.api_key),
+                content=body)
+            ex.generation = upstream.generation
+            try:
+                return await self.client.send(req, stream=True)
+            except httpx.ConnectError:
+                # Nothing reached the child; one retry is safe (a restart may have just moved it).
+                self.metrics.upstream_errors.labels("connect").inc()
+                if attempt == 2:
+                    raise
+                up = await self.supervisor.wait_ready(min(5.0, self.config.queue_timeout_s))
+                if up is None:
+                    raise
+                upstream = up
+        raise AssertionError("unreachable")
+
+    async def _work(self, ex: _Exchange, scope: Scope, send: Send, body: bytes,
+                    path: str) -> None:
+        try:
+            upstream = await self._admit(ex)
+        except _Refusal as r:
+            await self._answer(send, r.status, r.message, ex.label, ex.t0, retry=r.retry)
+            return
+        self._active += 1
+        loop = asyncio.get_running_loop()
+        try:
+            ex.phase = "headers"
+            ex.last_progress = loop.time()
+            try:
+                resp = await self._send_upstream(ex, scope, body, upstream, path)
+            except httpx.HTTPError as err:
+                await self._upstream_failed(ex, send, err)
+                return
+            try:
+                await self._relay(ex, resp, send, loop)
+            except httpx.HTTPError as err:
+                await self._upstream_failed(ex, send, err)
+            finally:
+                await resp.aclose()
+        finally:
+            self._active -= 1
+            self._gate.release()
+
+    async def _relay(self, ex: _Exchange, resp: httpx.Response, send: Send,
+                     loop: asyncio.AbstractEventLoop) -> None:
+        ctype = resp.headers.get("content-type", "")
+        ex.status = resp.status_code
+        sse = ctype.startswith("text/event-stream")
+        async with ex.send_lock:
+            if ex.committed_sse:
+                if resp.status_code != 200 or not sse:
+                    # Headers already went out as an event stream; the error becomes an event.
+                    raw = await resp.aread()
+                    try:
+                        err = json.loads(raw).get("error") or {"message": raw.decode()[:500]}
+                    except (ValueError, AttributeError):
+                        err = {"message": raw.decode("utf-8", "replace")[:500]}
+                    err.setdefault("code", resp.status_code)
+                    await send({"type": "http.response.body",
+                                "body": b"data: " + json.dumps({"error": err}).encode() + b"\n\n"})
+                    ex.phase = "done"
+                    await send({"type": "http.response.body", "body": b""})
+                    self._record(ex.label, resp.status_code, ex.t0)
+                    return
+            else:
+                headers = [(k.lower(), v) for k, v in resp.headers.raw
+                           if k.decode("latin-1").lower() not in _DROP_RESPONSE
+                           and not k.lower().startswith(b"access-control-")]
+                if sse and not any(k == b"x-accel-buffering" for k, _ in headers):
+                    headers.append((b"x-accel-buffering", b"no"))
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": headers})
+                ex.started = True
+        ex.sse = sse
+        ex.phase = "body"
+        ttft = self.metrics.ttft.labels(ex.label)
+        itl = self.metrics.itl.labels(ex.label)
+        async for chunk in resp.aiter_raw():
+            now = loop.time()
+            if not ex.first_chunk:
+                ex.first_chunk = True
+                if sse:
+                    ttft.observe(time.perf_counter() - ex.t0)
+            elif sse:
+                itl.observe(now - ex.last_chunk_at)
+            ex.last_chunk_at = ex.last_progress = now
+            # The guard enforces write_timeout_s on this send (a timer per chunk would cost
+            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
+            async with ex.send_lock:
+                ex.in_send = True
+                ex.send_started = now
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    ex.in_send = False
+                ex.at_boundary = chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")
+        ex.phase = "done"
+        await send({"type": "http.response.body", "body": b""})
+        self._record(ex.label, resp.status_code, ex.t0)
+
+    async def _upstream_failed(self, ex: _Exchange, send: Send, err: Exception) -> None:
+        kind = type(err).__name__
+        self.metrics.upstream_errors.labels(kind).inc()
+        message = ("The model server closed the connection before finishing the response "
+                   f"({kind}).")
+        if ex.phase == "headers" and not ex.started:
+            await self._answer(send, 502, message, ex.label, ex.t0)
+            return
+        self.metrics.cancelled.labels("upstream_error").inc()
+        await self._end_with_error(ex, send, 502, message)
+
+    async def _end_with_error(self, ex: _Exchange, send: Send, status: int, message: str) -> None:
+        """End a started response so that no client can take it for a complete one."""
+        ex.phase = "done"
+        self._record(ex.label, status, ex.t0)
+        if ex.sse or ex.committed_sse:
+            event = b"data: " + json.dumps(
+                {"error": {"code": status, "message": message, "type": _kind(status)}}).encode()
+            prefix = b"" if ex.at_boundary else b"\n\n"
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": prefix + event + b"\n\n"}), 1.0)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b""}), 1.0)
+            return
+        # A plain body cut in the middle: leave the response incomplete so the client's HTTP
+        # layer reports it (uvicorn closes the connection without the final chunk).
+
+    async def _guard(self, ex: _Exchange, receive: Receive, send: Send,
+                     worker: asyncio.Task[None]) -> None:
+        """Watch the client for a disconnect, and the child for progress, while the worker runs.
+
+        Cancelling the worker closes its upstream response, which closes the connection to the
+        child: that is how llama-server learns that the client is gone.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        while not worker.done():
+            try:
+                async with asyncio.timeout(self._tick):
+                    msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if ex.phase == "done":
+                        return  # uvicorn says "disconnect" once the response is complete
+                    ex.cancel_reason = "client_disconnect"
+                    worker.cancel()
+                    return
+                continue
+            except TimeoutError:
+                pass
+            if ex.in_send:
+                if loop.time() - ex.send_started >= cfg.write_timeout_s:
+                    ex.cancel_reason = "slow_reader"
+                    worker.cancel()
+                    return
+                continue
+            if ex.phase not in ("headers", "body"):
+                continue
+            idle = loop.time() - ex.last_progress
+            budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
+            if idle >= budget:
+                ex.cancel_reason = "stall"
+                worker.cancel()
+                return
+            quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
+            if ex.stream and quiet >= cfg.keepalive_s and ex.at_boundary:
+                ex.last_keepalive = loop.time()
+                await self._keepalive(ex, send)
+
+    async def _keepalive(self, ex: _Exchange, send: Send) -> None:
+        async with ex.send_lock:
+            if not ex.at_boundary or ex.in_send or ex.phase == "done":
+                return
+            if not ex.started:
+                ex.committed_sse = ex.started = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": list(_SSE_HEADERS)})
+            elif not (ex.sse or ex.committed_sse):
+                return
+            await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+
+    async def _finish_cancelled(self, ex: _Exchange, send: Send) -> None:
+        reason = ex.cancel_reason or "client_disconnect"
+        self.metrics.cancelled.labels(reason).inc()
+        if reason == "client_disconnect":
+            self._record(ex.label, 499, ex.t0)  # nginx's "client closed request"
+            return
+        if reason == "slow_reader":
+            # Returning with the response incomplete makes uvicorn close the connection.
+            self._record(ex.label, 499, ex.t0)
+            return
+        # stall
+        budget = self.config.stream_stall_s if ex.first_chunk else self.config.prefill_stall_s
+        message = f"The model made no progress for {budget:g} s; the request was stopped."
+        if ex.stream and ex.generation is not None:
+            try:
+                self.supervisor.report_stall(
+                    ex.generation, f"no progress on {ex.label} for {budget:g} s")
+            except Exception as err:  # noqa: BLE001 - reporting must not break the answer
+                log.warning("could not report a stall: %s", err)
+        if not ex.started:
+            await self._answer(send, 504, message, ex.label, ex.t0)
+            return
+        await self._end_with_error(ex, send, 504, message)
+
+
+def _state(st: Any) -> str:
+    s = getattr(st, "state", None)
+    return str(getattr(s, "value", s))
+
+
+class _Guard:
+    """Host check and API keys, in front of everything (ops endpoints included)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], front: Front) -> None:
+        self.app = app
+        self.front = front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        front = self.front
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
+        t0 = time.perf_counter()
+        if front._hosts is not None and host_of(headers.get("host", "")) not in front._hosts:
+            front.metrics.refused.labels("host").inc()
+            await front._answer(send, 421, "This server does not answer for that Host.",
+                                "other", t0, close=True)
+            return
+        path = scope["path"]
+        needs_key = front._keys and path not in _OPEN_PATHS and not (
+            (path == "/metrics" and front.config.metrics_public)
+            or (path == "/healthz" and front.config.healthz_public)
+        )
+        if needs_key and not key_matches(presented_key(headers), front._keys):
+            front.metrics.refused.labels("auth").inc()
+            await front._answer(send, 401, "Invalid or missing API key.", "other", t0,
+                                extra=[(b"www-authenticate", b"Bearer")])
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,348 @@
+"""What the HTTP front lets through: its settings, the path allow-list, key checks, body guards.
+
+Pure functions and data, no I/O and no ASGI imports, so they are tested with tables.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from mtpwrap.errors import ConfigError
+
+MiB = 1024 * 1024
+
+# ---------------------------------------------------------------------------------------------
+# The allow-list. Every llama-server route the front forwards is named here; anything else is
+# 404 without reaching the child. Routes with side effects on the server, or that leak other
+# users' data, carry a feature name and stay 403 until `proxy.enable_paths` lists that name.
+# ---------------------------------------------------------------------------------------------
+
+#: (method, path) -> feature name ("" = always on)
+_EXACT: dict[tuple[str, str], str] = {}
+
+
+def _add(method: str, feature: str, *paths: str) -> None:
+    for p in paths:
+        _EXACT[(method, p)] = feature
+
+
+_add("GET", "", "/health", "/v1/health", "/props", "/models", "/v1/models")
+_add(
+    "POST", "",
+    "/completion", "/completions", "/v1/completions",
+    "/chat/completions", "/v1/chat/completions",
+    "/responses", "/v1/responses",
+    "/v1/messages", "/v1/messages/count_tokens",
+    "/infill",
+    "/embedding", "/embeddings", "/v1/embeddings",
+    "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+    "/tokenize", "/detokenize", "/apply-template",
+    "/chat/completions/input_tokens", "/v1/chat/completions/input_tokens",
+    "/responses/input_tokens", "/v1/responses/input_tokens",
+    "/audio/transcriptions", "/v1/audio/transcriptions",
+)
+# /slots lists every slot with its prompt: it shows one client what another one asked.
+_add("GET", "slots", "/slots")
+_add("POST", "props-write", "/props")
+_add("GET", "lora-adapters", "/lora-adapters")
+_add("POST", "lora-adapters", "/lora-adapters")
+# The child's own Prometheus page; mtpwrap's /metrics re-exports it under mtpwrap_backend_.
+_add("GET", "backend-metrics", "/backend/metrics")
+_add("GET", "webui", "/", "/index.html")
+_add("POST", "control", "/v1/chat/completions/control")
+_add("GET", "resumable-streams", "/v1/stream")
+_add("DELETE", "resumable-streams", "/v1/stream")
+_add("POST", "resumable-streams", "/v1/streams/lookup")
+
+#: POST /slots/<id>?action=save|restore|erase reads and writes files on the server
+#: (CVE-2026-43629).
+_SLOT_ACTION = re.compile(r"^/slots/[0-9]{1,4}$")
+
+FEATURES: tuple[str, ...] = (
+    "slots", "slot-actions", "props-write", "lora-adapters", "backend-metrics", "webui",
+    "control", "resumable-streams",
+)
+
+#: where a gated path is forwarded to, when it differs from the path the client used
+UPSTREAM_PATH = {"/backend/metrics": "/metrics"}
+
+# Only plain ASCII path characters; percent-encoding, backslashes, dot segments and empty
+# segments never reach the lookup, so `/v1/%2e%2e/slots`, `//slots` and `/v1/../slots` all fail.
+_SAFE_PATH = re.compile(r"^(/[A-Za-z0-9_\-]+(\.[A-Za-z0-9]+)?)*/?$")
+
+
+@dataclass(frozen=True)
+class Route:
+    """The verdict on one request line."""
+
+    status: int          # 0 = forward; otherwise the status to answer with
+    label: str           # metrics label: the route pattern, or "other" (bounded cardinality)
+    upstream_path: str = ""
+    message: str = ""
+
+
+def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
+    try:
+        path = raw_path.decode("ascii")
+    except UnicodeDecodeError:
+        return Route(400, "other", message="The request path is not plain ASCII.")
+    if not _SAFE_PATH.match(path) or "/." in path:
+        return Route(404, "other", message="Not found.")
+    if method == "HEAD":
+        method = "GET"
+    feature = _EXACT.get((method, path))
+    label = path
+    if feature is None and method == "POST" and _SLOT_ACTION.match(path):
+        feature, label = "slot-actions", "/slots/{id}"
+    if feature is None:
+        known = any(p == path for (_m, p) in _EXACT)
+        if known:
+            return Route(405, label, message=f"Method {method} is not allowed on {path}.")
+        return Route(404, "other", message="Not found.")
+    if feature and feature not in enabled:
+        return Route(
+            403, label,
+            message=(f"{path} is disabled on this server; the operator can enable it with "
+                     f"proxy.enable_paths: [{feature}]."),
+        )
+    return Route(0, label, UPSTREAM_PATH.get(path, path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+# ---------------------------------------------------------------------------------------------
+
+def presented_key(headers: Mapping[str, str]) -> str | None:
+    """The key a client sent as `Authorization: Bearer K` or `X-Api-Key: K` (nothing else)."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.strip().partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return None
+    key = headers.get("x-api-key")
+    return key.strip() if key else None
+
+
+def key_matches(presented: str | None, keys: tuple[bytes, ...]) -> bool:
+    """Constant-time check against every configured key (no early exit on a match)."""
+    if presented is None:
+        return False
+    given = presented.encode("utf-8", "surrogateescape")
+    ok = False
+    for k in keys:
+        ok |= hmac.compare_digest(given, k)
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Bodies
+# ---------------------------------------------------------------------------------------------
+
+class BadBody(Exception):
+    """A request body the front refuses (400), with a message for the client."""
+
+
+def parse_json_body(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as err:
+        raise BadBody("The request body is not valid UTF-8 JSON.") from err
+    except json.JSONDecodeError as err:
+        raise BadBody(
+            f"The request body is not valid JSON: {err.msg} "
+            f"at line {err.lineno} column {err.colno}."
+        ) from err
+
+
+def _int_field(doc: Mapping[str, Any], key: str) -> int | None:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return int(v)
+
+
+def check_fields(doc: Any, max_n_probs: int) -> None:
+    """Refuse fields with values that have crashed or corrupted llama-server.
+
+    negative `n_discard` (out-of-bounds write), huge `n_probs`/`top_logprobs` (memory),
+    slot ids below -1 (out-of-range index), `n_keep` below -1.
+    """
+    if not isinstance(doc, dict):
+        return
+    n = _int_field(doc, "n_discard")
+    if n is not None and n < 0:
+        raise BadBody(f"n_discard must be 0 or more, got {n}.")
+    for key in ("n_probs", "top_logprobs"):
+        n = _int_field(doc, key)
+        if n is not None and not 0 <= n <= max_n_probs:
+            raise BadBody(f"{key} must be 0..{max_n_probs}, got {n}.")
+    for key in ("id_slot", "slot_id"):
+        n = _int_field(doc, key)
+        if n is not None and n < -1:
+            raise BadBody(f"{key} must be -1 (any slot) or a slot number, got {n}.")
+    n = _int_field(doc, "n_keep")
+    if n is not None and n < -1:
+        raise BadBody(f"n_keep must be -1 or more, got {n}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of the HTTP front (config file section `proxy:`).
+
+    Which ops endpoints are open: `/livez` and `/readyz` never need a key (probes from systemd,
+    Kubernetes or a load balancer carry none, and they reveal only up/ready and a reason);
+    `/healthz` and `/metrics` need one when keys are configured, unless `healthz_public` /
+    `metrics_public` say otherwise.
+    """
+
+    api_keys: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    listen_host: str = "127.0.0.1"
+    max_body_bytes: int = 8 * MiB
+    max_concurrency: int = 8
+    queue_size: int = 32
+    queue_timeout_s: float = 30.0
+    stream_stall_s: float = 60.0
+    prefill_stall_s: float = 600.0
+    keepalive_s: float = 15.0
+    write_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    retry_after_s: int = 5
+    enable_paths: tuple[str, ...] = ()
+    max_n_probs: int = 100
+    metrics_public: bool = False
+    healthz_public: bool = False
+    backend_metrics_timeout_s: float = 5.0
+    cors_origins: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self._validate("proxy config")
+
+    def _validate(self, source: str) -> None:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"{source}: proxy.{key}: {msg}")
+
+        positive = ("max_body_bytes", "max_concurrency", "queue_timeout_s", "stream_stall_s",
+                    "prefill_stall_s", "keepalive_s", "write_timeout_s", "connect_timeout_s",
+                    "retry_after_s", "backend_metrics_timeout_s")
+        for key in positive:
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be greater than 0, got {getattr(self, key)}")
+        if self.queue_size < 0:
+            raise bad("queue_size", f"must be 0 or more, got {self.queue_size}")
+        if self.max_n_probs < 0:
+            raise bad("max_n_probs", f"must be 0 or more, got {self.max_n_probs}")
+        for name in self.enable_paths:
+            if name not in FEATURES:
+                raise bad("enable_paths", f"unknown feature {name!r}; known: {', '.join(FEATURES)}")
+        for k in self.api_keys:
+            if not k or k != k.strip() or len(k) < 8:
+                raise bad("api_keys", "each key must be at least 8 characters without spaces")
+        for o in self.cors_origins:
+            if o == "*":
+                raise bad("cors_origins", "'*' is not allowed; list the exact origins")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str) -> ProxyConfig:
+        """Build from the `proxy:` mapping of a config file; ConfigError names source and key."""
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: proxy: must be a mapping, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(
+                    f"{source}: proxy.{key}: unknown key; known keys: {', '.join(sorted(known))}"
+                )
+            default = known[key].default
+            if isinstance(default, tuple):
+                if isinstance(value, str):
+                    value = [v.strip() for v in value.split(",") if v.strip()]
+                if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(v, str) for v in value
+                ):
+                    raise ConfigError(f"{source}: proxy.{key}: must be a list of strings")
+                kwargs[key] = tuple(value)
+            elif isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        f"{source}: proxy.{key}: must be true or false, got {value!r}")
+                kwargs[key] = value
+            elif isinstance(default, int):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"{source}: proxy.{key}: must be an integer, got {value!r}")
+                kwargs[key] = value
+            elif isinstance(default, float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"{source}: proxy.{key}: must be a number, got {value!r}")
+                kwargs[key] = float(value)
+            else:
+                if not isinstance(value, str):
+                    raise ConfigError(f"{source}: proxy.{key}: must be a string, got {value!r}")
+                kwargs[key] = value
+        cfg = object.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(cfg, f.name, kwargs.get(f.name, f.default))
+        cfg._validate(source)
+        return cfg
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+    def listen_is_loopback(self) -> bool:
+        try:
+            return ipaddress.ip_address(self.listen_host.strip("[]")).is_loopback
+        except ValueError:
+            return self.listen_host == "localhost"
+
+
+def derive_allowed_hosts(cfg: ProxyConfig) -> frozenset[str] | None:
+    """Host names (without port) the front answers to; None = any (only when told "*")."""
+    if "*" in cfg.allowed_hosts:
+        return None
+    hosts = {h.lower().strip("[]") for h in cfg.allowed_hosts}
+    if cfg.allowed_hosts:
+        return frozenset(hosts)
+    hosts |= {"localhost", "127.0.0.1", "::1", "localhost.localdomain"}
+    listen = cfg.listen_host.strip("[]").lower()
+    if listen in ("0.0.0.0", "::", ""):
+        # Wildcard bind: every address of this machine and its names; anything else (a DNS
+        # rebinding name, a typo) is refused.
+        hosts |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        try:
+            import psutil
+
+            for addrs in psutil.net_if_addrs().values():
+                for a in addrs:
+                    if a.family in (socket.AF_INET, socket.AF_INET6):
+                        hosts.add(a.address.split("%")[0].lower())
+        except Exception:  # noqa: BLE001 - an unreadable interface list only narrows the set
+            pass
+    else:
+        hosts.add(listen)
+    return frozenset(hosts)
+
+
+def host_of(header: str) -> str:
+    """`Host` header value without its port, lower case, IPv6 brackets removed."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        return h[1:].split("]", 1)[0]
+    if h.count(":") == 1:
+        return h.rsplit(":", 1)[0]
+    return h

@@ -1,0 +1,228 @@
+"""Where the llama.cpp source comes from.
+
+Three kinds, chosen in this order when nothing is asked for:
+1. `submodule`: `vendor/llama.cpp-mtp`, the MTP + TurboQuant fork pinned by the superproject;
+2. `offline`: upstream llama.cpp inside the `llama-cpp-python` source distribution, fetched
+   through the package index (reachable where GitHub is not) and checked against a pinned sha256;
+3. a local `PATH` to any llama.cpp tree, only when asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mtpwrap import paths
+from mtpwrap.errors import ConfigError, IntegrityError, RuntimeFailure
+
+SUBMODULE_PATH = "vendor/llama.cpp-mtp"
+SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-turboq-mtp.git"
+SUBMODULE_COMMIT = "1c6e4ea7b0c736b50661dc795def6c426f0ef237"
+
+OFFLINE_PACKAGE = "llama-cpp-python"
+OFFLINE_VERSION = "0.3.36"
+OFFLINE_SDIST = f"llama_cpp_python-{OFFLINE_VERSION}.tar.gz"
+OFFLINE_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+OFFLINE_COMMIT = "0c1e570"
+OFFLINE_SUBDIR = f"llama_cpp_python-{OFFLINE_VERSION}/vendor/llama.cpp"
+
+_DONE_MARKER = ".mtpwrap-extracted"
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "submodule" | "offline" | "path"
+    path: Path  # the llama.cpp tree (holds CMakeLists.txt)
+    commit: str | None
+    identity: str  # what the build cache is keyed by
+    location: str  # where it came from, for people
+    reason: str  # why this source was used
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["path"] = str(self.path)
+        return d
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _git(path: Path, *args: str) -> str | None:
+    if shutil.which("git") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _is_llama_tree(path: Path) -> bool:
+    return (path / "CMakeLists.txt").is_file()
+
+
+def submodule_source(root: Path | None = None) -> Source | None:
+    """The initialised submodule, or None when it is empty (it cannot be cloned offline)."""
+    tree = (root or paths.repo_root()) / SUBMODULE_PATH
+    if not _is_llama_tree(tree):
+        return None
+    commit = _git(tree, "rev-parse", "HEAD")
+    dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
+    identity = f"submodule:{commit or 'unknown'}{'+dirty' if dirty else ''}"
+    return Source(
+        kind="submodule",
+        path=tree,
+        commit=commit,
+        identity=identity,
+        location=f"{SUBMODULE_PATH} ({SUBMODULE_URL})",
+        reason="the submodule is initialised",
+    )
+
+
+def path_source(path: str | Path) -> Source:
+    tree = Path(path).expanduser().resolve()
+    if not tree.exists():
+        raise ConfigError(
+            f"--source {path}: no such directory.",
+            hint="Give the path of a llama.cpp checkout, or use --source offline.",
+        )
+    if not _is_llama_tree(tree):
+        raise ConfigError(
+            f"--source {path}: no CMakeLists.txt there, so it is not a llama.cpp source tree.",
+            hint="Give the top folder of a llama.cpp checkout, or use --source offline.",
+        )
+    commit = _git(tree, "rev-parse", "HEAD")
+    # A path is built incrementally; its identity is the path itself, so edits rebuild in place.
+    return Source(
+        kind="path",
+        path=tree,
+        commit=commit,
+        identity=f"path:{tree}",
+        location=str(tree),
+        reason="asked for with --source PATH",
+    )
+
+
+def _download_sdist(dest_dir: Path) -> Path:
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    target = dest_dir / OFFLINE_SDIST
+    if target.exists():
+        return target
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(dest_dir),
+        f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION}",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not target.exists():
+        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeFailure(
+            f"could not download {OFFLINE_PACKAGE}=={OFFLINE_VERSION} from the package index "
+            f"({last[0]}).",
+            hint=f"Put {OFFLINE_SDIST} into {dest_dir} by hand, or build with --source PATH.",
+        )
+    return target
+
+
+def verify_sha256(path: Path, expected: str, what: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise IntegrityError(
+            f"{path}: sha256 is {actual}, expected {expected} for {what}.",
+            hint="The file is corrupt or not the pinned release; delete it and run again.",
+        )
+
+
+def _safe_extract(archive: Path, dest: Path) -> None:
+    with tarfile.open(archive, "r:gz") as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python < 3.10.12 has no extraction filters; refuse links that leave dest.
+            root = dest.resolve()
+            for m in tar.getmembers():
+                target = (dest / m.name).resolve()
+                if not str(target).startswith(str(root)) or m.issym() or m.islnk():
+                    raise IntegrityError(f"{archive}: unsafe member {m.name}.")
+            tar.extractall(dest)
+
+
+def offline_source(reason: str = "asked for with --source offline") -> Source:
+    """The pinned upstream tree from the llama-cpp-python sdist, downloaded and verified."""
+    base = paths.sources_dir() / f"llama_cpp_python-{OFFLINE_VERSION}"
+    tree = paths.sources_dir() / OFFLINE_SUBDIR
+    marker = base / _DONE_MARKER
+    if not (marker.is_file() and marker.read_text().strip() == OFFLINE_SHA256):
+        archive = _download_sdist(paths.downloads_dir())
+        verify_sha256(archive, OFFLINE_SHA256, f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION}")
+        # Extract beside the final place, then rename, so an interrupted extraction is never
+        # mistaken for a complete tree.
+        staging = paths.sources_dir() / f".staging-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            _safe_extract(archive, staging)
+            shutil.rmtree(base, ignore_errors=True)
+            (staging / f"llama_cpp_python-{OFFLINE_VERSION}").rename(base)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        marker.write_text(OFFLINE_SHA256 + "\n")
+    commit = _git(tree, "rev-parse", "--short=7", "HEAD") or OFFLINE_COMMIT
+    return Source(
+        kind="offline",
+        path=tree,
+        commit=commit,
+        identity=f"offline:{OFFLINE_SHA256}",
+        location=f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION} sdist ({OFFLINE_SUBDIR}, sha256 "
+        f"{OFFLINE_SHA256[:12]}…)",
+        reason=reason,
+    )
+
+
+def resolve(spec: str | None = None) -> Source:
+    """`None`/"auto": submodule if initialised, else offline. Or "submodule", "offline", a path."""
+    if spec in (None, "", "auto"):
+        sub = submodule_source()
+        if sub is not None:
+            return sub
+        return offline_source(
+            reason=f"the submodule {SUBMODULE_PATH} is not initialised "
+            "(`git submodule update --init` needs GitHub), so the pinned offline source is used"
+        )
+    if spec == "submodule":
+        sub = submodule_source()
+        if sub is None:
+            raise ConfigError(
+                f"--source submodule: {SUBMODULE_PATH} is empty.",
+                hint="Run `git submodule update --init` (needs GitHub), or use --source offline.",
+            )
+        return sub
+    if spec == "offline":
+        return offline_source()
+    return path_source(spec)
+
+
+def offline_identity() -> str:
+    """The cache identity of the offline source, known without downloading anything."""
+    return f"offline:{OFFLINE_SHA256}"

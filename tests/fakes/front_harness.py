@@ -1,0 +1,267 @@
+"""Run a Front under uvicorn in a thread, with a test double of the Supervisor.
+
+`SupervisorDouble` implements the Supervisor methods of the supervisor/front contract
+(status, wait_ready, report_stall, add_listener, begin_drain, stop) over an upstream the test
+owns: a real llama-server it started (`LlamaChild`) or the fault-injecting `FakeUpstream`.
+It never fakes llama-server's answers; it only says where the child is and whether it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    base_url: str
+    api_key: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SupervisorStatus:
+    state: State
+    reason: str | None
+    restarts: int
+    started_at: float | None
+    child_started_at: float | None
+    ready_since: float | None
+    last_exit: str | None
+    pid: int | None
+    upstream: Upstream | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class SupervisorDouble:
+    def __init__(self, base_url: str, api_key: str, state: State = State.READY,
+                 pid: int | None = None) -> None:
+        self.base_url, self.api_key, self.pid = base_url, api_key, pid
+        self.state = state
+        self.reason: str | None = None
+        self.generation = 1
+        self.restarts = 0
+        self.started_at = time.time()
+        self.child_started_at = time.time()
+        self.ready_since = time.time() if state == State.READY else None
+        self.last_exit: str | None = None
+        self.stalls: list[tuple[int, str]] = []
+        self.listeners: list[Callable[[State, State, str | None], None]] = []
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Condition | None = None
+        self.upstream_override: list[Upstream] = []  # handed out once each by wait_ready
+
+    # --- the contract -------------------------------------------------------------
+    def status(self) -> SupervisorStatus:
+        up = (Upstream(self.base_url, self.api_key, self.generation)
+              if self.state in (State.READY, State.DRAINING) else None)
+        return SupervisorStatus(self.state, self.reason, self.restarts, self.started_at,
+                                self.child_started_at, self.ready_since, self.last_exit,
+                                self.pid, up)
+
+    async def wait_ready(self, timeout: float) -> Upstream | None:
+        if self.upstream_override:
+            return self.upstream_override.pop(0)
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with self._changed:
+            while True:
+                if self.state == State.READY:
+                    return self.status().upstream
+                if self.state in (State.FAILED, State.DRAINING, State.STOPPING, State.STOPPED):
+                    return None
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+
+    def report_stall(self, generation: int, reason: str) -> None:
+        self.stalls.append((generation, reason))
+
+    def add_listener(self, callback: Callable[[State, State, str | None], None]) -> None:
+        self.listeners.append(callback)
+
+    def begin_drain(self) -> None:
+        self.set_state(State.DRAINING)
+
+    async def stop(self, grace: float) -> None:
+        self.set_state(State.STOPPED)
+
+    # --- test control (any thread) -------------------------------------------------
+    def set_state(self, state: State, reason: str | None = None, base_url: str | None = None,
+                  new_generation: bool = False) -> None:
+        def apply() -> None:
+            old = self.state
+            self.state, self.reason = state, reason
+            if base_url:
+                self.base_url = base_url
+            if new_generation:
+                self.generation += 1
+                self.restarts += 1
+                self.child_started_at = time.time()
+            if state == State.READY:
+                self.ready_since = time.time()
+            for cb in self.listeners:
+                cb(old, state, reason)
+            if self._changed is not None:
+                cond = self._changed
+
+                async def notify() -> None:
+                    async with cond:
+                        cond.notify_all()
+
+                asyncio.ensure_future(notify())
+
+        if self.loop is None:
+            apply()
+        else:
+            self.loop.call_soon_threadsafe(apply)
+
+
+class FrontServer:
+    """uvicorn serving `make_front()` in a background thread with its own event loop."""
+
+    def __init__(self, make_front: Callable[[], Any], port: int, supervisor: SupervisorDouble
+                 ) -> None:
+        self.make_front, self.port, self.supervisor = make_front, port, supervisor
+        self.front: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: Any = None
+        self._thread = threading.Thread(target=self._run, name="front", daemon=True)
+        self._started = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _run(self) -> None:
+        import uvicorn
+
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self.supervisor.loop = self.loop
+            self.front = self.make_front()
+            self._server = uvicorn.Server(uvicorn.Config(
+                self.front.app, host="127.0.0.1", port=self.port, log_config=None,
+                lifespan="off", access_log=False))
+            task = asyncio.ensure_future(self._server.serve())
+            while not self._server.started and not task.done():
+                await asyncio.sleep(0.01)
+            self._started.set()
+            await task
+            await self.front.aclose()
+
+        asyncio.run(main())
+
+    def start(self) -> FrontServer:
+        self._thread.start()
+        if not self._started.wait(15):
+            raise RuntimeError("the front did not start")
+        return self
+
+    def call(self, coro_factory: Callable[[], Any], timeout: float = 30) -> Any:
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro_factory(), self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        self._thread.join(15)
+
+
+class LlamaChild:
+    """A real llama-server on loopback with an internal key, started and killed by the test."""
+
+    def __init__(self, binary: Path, model: Path, port: int, api_key: str,
+                 extra: list[str] | None = None, log_path: Path | None = None) -> None:
+        self.binary, self.model, self.port, self.api_key = binary, model, port, api_key
+        self.extra = extra or []
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120) -> LlamaChild:
+        env = dict(os.environ)
+        env["LLAMA_API_KEY"] = self.api_key  # the key travels in the environment, not argv
+        env["LD_LIBRARY_PATH"] = str(self.binary.parent) + os.pathsep + env.get(
+            "LD_LIBRARY_PATH", "")
+        argv = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
+                "--port", str(self.port), "-c", "4096", "-np", "2", "-t", "2",
+                "--metrics", "--no-webui", *self.extra]
+        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not become ready")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            self.proc.wait(10)
+
+    def slots_busy(self) -> int:
+        r = httpx.get(self.base_url + "/slots",
+                      headers={"authorization": f"Bearer {self.api_key}"}, timeout=5)
+        r.raise_for_status()
+        return sum(1 for s in r.json() if s.get("is_processing"))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = None,
+                state: State = State.READY, pid: int | None = None):  # noqa: ANN201
+    """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
+    from mtpwrap.proxy import Front
+
+    sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
+    srv = FrontServer(lambda: Front(sup, config, info or {}), free_port(), sup).start()
+    try:
+        yield srv, sup
+    finally:
+        srv.stop()

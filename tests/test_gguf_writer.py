@@ -1,0 +1,130 @@
+"""The GGUF writer: sparse shape-only models, tiny runnable ones, and llama.cpp loading them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mtpwrap import gguf_writer
+from mtpwrap.calibrate import parse_allocations, run_fit_params
+from mtpwrap.gguf_facts import read_facts, read_header
+
+MiB = 1024 * 1024
+
+
+@pytest.mark.parametrize("model", sorted(gguf_writer.SHAPES))
+def test_shape_only_files_are_sparse_and_complete(model: str, tmp_path: Path) -> None:
+    path = gguf_writer.write_shape_only(tmp_path / f"{model}.gguf", model)
+    st = path.stat()
+    meta, infos, data_offset, size = read_header(path)
+    assert size == st.st_size
+    # the last tensor ends inside the file, at most one alignment pad before its end
+    end = max(data_offset + t.offset + t.n_bytes for t in infos)
+    assert size - 32 < end <= size
+    assert st.st_blocks * 512 < max(64 * MiB, st.st_size // 50)  # a hole, not zeros
+    facts = read_facts(path)
+    n_tok = meta["tokenizer.ggml.tokens"]
+    assert len(n_tok) == facts.n_vocab  # padded vocabulary matches the embedding rows
+    assert facts.tensor_bytes > 1e9
+
+
+def test_q4_k_m_recipe_gives_more_bits_to_some_layers(tmp_path: Path) -> None:
+    spec = gguf_writer.SHAPES["llama3-8b"]("q4_k_m")
+    types = {t.name: t.qtype for t in spec.tensors}
+    assert types["output.weight"] == "q6_k" and types["token_embd.weight"] == "q4_k"
+    assert types["blk.0.ffn_down.weight"] == "q6_k" and types["blk.4.ffn_down.weight"] == "q4_k"
+    assert types["blk.0.attn_norm.weight"] == "f32"
+    q8 = gguf_writer.SHAPES["llama3-8b"]("q8_0")
+    assert {t.qtype for t in q8.tensors} == {"q8_0", "f32"}
+
+
+def test_tiny_random_models_have_real_data_and_an_mtp_block(tmp_path: Path) -> None:
+    path = gguf_writer.write_tiny_random(tmp_path / "t.gguf", arch="qwen35", mtp=True)
+    f = read_facts(path)
+    assert (f.architecture, f.n_layer_nextn, f.n_layer) == ("qwen35", 1, 4)
+    assert f.kv_layers == [3] and f.recurrent_layers == [0, 1, 2]
+    st = path.stat()
+    assert st.st_blocks * 512 >= f.tensor_bytes  # really written, not a hole
+    plain = read_facts(gguf_writer.write_tiny_random(tmp_path / "p.gguf", mtp=False))
+    assert plain.n_layer_nextn == 0 and plain.mtp_bytes == 0
+
+
+# ----------------------------------------------------------------- llama.cpp loads them
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("model", sorted(gguf_writer.SHAPES))
+def test_llama_cpp_loads_every_shape_model(model: str, fit_params_bin: Path, tmp_path: Path
+                                           ) -> None:
+    path = gguf_writer.write_shape_only(tmp_path / f"{model}.gguf", model)
+    try:
+        log = run_fit_params(fit_params_bin, path, ["-c", "4096", "-fa", "on", "-np", "1"])
+        got = parse_allocations(log)
+        assert got.model_total > 0 and got.kv, log[-2000:]
+    finally:
+        path.unlink()
+
+
+def _get(url: str, timeout: float = 5) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return 0, ""
+
+
+@pytest.mark.integration
+def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, free_port: int,
+                                                     tmp_path: Path) -> None:
+    model = gguf_writer.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(
+        [str(llama_server_bin), "-m", str(model), "--host", "127.0.0.1", "--port",
+         str(free_port), "-c", "2048", "-np", "1", "--spec-type", "draft-mtp",
+         "--spec-draft-n-max", "3", "--metrics", "--no-warmup", "-t", "2", "-lv", "4"],
+        stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("llama-server exited: " + (tmp_path / "server.log").read_text()[-3000:])
+            if _get(base + "/health")[0] == 200:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("llama-server did not become ready")
+        body = json.dumps({"prompt": "The quick brown fox", "n_predict": 16,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/completion", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["timings"]["predicted_n"] > 0
+        status, metrics = _get(base + "/metrics")
+        assert status == 200
+        values = {}
+        for line in metrics.splitlines():
+            if line.startswith("llamacpp:spec_decode_num_draft") and " " in line:
+                name, val = line.rsplit(" ", 1)
+                values[name] = float(val)
+        assert values.get("llamacpp:spec_decode_num_drafts_total", 0) > 0, metrics
+        assert values.get("llamacpp:spec_decode_num_draft_tokens_total", 0) > 0, metrics
+        text = (tmp_path / "server.log").read_text()
+        # the MTP context: its own one-layer KV cache next to the main one
+        assert len(parse_allocations(text).kv) >= 2, text[-3000:]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()

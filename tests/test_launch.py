@@ -1,0 +1,481 @@
+"""The llama-server command line: every shipped profile × recorded snapshots × {upstream, fork}.
+
+The argv for each (profile, binary) pair is pinned below; the snapshot decides only whether the
+profile can run here (a GPU profile on a machine without a GPU is refused) and whether a
+"meant for other hardware" warning is given. The integration test starts the real llama-server
+with the argv built for cpu-demo.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from mtpwrap import hardware, launch, profiles
+from mtpwrap.capabilities import Capabilities
+from mtpwrap.errors import ConfigError
+
+DATA = Path(__file__).parent / "data"
+SNAPSHOT_NAMES = ["rtx4090", "rtx3090", "rtx5090", "h100", "h200", "two-rtx3090", "none"]
+MODEL = "/models/M.gguf"
+EXE = "/opt/llama/bin/llama-server"
+PORT = 18081
+
+
+def caps_of(name: str) -> Capabilities:
+    return Capabilities.from_help((DATA / "help" / f"{name}.txt").read_text(),
+                                  (DATA / "help" / f"{name}.version.txt").read_text())
+
+
+CAPS = {"upstream": caps_of("upstream-0c1e570"), "fork": caps_of("fork-1c6e4ea")}
+SHIPPED = {p.name: p for p in profiles.list_profiles(profiles.shipped_dirs())}
+SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SNAPSHOT_NAMES}
+
+HEAD = [EXE, "-m", MODEL, "--host", "127.0.0.1", "--port", str(PORT)]
+QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
+
+#: (profile, binary) → argv after HEAD. Reviewed by hand against FACTS.md §1 and the --help texts.
+PINNED: dict[tuple[str, str], list[str]] = {
+    ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
+                               "--flash-attn", "auto", "--metrics", "--no-webui"],
+    ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
+                            "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
+                            "--spec-type", "mtp", "--spec-draft-n-max", "3",
+                            "--mlock", *QWEN_TAIL],
+    ("4090-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
+                                "-ctk", "q4_0", "-ctv", "q4_0", "--flash-attn", "on",
+                                "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                "--load-mode", "mlock", *QWEN_TAIL],
+    ("4090-128k-q8", "upstream"): ["-c", "131072", "-ngl", "99", "-np", "1", "-ub", "64",
+                                   "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on",
+                                   "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                   "-ctkd", "q8_0", "-ctvd", "q8_0",
+                                   "--load-mode", "mlock", *QWEN_TAIL],
+    ("4090-128k-q8", "fork"): ["-c", "131072", "-ngl", "99", "-np", "1", "-ub", "64",
+                               "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on",
+                               "--spec-type", "mtp", "--spec-draft-n-max", "3",
+                               "-ctkd", "q8_0", "-ctvd", "q8_0", "--mlock", *QWEN_TAIL],
+    ("3090-192k", "fork"): ["-c", "196608", "-ngl", "99", "-np", "1", "-ub", "64",
+                            "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
+                            "--spec-type", "mtp", "--spec-draft-n-max", "3",
+                            "-ctkd", "q8_0", "-ctvd", "q8_0", "--mlock", *QWEN_TAIL],
+    ("3090-192k", "upstream"): ["-c", "196608", "-ngl", "99", "-np", "1", "-ub", "64",
+                                "-ctk", "q4_0", "-ctv", "q4_0", "--flash-attn", "on",
+                                "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                "-ctkd", "q8_0", "-ctvd", "q8_0",
+                                "--load-mode", "mlock", *QWEN_TAIL],
+    ("5090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "128",
+                            "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on",
+                            "--spec-type", "mtp", "--spec-draft-n-max", "3",
+                            "-ctkd", "q8_0", "-ctvd", "q8_0", "--mlock", *QWEN_TAIL],
+    ("5090-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "128",
+                                "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on",
+                                "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                "-ctkd", "q8_0", "-ctvd", "q8_0",
+                                "--load-mode", "mlock", *QWEN_TAIL],
+    ("h100-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-b", "2048", "-ub", "512",
+                            "-ctk", "f16", "-ctv", "f16", "--flash-attn", "on",
+                            "--spec-type", "mtp", "--spec-draft-n-max", "3", *QWEN_TAIL],
+    ("h100-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-b", "2048",
+                                "-ub", "512", "-ctk", "f16", "-ctv", "f16", "--flash-attn", "on",
+                                "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                *QWEN_TAIL],
+    ("h200-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-b", "2048", "-ub", "512",
+                            "-ctk", "f16", "-ctv", "f16", "--flash-attn", "on",
+                            "--spec-type", "mtp", "--spec-draft-n-max", "4", *QWEN_TAIL],
+    ("h200-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-b", "2048",
+                                "-ub", "512", "-ctk", "f16", "-ctv", "f16", "--flash-attn", "on",
+                                "--spec-type", "draft-mtp", "--spec-draft-n-max", "4",
+                                *QWEN_TAIL],
+}
+PINNED[("cpu-demo", "fork")] = PINNED[("cpu-demo", "upstream")]
+
+#: warnings each (profile, binary) gives whatever the machine, as fragments.
+PINNED_WARNINGS: dict[tuple[str, str], list[str]] = {
+    ("4090-262k", "upstream"): ["K KV type tbq4_0 is not offered", "V KV type tbq4_0 is not "
+                                "offered", "no 'mtp' spec type; using its 'draft-mtp'"],
+    ("3090-192k", "upstream"): ["K KV type tbq4_0 is not offered", "V KV type tbq4_0 is not "
+                                "offered", "no 'mtp' spec type; using its 'draft-mtp'"],
+}
+for _p in SHIPPED.values():
+    if _p.spec.kind == "mtp":
+        PINNED_WARNINGS.setdefault((_p.name, "upstream"), ["no 'mtp' spec type"])
+
+
+CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAMES]
+
+
+def build(profile: str, caps: str, snap: str | None, **kw: object) -> launch.LaunchSpec:
+    return launch.build_command(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None,
+                                model=MODEL, listen_port=PORT, binary=EXE, **kw)  # type: ignore
+
+
+def test_every_pair_is_pinned() -> None:
+    assert set(PINNED) == {(p, c) for p in SHIPPED for c in CAPS}
+
+
+@pytest.mark.parametrize("profile,caps,snap", CASES)
+def test_argv_table(profile: str, caps: str, snap: str) -> None:
+    prof = SHIPPED[profile]
+    s = SNAPS[snap]
+    if prof.hardware.requires_gpu and not s.has_gpu:
+        with pytest.raises(ConfigError) as info:
+            build(profile, caps, snap)
+        assert f"profile {profile} needs a GPU" in str(info.value)
+        assert "NVML library" in str(info.value)
+        return
+    spec = build(profile, caps, snap)
+    assert spec.argv == HEAD + PINNED[(profile, caps)]
+    mismatch = prof.hardware.requires_gpu and not any(prof.hardware.matches(g) for g in s.gpus)
+    assert any("is meant for" in w for w in spec.warnings) == mismatch
+    expected = PINNED_WARNINGS.get((profile, caps), [])
+    for fragment in expected:
+        assert any(fragment in w for w in spec.warnings), (fragment, spec.warnings)
+    other = [w for w in spec.warnings if "is meant for" not in w]
+    assert len(other) == len(expected), other
+    # every emitted flag is one this binary accepts, and none is a removed one
+    for arg in spec.argv[1:]:
+        if arg.startswith("-") and not arg[1:].isdigit():
+            assert CAPS[caps].has(arg), arg
+    assert not {"--draft", "--draft-n", "--draft-max", "--draft-min"} & set(spec.argv)
+
+
+def test_recipe_flags_against_fork() -> None:
+    """FACTS.md §1: --spec-type mtp --spec-draft-n-max 3 -ctk tbq4_0 -ctv tbq4_0 --flash-attn on
+    -np 1 -ub 32 --mlock --no-warmup -c 262144 -ngl 99."""
+    argv = build("4090-262k", "fork", "rtx4090").argv
+    pairs = {(a, b) for a, b in zip(argv, argv[1:], strict=False)}
+    for pair in [("--spec-type", "mtp"), ("--spec-draft-n-max", "3"), ("-ctk", "tbq4_0"),
+                 ("-ctv", "tbq4_0"), ("--flash-attn", "on"), ("-np", "1"), ("-ub", "32"),
+                 ("-c", "262144"), ("-ngl", "99")]:
+        assert pair in pairs, pair
+    assert "--mlock" in argv and "--no-warmup" in argv
+    spec = build("4090-262k", "fork", "rtx4090")
+    assert spec.warnings == []
+
+
+def test_upstream_falls_back_with_reasons() -> None:
+    spec = build("4090-262k", "upstream", "rtx4090")
+    kv_warn = [w for w in spec.warnings if "tbq4_0" in w]
+    assert len(kv_warn) == 2
+    assert "-ctk allows f32, f16, bf16, q8_0, q4_0" in kv_warn[0]
+    assert "falling back to q4_0" in kv_warn[0]
+    reasons = {d.flag: d.reason for d in spec.decisions}
+    assert "this build names it draft-mtp" in reasons["--spec-type"]
+    assert "spells it --load-mode" in reasons["--load-mode"]
+
+
+def test_decisions_explain_every_flag() -> None:
+    spec = build("4090-262k", "fork", "rtx4090")
+    flags = [a for a in spec.argv[1:] if a.startswith("-")]
+    assert [d.flag for d in spec.decisions] == flags
+    assert all(d.reason for d in spec.decisions)
+    by_flag = {d.flag: d for d in spec.decisions}
+    assert "one slot" in by_flag["-np"].reason
+    assert by_flag["--metrics"].value is None
+
+
+def test_mtp_forces_one_slot_and_quantized_v_forces_flash_attention(tmp_path: Path) -> None:
+    src = (profiles.shipped_dirs()[1] / "4090-262k.yaml").read_text()
+    doc = src.replace("slots: 1", "slots: 4").replace('flash_attn: "on"', "flash_attn: \"off\"")
+    path = tmp_path / "t.yaml"
+    path.write_text(doc)
+    prof = profiles.load_file(path)
+    spec = launch.build_command(prof, CAPS["upstream"], SNAPS["rtx4090"], model=MODEL)
+    argv = spec.argv
+    assert argv[argv.index("-np") + 1] == "1"
+    assert argv[argv.index("--flash-attn") + 1] == "on"
+    assert any("4 slots" in w for w in spec.warnings)
+    assert any("quantized V cache (q4_0) needs it" in w for w in spec.warnings)
+
+
+def test_api_key_goes_to_environment_never_argv() -> None:
+    secret = "s3cr3t-internal-key"
+    spec = build("cpu-demo", "upstream", "none", api_key=secret)
+    assert secret not in " ".join(spec.argv)
+    assert "--api-key" not in spec.argv
+    assert spec.env == {"LLAMA_API_KEY": secret}
+    shown = spec.to_dict()
+    assert shown["env"] == {"LLAMA_API_KEY": "***"} and secret not in str(shown)
+
+
+def test_context_max_uses_the_plan(tmp_path: Path) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text((profiles.shipped_dirs()[1] / "h200-262k.yaml").read_text()
+                    .replace("context: 262144", "context: max"))
+    prof = profiles.load_file(path)
+    planned = launch.build_command(prof, CAPS["fork"], SNAPS["h200"], model=MODEL,
+                                   plan=SimpleNamespace(context=180224))
+    assert planned.argv[planned.argv.index("-c") + 1] == "180224"
+    unplanned = launch.build_command(prof, CAPS["fork"], SNAPS["h200"], model=MODEL)
+    assert unplanned.argv[unplanned.argv.index("-c") + 1] == "0"
+
+
+def test_missing_flag_names_flag_and_binary() -> None:
+    help_text = (DATA / "help" / "upstream-0c1e570.txt").read_text()
+    # a build from before speculative decoding was configurable: no --spec-type at all
+    lines = help_text.splitlines()
+    i = next(n for n, x in enumerate(lines) if x.startswith("--spec-type"))
+    j = i + 1
+    while lines[j].startswith(" "):
+        j += 1
+    old = Capabilities.from_help("\n".join(lines[:i] + lines[j:]),
+                                 (DATA / "help" / "upstream-0c1e570.version.txt").read_text(),
+                                 binary="/srv/old/llama-server")
+    with pytest.raises(ConfigError) as info:
+        launch.build_command(SHIPPED["4090-262k"], old, SNAPS["rtx4090"], model=MODEL)
+    msg = str(info.value)
+    assert msg.startswith("--spec-type: /srv/old/llama-server (version 0.5.0-dev, commit 0c1e570)")
+    assert "does not accept it" in msg
+
+
+def test_no_acceptable_kv_type_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "tbq.yaml"
+    path.write_text((profiles.shipped_dirs()[1] / "4090-262k.yaml").read_text()
+                    .replace("k: [tbq4_0, q4_0]", "k: [tbq4_0, tbq3_0]"))
+    with pytest.raises(ConfigError, match=r"-ctk: .* offers none of the profile's K KV types "
+                                          r"\(tbq4_0, tbq3_0\)"):
+        launch.build_command(profiles.load_file(path), CAPS["upstream"], SNAPS["rtx4090"],
+                             model=MODEL)
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--draft-max", "4"], "has been removed"),
+    (["--host", "0.0.0.0"], "--host is set by mtpwrap"),
+    (["--api-key=abc"], "--api-key is set by mtpwrap"),
+    (["--no-such-flag"], "does not accept --no-such-flag"),
+])
+def test_extra_args_are_checked(extra: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build("cpu-demo", "upstream", "none", extra=extra)
+
+
+def test_extra_args_pass_through_when_known() -> None:
+    spec = build("cpu-demo", "upstream", "none", extra=["--ctx-checkpoints", "0", "-lv", "4"])
+    assert spec.argv[-4:] == ["--ctx-checkpoints", "0", "-lv", "4"]
+
+
+# ---------------------------------------------------------------- real llama-server
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    import httpx
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"llama-server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("llama-server did not become ready in time")
+
+
+@pytest.mark.integration
+def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_model: Path,
+                                                free_port: int, tmp_path: Path) -> None:
+    import httpx
+    import openai
+
+    from mtpwrap import capabilities
+
+    caps = capabilities.probe(llama_server_bin)
+    key = "internal-" + os.urandom(8).hex()
+    spec = launch.build_command(SHIPPED["cpu-demo"], caps, SNAPS["none"], model=demo_model,
+                                listen_port=free_port, api_key=key)
+    assert spec.argv[0] == str(llama_server_bin)
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        _wait_ready(base, proc, time.monotonic() + 120)
+        # the key is not in the process list
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+        assert key not in cmdline
+        # ... but the server took it from the environment: no key, no completion
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # open path
+        denied = httpx.post(f"{base}/v1/chat/completions", timeout=30,
+                            json={"messages": [{"role": "user", "content": "hi"}]})
+        assert denied.status_code == 401
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key)
+        out = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=8, temperature=0)
+        assert out.choices[0].message.content
+        assert out.usage is not None and out.usage.completion_tokens > 0
+        # two slots and --metrics as the argv asked
+        auth = {"Authorization": f"Bearer {key}"}
+        props = httpx.get(f"{base}/props", timeout=10, headers=auth).json()
+        assert props.get("total_slots") == 2
+        metrics = httpx.get(f"{base}/metrics", timeout=10, headers=auth)
+        assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+# ---------------------------------------------------------------- `mtpwrap args`
+
+
+def _recorded_binary(tmp_path: Path, name: str) -> Path:
+    """A stand-in that prints a recorded --help/--version (the fork cannot be built here)."""
+    exe = tmp_path / "llama-server"
+    help_file = DATA / "help" / f"{name}.txt"
+    version_file = DATA / "help" / f"{name}.version.txt"
+    exe.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{help_file}";; --version) cat "{version_file}";;'
+                   " *) exit 1;; esac\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
+    import json
+
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
+    r = run_cli("args", "--profile", "auto", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "rtx4090.json"), "--port", str(PORT),
+                "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["profile"] == "4090-262k"
+    assert out["argv"] == [str(exe), *HEAD[1:], *PINNED[("4090-262k", "fork")]]
+    assert "RTX 4090" in out["profile_reason"]
+    # the only warning: /models/M.gguf does not exist here, so it is shown as given
+    assert len(out["warnings"]) == 1 and "no such model file" in out["warnings"][0]
+    assert {d["flag"] for d in out["decisions"]} >= {"--spec-type", "-ctk", "--flash-attn"}
+
+
+def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "upstream-0c1e570")
+    r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "rtx4090.json"))
+    assert r.returncode == 0, r.stderr
+    assert "-ctk q4_0 -ctv q4_0 --flash-attn on --spec-type draft-mtp" in r.stdout
+    assert "MTP speculation drafts for a single sequence" in r.stdout
+    assert "K KV type tbq4_0 is not offered" in r.stderr
+
+
+def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
+    from mtpwrap.errors import EXIT_CONFIG
+    from tests.conftest import run_cli
+
+    exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
+    r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
+                "--replay", str(DATA / "snapshots" / "none.json"))
+    assert r.returncode == EXIT_CONFIG
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "profile 4090-262k needs a GPU" in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path) -> None:
+    import json
+
+    from tests.conftest import cli_env, run_cli
+
+    r = run_cli("args", "--binary", str(llama_server_bin), "--json",
+                env=cli_env(MTPWRAP_DEMO_MODEL=str(demo_model)))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["profile"] == "cpu-demo"  # no GPU on the test machine
+    assert out["argv"][:3] == [str(llama_server_bin), "-m", str(demo_model)]
+    assert "commit 0c1e570" in out["binary"]
+
+
+# ---------------------------------------------------------------- draft model and n-gram
+
+DRAFT_DEMO = """\
+description: demo model drafting for itself
+hardware:
+  requires_gpu: false
+model: demo
+context: 2048
+kv: {k: [f16], v: [f16]}
+spec:
+  kind: draft
+  depth: 3
+  p_min: 0.5
+  draft_model: demo
+  draft_kv: {k: [q8_0], v: [q8_0]}
+slots: 1
+"""
+
+
+def _profile(tmp_path: Path, name: str, text: str) -> profiles.Profile:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return profiles.load_file(path)
+
+
+def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
+    prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
+    spec = launch.build_command(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
+                                draft_model="/models/D.gguf")
+    argv = spec.argv
+    tail = argv[argv.index("--spec-type"):]
+    assert tail == ["--spec-type", "draft-simple", "--spec-draft-n-max", "3",
+                    "--spec-draft-p-min", "0.5", "-md", "/models/D.gguf",
+                    "-ctkd", "q8_0", "-ctvd", "q8_0", "--metrics", "--no-webui"]
+    ngram = _profile(tmp_path, "ngram-demo", DRAFT_DEMO.replace("kind: draft", "kind: ngram")
+                     .replace("  draft_model: demo\n", "").replace(
+                         "  draft_kv: {k: [q8_0], v: [q8_0]}\n", ""))
+    argv = launch.build_command(ngram, CAPS["fork"], SNAPS["none"], model=MODEL).argv
+    assert argv[argv.index("--spec-type"):] == ["--spec-type", "ngram-mod",
+                                                "--spec-draft-p-min", "0.5", "--metrics",
+                                                "--no-webui"]
+
+
+@pytest.mark.integration
+def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_model: Path,
+                                                   free_port: int, tmp_path: Path) -> None:
+    """The draft mapping is accepted by the real binary and drafting really happens: the demo
+    model drafting for itself (FACTS.md §2 saw acceptance 1.0 this way)."""
+    import httpx
+
+    from mtpwrap import capabilities
+
+    prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
+    spec = launch.build_command(prof, capabilities.probe(llama_server_bin), None,
+                                model=demo_model, draft_model=demo_model, listen_port=free_port)
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{free_port}"
+    try:
+        _wait_ready(base, proc, time.monotonic() + 120)
+        # short: on a loaded 2-core machine this model can drop below 1 token/s
+        r = httpx.post(f"{base}/completion", timeout=300, json={
+            "prompt": "Count from one to twenty: one, two, three,", "n_predict": 8,
+            "temperature": 0, "seed": 1})
+        assert r.status_code == 200
+        timings = r.json()["timings"]
+        assert timings.get("draft_n", 0) > 0, timings
+        assert timings.get("draft_n_accepted", 0) > 0, timings
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()

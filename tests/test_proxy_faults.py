@@ -1,0 +1,332 @@
+"""Faults on the link between the front and the child (RELIABILITY.md 4, 9–14), shown on demand by
+a fault-injecting upstream. The same promises are checked on the real llama-server in
+test_proxy_real.py where the real binary can show them (disconnect, crash mid-stream).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtpwrap.proxy import ProxyConfig
+from tests.fakes.fake_upstream import FakeUpstream, sse_events
+from tests.fakes.front_harness import State, Upstream, free_port, serve_front
+
+KEY = "client-key-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+CHAT = "/v1/chat/completions"
+# One shared client: building one per request (an SSL context each) costs ~0.1 s of CPU, which
+# on a small machine would hide the latencies these tests measure.
+HTTP = httpx.Client(timeout=30, limits=httpx.Limits(max_connections=64))
+
+
+@pytest.fixture
+def fake():
+    f = FakeUpstream().start()
+    yield f
+    f.stop()
+
+
+def cfg(**kw) -> ProxyConfig:
+    base = dict(api_keys=(KEY,), keepalive_s=0.3, stream_stall_s=5.0, prefill_stall_s=10.0,
+                queue_timeout_s=5.0)
+    base.update(kw)
+    return ProxyConfig(**base)
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = HTTP.get(url + "/metrics", headers=AUTH).text
+    total = 0.0
+    found = False
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+                found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
+def post(url: str, body: dict, timeout: float = 30) -> httpx.Response:
+    return HTTP.post(url + CHAT, json=body, headers=AUTH, timeout=timeout)
+
+
+# --------------------------------------------------------------------------- 9: restarts
+
+
+def test_requests_during_restart_wait_then_are_served_and_all_are_accounted(fake):
+    fake.mode = "json"
+    with serve_front(fake.base_url, fake.api_key, cfg(queue_size=3, max_concurrency=4),
+                     state=State.STARTING) as (srv, sup):
+        with cf.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(post, srv.url, {"messages": []}) for _ in range(5)]
+            time.sleep(0.8)  # the child is "restarting"; 3 wait, 2 are refused at once
+            assert srv.front.queued == 3
+            sup.set_state(State.READY, new_generation=True)
+            codes = [f.result().status_code for f in futs]
+            refused = [f.result() for f in futs if f.result().status_code != 200]
+        assert sorted(codes) == [200, 200, 200, 503, 503]
+        for r in refused:
+            assert r.headers["retry-after"] == "5"
+            assert "not ready" in r.json()["error"]["message"]
+        # served + refused == sent, and the child saw exactly the served ones
+        assert len(fake.seen) == codes.count(200)
+        assert metric(srv.url, "mtpwrap_shed_total", reason="not_ready") == 2
+        assert metric(srv.url, "mtpwrap_queue_depth") == 0
+
+
+def test_queue_times_out_with_503_and_retry_after(fake):
+    with serve_front(fake.base_url, fake.api_key, cfg(queue_timeout_s=0.5),
+                     state=State.BACKOFF) as (srv, _sup):
+        t = time.monotonic()
+        r = post(srv.url, {"messages": []})
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert 0.4 < time.monotonic() - t < 3
+        assert metric(srv.url, "mtpwrap_shed_total", reason="queue_timeout") == 1
+        assert fake.seen == []
+
+
+def test_failed_child_is_answered_at_once(fake):
+    with serve_front(fake.base_url, fake.api_key, cfg(queue_timeout_s=30),
+                     state=State.FAILED) as (srv, sup):
+        sup.reason = "crash loop: exit 1 five times in 60 s"
+        t = time.monotonic()
+        r = post(srv.url, {"messages": []})
+        assert r.status_code == 503 and time.monotonic() - t < 2
+        ready = httpx.get(srv.url + "/readyz")
+        assert ready.status_code == 503 and ready.json()["reason"].startswith("crash loop")
+
+
+# --------------------------------------------------------------------------- 10: disconnects
+
+
+def _stream_and_close(url: str, read_events: int) -> None:
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", url + CHAT, json={"stream": True, "messages": []}, headers=AUTH) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got >= read_events:
+                    break
+    # leaving both context managers closes the connection
+
+
+def test_disconnect_mid_stream_cancels_upstream_within_a_second(fake):
+    fake.mode, fake.cut_after = "stall_after", 3
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        _stream_and_close(srv.url, 2)
+        t = time.monotonic()
+        closed = fake.wait_closed(0, 3)
+        assert closed is not None and closed - t < 1.0
+        time.sleep(0.1)
+        assert metric(srv.url, "mtpwrap_cancelled_total", reason="client_disconnect") == 1
+
+
+def test_disconnect_before_first_token_cancels_upstream(fake):
+    fake.mode = "stall_before_headers"
+    with serve_front(fake.base_url, fake.api_key, cfg(keepalive_s=5)) as (srv, _):
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        body = json.dumps({"stream": True, "messages": []}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))
+        deadline = time.monotonic() + 5
+        while not fake.seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.seen, "the request never reached the upstream"
+        s.close()
+        t = time.monotonic()
+        closed = fake.wait_closed(0, 3)
+        assert closed is not None and closed - t < 1.0
+
+
+# --------------------------------------------------------------------------- 11: retries
+
+
+def test_no_retry_once_the_body_was_sent(fake):
+    fake.mode = "close_without_response"
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        r = post(srv.url, {"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 502
+        assert r.json()["error"]["type"] == "unavailable_error"
+        time.sleep(0.2)
+        assert len(fake.seen) == 1
+
+
+def test_refused_connect_is_retried_once(fake):
+    fake.mode = "json"
+    dead = f"http://127.0.0.1:{free_port()}"
+    with serve_front(dead, fake.api_key, cfg()) as (srv, sup):
+        sup.upstream_override.append(Upstream(fake.base_url, fake.api_key, 2))
+        r = post(srv.url, {"messages": []})
+        assert r.status_code == 200 and r.json()["ok"] is True
+        assert len(fake.seen) == 1
+        # a second refusal in a row is not retried again
+        sup.upstream_override.append(Upstream(dead, fake.api_key, 3))
+        r = post(srv.url, {"messages": []})
+        assert r.status_code == 502
+        assert metric(srv.url, "mtpwrap_upstream_errors_total", kind="connect") == 3
+
+
+# --------------------------------------------------------------------------- 12: overload
+
+
+def test_overload_is_shed_fast_and_accepted_requests_complete(fake):
+    fake.mode, fake.interval = "slow_json", 1.0
+    with serve_front(fake.base_url, fake.api_key,
+                     cfg(max_concurrency=2, queue_size=2)) as (srv, _):
+        def timed() -> tuple[int, float, str | None]:
+            t = time.monotonic()
+            r = post(srv.url, {"messages": []})
+            return r.status_code, time.monotonic() - t, r.headers.get("retry-after")
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            futs = [pool.submit(timed) for _ in range(8)]
+            time.sleep(0.5)
+            depth = metric(srv.url, "mtpwrap_queue_depth")
+            results = [f.result() for f in futs]
+        shed = [r for r in results if r[0] == 429]
+        ok = [r for r in results if r[0] == 200]
+        assert len(shed) == 4 and len(ok) == 4
+        assert all(d < 0.5 and ra for _, d, ra in shed), results
+        # accepted ones: two served at once (~1 s), two after queueing (~2 s)
+        assert max(d for _, d, _ in ok) < 3.5
+        assert depth == 2
+        assert metric(srv.url, "mtpwrap_shed_total", reason="overload") == 4
+        assert sum(1 for s in fake.seen if s.path == CHAT) == 4
+
+
+# --------------------------------------------------------------------------- 13: slow reader
+
+
+def test_slow_reader_is_cut_and_upstream_cancelled(fake):
+    fake.mode, fake.chunk_bytes = "endless", 16384
+    with serve_front(fake.base_url, fake.api_key, cfg(write_timeout_s=1.0)) as (srv, _):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        body = json.dumps({"stream": True, "messages": []}).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                  % (len(body), body))
+        try:
+            # never read: the front's buffer fills, its write times out, the child is let go
+            closed = fake.wait_closed(0, 15)
+            assert closed is not None
+            assert metric(srv.url, "mtpwrap_cancelled_total", reason="slow_reader") == 1
+        finally:
+            s.close()
+
+
+# --------------------------------------------------------------------------- 14 / 1: cuts
+
+
+@pytest.mark.parametrize("mode", ["truncate", "reset"])
+def test_cut_stream_ends_with_an_error_event_never_done(fake, mode):
+    fake.mode, fake.cut_after = mode, 3
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        r = post(srv.url, {"stream": True, "messages": []})
+        events = sse_events(r.content)
+        assert r.status_code == 200
+        assert "[DONE]" not in events
+        last = json.loads(events[-1])
+        assert last["error"]["code"] == 502
+        assert sum(1 for e in events if "tok" in e) == 3
+        assert r.content.endswith(b"\n\n")
+
+
+# --------------------------------------------------------------------------- 4: stalls
+
+
+def test_stall_after_first_token_ends_stream_and_is_reported(fake):
+    fake.mode, fake.cut_after = "stall_after", 2
+    with serve_front(fake.base_url, fake.api_key, cfg(stream_stall_s=1.0)) as (srv, sup):
+        t = time.monotonic()
+        r = post(srv.url, {"stream": True, "messages": []})
+        took = time.monotonic() - t
+        events = sse_events(r.content)
+        assert 0.9 < took < 3
+        assert json.loads(events[-1])["error"]["code"] == 504
+        assert b": keep-alive\n\n" in r.content
+        assert sup.stalls and sup.stalls[0][0] == 1
+        closed = fake.wait_closed(0, 2)
+        assert closed is not None
+
+
+def test_long_prefill_has_its_own_budget_and_keeps_the_client_alive(fake):
+    fake.mode = "stall_before_headers"
+    with serve_front(fake.base_url, fake.api_key,
+                     cfg(stream_stall_s=0.5, prefill_stall_s=2.5, keepalive_s=0.4)) as (srv, sup):
+        t = time.monotonic()
+        r = post(srv.url, {"stream": True, "messages": []})
+        took = time.monotonic() - t
+        assert took > 2.3, "the prefill was cut with the (shorter) stream budget"
+        assert r.headers["content-type"] == "text/event-stream"
+        assert r.content.count(b": keep-alive\n\n") >= 3
+        assert json.loads(sse_events(r.content)[-1])["error"]["code"] == 504
+        assert len(sup.stalls) == 1
+
+
+# --------------------------------------------------------------------------- 6: drain
+
+
+def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
+    fake.mode, fake.events, fake.interval = "sse", 20, 0.05
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        with cf.ThreadPoolExecutor(2) as pool:
+            inflight = pool.submit(post, srv.url, {"stream": True, "messages": []})
+            time.sleep(0.2)
+            drained = pool.submit(srv.call, lambda: srv.front.drain(10))
+            time.sleep(0.1)
+            r = post(srv.url, {"messages": []})
+            assert r.status_code == 503 and r.headers["retry-after"]
+            assert httpx.get(srv.url + "/readyz").status_code == 503
+            done = inflight.result()
+            drained.result()
+        assert sse_events(done.content)[-1] == "[DONE]"
+        assert srv.front.inflight == 0
+
+
+# --------------------------------------------------------------------------- GPU telemetry
+
+
+def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
+    """Recorded NVML answers of an H200 go through hardware.gpu_metrics into both pages."""
+    from mtpwrap import hardware
+    from tests.test_hardware import RecordedNvml, load
+
+    real = hardware.gpu_metrics
+    monkeypatch.setattr(hardware, "gpu_metrics", lambda: real(RecordedNvml(load("h200"))))
+    expected = real(RecordedNvml(load("h200")))[0]
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        assert metric(srv.url, "mtpwrap_gpu_memory_total_bytes", gpu="0") == \
+            expected["memory_total"]
+        assert metric(srv.url, "mtpwrap_gpu_temperature_celsius") == expected["temperature_c"]
+        util = metric(srv.url, "mtpwrap_gpu_utilization_ratio")
+        assert util == pytest.approx(expected["utilization_gpu"] / 100)
+        gpu = HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"][0]
+        assert gpu["memory_total_bytes"] == expected["memory_total"]
+        assert gpu["temperature_c"] == expected["temperature_c"]
+
+
+def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
+    from mtpwrap import hardware
+
+    def boom():
+        raise RuntimeError("NVML driver not loaded")
+
+    monkeypatch.setattr(hardware, "gpu_metrics", boom)
+    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+        text = HTTP.get(srv.url + "/metrics", headers=AUTH).text
+        assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_" not in text
+        assert HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"] == []

@@ -1,0 +1,97 @@
+"""The front's pure policy: settings validation, the path table, key parsing, host parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtpwrap.errors import ConfigError
+from mtpwrap.proxy_policy import (
+    ProxyConfig,
+    classify,
+    derive_allowed_hosts,
+    host_of,
+    key_matches,
+    presented_key,
+)
+
+
+def test_from_mapping_reads_every_kind_of_value():
+    cfg = ProxyConfig.from_mapping({
+        "api_keys": "key-aaaaaaaa, key-bbbbbbbb", "queue_size": 0, "stream_stall_s": 2,
+        "enable_paths": ["slots"], "metrics_public": True, "listen_host": "0.0.0.0",
+    }, "mtpwrap.yaml")
+    assert cfg.api_keys == ("key-aaaaaaaa", "key-bbbbbbbb")
+    assert cfg.queue_size == 0 and cfg.stream_stall_s == 2.0 and cfg.metrics_public is True
+    assert ProxyConfig.from_mapping({}, "x") == ProxyConfig()
+
+
+@pytest.mark.parametrize("data,needle", [
+    ({"queue_sise": 3}, "proxy.queue_sise: unknown key"),
+    ({"queue_size": "3"}, "proxy.queue_size: must be an integer"),
+    ({"queue_size": True}, "proxy.queue_size: must be an integer"),
+    ({"queue_size": -1}, "proxy.queue_size: must be 0 or more"),
+    ({"max_concurrency": 0}, "proxy.max_concurrency: must be greater than 0"),
+    ({"stream_stall_s": "fast"}, "proxy.stream_stall_s: must be a number"),
+    ({"metrics_public": "yes"}, "proxy.metrics_public: must be true or false"),
+    ({"enable_paths": ["slots", "shell"]}, "unknown feature 'shell'"),
+    ({"enable_paths": [1]}, "must be a list of strings"),
+    ({"api_keys": ["short"]}, "at least 8 characters"),
+    ({"cors_origins": ["*"]}, "'*' is not allowed"),
+    ({"listen_host": 5}, "must be a string"),
+])
+def test_from_mapping_names_the_file_and_key(data, needle):
+    with pytest.raises(ConfigError) as info:
+        ProxyConfig.from_mapping(data, "/etc/mtpwrap/mtpwrap.yaml")
+    msg = str(info.value)
+    assert msg.startswith("/etc/mtpwrap/mtpwrap.yaml: proxy.")
+    assert needle in msg
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="c.yaml: proxy: must be a mapping"):
+        ProxyConfig.from_mapping(["x"], "c.yaml")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("method,path,enabled,status,label,up", [
+    ("POST", "/v1/chat/completions", (), 0, "/v1/chat/completions", "/v1/chat/completions"),
+    ("GET", "/v1/models", (), 0, "/v1/models", "/v1/models"),
+    ("HEAD", "/health", (), 0, "/health", "/health"),
+    ("GET", "/v1/chat/completions", (), 405, "/v1/chat/completions", ""),
+    ("POST", "/slots/3", (), 403, "/slots/{id}", ""),
+    ("POST", "/slots/3", ("slot-actions",), 0, "/slots/{id}", "/slots/3"),
+    ("GET", "/backend/metrics", ("backend-metrics",), 0, "/backend/metrics", "/metrics"),
+    ("GET", "/cors-proxy", (), 404, "other", ""),
+    ("POST", "/tools", (), 404, "other", ""),
+    ("POST", "/models/load", (), 404, "other", ""),
+    ("GET", "/v1/../slots", ("slots",), 404, "other", ""),
+    ("GET", "/slots/", ("slots",), 404, "other", ""),
+])
+def test_classify(method, path, enabled, status, label, up):
+    r = classify(method, path.encode(), frozenset(enabled))
+    assert (r.status, r.label) == (status, label)
+    if status == 0:
+        assert r.upstream_path == up
+
+
+def test_presented_key():
+    assert presented_key({"authorization": "Bearer abc"}) == "abc"
+    assert presented_key({"authorization": "bearer   abc "}) == "abc"
+    assert presented_key({"x-api-key": "abc"}) == "abc"
+    assert presented_key({"authorization": "Basic abc", "x-api-key": "abc"}) is None
+    assert presented_key({"api-key": "abc"}) is None
+    assert not key_matches(None, (b"abc",))
+    assert key_matches("abc", (b"zzz", b"abc"))
+    assert not key_matches("ab", (b"abc",))
+
+
+def test_hosts():
+    assert host_of("LocalHost:8080") == "localhost"
+    assert host_of("[::1]:80") == "::1"
+    assert host_of("::1") == "::1"
+    loop = derive_allowed_hosts(ProxyConfig())
+    assert loop is not None and "localhost" in loop and "evil.example" not in loop
+    explicit = derive_allowed_hosts(ProxyConfig(allowed_hosts=("llm.corp",)))
+    assert explicit == frozenset({"llm.corp"})
+    assert derive_allowed_hosts(ProxyConfig(allowed_hosts=("*",))) is None
+    wide = derive_allowed_hosts(ProxyConfig(listen_host="0.0.0.0"))
+    assert wide is not None and "127.0.0.1" in wide and "evil.example" not in wide
