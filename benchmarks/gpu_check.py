@@ -70,13 +70,13 @@ def write_model(work: Path) -> tuple[Path | None, str]:
     return path, "ok"
 
 
-def planner(model: Path, contexts: tuple[int, ...]) -> list[dict]:
+def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[dict]:
     """`mtpwrap plan --json` for every cell and context: the prediction to set beside what
     CUDA allocated (the `allocations` of the same cell)."""
     out = []
     for cfg in configs():
         for ctx in contexts:
-            cmd = [sys.executable, "-m", "mtpwrap", "plan", "-m", str(model), "--gpu", "auto",
+            cmd = [sys.executable, "-m", "mtpwrap", "plan", "-m", str(model), "--gpu", gpu,
                    "-c", str(ctx), "--kv", cfg.kv, "--spec", cfg.spec, "--depth",
                    str(cfg.depth), "--json"]
             rec: dict = {"config": cfg.name, "context": ctx}
@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         "GPU_CHECK_WORK", "/tmp/mtpwrap-gpu-check")))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--plan-gpu", default=os.environ.get("GPU_CHECK_PLAN_GPU", "auto"),
+                    help="GPU the planner predicts for (default: the one present)")
     args = ap.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if model:
         result["commands"] = command_lines(args.server_bin, model, contexts)
         # The planner reads only the GGUF header: its prediction is made on any machine.
-        result["planner"] = planner(model, contexts)
+        result["planner"] = planner(model, contexts, args.plan_gpu)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     if args.dry_run or model is None:
         return 0 if model else 2

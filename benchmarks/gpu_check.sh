@@ -12,6 +12,7 @@
 #   MTPWRAP_LLAMA_SERVER a llama-server to use instead of building
 #   PYTHON               interpreter with mtpwrap's dependencies (default: python3)
 #   GPU_CHECK_CONTEXTS   comma-separated prompt lengths (default 1024,8192,32768)
+#   GPU_CHECK_PLAN_GPU   GPU the planner predicts for (default auto: the one present)
 set -euo pipefail
 
 dry_run=0

@@ -69,7 +69,8 @@ def test_allocation_lines_are_parsed() -> None:
 def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server")
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server", GPU_CHECK_CONTEXTS="32768",
+               GPU_CHECK_PLAN_GPU="rtx4090")
     env.pop("OUT", None)
     p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
                        env=env, timeout=300)
@@ -87,11 +88,17 @@ def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     st = model.stat()
     assert st.st_size > 10 * 2**30 and st.st_blocks * 512 < 64 * 2**20
     assert len(result["commands"]) == 5
+    # The planner's prediction for every cell, made from the header on this CPU machine.
+    plans = {p["config"]: p for p in result["planner"]}
+    assert set(plans) == {c["config"]["name"] for c in result["commands"]}
+    for name, rec in plans.items():
+        assert rec["rc"] == 0 and "plan" in rec, (name, rec.get("error"))
 
 
 def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server", OUT=str(tmp_path / "from-env"))
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server", OUT=str(tmp_path / "from-env"),
+               GPU_CHECK_CONTEXTS="1024", GPU_CHECK_PLAN_GPU="rtx4090")
     subprocess.run([str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
                    timeout=300)
     assert (tmp_path / "from-env" / "gpu_check.json").exists()

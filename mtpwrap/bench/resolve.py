@@ -9,22 +9,18 @@ from mtpwrap.errors import ConfigError, MissingToolError
 
 
 def server_binary(explicit: str | None) -> Path:
-    if explicit:
-        p = Path(explicit).expanduser()
-        if not p.is_file():
-            raise ConfigError(f"llama-server binary {p} does not exist; pass --server-bin PATH.")
-        return p
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    """--server-bin, `MTPWRAP_LLAMA_SERVER`, or the installed build's llama-server."""
+    if explicit and not Path(explicit).expanduser().is_file():
+        raise ConfigError(f"--server-bin {explicit}: no such file; pass a llama-server binary.")
+    try:
+        from mtpwrap import build
+    except ImportError:  # pragma: no cover - build is part of the package
+        build = None  # type: ignore[assignment]
+    if build is not None:
+        return Path(build.find_binary("llama-server", explicit))
+    env = explicit or os.environ.get("MTPWRAP_LLAMA_SERVER")
     if env and Path(env).is_file():
         return Path(env)
-    try:
-        from mtpwrap import build  # type: ignore[attr-defined]
-
-        manifest = build.load_manifest()
-        if manifest is not None:
-            return Path(manifest.binary("llama-server"))
-    except (ImportError, AttributeError):
-        pass
     raise MissingToolError(
         "No built llama-server found; run `mtpwrap build` or pass --server-bin PATH."
     )

@@ -93,6 +93,12 @@ def hardware_snapshot() -> dict:
         snap["memory_bytes"] = psutil.virtual_memory().total
     except Exception:  # psutil missing is not worth failing a benchmark over
         pass
+    try:
+        from mtpwrap import hardware
+
+        snap["nvml"] = hardware.snapshot().to_dict()
+    except Exception as exc:  # NVML missing or broken: the rest of the snapshot stands
+        snap["nvml_error"] = f"{type(exc).__name__}: {exc}"
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
@@ -113,8 +119,16 @@ def build_provenance(binary: Path | None) -> dict:
         from mtpwrap import build  # type: ignore[attr-defined]
 
         manifest = build.load_manifest()
-        if manifest is not None:
+        if manifest is not None and (binary is None
+                                     or Path(manifest.binary("llama-server")) == Path(binary)):
             prov["manifest"] = manifest.to_dict()
+        elif binary is not None:
+            # A build from the shared cache keeps its manifest beside bin/.
+            side = Path(binary).resolve().parent.parent / "manifest.json"
+            if side.is_file():
+                import json
+
+                prov["manifest"] = json.loads(side.read_text())
     except Exception as exc:  # no build module or no manifest: record why, keep going
         prov["manifest_error"] = f"{type(exc).__name__}: {exc}"
     if binary:
@@ -135,8 +149,7 @@ def profile_provenance(name: str | None) -> dict | None:
     try:
         from mtpwrap import profiles  # type: ignore[attr-defined]
 
-        prof = profiles.load_profile(name)
-        return prof if isinstance(prof, dict) else getattr(prof, "__dict__", {"name": name})
+        return dict(profiles.load_profile(name).to_dict())
     except Exception as exc:
         return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
 
