@@ -75,9 +75,10 @@ def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
     out = tmp_path / "tune"
     env = cli_env(MTPWRAP_LLAMA_SERVER=server, MTPWRAP_DEMO_MODEL=model,
                   XDG_CONFIG_HOME=str(tmp_path / "config"))
-    p = run_cli("tune", "--depths", "1,3", "--p-min", "0", "--context", "256", "--n-predict",
-                "48", "--write", "--profile", "cpu-demo", "--out", str(out), env=env,
-                timeout=600)
+    # One thread: the self-draft is then bit-exact (acceptance 1.0), see the bench tests.
+    p = run_cli("tune", "--depths", "1,3", "--p-min", "0", "--context", "128", "--n-predict",
+                "41", "--langs", "en", "--threads", "1", "--write", "--profile", "cpu-demo",
+                "--out", str(out), env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "tune.json").read_text())
     assert [r["name"] for r in res["rows"]] == ["baseline", "draft-k1-p0", "draft-k3-p0"]
@@ -93,6 +94,10 @@ def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
     assert data["spec"]["kind"] == best["kind"]
     if best["kind"] != "none":
         assert data["spec"]["depth"] == best["depth"]
+    # The override is a valid profile that `mtpwrap profiles` now finds under the same name.
+    shown = run_cli("profiles", "show", "cpu-demo", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert str(override) in shown.stdout or "Tuned by mtpwrap tune" in shown.stdout
 
 
 def test_tune_rejects_bad_depths(tmp_path: Path) -> None:

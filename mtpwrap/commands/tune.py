@@ -18,6 +18,8 @@ import click
               envvar="MTPWRAP_TUNE_CONTEXT", show_default=True)
 @click.option("--n-predict", type=click.IntRange(8, 4096), default=64,
               envvar="MTPWRAP_TUNE_N_PREDICT", show_default=True)
+@click.option("--langs", default="ko,en", envvar="MTPWRAP_TUNE_LANGS", show_default=True,
+              help="Corpora of the workload: ko and/or en.")
 @click.option("--kv", "kv_type", default="f16", envvar="MTPWRAP_TUNE_KV", show_default=True)
 @click.option("--model", envvar="MTPWRAP_BENCH_MODEL", default=None)
 @click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
@@ -31,18 +33,24 @@ import click
               help="Save the best setting as a user profile override.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_TUNE_OUT")
-def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, kv_type: str,
+def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, langs: str,
+            kv_type: str,
             model: str | None, draft_model: str | None, server_bin: str | None,
             threads: int | None, profile: str, write_: bool, out_dir: Path | None) -> None:
     """Sweep speculation settings on a short workload and recommend the fastest measured one."""
     from mtpwrap import console
     from mtpwrap.bench import resolve, tune
+    from mtpwrap.errors import ConfigError
+
+    lang_list = [g for g in langs.replace(" ", "").split(",") if g]
+    if not lang_list or any(g not in ("ko", "en") for g in lang_list):
+        raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
 
     plan = tune.TunePlan(binary=resolve.server_binary(server_bin),
                          model=resolve.model_path(model), kind=kind,
                          depths=resolve.int_list(depths, "--depths"),
                          p_mins=resolve.float_list(p_mins, "--p-min"), context=context,
-                         n_predict=n_predict, kv=kv_type,
+                         n_predict=n_predict, kv=kv_type, langs=lang_list,
                          draft_model=Path(draft_model) if draft_model else None,
                          threads=threads)
     configs = plan.configs()  # validates before anything starts
