@@ -43,7 +43,7 @@ def configs() -> list[BenchConfig]:
 def command_lines(server_bin: Path, model: Path, contexts: tuple[int, ...] = CONTEXTS,
                   n_predict: int = 64) -> list[dict]:
     """The llama-server command line of every cell (ports are chosen at launch)."""
-    ctx_size = (max(contexts) + n_predict + 64 + 255) // 256 * 256
+    ctx_size = launch_context(contexts, n_predict)
     return [{"config": c.to_dict(),
              "argv": server_argv(server_bin, model, c, host="127.0.0.1", port=0,
                                  ctx_size=ctx_size, extra=GPU_EXTRA)}
@@ -95,6 +95,32 @@ def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[d
     return out
 
 
+def launch_context(contexts: tuple[int, ...], n_predict: int = 64) -> int:
+    """The -c every cell is launched with (see `command_lines`)."""
+    return (max(contexts) + n_predict + 64 + 255) // 256 * 256
+
+
+def summary_markdown(result: dict) -> str:
+    """Predicted (planner) next to allocated (llama.cpp's log), per cell, in MiB."""
+    mib = 2**20
+    lines = ["# gpu_check", "", f"llama-server: `{result['server_bin']}`; model: "
+             f"`{(result.get('model') or {}).get('path')}`; launch context "
+             f"{result.get('launch_context')}.", ""]
+    if result.get("speed_error"):
+        lines += [f"Speed matrix failed: {result['speed_error']}", ""]
+    lines += ["## Planner vs CUDA allocations (MiB)", "",
+              "| config | planner rows (at the launch context) | allocated (device kind MiB) |",
+              "|---|---|---|"]
+    plans = {p["config"]: p for p in result.get("planner_launch", [])}
+    for name, allocs in (result.get("allocations") or {}).items():
+        rows = ((plans.get(name) or {}).get("plan") or {}).get("rows") or []
+        pred = "; ".join(f"{r['name']} {r['bytes'] / mib:.0f}" for r in rows)
+        got = "; ".join(f"{a['device']} {a['kind']} {a['mib']:.0f}" for a in allocs)
+        lines.append(f"| {name} | {pred or '–'} | {got or '–'} |")
+    lines += ["", "Speed, acceptance and the rest: speed_report.md and the PNG plots.", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
@@ -121,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         result["commands"] = command_lines(args.server_bin, model, contexts)
         # The planner reads only the GGUF header: its prediction is made on any machine.
         result["planner"] = planner(model, contexts, args.plan_gpu)
+        result["launch_context"] = launch_context(contexts)
+        result["planner_launch"] = planner(model, (launch_context(contexts),), args.plan_gpu)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     if args.dry_run or model is None:
         return 0 if model else 2
@@ -136,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # keep what was measured; the log says what broke
         result["speed_error"] = f"{type(exc).__name__}: {exc}"
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+        (out / "gpu_check.md").write_text(summary_markdown(result))
         raise
     files = report.write(res, speed_dir)
     for name, path in files.items():
@@ -147,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs() if (speed_dir / f"server-{c.name}.log").exists()}
     result["seconds"] = round(time.monotonic() - t0, 1)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "gpu_check.md").write_text(summary_markdown(result))
     return 0
 
 

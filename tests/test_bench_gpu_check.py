@@ -66,6 +66,16 @@ def test_allocation_lines_are_parsed() -> None:
         ("compute", "CUDA0", 515.0)]
 
 
+def test_summary_puts_prediction_beside_allocation() -> None:
+    gc = _load()
+    result = {"server_bin": "/b", "model": {"path": "/m"}, "launch_context": 1280,
+              "planner_launch": [{"config": "kv-q4_0", "plan": {"rows": [
+                  {"name": "main KV", "bytes": 576 * 2**20}]}}],
+              "allocations": {"kv-q4_0": [{"device": "CUDA0", "kind": "KV", "mib": 576.0}]}}
+    md = gc.summary_markdown(result)
+    assert "| kv-q4_0 | main KV 576 | CUDA0 KV 576 |" in md
+
+
 def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
