@@ -152,3 +152,19 @@ def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: 
     # Greedy speculation is lossless: the self-draft output equals the baseline's.
     q = {(r["config"], r["lang"]): r for r in s["quality"]}
     assert q[("draft", "en")]["agree_prefix"] == q[("draft", "en")]["compared"]
+
+
+def test_bench_against_a_running_server(server_bin: Path, model: Path, tmp_path: Path) -> None:
+    """`--url`: the bench is only a client; speculation is detected from the counters."""
+    out = tmp_path / "report"
+    for client in _serve(BenchConfig("draft", spec="draft", depth=2), server_bin, model,
+                         tmp_path):
+        p = run_cli("bench", "--url", client.base_url, "--contexts", "64", "--langs", "en",
+                    "--concurrency", "1", "--n-predict", "16", "--out", str(out),
+                    env=cli_env(), timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((out / "report.json").read_text())
+    spec = results["summary"]["speculation"]
+    assert [(r["config"], r["depth"], r["acceptance_rate"]) for r in spec] == [
+        ("running", 2, 1.0)]
+    assert results["summary"]["reconciled"] is True

@@ -101,6 +101,8 @@ def test_bursts_group_by_gap() -> None:
     assert bursts([], 0.001) == []
     # A held-back token arrives with the next step: the surplus over depth + 1 goes back.
     assert bursts([0.0, 0.0001, 0.010, 0.0101, 0.0102, 0.0103, 0.0104], 0.001, cap=4) == [3, 4]
+    # ... but never past the previous run's own room.
+    assert bursts([0.0, 0.010, 0.0101, 0.0102], 0.001, cap=1) == [1, 3]
 
 
 def test_rejection_points_by_class() -> None:

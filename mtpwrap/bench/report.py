@@ -241,7 +241,9 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
               "was rejected. A token whose text ends inside a multi-byte character (common in "
               "Korean with byte-level vocabularies) is held back by the server and sent with the "
               "next step, so a run longer than depth + 1 hands its surplus back to the run before "
-              "it. The request's last run is not counted (the token limit may have cut it). For "
+              "it as far as that run has room; a held-back token from a step that emitted nothing "
+              "else stays invisible, which is the main error for Korean text on byte-level "
+              "vocabularies (see the table). The request's last run is not counted (the token limit may have cut it). For "
               "drafters that sometimes propose nothing (ngram), a plain step also looks like a "
               "rejection, so their rates are upper bounds.", "",
               "Error, measured on this run against the server's counters (accepted drafts "

@@ -293,7 +293,9 @@ def bursts(arrivals: list[float], gap_s: float, cap: int | None = None) -> list[
     target's own token) back to back, while consecutive steps are a full forward pass apart.
     `cap` is the most tokens one step can emit (depth + 1). A token whose text ends inside a
     multi-byte character is held back and sent with the next step's first token, so a run
-    longer than `cap` hands its surplus back to the run before it.
+    longer than `cap` hands its surplus back to the run before it, as far as that one has room.
+    Held-back tokens from steps that emitted nothing else stay invisible: the report measures
+    that error against the server's counters.
     """
     if not arrivals:
         return []
@@ -304,10 +306,12 @@ def bursts(arrivals: list[float], gap_s: float, cap: int | None = None) -> list[
         else:
             sizes.append(1)
     if cap:
+        # Only the run just before can have held a token back, and only as far as it had room.
         for i in range(len(sizes) - 1, 0, -1):
-            if sizes[i] > cap:
-                sizes[i - 1] += sizes[i] - cap
-                sizes[i] = cap
+            move = min(sizes[i] - cap, cap - sizes[i - 1])
+            if move > 0:
+                sizes[i - 1] += move
+                sizes[i] -= move
     return sizes
 
 
