@@ -243,7 +243,8 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
               "next step, so a run longer than depth + 1 hands its surplus back to the run before "
               "it as far as that run has room; a held-back token from a step that emitted nothing "
               "else stays invisible, which is the main error for Korean text on byte-level "
-              "vocabularies (see the table). The request's last run is not counted (the token limit may have cut it). For "
+              "vocabularies (see the table). The request's last run is not counted (the token "
+              "limit may have cut it). For "
               "drafters that sometimes propose nothing (ngram), a plain step also looks like a "
               "rejection, so their rates are upper bounds.", "",
               "Error, measured on this run against the server's counters (accepted drafts "
