@@ -16,6 +16,7 @@ import click
 #: command name -> "module:attribute" of a click command, imported on first use.
 COMMANDS: dict[str, tuple[str, str]] = {
     "args": ("mtpwrap.commands.args", "Show the llama-server command line for a profile, and why."),
+    "bench": ("mtpwrap.commands.bench", "Benchmark speed, acceptance, KV; write a report."),
     "build": (
         "mtpwrap.commands.build",
         "Build llama-server from the pinned source for this machine.",
@@ -25,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
     "plan": ("mtpwrap.commands.plan", "Will a model fit a GPU at a context? Memory per buffer."),
     "profiles": ("mtpwrap.commands.profiles", "List and show profiles."),
+    "tune": ("mtpwrap.commands.tune", "Sweep speculation settings, pick the fastest."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
     "status": ("mtpwrap.commands.status", "Report on the running instance."),
     "down": ("mtpwrap.commands.down", "Stop the running instance cleanly."),

@@ -1,0 +1,184 @@
+"""What only a GPU can show, in one run: decode and prefill tokens/s vs context for a shape-real
+Qwen3.6-27B-class model with f16 / q8_0 / q4_0 KV and MTP on and off, the planner's prediction
+next to what CUDA allocated, and `mtpwrap bench --quick` on the demo model.
+
+Called by benchmarks/gpu_check.sh, which builds first. Everything lands flat in one folder:
+gpu_check.json (every figure), gpu_check.md, the PNG plots and logs. `--dry-run` does all the
+CPU-side work (folder, model file, the command lines) without starting a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from mtpwrap.bench.runner import BenchConfig, server_argv  # noqa: E402
+
+KV_TYPES = ("f16", "q8_0", "q4_0")
+CONTEXTS = (1024, 8192, 32768)
+MTP_DEPTH = 3
+#: GPU offload. The default micro-batch is kept: the recipe's `-ub 32` saves memory at 262K
+#: but makes prefill crawl, and this check measures prefill speed.
+GPU_EXTRA = ["-ngl", "99", "--no-repack"]
+
+
+def configs() -> list[BenchConfig]:
+    out = [BenchConfig(f"kv-{kv}", spec="none", kv=kv) for kv in KV_TYPES]
+    out += [BenchConfig(f"mtp-kv-{kv}", spec="mtp", depth=MTP_DEPTH, kv=kv)
+            for kv in ("f16", "q4_0")]
+    return out
+
+
+def command_lines(server_bin: Path, model: Path, contexts: tuple[int, ...] = CONTEXTS,
+                  n_predict: int = 64) -> list[dict]:
+    """The llama-server command line of every cell (ports are chosen at launch)."""
+    ctx_size = launch_context(contexts, n_predict)
+    return [{"config": c.to_dict(),
+             "argv": server_argv(server_bin, model, c, host="127.0.0.1", port=0,
+                                 ctx_size=ctx_size, extra=GPU_EXTRA)}
+            for c in configs()]
+
+
+_BUF = re.compile(r"(\w+)\s*:\s*(\S+) (model|KV|RS|compute) buffer size =\s*([\d.]+) MiB")
+
+
+def allocations(log_text: str) -> list[dict]:
+    """Buffer sizes llama.cpp logged at -lv 4 (`load_tensors: CUDA0 model buffer size = X MiB`)."""
+    return [{"where": m.group(1), "device": m.group(2), "kind": m.group(3),
+             "mib": float(m.group(4))} for m in _BUF.finditer(log_text)]
+
+
+def write_model(work: Path) -> tuple[Path | None, str]:
+    try:
+        from mtpwrap import gguf_writer  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"model writer unavailable: {exc}"
+    path = work / "qwen3.6-27b-shape-q4_k_m.gguf"
+    if not path.exists():
+        gguf_writer.write_shape_only(path, model="qwen3.6-27b", ftype="q4_k_m")
+    return path, "ok"
+
+
+def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[dict]:
+    """`mtpwrap plan --json` for every cell and context: the prediction to set beside what
+    CUDA allocated (the `allocations` of the same cell)."""
+    out = []
+    for cfg in configs():
+        for ctx in contexts:
+            cmd = [sys.executable, "-m", "mtpwrap", "plan", "-m", str(model), "--gpu", gpu,
+                   "-c", str(ctx), "--kv", cfg.kv, "--spec", cfg.spec, "--depth",
+                   str(cfg.depth), "--json"]
+            rec: dict = {"config": cfg.name, "context": ctx}
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+            except subprocess.TimeoutExpired:
+                rec["error"] = "timed out"
+                out.append(rec)
+                continue
+            rec["rc"] = p.returncode
+            try:
+                rec["plan"] = json.loads(p.stdout)
+            except json.JSONDecodeError:
+                rec["error"] = (p.stderr or p.stdout).strip()[-400:]
+            out.append(rec)
+    return out
+
+
+def launch_context(contexts: tuple[int, ...], n_predict: int = 64) -> int:
+    """The -c every cell is launched with (see `command_lines`)."""
+    return (max(contexts) + n_predict + 64 + 255) // 256 * 256
+
+
+def summary_markdown(result: dict) -> str:
+    """Predicted (planner) next to allocated (llama.cpp's log), per cell, in MiB."""
+    mib = 2**20
+    lines = ["# gpu_check", "", f"llama-server: `{result['server_bin']}`; model: "
+             f"`{(result.get('model') or {}).get('path')}`; launch context "
+             f"{result.get('launch_context')}.", ""]
+    if result.get("speed_error"):
+        lines += [f"Speed matrix failed: {result['speed_error']}", ""]
+    lines += ["## Planner vs CUDA allocations (MiB)", "",
+              "| config | planner rows (at the launch context) | allocated (device kind MiB) |",
+              "|---|---|---|"]
+    plans = {p["config"]: p for p in result.get("planner_launch", [])}
+    for name, allocs in (result.get("allocations") or {}).items():
+        rows = ((plans.get(name) or {}).get("plan") or {}).get("rows") or []
+        pred = "; ".join(f"{r['name']} {r['bytes'] / mib:.0f}" for r in rows)
+        got = "; ".join(f"{a['device']} {a['kind']} {a['mib']:.0f}" for a in allocs)
+        lines.append(f"| {name} | {pred or '–'} | {got or '–'} |")
+    lines += ["", "Speed, acceptance and the rest: speed_report.md and the PNG plots.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--server-bin", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get(
+        "GPU_CHECK_WORK", "/tmp/mtpwrap-gpu-check")))
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--plan-gpu", default=os.environ.get("GPU_CHECK_PLAN_GPU", "auto"),
+                    help="GPU the planner predicts for (default: the one present)")
+    args = ap.parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    contexts = tuple(int(c) for c in args.contexts.split(","))
+    t0 = time.monotonic()
+    result: dict = {"dry_run": args.dry_run, "contexts": list(contexts),
+                    "server_bin": str(args.server_bin)}
+    model, why = write_model(args.work)
+    result["model"] = {"path": str(model) if model else None, "status": why,
+                       "bytes": model.stat().st_size if model else None,
+                       "seconds_to_write": round(time.monotonic() - t0, 2)}
+    if model:
+        result["commands"] = command_lines(args.server_bin, model, contexts)
+        # The planner reads only the GGUF header: its prediction is made on any machine.
+        result["planner"] = planner(model, contexts, args.plan_gpu)
+        result["launch_context"] = launch_context(contexts)
+        result["planner_launch"] = planner(model, (launch_context(contexts),), args.plan_gpu)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+    if args.dry_run or model is None:
+        return 0 if model else 2
+
+    from mtpwrap.bench import report, suite
+
+    plan = suite.Plan(configs=configs(), contexts=list(contexts), langs=["en"], n_predict=64,
+                      concurrency=[1], quality_tokens=16, binary=args.server_bin, model=model,
+                      server_extra=GPU_EXTRA, launch_timeout=600.0)
+    speed_dir = args.work / "speed"
+    try:
+        res = suite.run(plan, speed_dir)
+    except Exception as exc:  # keep what was measured; the log says what broke
+        result["speed_error"] = f"{type(exc).__name__}: {exc}"
+        (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
+        (out / "gpu_check.md").write_text(summary_markdown(result))
+        raise
+    files = report.write(res, speed_dir)
+    for name, path in files.items():
+        if name.startswith("png_") or name == "md":
+            shutil.copy(path, out / (("speed_" + path.name) if name == "md" else path.name))
+    result["speed"] = res["summary"]
+    result["allocations"] = {
+        c.name: allocations((speed_dir / f"server-{c.name}.log").read_text(errors="replace"))
+        for c in configs() if (speed_dir / f"server-{c.name}.log").exists()}
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "gpu_check.md").write_text(summary_markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# What only a GPU can show, in at most 10 minutes on one NVIDIA GPU, without network:
+#   1. build llama-server for the present GPU (`mtpwrap build`; a no-op when cached),
+#   2. write a shape-real Qwen3.6-27B-class model (sparse file of zeros: weight values do not
+#      change speed) and measure decode/prefill tokens/s vs context with f16/q8_0/q4_0 KV and
+#      MTP on/off through llama-server, with the planner's prediction next to CUDA's allocations,
+#   3. `mtpwrap bench --quick` on the demo model.
+# Everything goes into one folder: the first argument, else $OUT, else ./gpu-check-TIMESTAMP.
+#
+# usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
+#   --dry-run            CPU-side parts only: folder, model file, command lines; no build, no GPU
+#   MTPWRAP_LLAMA_SERVER a llama-server to use instead of building
+#   PYTHON               interpreter with mtpwrap's dependencies (default: python3)
+#   GPU_CHECK_CONTEXTS   comma-separated prompt lengths (default 1024,8192,32768)
+#   GPU_CHECK_PLAN_GPU   GPU the planner predicts for (default auto: the one present)
+set -euo pipefail
+
+dry_run=0
+if [[ "${1:-}" == "--dry-run" ]]; then dry_run=1; shift; fi
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+out="${1:-${OUT:-$PWD/gpu-check-$(date +%Y%m%d-%H%M%S)}}"
+py="${PYTHON:-python3}"
+contexts="${GPU_CHECK_CONTEXTS:-1024,8192,32768}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+log="$out/gpu_check.log"
+: >"$log"
+say() { echo "[gpu_check $(date +%H:%M:%S)] $*" | tee -a "$log"; }
+cd "$repo"
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+start=$(date +%s)
+
+say "results: $out"
+if (( ! dry_run )); then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv \
+        >>"$log" 2>&1 || { say "no NVIDIA GPU visible (nvidia-smi failed)"; exit 69; }
+fi
+
+server="${MTPWRAP_LLAMA_SERVER:-}"
+if [[ -z "$server" ]]; then
+    if (( dry_run )); then
+        server="$repo/build/cuda/bin/llama-server"
+        say "dry run: no build; assuming $server"
+    else
+        say "building llama-server for this GPU (mtpwrap build)"
+        timeout 480 "$py" -m mtpwrap build 2>&1 | tail -n 20 >>"$log"
+        server="$("$py" -c 'from mtpwrap import build; print(build.load_manifest().binary("llama-server"))')"
+    fi
+fi
+say "llama-server: $server"
+
+args=("$out" --server-bin "$server" --contexts "$contexts")
+(( dry_run )) && args+=(--dry-run)
+say "shape-real model, speed matrix, planner vs allocations"
+rc=0
+timeout 420 "$py" "$here/gpu_check.py" "${args[@]}" >>"$log" 2>&1 || rc=$?
+say "speed matrix finished with exit code $rc"
+
+if (( ! dry_run )); then
+    left=$(( 600 - ($(date +%s) - start) ))
+    if (( left > 60 )); then
+        say "mtpwrap bench --quick on the demo model (${left}s left)"
+        timeout "$((left - 10))" "$py" -m mtpwrap bench --quick --server-bin "$server" \
+            --out "$out/bench-quick" >>"$log" 2>&1 || say "bench --quick failed or timed out"
+    else
+        say "no time left for bench --quick"
+    fi
+fi
+say "done in $(( $(date +%s) - start ))s"
+exit "$rc"

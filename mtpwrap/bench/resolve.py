@@ -1,0 +1,83 @@
+"""Find the llama-server binary and the model a benchmark runs, and parse list options."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mtpwrap.errors import ConfigError, MissingToolError
+
+
+def server_binary(explicit: str | None) -> Path:
+    """--server-bin, `MTPWRAP_LLAMA_SERVER`, or the installed build's llama-server."""
+    if explicit and not Path(explicit).expanduser().is_file():
+        raise ConfigError(f"--server-bin {explicit}: no such file; pass a llama-server binary.")
+    try:
+        from mtpwrap import build
+    except ImportError:  # pragma: no cover - build is part of the package
+        build = None  # type: ignore[assignment]
+    if build is not None:
+        return Path(build.find_binary("llama-server", explicit))
+    env = explicit or os.environ.get("MTPWRAP_LLAMA_SERVER")
+    if env and Path(env).is_file():
+        return Path(env)
+    raise MissingToolError(
+        "No built llama-server found; run `mtpwrap build` or pass --server-bin PATH."
+    )
+
+
+def model_path(explicit: str | None) -> Path:
+    if explicit:
+        p = Path(explicit).expanduser()
+        if p.is_file():
+            return p
+        try:
+            from mtpwrap import models  # type: ignore[attr-defined]
+
+            return Path(models.resolve_model(explicit))
+        except (ImportError, AttributeError):
+            raise ConfigError(f"Model {explicit} does not exist; pass --model PATH.") from None
+    env = os.environ.get("MTPWRAP_DEMO_MODEL")
+    if env and Path(env).is_file():
+        return Path(env)
+    try:
+        from mtpwrap import models  # type: ignore[attr-defined]
+
+        return Path(models.ensure_demo_model())
+    except (ImportError, AttributeError):
+        raise ConfigError(
+            "No model given and the demo model is not available; pass --model PATH."
+        ) from None
+
+
+def int_list(value: str, what: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated integers, got {value!r}.") from None
+    if not out or any(v < 1 for v in out):
+        raise ConfigError(f"{what} must list positive integers, got {value!r}.")
+    return out
+
+
+def float_list(value: str, what: str) -> list[float]:
+    try:
+        out = [float(v) for v in value.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise ConfigError(f"{what} must be comma-separated numbers, got {value!r}.") from None
+    if not out or any(not 0.0 <= v <= 1.0 for v in out):
+        raise ConfigError(f"{what} must list numbers between 0 and 1, got {value!r}.")
+    return out
+
+
+def model_context(model: Path) -> int | None:
+    """The training context from the GGUF metadata (contexts above it are clipped)."""
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(model)).fields
+        arch = fields["general.architecture"].contents()
+        f = fields.get(f"{arch}.context_length")
+        return int(f.contents()) if f is not None else None
+    except Exception:
+        return None

@@ -1,0 +1,415 @@
+"""Drive llama-server over HTTP for the benchmark, or launch one configuration of it.
+
+The bench is a client: every figure comes from a real server's HTTP API (`/completion` streamed
+for timing, `/tokenize`, `/metrics`, `/props`). `launch_config` is the one place that starts a
+server; it builds the argv itself so the same binary runs every cell of the matrix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from mtpwrap.bench import stats, tokenclass
+from mtpwrap.errors import ConfigError, RuntimeFailure
+
+#: profile spec kind -> llama-server --spec-type (upstream names, FACTS.md §2).
+SPEC_TYPES = {"none": None, "draft": "draft-simple", "ngram": "ngram-simple", "mtp": "draft-mtp"}
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+@dataclass
+class BenchConfig:
+    """One cell of the matrix: a separate launch of the same binary."""
+
+    name: str
+    spec: str = "none"  # none | draft | ngram | mtp
+    depth: int = 3  # draft tokens per step (ngram: the m-gram length)
+    p_min: float | None = None  # minimum draft probability (draft/mtp kinds)
+    kv: str = "f16"  # -ctk/-ctv
+    draft_model: str | None = None  # draft kind: the drafter GGUF (default: the model itself)
+
+    def __post_init__(self) -> None:
+        if self.spec not in SPEC_TYPES:
+            raise ConfigError(
+                f"Unknown speculation kind {self.spec!r} in configuration {self.name!r};"
+                f" expected one of {', '.join(SPEC_TYPES)}."
+            )
+        if self.kv not in KV_TYPES:
+            raise ConfigError(
+                f"Unknown KV cache type {self.kv!r} in configuration {self.name!r};"
+                f" expected one of {', '.join(KV_TYPES)}."
+            )
+        if self.spec != "none" and self.depth < 1:
+            raise ConfigError(f"Draft depth must be >= 1 in configuration {self.name!r}.")
+
+    @property
+    def speculative(self) -> bool:
+        return self.spec != "none"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def server_argv(binary: Path, model: Path, cfg: BenchConfig, *, host: str, port: int,
+                ctx_size: int, parallel: int = 1, threads: int | None = None,
+                extra: list[str] | None = None) -> list[str]:
+    """The llama-server command line for one configuration. Never emits removed flags
+    (`--draft*`), which make current llama-server abort."""
+    argv = [str(binary), "-m", str(model), "--host", host, "--port", str(port),
+            "-c", str(ctx_size), "-np", str(parallel), "--metrics", "--no-warmup",
+            # Verbosity 4 is where llama.cpp logs its buffer sizes (the KV actually allocated).
+            "-lv", "4",
+            "-ctk", cfg.kv, "-ctv", cfg.kv]
+    # A quantized V cache needs flash attention; keep it on for every cell so cells compare.
+    argv += ["-fa", "on"]
+    if threads:
+        argv += ["-t", str(threads)]
+    spec_type = SPEC_TYPES[cfg.spec]
+    if spec_type:
+        argv += ["--spec-type", spec_type]
+        if cfg.spec == "ngram":
+            argv += ["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m",
+                     str(cfg.depth)]
+        else:
+            argv += ["--spec-draft-n-max", str(cfg.depth)]
+            if cfg.p_min is not None:
+                argv += ["--spec-draft-p-min", f"{cfg.p_min:g}"]
+        if cfg.spec == "draft":
+            argv += ["-md", str(cfg.draft_model or model)]
+    argv += list(extra or [])
+    return argv
+
+
+def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int,
+                  parallel: int = 1, log_path: Path | None = None, host: str = "127.0.0.1",
+                  port: int | None = None, threads: int | None = None,
+                  extra: list[str] | None = None, timeout: float = 300.0,
+                  ) -> tuple[str, Callable[[], int | None]]:
+    """Start llama-server for `cfg`, wait until /health says ok, return (base_url, stop).
+
+    `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
+    that exits or does not become healthy is stopped and reported with its log's last line.
+    """
+    port = port or _free_port(host)
+    argv = server_argv(binary, model, cfg, host=host, port=port, ctx_size=ctx_size,
+                       parallel=parallel, threads=threads, extra=extra)
+    log_fh = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    env = dict(os.environ)
+    # The build ships its shared libraries next to the binary.
+    env["LD_LIBRARY_PATH"] = f"{Path(binary).parent}:{env.get('LD_LIBRARY_PATH', '')}"
+    proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    stopped = False
+
+    def stop() -> int | None:
+        nonlocal stopped
+        if stopped:
+            return proc.returncode
+        stopped = True
+        if proc.poll() is None:
+            # One SIGTERM is a graceful stop; a second would exit at once with code 1.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=15)
+        if log_path and hasattr(log_fh, "close"):
+            log_fh.close()
+        return proc.returncode
+
+    base_url = f"http://{host}:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        with httpx.Client(timeout=5.0) as c:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeFailure(
+                        f"llama-server for configuration {cfg.name!r} exited with code"
+                        f" {proc.returncode} during start ({_last_line(log_path)});"
+                        f" command: {' '.join(argv)}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if c.get(base_url + "/health").status_code == 200:
+                        return base_url, stop
+                if time.monotonic() > deadline:
+                    raise RuntimeFailure(
+                        f"llama-server for configuration {cfg.name!r} was not healthy after"
+                        f" {timeout:.0f} s ({_last_line(log_path)})."
+                    )
+                time.sleep(0.2)
+    except BaseException:
+        stop()
+        raise
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _last_line(log_path: Path | None) -> str:
+    if not log_path or not Path(log_path).exists():
+        return "no log"
+    lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
+    return f"log {log_path}: {lines[-1].strip()}" if lines else f"log {log_path} is empty"
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP client
+
+
+@dataclass
+class StreamResult:
+    pieces: list[str]  # text of each streamed chunk, one per generated token
+    token_ids: list[int]
+    arrivals: list[float]  # seconds since the request was sent, per chunk
+    ttft: float | None
+    total_s: float
+    timings: dict
+    probs: list[float | None] = field(default_factory=list)  # log-probability per token
+    held: list[bool] = field(default_factory=list)  # True: text held back, sent with the next
+
+    @property
+    def n(self) -> int:
+        return len(self.pieces)
+
+
+class Client:
+    """A running llama-server or mtpwrap front end."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        # No keep-alive: llama-server's HTTP library closes a connection after a few requests,
+        # and a pooled connection closed under us reads as "server disconnected".
+        self.http = httpx.Client(base_url=self.base_url, headers=headers,
+                                 timeout=httpx.Timeout(timeout, connect=10.0),
+                                 limits=httpx.Limits(max_keepalive_connections=0))
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _check(self, r: httpx.Response, what: str) -> httpx.Response:
+        if r.status_code == 401:
+            raise ConfigError(f"{self.base_url} refused {what} (401); pass the right --api-key.")
+        if r.status_code == 501 and what == "/metrics":
+            raise ConfigError(
+                f"{self.base_url} serves no /metrics; start llama-server with --metrics."
+            )
+        if r.status_code >= 400:
+            raise RuntimeFailure(f"{self.base_url}{what} answered {r.status_code}: {r.text[:200]}")
+        return r
+
+    def props(self) -> dict:
+        try:
+            r = self.http.get("/props")
+        except httpx.HTTPError as exc:
+            raise RuntimeFailure(f"Cannot reach {self.base_url}: {exc}.") from exc
+        return dict(self._check(r, "/props").json())
+
+    def tokenize(self, text: str) -> list[int]:
+        r = self._check(self.http.post("/tokenize", json={"content": text}), "/tokenize")
+        return [int(t) for t in r.json()["tokens"]]
+
+    def metrics(self) -> stats.Counters:
+        r = self._check(self.http.get("/metrics"), "/metrics")
+        return stats.Counters.from_metrics(stats.parse_metrics(r.text))
+
+    def complete(self, prompt: list[int], n_predict: int, *, n_probs: int = 0) -> StreamResult:
+        """One greedy streamed completion; timing is taken per chunk as it arrives."""
+        body = {"prompt": prompt, "n_predict": n_predict, "stream": True, "temperature": 0.0,
+                "top_k": 1, "ignore_eos": True, "cache_prompt": False, "return_tokens": True,
+                "n_probs": n_probs}
+        pieces: list[str] = []
+        ids: list[int] = []
+        arrivals: list[float] = []
+        probs: list[float | None] = []
+        held: list[bool] = []
+        timings: dict = {}
+        t0 = time.perf_counter()
+        with self.http.stream("POST", "/completion", json=body) as r:
+            if r.status_code >= 400:
+                r.read()
+                self._check(r, "/completion")
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload.strip() == "[DONE]":
+                    break
+                chunk = json.loads(payload)
+                now = time.perf_counter() - t0
+                content = chunk.get("content", "") or ""
+                toks = chunk.get("tokens") or []
+                done = chunk.get("tokens_predicted")
+                # llama-server holds back a token that ends inside a multi-byte character and
+                # sends it with the next one; `tokens_predicted` counts them all. Held-back
+                # tokens get an empty piece and id -1 (their ids are not sent).
+                m = int(done) - len(pieces) if done is not None else max(len(toks),
+                                                                         1 if content else 0)
+                for j in range(m):
+                    last = j == m - 1
+                    pieces.append(content if last else "")
+                    ids.append(int(toks[-1]) if last and toks else -1)
+                    arrivals.append(now)
+                    held.append(not last)
+                cps = chunk.get("completion_probabilities") or []
+                for j in range(m):
+                    last = j == m - 1
+                    probs.append(cps[-1].get("logprob") if last and cps else None)
+                if chunk.get("stop"):
+                    timings = chunk.get("timings", {}) or {}
+        total = time.perf_counter() - t0
+        return StreamResult(pieces, ids, arrivals, arrivals[0] if arrivals else None, total,
+                            timings, probs, held)
+
+
+# --------------------------------------------------------------------------------------------
+# Stream timing: which tokens came out of one verification step
+
+
+def bursts(arrivals: list[float], gap_s: float, cap: int | None = None) -> list[int]:
+    """Sizes of runs of tokens whose arrivals are within `gap_s` of the previous token.
+
+    llama-server emits all tokens of one verification step (the accepted drafts plus the
+    target's own token) back to back, while consecutive steps are a full forward pass apart.
+    `cap` is the most tokens one step can emit (depth + 1). A token whose text ends inside a
+    multi-byte character is held back and sent with the next step's first token, so a run
+    longer than `cap` hands its surplus back to the run before it, as far as that one has room.
+    Held-back tokens from steps that emitted nothing else stay invisible: the report measures
+    that error against the server's counters.
+    """
+    if not arrivals:
+        return []
+    sizes = [1]
+    for prev, cur in zip(arrivals, arrivals[1:], strict=False):
+        if cur - prev <= gap_s:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    if cap:
+        # Only the run just before can have held a token back, and only as far as it had room.
+        for i in range(len(sizes) - 1, 0, -1):
+            move = min(sizes[i] - cap, cap - sizes[i - 1])
+            if move > 0:
+                sizes[i - 1] += move
+                sizes[i] -= move
+    return sizes
+
+
+def rejection_points(result: StreamResult, depth: int, gap_s: float) -> dict[str, dict]:
+    """Per token class: tokens at drafted positions and rejections, inferred from bursts.
+
+    The first token (from prefill) is skipped. In a burst of g tokens, the first g-1 were
+    accepted drafts; if g-1 < depth the last one is the target's correction of a rejected draft
+    (a rejection at that token's class); if g-1 == depth it is the bonus token and not counted.
+    The request's last burst is skipped: the token limit, not a rejection, may have cut it.
+    """
+    classes = tokenclass.classify_pieces(result.pieces)
+    per: dict[str, dict] = {c: {"drafted_positions": 0, "rejections": 0}
+                            for c in tokenclass.CLASSES}
+    sizes = bursts(result.arrivals[1:], gap_s, cap=depth + 1)
+    i = 1
+    for n, g in enumerate(sizes):
+        if n == len(sizes) - 1:
+            break
+        for j in range(g - 1):
+            per[classes[i + j]]["drafted_positions"] += 1
+        last = classes[i + g - 1]
+        if g - 1 < depth:
+            per[last]["drafted_positions"] += 1
+            per[last]["rejections"] += 1
+        i += g
+    return per
+
+
+# --------------------------------------------------------------------------------------------
+# Load
+
+
+def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
+              n_predict: int) -> dict:
+    """`concurrency` simultaneous streams; time to first token and inter-token gaps."""
+    results: list[StreamResult | Exception] = []
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        c = Client(base_url, api_key)
+        try:
+            res: StreamResult | Exception = c.complete(prompts[i % len(prompts)], n_predict)
+        except Exception as exc:  # reported, never swallowed
+            res = exc
+        finally:
+            c.close()
+        with lock:
+            results.append(res)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errors = [str(r) for r in results if isinstance(r, Exception)]
+    ok = [r for r in results if isinstance(r, StreamResult)]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [b - a for r in ok for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
+    n_tok = sum(r.n for r in ok)
+    return {
+        "concurrency": concurrency,
+        "requests": len(ok),
+        "errors": errors,
+        "ttft_p50_s": stats.percentile(ttfts, 0.5),
+        "ttft_p99_s": stats.percentile(ttfts, 0.99),
+        "itl_p50_s": stats.percentile(gaps, 0.5),
+        "itl_p99_s": stats.percentile(gaps, 0.99),
+        "itl_max_s": max(gaps) if gaps else None,
+        "aggregate_tokens_per_s": n_tok / wall if wall > 0 else None,
+    }
+
+
+def iter_cells(configs: list[BenchConfig], langs: list[str],
+               contexts: list[int]) -> Iterator[tuple[BenchConfig, str, int]]:
+    for cfg in configs:
+        for ctx in contexts:
+            for lang in langs:
+                yield cfg, lang, ctx
+
+
+_KV_LINE = re.compile(
+    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs"
+    r"\), K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
+)
+
+
+def parse_kv_log(text: str) -> dict | None:
+    """The KV allocation llama.cpp logged: `llama_kv_cache: size = … (N cells, L layers …)`."""
+    found = list(_KV_LINE.finditer(text))
+    if not found:
+        return None
+    # The target model's cache is logged first; a draft model's (or MTP context's) follows.
+    m = found[0]
+    # "(cells, layers, n_seq_max/n_stream seqs)": cells are per stream.
+    return {"contexts_logged": len(found), "total_mib": float(m.group(1)),
+            "cells": int(m.group(2)), "layers": int(m.group(3)), "streams": int(m.group(5)),
+            "k_type": m.group(6), "k_mib": float(m.group(7)), "v_type": m.group(8),
+            "v_mib": float(m.group(9))}

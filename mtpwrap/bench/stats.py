@@ -1,0 +1,186 @@
+"""Speculation statistics, defined once.
+
+Two different numbers are both called "acceptance" (FACTS.md §4):
+- llama.cpp's acceptance rate = accepted draft tokens ÷ drafted tokens;
+- the recipe's α = the per-position acceptance that, with independent positions and stopping at
+  the first miss, explains the observed tokens per verification step: 1 + α + α² + … + α^k.
+With k = 3 and α = 0.73 the first is 0.55 and the tokens per step 2.65. Report both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+#: Counter names as llama-server prints them on /metrics (with `--metrics`).
+M_PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
+M_PREDICTED = "llamacpp:tokens_predicted_total"
+M_PREDICTED_S = "llamacpp:tokens_predicted_seconds_total"
+M_DECODE = "llamacpp:n_decode_total"
+M_DRAFTED = "llamacpp:spec_decode_num_draft_tokens_total"
+M_ACCEPTED = "llamacpp:spec_decode_num_accepted_tokens_total"
+M_STEPS = "llamacpp:spec_decode_num_drafts_total"
+M_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def parse_metrics(text: str) -> dict[str, object]:
+    """Prometheus text → {sample name: value}, per-position counter → {name: {pos: value}}.
+
+    Parsed with prometheus_client's own parser rather than by hand.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, object] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if "position" in s.labels:
+                per = out.setdefault(s.name, {})
+                assert isinstance(per, dict)
+                per[int(s.labels["position"])] = s.value
+            elif not s.labels:
+                out[s.name] = s.value
+    return out
+
+
+@dataclass
+class Counters:
+    """llama-server's own counters (a difference of two /metrics scrapes)."""
+
+    prompt_tokens: float = 0.0
+    predicted_tokens: float = 0.0
+    predicted_seconds: float = 0.0
+    n_decode: float = 0.0
+    drafted: float = 0.0
+    accepted: float = 0.0
+    steps: float = 0.0
+    per_pos: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_metrics(cls, m: dict[str, object]) -> Counters:
+        def f(name: str) -> float:
+            v = m.get(name, 0.0)
+            return float(v) if isinstance(v, (int, float)) else 0.0
+
+        pp = m.get(M_PER_POS, {})
+        per = [float(pp[i]) for i in sorted(pp)] if isinstance(pp, dict) else []
+        return cls(f(M_PROMPT_TOKENS), f(M_PREDICTED), f(M_PREDICTED_S), f(M_DECODE),
+                   f(M_DRAFTED), f(M_ACCEPTED), f(M_STEPS), per)
+
+    def __sub__(self, before: Counters) -> Counters:
+        n = max(len(self.per_pos), len(before.per_pos))
+        a = self.per_pos + [0.0] * (n - len(self.per_pos))
+        b = before.per_pos + [0.0] * (n - len(before.per_pos))
+        return Counters(
+            self.prompt_tokens - before.prompt_tokens,
+            self.predicted_tokens - before.predicted_tokens,
+            self.predicted_seconds - before.predicted_seconds,
+            self.n_decode - before.n_decode,
+            self.drafted - before.drafted,
+            self.accepted - before.accepted,
+            self.steps - before.steps,
+            [x - y for x, y in zip(a, b, strict=False)],
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """1 + α + α² + … + α^k."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+def alpha_for_tokens_per_step(tokens_per_step: float, k: int, tol: float = 1e-12) -> float:
+    """The α in [0, 1] with 1 + α + … + α^k = tokens_per_step (bisection; the sum is monotone).
+
+    Clipped: ≤ 1 token per step gives 0, ≥ k + 1 gives 1.
+    """
+    if k < 1:
+        raise ValueError("draft depth k must be >= 1")
+    if tokens_per_step <= 1.0:
+        return 0.0
+    if tokens_per_step >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if expected_tokens_per_step(mid, k) < tokens_per_step:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass
+class SpecStats:
+    depth: int
+    drafted: int
+    accepted: int
+    steps: int
+    acceptance_rate: float | None  # accepted ÷ drafted (llama.cpp's number)
+    per_position: list[float]  # P(position i accepted) = per_pos[i] ÷ steps
+    per_position_conditional: list[float]  # P(i accepted | i-1 accepted)
+    mean_accepted_length: float | None  # tokens per verification step = 1 + accepted ÷ steps
+    mean_draft_length: float | None  # drafted ÷ steps
+    alpha: float | None  # solves 1 + α + … + α^k = mean_accepted_length
+    predicted_speedup: float | None  # the formula's: 1 + α + … + α^k with that α, i.e. no cost
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def spec_stats(c: Counters, depth: int) -> SpecStats:
+    steps = int(round(c.steps))
+    drafted = int(round(c.drafted))
+    accepted = int(round(c.accepted))
+    per = [p / steps for p in c.per_pos[:depth]] if steps else []
+    cond: list[float] = []
+    prev = float(steps)
+    for p in c.per_pos[:depth]:
+        cond.append(p / prev if prev else 0.0)
+        prev = p
+    mal = 1.0 + accepted / steps if steps else None
+    alpha = alpha_for_tokens_per_step(mal, depth) if mal is not None and depth >= 1 else None
+    return SpecStats(
+        depth=depth, drafted=drafted, accepted=accepted, steps=steps,
+        acceptance_rate=accepted / drafted if drafted else None,
+        per_position=per, per_position_conditional=cond,
+        mean_accepted_length=mal,
+        mean_draft_length=drafted / steps if steps else None,
+        alpha=alpha,
+        predicted_speedup=expected_tokens_per_step(alpha, depth) if alpha is not None else None,
+    )
+
+
+def fit_step_cost(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares fit of r = a + c·k, where r is (time per verification step) ÷ (time per
+    baseline decode token) at draft depth k. Returns (a, c): a = verification overhead of a step,
+    c = cost of drafting one token, both in baseline decode steps."""
+    if not points:
+        return 1.0, 0.0
+    if len({k for k, _ in points}) == 1:
+        k, _ = points[0]
+        r = sum(r for _, r in points) / len(points)
+        return 1.0, max(0.0, (r - 1.0) / k) if k else 0.0
+    n = len(points)
+    mk = sum(k for k, _ in points) / n
+    mr = sum(r for _, r in points) / n
+    sxx = sum((k - mk) ** 2 for k, _ in points)
+    sxy = sum((k - mk) * (r - mr) for k, r in points)
+    c = sxy / sxx
+    return mr - c * mk, c
+
+
+def modelled_speedup(alpha: float, k: int, a: float, c: float) -> float:
+    """Speedup the cost model predicts: tokens per step ÷ (a + c·k) baseline steps."""
+    denom = a + c * k
+    return expected_tokens_per_step(alpha, k) / denom if denom > 0 else 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    idx = (len(s) - 1) * q
+    lo = int(idx)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (idx - lo)

@@ -1,0 +1,341 @@
+"""One benchmark run: the plan, the matrix walk, and the raw results the report is made of."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+import httpx
+
+from mtpwrap.bench import corpora, stats, tokenclass
+from mtpwrap.bench.runner import (
+    BenchConfig,
+    Client,
+    StreamResult,
+    bursts,
+    launch_config,
+    load_test,
+    parse_kv_log,
+    rejection_points,
+)
+from mtpwrap.errors import ConfigError, RuntimeFailure
+
+SCHEMA = 1
+#: Tokens within this many seconds of the previous one count as one verification step.
+DEFAULT_GAP_S = 0.002
+
+
+@dataclass
+class Plan:
+    configs: list[BenchConfig]
+    contexts: list[int]
+    langs: list[str] = field(default_factory=lambda: ["ko", "en"])
+    n_predict: int = 64
+    concurrency: list[int] = field(default_factory=lambda: [1, 2])
+    load_context: int = 256
+    load_predict: int = 32
+    quality_tokens: int = 32
+    gap_s: float = DEFAULT_GAP_S
+    binary: Path | None = None
+    model: Path | None = None
+    url: str | None = None  # a running server instead of launching the matrix
+    api_key: str | None = None
+    threads: int | None = None
+    profile: str | None = None
+    server_extra: list[str] = field(default_factory=list)  # e.g. -ngl 99 on a GPU
+    launch_timeout: float = 300.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["configs"] = [c.to_dict() for c in self.configs]
+        d["binary"] = str(self.binary) if self.binary else None
+        d["model"] = str(self.model) if self.model else None
+        d.pop("api_key")
+        return d
+
+
+def quick_plan(binary: Path, model: Path) -> Plan:
+    """Minutes on a CPU with the demo model: self-draft and ngram speculation, q8_0 KV."""
+    return Plan(
+        configs=[
+            BenchConfig("baseline", spec="none", kv="f16"),
+            BenchConfig("draft", spec="draft", depth=3, kv="f16"),
+            BenchConfig("ngram", spec="ngram", depth=8, kv="f16"),
+            BenchConfig("kv-q8_0", spec="none", kv="q8_0"),
+            BenchConfig("draft+kv-q8_0", spec="draft", depth=3, kv="q8_0"),
+        ],
+        contexts=[512, 2048],
+        binary=binary,
+        model=model,
+    )
+
+
+def hardware_snapshot() -> dict:
+    snap: dict = {"platform": platform.platform(), "machine": platform.machine(),
+                  "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                snap["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        snap["memory_bytes"] = psutil.virtual_memory().total
+    except Exception:  # psutil missing is not worth failing a benchmark over
+        pass
+    try:
+        from mtpwrap import hardware
+
+        snap["nvml"] = hardware.snapshot().to_dict()
+    except Exception as exc:  # NVML missing or broken: the rest of the snapshot stands
+        snap["nvml_error"] = f"{type(exc).__name__}: {exc}"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
+                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            snap["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
+        except (OSError, subprocess.TimeoutExpired):
+            snap["gpus"] = []
+    else:
+        snap["gpus"] = []
+    return snap
+
+
+def build_provenance(binary: Path | None) -> dict:
+    prov: dict = {"binary": str(binary) if binary else None}
+    try:
+        from mtpwrap import build  # type: ignore[attr-defined]
+
+        manifest = build.load_manifest()
+        if manifest is not None and (binary is None
+                                     or Path(manifest.binary("llama-server")) == Path(binary)):
+            prov["manifest"] = manifest.to_dict()
+        elif binary is not None:
+            # A build from the shared cache keeps its manifest beside bin/.
+            side = Path(binary).resolve().parent.parent / "manifest.json"
+            if side.is_file():
+                import json
+
+                prov["manifest"] = json.loads(side.read_text())
+    except Exception as exc:  # no build module or no manifest: record why, keep going
+        prov["manifest_error"] = f"{type(exc).__name__}: {exc}"
+    if binary:
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = f"{Path(binary).parent}:{env.get('LD_LIBRARY_PATH', '')}"
+        try:
+            out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
+                                 timeout=30, env=env)
+            prov["version"] = (out.stdout + out.stderr).strip().splitlines()[-2:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            prov["version"] = [f"unavailable: {exc}"]
+    return prov
+
+
+def profile_provenance(name: str | None) -> dict | None:
+    if not name:
+        return None
+    try:
+        from mtpwrap import profiles  # type: ignore[attr-defined]
+
+        return dict(profiles.load_profile(name).to_dict())
+    except Exception as exc:
+        return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: StreamResult,
+          counters: stats.Counters, gap_s: float) -> dict:
+    t = res.timings
+    depth = cfg.depth
+    if counters.per_pos:
+        depth = len(counters.per_pos)  # the server's own k: one counter per draft position
+    # A running server does not say in /props whether it speculates; its counters do.
+    speculative = cfg.speculative or counters.steps > 0
+    spec = stats.spec_stats(counters, depth) if speculative else None
+    sizes = bursts(res.arrivals[1:], gap_s, cap=depth + 1 if speculative else 1)
+    inferred_accepted = sum(g - 1 for g in sizes)
+    decode_wall = (res.arrivals[-1] - res.arrivals[0]) if res.n > 1 else None
+    return {
+        "config": cfg.name,
+        "lang": lang,
+        "context": ctx,
+        "prompt_tokens": prompt.n_tokens,
+        "prompt_documents": prompt.documents,
+        "generated_tokens": res.n,
+        "prefill_tokens_per_s": t.get("prompt_per_second"),
+        "decode_tokens_per_s": t.get("predicted_per_second"),
+        "client_decode_tokens_per_s": (res.n - 1) / decode_wall if decode_wall else None,
+        "ttft_s": res.ttft,
+        "total_s": res.total_s,
+        "timings": t,
+        "counters": counters.to_dict(),
+        "spec": spec.to_dict() if spec else None,
+        "stream": {
+            "gap_s": gap_s,
+            "burst_sizes": sizes,
+            "inferred_steps": len(sizes),
+            "inferred_accepted": inferred_accepted,
+            "held_back_tokens": sum(res.held),
+            "inter_token_gaps_s": [b - a for a, b in pairwise(res.arrivals)],
+        },
+        "token_classes": rejection_points(res, depth, gap_s) if speculative else None,
+        "reconcile": {
+            "streamed_eq_timings_predicted_n": res.n == t.get("predicted_n"),
+            "timings_predicted_n_eq_counter": t.get("predicted_n") == counters.predicted_tokens,
+            "timings_draft_n_eq_counter": t.get("draft_n", 0) == counters.drafted,
+            "timings_draft_accepted_eq_counter": t.get("draft_n_accepted", 0) == counters.accepted,
+            "prompt_n_eq_counter": t.get("prompt_n") == counters.prompt_tokens,
+        },
+    }
+
+
+def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | None = None) -> dict:
+    """Run every cell of the plan and return the raw results (see report.py for the files)."""
+    if not plan.configs:
+        raise ConfigError("The benchmark plan has no configurations.")
+    if plan.url is None and (plan.binary is None or plan.model is None):
+        raise ConfigError("Launching a benchmark matrix needs a llama-server binary and a model.")
+    workdir.mkdir(parents=True, exist_ok=True)
+    corp = {lang: corpora.load(lang) for lang in plan.langs}
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results: dict = {
+        "schema": SCHEMA,
+        "started": started,
+        "plan": plan.to_dict(),
+        "provenance": {
+            "build": build_provenance(plan.binary),
+            "hardware": hardware_snapshot(),
+            "profile": profile_provenance(plan.profile),
+            "model": _model_provenance(plan.model),
+            "corpora": {lang: c.provenance() for lang, c in corp.items()},
+            "token_classes": tokenclass.DESCRIPTIONS,
+        },
+        "cells": [],
+        "load": [],
+        "quality": [],
+        "kv": {},
+        "servers": {},
+    }
+    need_ctx = max(plan.contexts + [plan.load_context]) + max(plan.n_predict, plan.load_predict)
+    parallel = max(plan.concurrency + [1])
+    # Without a unified KV each slot gets n_ctx / slots, so every slot must fit the longest.
+    ctx_size = (need_ctx + 64 + 255) // 256 * 256 * parallel
+    for cfg in plan.configs:
+        log_path = workdir / f"server-{cfg.name}.log"
+        if plan.url:
+            base_url, stop = plan.url, (lambda: None)
+        else:
+            assert plan.binary and plan.model
+            base_url, stop = launch_config(cfg, binary=plan.binary, model=plan.model,
+                                           ctx_size=ctx_size, parallel=parallel,
+                                           log_path=log_path, threads=plan.threads,
+                                           extra=plan.server_extra,
+                                           timeout=plan.launch_timeout)
+        client = Client(base_url, plan.api_key)
+        try:
+            _run_config(plan, cfg, client, base_url, corp, results, progress)
+        except httpx.HTTPError as exc:
+            raise RuntimeFailure(
+                f"llama-server for configuration {cfg.name!r} stopped answering ({exc});"
+                f" see {log_path if log_path.exists() else base_url}."
+            ) from exc
+        finally:
+            client.close()
+            rc = stop()
+            results["servers"].setdefault(cfg.name, {})["exit_code"] = rc
+        if log_path.exists():
+            kv = parse_kv_log(log_path.read_text(errors="replace"))
+            if kv:
+                results["kv"][cfg.name] = kv
+    results["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return results
+
+
+def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
+                corp: dict[str, corpora.Corpus], results: dict,
+                progress: Callable[[str, int], None] | None) -> None:
+    props = client.props()
+    n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
+    results["servers"][cfg.name] = {"base_url": base_url, "n_ctx": n_ctx,
+                                    "total_slots": props.get("total_slots")}
+    for lang in plan.langs:
+        for ctx in plan.contexts:
+            if n_ctx and ctx + plan.n_predict > n_ctx:
+                results["cells"].append({"config": cfg.name, "lang": lang,
+                                         "context": ctx, "skipped":
+                                         f"server context {n_ctx} too small"})
+                continue
+            if progress:
+                progress(f"{cfg.name} {lang} {ctx}", 1)
+            prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            before = client.metrics()
+            res = client.complete(prompt.tokens, plan.n_predict)
+            after = client.metrics()
+            results["cells"].append(
+                _cell(cfg, lang, ctx, prompt, res, after - before, plan.gap_s))
+    for lang in plan.langs:
+        prompt = corpora.build_prompt(corp[lang], plan.load_context, client.tokenize)
+        res = client.complete(prompt.tokens, plan.quality_tokens, n_probs=1)
+        results["quality"].append({"config": cfg.name, "kv": cfg.kv, "lang": lang,
+                                   "speculative": cfg.speculative,
+                                   "token_ids": res.token_ids, "logprobs": res.probs})
+    load_prompts = [corpora.build_prompt(corp[lang], plan.load_context,
+                                         client.tokenize).tokens for lang in plan.langs]
+    for n in plan.concurrency:
+        if progress:
+            progress(f"{cfg.name} load x{n}", 1)
+        rec = load_test(base_url, plan.api_key, load_prompts, n, plan.load_predict)
+        rec["config"] = cfg.name
+        results["load"].append(rec)
+
+
+def total_steps(plan: Plan) -> int:
+    return len(plan.configs) * (len(plan.langs) * len(plan.contexts) + len(plan.concurrency))
+
+
+def _model_provenance(model: Path | None) -> dict | None:
+    if model is None:
+        return None
+    p = Path(model)
+    if not p.exists():
+        return {"path": str(p), "exists": False}
+    return {"path": str(p), "bytes": p.stat().st_size, "sha256": corpora.sha256_file(p),
+            "kv_geometry": kv_geometry(p)}
+
+
+def kv_geometry(model: Path) -> dict | None:
+    """KV heads and head sizes from the GGUF metadata, to turn logged KV MiB into bytes/value."""
+    try:
+        from gguf import GGUFReader
+
+        fields = GGUFReader(str(model)).fields
+
+        def get(key: str) -> object:
+            f = fields.get(key)
+            return f.contents() if f is not None else None
+
+        arch = get("general.architecture")
+        n_head = get(f"{arch}.attention.head_count")
+        n_kv = get(f"{arch}.attention.head_count_kv") or n_head
+        emb = get(f"{arch}.embedding_length")
+        if isinstance(n_kv, list):  # per-layer arrays: hybrid models use the attention layers'
+            n_kv = max(n_kv)
+        if isinstance(n_head, list):
+            n_head = max(n_head)
+        assert isinstance(emb, int) and isinstance(n_head, int) and isinstance(n_kv, int)
+        k_len = get(f"{arch}.attention.key_length") or emb // n_head
+        v_len = get(f"{arch}.attention.value_length") or emb // n_head
+        return {"arch": arch, "n_head_kv": n_kv, "key_length": k_len, "value_length": v_len}
+    except Exception:  # a file gguf cannot read: bytes/value is left out, the rest stands
+        return None

@@ -1,0 +1,208 @@
+"""`mtpwrap tune`: sweep draft depth × minimum draft probability on a short workload, fit α and
+the per-step draft cost, and recommend the setting with the best *measured* decode tokens/s.
+
+Cost model (all times in units of one baseline decode step, measured in the same session):
+a verification step at depth k costs r(k) = a + c·k, where c is the cost of drafting one token
+and a the verification overhead. r is measured as mean accepted length ÷ measured speedup, and
+(a, c) are fitted by least squares over the sweep. The model then predicts
+speedup(k) = (1 + α + … + α^k) ÷ (a + c·k); the report puts it next to the measured speedup.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpwrap import paths
+from mtpwrap.bench import corpora, stats
+from mtpwrap.bench.runner import BenchConfig, Client, launch_config
+from mtpwrap.errors import ConfigError
+
+
+@dataclass
+class TunePlan:
+    binary: Path
+    model: Path
+    kind: str = "draft"
+    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 5])
+    p_mins: list[float] = field(default_factory=lambda: [0.0, 0.75])
+    context: int = 512
+    n_predict: int = 64
+    langs: list[str] = field(default_factory=lambda: ["ko", "en"])
+    kv: str = "f16"
+    draft_model: Path | None = None
+    threads: int | None = None
+
+    def configs(self) -> list[BenchConfig]:
+        if self.kind == "none":
+            raise ConfigError("Tuning needs a speculation kind (draft, ngram or mtp), not 'none'.")
+        out = [BenchConfig("baseline", spec="none", kv=self.kv)]
+        # ngram drafting has no probability, so p_min does not apply to it.
+        p_mins: list[float | None] = list(self.p_mins) if self.kind != "ngram" else [None]
+        for k in self.depths:
+            for p in p_mins:
+                name = f"{self.kind}-k{k}" + (f"-p{p:g}" if p is not None else "")
+                out.append(BenchConfig(name, spec=self.kind, depth=k, p_min=p, kv=self.kv,
+                                       draft_model=str(self.draft_model)
+                                       if self.draft_model else None))
+        return out
+
+
+def _measure(client: Client, prompts: list[list[int]], n_predict: int) -> dict:
+    before = client.metrics()
+    gen_s = 0.0
+    n = 0
+    for p in prompts:
+        res = client.complete(p, n_predict)
+        gen_s += float(res.timings.get("predicted_ms", 0.0)) / 1000.0
+        n += int(res.timings.get("predicted_n", res.n))
+    after = client.metrics()
+    return {"tokens": n, "seconds": gen_s, "tokens_per_s": n / gen_s if gen_s else None,
+            "counters": (after - before).to_dict()}
+
+
+def run(plan: TunePlan, workdir: Path,
+        progress: Callable[[str], None] | None = None) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    corp = [corpora.load(lang) for lang in plan.langs]
+    ctx_size = (plan.context + plan.n_predict + 64 + 255) // 256 * 256
+    points: list[dict] = []
+    for cfg in plan.configs():
+        if progress:
+            progress(cfg.name)
+        base_url, stop = launch_config(cfg, binary=plan.binary, model=plan.model,
+                                       ctx_size=ctx_size, log_path=workdir / f"{cfg.name}.log",
+                                       threads=plan.threads)
+        client = Client(base_url)
+        try:
+            prompts = [corpora.build_prompt(c, plan.context, client.tokenize).tokens
+                       for c in corp]
+            m = _measure(client, prompts, plan.n_predict)
+        finally:
+            client.close()
+            stop()
+        m["config"] = cfg.to_dict()
+        points.append(m)
+    return analyse(points)
+
+
+def analyse(points: list[dict]) -> dict:
+    """Fit α per point and (a, c) over the sweep; pick the best measured tokens/s."""
+    base = next((p for p in points if p["config"]["spec"] == "none"), None)
+    if base is None or not base.get("tokens_per_s"):
+        raise ConfigError("The sweep has no baseline measurement to compare speedups against.")
+    rows: list[dict] = []
+    fit_pts: list[tuple[int, float]] = []
+    for p in points:
+        cfg = p["config"]
+        row = {"name": cfg["name"], "kind": cfg["spec"], "depth": cfg["depth"],
+               "p_min": cfg["p_min"], "tokens_per_s": p["tokens_per_s"],
+               "measured_speedup": (p["tokens_per_s"] or 0.0) / base["tokens_per_s"]}
+        if cfg["spec"] != "none":
+            c = stats.Counters(**p["counters"])
+            k = len(c.per_pos) or cfg["depth"]
+            s = stats.spec_stats(c, k)
+            row.update({"k": k, "alpha": s.alpha, "acceptance_rate": s.acceptance_rate,
+                        "mean_accepted_length": s.mean_accepted_length,
+                        "formula_speedup": s.predicted_speedup})
+            if s.mean_accepted_length and row["measured_speedup"] > 0:
+                row["step_cost"] = s.mean_accepted_length / row["measured_speedup"]
+                fit_pts.append((k, row["step_cost"]))
+        rows.append(row)
+    a, c = stats.fit_step_cost(fit_pts)
+    for row in rows:
+        if row.get("alpha") is not None:
+            row["modelled_speedup"] = stats.modelled_speedup(row["alpha"], row["k"], a, c)
+    best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
+    return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "baseline_tokens_per_s": base["tokens_per_s"], "fit": {"a": a, "c": c},
+            "rows": rows, "best": best, "raw": points}
+
+
+def override_path(profile: str) -> Path:
+    return paths.user_config_dir() / "profiles" / f"{profile}.yaml"
+
+
+def _base_profile(name: str) -> dict:
+    """The profile as a plain mapping of its YAML keys (None values and empty sections left
+    out), so that the override reads like a hand-written profile."""
+    try:
+        from mtpwrap import profiles  # type: ignore[attr-defined]
+    except ImportError:
+        return {"name": name, "description": "", "model": "", "context": 4096}
+    d = profiles.load_profile(name).to_dict()
+    out = {k: v for k, v in d.items()
+           if k in profiles.TOP_KEYS and v is not None and v != {} and v != []}
+    return out
+
+
+def _validate(data: dict, path: Path, name: str) -> None:
+    try:
+        from mtpwrap import profiles  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    profiles.validate(data, where=str(path), expected_name=name)
+
+
+def write_override(result: dict, profile: str, *, draft_model: str | None = None) -> Path:
+    """Save the best measured setting as a user profile override: the base profile with its
+    spec keys replaced, validated as a profile before it is written (atomically)."""
+    import yaml
+
+    best = result["best"]
+    data = _base_profile(profile)
+    data["name"] = profile
+    spec: dict = {"kind": best["kind"]}
+    if best["kind"] != "none":
+        spec["depth"] = best["depth"]
+        if best["kind"] != "ngram":
+            spec["p_min"] = best["p_min"] if best["p_min"] is not None else 0.0
+        if best["kind"] == "draft":
+            spec["draft_model"] = draft_model or str(data.get("model", ""))
+    data["spec"] = spec
+    data["description"] = (
+        f"Tuned by mtpwrap tune on {result['created']}: {best['name']} measured "
+        f"{best['tokens_per_s']:.1f} t/s ({best['measured_speedup']:.2f}x baseline)."
+    )
+    path = override_path(profile)
+    _validate(data, path, profile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    tmp.replace(path)  # atomic: a reader never sees half a profile
+    return path
+
+
+def markdown(result: dict) -> str:
+    lines = ["# mtpwrap tune", "",
+             f"Baseline {result['baseline_tokens_per_s']:.1f} t/s. Fitted step cost "
+             f"r(k) = {result['fit']['a']:.3f} + {result['fit']['c']:.3f}·k baseline steps.", "",
+             "| setting | k | p_min | t/s | acceptance rate | α | speedup formula | "
+             "speedup model | speedup measured |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v: object, fmt: str = "{:.2f}") -> str:
+        return fmt.format(v) if isinstance(v, (int, float)) else "–"
+
+    for r in result["rows"]:
+        lines.append(f"| {r['name']} | {r.get('k', '–')} | {f(r['p_min'])} | "
+                     f"{f(r['tokens_per_s'], '{:.1f}')} | {f(r.get('acceptance_rate'), '{:.3f}')}"
+                     f" | {f(r.get('alpha'), '{:.3f}')} | {f(r.get('formula_speedup'))} | "
+                     f"{f(r.get('modelled_speedup'))} | {f(r['measured_speedup'])} |")
+    b = result["best"]
+    lines += ["", f"Best measured: **{b['name']}** at {b['tokens_per_s']:.1f} t/s "
+              f"({b['measured_speedup']:.2f}x).", "",
+              "- speedup formula: 1 + α + … + α^k, drafting free.",
+              "- speedup model: formula ÷ fitted step cost (a + c·k).",
+              "- speedup measured: t/s ÷ baseline t/s.", ""]
+    return "\n".join(lines)
+
+
+def write_report(result: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {"json": out_dir / "tune.json", "md": out_dir / "tune.md"}
+    files["json"].write_text(json.dumps(result, indent=1, default=str))
+    files["md"].write_text(markdown(result))
+    return files

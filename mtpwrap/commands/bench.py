@@ -1,0 +1,121 @@
+"""`mtpwrap bench`: the benchmark BENCH.md specifies, against a running server or a matrix."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import click
+
+FULL_CONTEXTS = "2048,8192,32768,131072,262144"
+
+
+@click.command("bench")
+@click.option("--quick", is_flag=True, envvar="MTPWRAP_BENCH_QUICK",
+              help="Minutes on a CPU: contexts 512 and 2048, 64 tokens, self-draft and ngram.")
+@click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
+              help="Benchmark this running server (base URL) instead of launching a matrix.")
+@click.option("--api-key", envvar="MTPWRAP_API_KEY", default=None, help="Key for --url.")
+@click.option("--model", envvar="MTPWRAP_BENCH_MODEL", default=None,
+              help="GGUF model (default: the demo model).")
+@click.option("--server-bin", envvar="MTPWRAP_BENCH_SERVER_BIN", default=None,
+              help="llama-server binary (default: the newest `mtpwrap build`).")
+@click.option("--spec", "specs", multiple=True, envvar="MTPWRAP_BENCH_SPEC",
+              type=click.Choice(["draft", "ngram", "mtp"]),
+              help="Speculation kinds in the matrix (repeatable; default draft and ngram).")
+@click.option("--depth", type=click.IntRange(1, 64), default=3, envvar="MTPWRAP_BENCH_DEPTH",
+              show_default=True, help="Draft depth k for draft/mtp kinds.")
+@click.option("--kv", "kv_type", default="q8_0", envvar="MTPWRAP_BENCH_KV", show_default=True,
+              help="Compressed KV type for the 'compressed KV' cells.")
+@click.option("--contexts", default=None, envvar="MTPWRAP_BENCH_CONTEXTS",
+              help=f"Prompt lengths in tokens (default {FULL_CONTEXTS}, clipped to the model).")
+@click.option("--langs", default="ko,en", envvar="MTPWRAP_BENCH_LANGS", show_default=True)
+@click.option("--n-predict", type=click.IntRange(8, 4096), default=None,
+              envvar="MTPWRAP_BENCH_N_PREDICT", help="Tokens generated per request.")
+@click.option("--concurrency", default="1,2", envvar="MTPWRAP_BENCH_CONCURRENCY",
+              show_default=True, help="Concurrency levels for the latency test.")
+@click.option("--gap-ms", type=float, default=2.0, envvar="MTPWRAP_BENCH_GAP_MS",
+              show_default=True, help="Stream gap that separates verification steps.")
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              envvar="MTPWRAP_BENCH_THREADS",
+              help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
+@click.option("--profile", default=None, envvar="MTPWRAP_PROFILE",
+              help="Profile name recorded in the report's provenance.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, envvar="MTPWRAP_BENCH_OUT",
+              help="Report folder (default ./bench-results/TIMESTAMP).")
+def command(quick: bool, url: str | None, api_key: str | None, model: str | None,
+            server_bin: str | None, specs: tuple[str, ...], depth: int, kv_type: str,
+            contexts: str | None, langs: str, n_predict: int | None, concurrency: str,
+            gap_ms: float, threads: int | None, profile: str | None,
+            out_dir: Path | None) -> None:
+    """Measure speed by context, speculation acceptance, rejection hotspots, KV compression,
+    latency under load and compressed-KV quality; write JSON, Markdown and PNG."""
+    from mtpwrap import console
+    from mtpwrap.bench import report, resolve, suite
+    from mtpwrap.bench.runner import BenchConfig
+    from mtpwrap.errors import ConfigError
+
+    lang_list = [g for g in langs.replace(" ", "").split(",") if g]
+    if not lang_list or any(g not in ("ko", "en") for g in lang_list):
+        raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
+    ctx_list = resolve.int_list(contexts or ("512,2048" if quick else FULL_CONTEXTS),
+                                "--contexts")
+    conc = resolve.int_list(concurrency, "--concurrency")
+    if url:
+        binary = mpath = None
+        cfgs = [BenchConfig("running")]
+    else:
+        binary = resolve.server_binary(server_bin)
+        mpath = resolve.model_path(model)
+        limit = resolve.model_context(mpath)
+        npred = n_predict or 64
+        if limit:
+            clipped = [c for c in ctx_list if c + npred + 64 <= limit]
+            if len(clipped) < len(ctx_list):
+                console.warn(f"contexts above the model's {limit} tokens are skipped: "
+                             f"{[c for c in ctx_list if c not in clipped]}")
+            if not clipped:
+                raise ConfigError(f"No context in {ctx_list} fits the model's {limit} tokens.")
+            ctx_list = clipped
+        kinds = list(specs) or ["draft", "ngram"]
+        cfgs = [BenchConfig("baseline", spec="none", kv="f16")]
+        for k in kinds:
+            cfgs.append(BenchConfig(k, spec=k, depth=8 if k == "ngram" else depth, kv="f16"))
+        cfgs.append(BenchConfig(f"kv-{kv_type}", spec="none", kv=kv_type))
+        cfgs.append(BenchConfig(f"{kinds[0]}+kv-{kv_type}", spec=kinds[0],
+                                depth=8 if kinds[0] == "ngram" else depth, kv=kv_type))
+    if quick and threads is None:
+        # Multi-threaded CPU kernels do not give bit-identical logits for a batch of 1 (the
+        # drafter) and a batch of k+1 (verification), so a self-draft loses its known answer
+        # (acceptance exactly 1.0); one thread also avoids spin-waits on a shared machine.
+        threads = 1
+    plan = suite.Plan(configs=cfgs, contexts=ctx_list, langs=lang_list,
+                      n_predict=n_predict or (64 if quick else 256), concurrency=conc,
+                      gap_s=gap_ms / 1000.0, binary=binary, model=mpath, url=url,
+                      api_key=api_key, threads=threads, profile=profile)
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = out_dir or Path("bench-results") / stamp
+    with console.progress() as bar:
+        task = bar.add_task("bench", total=suite.total_steps(plan))
+
+        def step(desc: str, n: int) -> None:
+            bar.update(task, description=desc, advance=n)
+
+        results = suite.run(plan, out, progress=step)
+    files = report.write(results, out)
+    s = results["summary"]
+    console.info(f"report: {files['md']}  (json: {files['json'].name}, plots: "
+                 f"{', '.join(p.name for k, p in files.items() if k.startswith('png_'))})")
+    rows = []
+    for r in s["speculation"]:
+        rows.append([r["config"], r["lang"], r["depth"], r["drafted"], r["accepted"],
+                     f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "–",
+                     f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] else "–",
+                     f"{r['alpha']:.3f}" if r["alpha"] is not None else "–"])
+    if rows:
+        console.table("speculation", ["config", "lang", "k", "drafted", "accepted",
+                                       "accepted/drafted", "mean len", "alpha"], rows)
+    if not s["reconciled"]:
+        console.warn("some per-request timings did not match llama-server's counters; "
+                     "see 'reconcile' in report.json")

@@ -1,0 +1,80 @@
+"""`mtpwrap tune`: sweep draft depth × p_min, fit α and the draft cost, pick the measured best."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+import click
+
+
+@click.command("tune")
+@click.option("--kind", type=click.Choice(["draft", "ngram", "mtp"]), default="draft",
+              envvar="MTPWRAP_TUNE_KIND", show_default=True, help="Speculation kind to tune.")
+@click.option("--depths", default="1,2,3,5", envvar="MTPWRAP_TUNE_DEPTHS", show_default=True)
+@click.option("--p-min", "p_mins", default="0,0.75", envvar="MTPWRAP_TUNE_P_MIN",
+              show_default=True, help="Minimum draft probabilities to sweep.")
+@click.option("--context", type=click.IntRange(16, 1 << 20), default=512,
+              envvar="MTPWRAP_TUNE_CONTEXT", show_default=True)
+@click.option("--n-predict", type=click.IntRange(8, 4096), default=64,
+              envvar="MTPWRAP_TUNE_N_PREDICT", show_default=True)
+@click.option("--langs", default="ko,en", envvar="MTPWRAP_TUNE_LANGS", show_default=True,
+              help="Corpora of the workload: ko and/or en.")
+@click.option("--kv", "kv_type", default="f16", envvar="MTPWRAP_TUNE_KV", show_default=True)
+@click.option("--model", envvar="MTPWRAP_BENCH_MODEL", default=None)
+@click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
+              help="Drafter GGUF for --kind draft (default: the model itself).")
+@click.option("--server-bin", envvar="MTPWRAP_BENCH_SERVER_BIN", default=None)
+@click.option("--threads", type=click.IntRange(1, 1024), default=None,
+              envvar="MTPWRAP_BENCH_THREADS", help="llama-server threads (default: its own).")
+@click.option("--profile", default="cpu-demo", envvar="MTPWRAP_PROFILE", show_default=True,
+              help="Profile the override is written for.")
+@click.option("--write", "write_", is_flag=True, envvar="MTPWRAP_TUNE_WRITE",
+              help="Save the best setting as a user profile override.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=None, envvar="MTPWRAP_TUNE_OUT")
+def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, langs: str,
+            kv_type: str,
+            model: str | None, draft_model: str | None, server_bin: str | None,
+            threads: int | None, profile: str, write_: bool, out_dir: Path | None) -> None:
+    """Sweep speculation settings on a short workload and recommend the fastest measured one."""
+    from mtpwrap import console
+    from mtpwrap.bench import resolve, tune
+    from mtpwrap.errors import ConfigError
+
+    lang_list = [g for g in langs.replace(" ", "").split(",") if g]
+    if not lang_list or any(g not in ("ko", "en") for g in lang_list):
+        raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
+
+    plan = tune.TunePlan(binary=resolve.server_binary(server_bin),
+                         model=resolve.model_path(model), kind=kind,
+                         depths=resolve.int_list(depths, "--depths"),
+                         p_mins=resolve.float_list(p_mins, "--p-min"), context=context,
+                         n_predict=n_predict, kv=kv_type, langs=lang_list,
+                         draft_model=Path(draft_model) if draft_model else None,
+                         threads=threads)
+    configs = plan.configs()  # validates before anything starts
+    out = out_dir or Path("bench-results") / ("tune-" + _dt.datetime.now().strftime(
+        "%Y%m%d-%H%M%S"))
+    with console.progress() as bar:
+        task = bar.add_task("tune", total=len(configs))
+
+        def step(desc: str) -> None:
+            bar.update(task, description=desc, advance=1)
+
+        result = tune.run(plan, out, progress=step)
+    files = tune.write_report(result, out)
+    rows = [[r["name"], f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "–",
+             f"{r['alpha']:.3f}" if r.get("alpha") is not None else "–",
+             f"{r['formula_speedup']:.2f}" if r.get("formula_speedup") else "–",
+             f"{r['modelled_speedup']:.2f}" if r.get("modelled_speedup") else "–",
+             f"{r['measured_speedup']:.2f}"] for r in result["rows"]]
+    console.table("tune", ["setting", "t/s", "alpha", "predicted (formula)",
+                           "predicted (cost model)", "measured"], rows)
+    best = result["best"]
+    console.info(f"best measured: {best['name']} {best['tokens_per_s']:.1f} t/s; "
+                 f"report {files['md']}")
+    if write_:
+        drafter = plan.draft_model or plan.model
+        path = tune.write_override(result, profile, draft_model=str(drafter))
+        console.info(f"wrote profile override {path}")

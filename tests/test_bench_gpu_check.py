@@ -1,0 +1,114 @@
+"""The CPU-side parts of benchmarks/gpu_check.sh: command lines, result folder, model file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "benchmarks" / "gpu_check.sh"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" /
+                                                  "gpu_check.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _has_writer() -> bool:
+    try:
+        from mtpwrap import gguf_writer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_command_lines_cover_kv_types_and_mtp() -> None:
+    gc = _load()
+    cmds = gc.command_lines(Path("/opt/llama-server"), Path("/m/27b.gguf"), (1024, 32768))
+    by = {c["config"]["name"]: c["argv"] for c in cmds}
+    assert set(by) == {"kv-f16", "kv-q8_0", "kv-q4_0", "mtp-kv-f16", "mtp-kv-q4_0"}
+    for name, argv in by.items():
+        joined = " ".join(argv)
+        assert argv[0] == "/opt/llama-server" and "-m /m/27b.gguf" in joined
+        assert "-ngl 99" in joined and "--metrics" in joined and "-fa on" in joined
+        kv = name.rsplit("-", 1)[-1]
+        assert f"-ctk {kv} -ctv {kv}" in joined
+        # Context covers the longest prompt plus generation, rounded to 256.
+        assert int(argv[argv.index("-c") + 1]) % 256 == 0
+        assert int(argv[argv.index("-c") + 1]) >= 32768 + 64
+        # Removed upstream flags abort the server: never emitted.
+        assert not {"--draft", "--draft-n", "--draft-max", "--draft-min"} & set(argv)
+        if name.startswith("mtp"):
+            assert "--spec-type draft-mtp --spec-draft-n-max 3" in joined
+        else:
+            assert "--spec-type" not in argv
+
+
+def test_allocation_lines_are_parsed() -> None:
+    gc = _load()
+    log = ("0.01.000.000 I load_tensors:        CUDA0 model buffer size = 15360.50 MiB\n"
+           "0.01.100.000 I llama_kv_cache:        CUDA0 KV buffer size =   576.00 MiB\n"
+           "0.01.200.000 I llama_memory_recurrent:        CUDA0 RS buffer size =   149.62 MiB\n"
+           "0.01.300.000 I sched_reserve:      CUDA0 compute buffer size =   515.00 MiB\n")
+    got = gc.allocations(log)
+    assert [(a["kind"], a["device"], a["mib"]) for a in got] == [
+        ("model", "CUDA0", 15360.5), ("KV", "CUDA0", 576.0), ("RS", "CUDA0", 149.62),
+        ("compute", "CUDA0", 515.0)]
+
+
+def test_summary_puts_prediction_beside_allocation() -> None:
+    gc = _load()
+    result = {"server_bin": "/b", "model": {"path": "/m"}, "launch_context": 1280,
+              "planner_launch": [{"config": "kv-q4_0", "plan": {"rows": [
+                  {"name": "main KV", "bytes": 576 * 2**20}]}}],
+              "allocations": {"kv-q4_0": [{"device": "CUDA0", "kind": "KV", "mib": 576.0}]}}
+    md = gc.summary_markdown(result)
+    assert "| kv-q4_0 | main KV 576 | CUDA0 KV 576 |" in md
+
+
+def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server", GPU_CHECK_CONTEXTS="32768",
+               GPU_CHECK_PLAN_GPU="rtx4090")
+    env.pop("OUT", None)
+    p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert (out / "gpu_check.log").exists()
+    log = (out / "gpu_check.log").read_text()
+    assert f"results: {out}" in log and "llama-server: /opt/llama-server" in log
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["dry_run"] is True and result["server_bin"] == "/opt/llama-server"
+    if not _has_writer():
+        assert p.returncode == 2 and "model writer unavailable" in result["model"]["status"]
+        pytest.skip("mtpwrap.gguf_writer is not on this branch yet: no shape-real model")
+    assert p.returncode == 0, p.stdout + p.stderr
+    model = Path(result["model"]["path"])
+    # Sparse: the full 27B length on disk in a few blocks.
+    st = model.stat()
+    assert st.st_size > 10 * 2**30 and st.st_blocks * 512 < 64 * 2**20
+    assert len(result["commands"]) == 5
+    # The planner's prediction for every cell, made from the header on this CPU machine.
+    plans = {p["config"]: p for p in result["planner"]}
+    assert set(plans) == {c["config"]["name"] for c in result["commands"]}
+    for name, rec in plans.items():
+        assert rec["rc"] == 0 and "plan" in rec, (name, rec.get("error"))
+
+
+def test_result_folder_from_out_variable(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server", OUT=str(tmp_path / "from-env"),
+               GPU_CHECK_CONTEXTS="1024", GPU_CHECK_PLAN_GPU="rtx4090")
+    subprocess.run([str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
+                   timeout=300)
+    assert (tmp_path / "from-env" / "gpu_check.json").exists()

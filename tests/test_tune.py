@@ -1,0 +1,108 @@
+"""`mtpwrap tune`: the fit, the choice of the measured best, and the profile override."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mtpwrap.bench import stats, tune
+from mtpwrap.errors import ConfigError
+from tests.conftest import cli_env, run_cli
+
+
+def _point(name: str, spec: str, depth: int, p_min: float | None, tps: float,
+           accepted: int = 0, steps: int = 0, drafted: int = 0) -> dict:
+    per = [float(steps)] * depth if spec != "none" else []
+    c = stats.Counters(drafted=drafted, accepted=accepted, steps=steps, per_pos=per)
+    return {"config": {"name": name, "spec": spec, "depth": depth, "p_min": p_min},
+            "tokens_per_s": tps, "counters": c.to_dict()}
+
+
+def test_analyse_fits_cost_and_picks_measured_best() -> None:
+    # Synthetic sweep with every draft accepted (α = 1) and a step cost r(k) = 1.1 + 0.3·k:
+    # measured speedup = (k + 1) / r(k).
+    base = 100.0
+    pts = [_point("baseline", "none", 3, None, base)]
+    for k in (1, 2, 3, 5):
+        r = 1.1 + 0.3 * k
+        pts.append(_point(f"draft-k{k}", "draft", k, 0.0, base * (k + 1) / r,
+                          accepted=10 * k, steps=10, drafted=10 * k))
+    res = tune.analyse(pts)
+    assert res["fit"]["a"] == pytest.approx(1.1) and res["fit"]["c"] == pytest.approx(0.3)
+    best = max(res["rows"], key=lambda r: r["tokens_per_s"])
+    assert res["best"]["name"] == best["name"] == "draft-k5"
+    for r in res["rows"][1:]:
+        assert r["alpha"] == 1.0
+        assert r["modelled_speedup"] == pytest.approx(r["measured_speedup"])
+        assert r["formula_speedup"] == r["k"] + 1
+
+
+def test_analyse_needs_baseline() -> None:
+    with pytest.raises(ConfigError):
+        tune.analyse([_point("draft-k1", "draft", 1, 0.0, 10.0, 5, 5, 5)])
+
+
+def test_ngram_sweep_ignores_p_min() -> None:
+    plan = tune.TunePlan(binary=Path("/x"), model=Path("/m"), kind="ngram", depths=[4, 8])
+    names = [c.name for c in plan.configs()]
+    assert names == ["baseline", "ngram-k4", "ngram-k8"]
+
+
+def test_write_override_copies_profile_and_sets_spec(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    pts = [_point("baseline", "none", 3, None, 100.0),
+           _point("draft-k2-p0.5", "draft", 2, 0.5, 150.0, 15, 10, 20)]
+    path = tune.write_override(tune.analyse(pts), "cpu-demo", draft_model="/m/drafter.gguf")
+    assert path == tmp_path / "mtpwrap" / "profiles" / "cpu-demo.yaml"
+    data = yaml.safe_load(path.read_text())
+    assert data["name"] == "cpu-demo"
+    assert data["spec"]["kind"] == "draft" and data["spec"]["depth"] == 2
+    assert data["spec"]["p_min"] == 0.5 and data["spec"]["draft_model"] == "/m/drafter.gguf"
+    assert "150.0 t/s" in data["description"]
+
+
+@pytest.mark.integration
+def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
+    server = os.environ.get("MTPWRAP_LLAMA_SERVER") or str(
+        request.getfixturevalue("llama_server_bin"))
+    model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
+    out = tmp_path / "tune"
+    env = cli_env(MTPWRAP_LLAMA_SERVER=server, MTPWRAP_DEMO_MODEL=model,
+                  XDG_CONFIG_HOME=str(tmp_path / "config"))
+    # One thread: the self-draft is then bit-exact (acceptance 1.0), see the bench tests.
+    p = run_cli("tune", "--depths", "1,3", "--p-min", "0", "--context", "128", "--n-predict",
+                "41", "--langs", "en", "--threads", "1", "--write", "--profile", "cpu-demo",
+                "--out", str(out), env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "tune.json").read_text())
+    assert [r["name"] for r in res["rows"]] == ["baseline", "draft-k1-p0", "draft-k3-p0"]
+    best = max(res["rows"], key=lambda r: r["tokens_per_s"])
+    assert res["best"]["name"] == best["name"]
+    for r in res["rows"][1:]:
+        assert r["acceptance_rate"] == 1.0  # self-draft: the known answer again
+        assert r["formula_speedup"] == pytest.approx(r["k"] + 1, rel=0.05)
+    md = (out / "tune.md").read_text()
+    assert "speedup formula" in md and "speedup measured" in md and "speedup model" in md
+    override = tmp_path / "config" / "mtpwrap" / "profiles" / "cpu-demo.yaml"
+    data = yaml.safe_load(override.read_text())
+    assert data["spec"]["kind"] == best["kind"]
+    if best["kind"] != "none":
+        assert data["spec"]["depth"] == best["depth"]
+    # The override is a valid profile that `mtpwrap profiles` now finds under the same name.
+    shown = run_cli("profiles", "show", "cpu-demo", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert str(override) in shown.stdout or "Tuned by mtpwrap tune" in shown.stdout
+
+
+def test_tune_rejects_bad_depths(tmp_path: Path) -> None:
+    env = cli_env(MTPWRAP_LLAMA_SERVER="/bin/true", MTPWRAP_DEMO_MODEL=str(tmp_path / "m"))
+    (tmp_path / "m").write_bytes(b"GGUF")
+    p = run_cli("tune", "--depths", "one", env=env)
+    assert p.returncode == 78 and "--depths must be comma-separated integers" in p.stderr
+    assert "Traceback" not in p.stderr
