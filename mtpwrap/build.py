@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import paths, source, toolchain
+from mtpwrap import hashing, paths, source, toolchain
 from mtpwrap.errors import BuildError, ConfigError, MissingToolError
 
 TARGETS = ("llama-server", "llama-fit-params")
@@ -250,7 +250,7 @@ def _install(manifest: Manifest, variant_dir: Path) -> Manifest:
     for name, info in manifest.binaries.items():
         src = Path(info.get("cache_path", info["path"]))
         dst = bin_dir / name
-        if not (dst.is_file() and source.sha256_file(dst) == info["sha256"]):
+        if not (dst.is_file() and hashing.sha256_file(dst) == info["sha256"]):
             tmp = dst.with_suffix(".tmp")
             shutil.copy2(src, tmp)
             os.replace(tmp, dst)
@@ -359,7 +359,7 @@ def build(
             binaries[name] = {
                 "path": str(exe),
                 "cache_path": str(exe),
-                "sha256": source.sha256_file(exe),
+                "sha256": hashing.sha256_file(exe),
             }
         server = build_dir / "bin" / "llama-server"
         tk = toolchain.cuda_toolkit() if plan.variant.startswith("cuda") else None

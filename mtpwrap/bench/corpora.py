@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpwrap import paths
-from mtpwrap.errors import ConfigError, IntegrityError, MissingToolError
+from mtpwrap import fetch
+from mtpwrap.errors import ConfigError, IntegrityError
 
 KONLPY_VERSION = "0.6.0"
 KONLPY_WHEEL = f"konlpy-{KONLPY_VERSION}-py2.py3-none-any.whl"
@@ -36,14 +34,6 @@ SEPARATOR = "\n\n"
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -84,28 +74,8 @@ class Prompt:
 
 def konlpy_wheel(cache: Path | None = None) -> Path:
     """The verified konlpy wheel, downloaded with pip on first use."""
-    target_dir = cache or paths.downloads_dir()
-    wheel = target_dir / KONLPY_WHEEL
-    if not wheel.exists():
-        target_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "-q", "-d", str(target_dir), f"konlpy=={KONLPY_VERSION}"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except FileNotFoundError as exc:  # pragma: no cover - python always exists
-            raise MissingToolError(f"Could not run pip to fetch {KONLPY_WHEEL}: {exc}.") from exc
-        if proc.returncode != 0 or not wheel.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise MissingToolError(
-                f"pip could not download konlpy=={KONLPY_VERSION} into {target_dir} ({tail[0]});"
-                f" place {KONLPY_WHEEL} there by hand on an offline machine."
-            )
-    digest = sha256_file(wheel)
-    if digest != KONLPY_SHA256:
-        raise IntegrityError(
-            f"{wheel} has sha256 {digest}, expected {KONLPY_SHA256}; delete it and run again."
-        )
-    return wheel
+    return fetch.pinned_file("konlpy", KONLPY_VERSION, KONLPY_WHEEL, KONLPY_SHA256,
+                             dest_dir=cache)
 
 
 def korean_corpus(cache: Path | None = None) -> Corpus:

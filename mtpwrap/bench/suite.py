@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap import hashing
 from mtpwrap.bench import corpora, stats, tokenclass
 from mtpwrap.bench.runner import (
     BenchConfig,
@@ -310,7 +311,7 @@ def _model_provenance(model: Path | None) -> dict | None:
     p = Path(model)
     if not p.exists():
         return {"path": str(p), "exists": False}
-    return {"path": str(p), "bytes": p.stat().st_size, "sha256": corpora.sha256_file(p),
+    return {"path": str(p), "bytes": p.stat().st_size, "sha256": hashing.sha256_file(p),
             "kv_geometry": kv_geometry(p)}
 
 

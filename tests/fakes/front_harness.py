@@ -10,51 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import os
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-
-class State(str, enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class Upstream:
-    base_url: str
-    api_key: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class SupervisorStatus:
-    state: State
-    reason: str | None
-    restarts: int
-    started_at: float | None
-    child_started_at: float | None
-    ready_since: float | None
-    last_exit: str | None
-    pid: int | None
-    upstream: Upstream | None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from mtpwrap.supervisor import State, SupervisorStatus, Upstream
 
 
 class SupervisorDouble:

@@ -1,0 +1,48 @@
+"""Pinned files from the package index: fetched with pip (which honours the machine's index and
+proxy settings), kept in the download cache, checked by sha256.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from mtpwrap import paths
+from mtpwrap.errors import IntegrityError, RuntimeFailure
+from mtpwrap.hashing import sha256_file
+
+
+def verify_sha256(path: Path, expected: str, what: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise IntegrityError(
+            f"{path}: sha256 is {actual}, expected {expected} for {what}.",
+            hint="The file is corrupt or not the pinned release; delete it and run again.",
+        )
+
+
+def pinned_file(package: str, version: str, filename: str, sha256: str, *,
+                sdist: bool = False, dest_dir: Path | None = None,
+                hint: str | None = None) -> Path:
+    """`filename` (the sdist or wheel of package==version), downloaded once and verified."""
+    dest = dest_dir or paths.downloads_dir()
+    target = dest / filename
+    if not target.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind,
+               "--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            failed, why = proc.returncode != 0, (proc.stderr or proc.stdout).strip()
+        except subprocess.TimeoutExpired:
+            failed, why = True, "pip timed out after 900 s"
+        if failed or not target.exists():
+            last = why.splitlines()[-1:] or ["no output"]
+            raise RuntimeFailure(
+                f"could not download {package}=={version} from the package index ({last[0]}).",
+                hint=hint or f"Put {filename} into {dest} by hand and run again.",
+            )
+    verify_sha256(target, sha256, f"{package}=={version}")
+    return target
