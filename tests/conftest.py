@@ -59,6 +59,25 @@ def demo_model() -> Path:
     return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 
 
+@pytest.fixture
+def drop_gguf_files(tmp_path: Path) -> Iterator[None]:
+    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
+    yield
+    for f in tmp_path.glob("*.gguf"):
+        f.unlink()
+
+
+@pytest.fixture(scope="session")
+def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A shape-only Qwen3.6-27B GGUF (16.5 GB apparent, a few MB on disk), written once."""
+    from mtpwrap import gguf_writer
+
+    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
+                                        "qwen3.6-27b")
+    yield path
+    path.unlink()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

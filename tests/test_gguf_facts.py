@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,23 +12,14 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.gguf_facts import read_facts, read_header
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.usefixtures("drop_gguf_files")
+
 MiB = 1024 * 1024
 
 
-@pytest.fixture(autouse=True)
-def _drop_models(tmp_path: Path) -> Iterator[None]:
-    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
-    yield
-    for f in tmp_path.glob("*.gguf"):
-        f.unlink()
-
-
 @pytest.fixture(scope="module")
-def q27(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
-                                        "qwen3.6-27b")
-    yield path
-    path.unlink()
+def q27(shape_27b: Path) -> Path:
+    return shape_27b
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +14,9 @@ from mtpwrap import gguf_writer
 from mtpwrap.calibrate import parse_allocations, run_fit_params
 from mtpwrap.gguf_facts import read_facts, read_header
 
+pytestmark = pytest.mark.usefixtures("drop_gguf_files")
+
 MiB = 1024 * 1024
-
-
-@pytest.fixture(autouse=True)
-def _drop_models(tmp_path: Path) -> Iterator[None]:
-    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
-    yield
-    for f in tmp_path.glob("*.gguf"):
-        f.unlink()
 
 
 @pytest.mark.parametrize("model", sorted(gguf_writer.SHAPES))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,25 +23,16 @@ from mtpwrap.planner import (
 )
 from tests.conftest import run_cli
 
+pytestmark = pytest.mark.usefixtures("drop_gguf_files")
+
 RTX4090 = 24_080 * MiB
 #: a 4.25 bits-per-value cache type (17 bytes per 32 values), sized as calibration would store it
 KV425 = {"kv425": {"block": 32, "bytes": 17}}
 
 
-@pytest.fixture(autouse=True)
-def _drop_models(tmp_path: Path) -> Iterator[None]:
-    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
-    yield
-    for f in tmp_path.glob("*.gguf"):
-        f.unlink()
-
-
 @pytest.fixture(scope="module")
-def q27_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
-                                        "qwen3.6-27b")
-    yield path
-    path.unlink()
+def q27_path(shape_27b: Path) -> Path:
+    return shape_27b
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from mtpwrap.calibrate import (
 from mtpwrap.gguf_facts import read_facts
 from mtpwrap.planner import BUILTIN_KV_TYPES, MemoryPlan, PlanConfig, plan
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("drop_gguf_files")]
 
 
 def within(pred: int, got: int, tol: float) -> bool:
@@ -31,14 +31,6 @@ def within(pred: int, got: int, tol: float) -> bool:
 
 def weights(p: MemoryPlan) -> int:
     return sum(r.bytes for r in p.rows if r.name.startswith("weights"))
-
-
-@pytest.fixture(autouse=True)
-def _drop_models(tmp_path: Path) -> Iterator[None]:
-    """Shape-only models are sparse but tens of GB in apparent size: never leave them behind."""
-    yield
-    for f in tmp_path.glob("*.gguf"):
-        f.unlink()
 
 
 @pytest.fixture(scope="module")
