@@ -205,7 +205,11 @@ class Front:
     async def _metrics_endpoint(self, _request: Request) -> Response:
         up = self.supervisor.status().upstream
         text = None
-        if up is not None:
+        # A scrape is idempotent, so one retry is allowed: llama-server closes pooled
+        # keep-alive connections on its own schedule, and the first try may land on one.
+        for attempt in (1, 2):
+            if up is None:
+                break
             try:
                 r = await self.client.get(
                     up.base_url + "/metrics",
@@ -214,8 +218,12 @@ class Front:
                 if r.status_code == 200 and r.headers.get("content-type", "").startswith(
                         "text/plain"):
                     text = r.text
-            except httpx.HTTPError as err:
-                log.debug("child /metrics unreadable: %s", err)
+                break
+            except httpx.TimeoutException as err:
+                log.debug("child /metrics timed out: %s", err)
+                break
+            except httpx.TransportError as err:
+                log.debug("child /metrics unreadable (try %d): %s", attempt, err)
         self.metrics.set_backend(text)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
