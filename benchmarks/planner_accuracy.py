@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpwrap import gguf_writer  # noqa: E402
 from mtpwrap.calibrate import measure_config, measure_server  # noqa: E402
+from mtpwrap.child import free_loopback_port as _free_port
 from mtpwrap.gguf_facts import read_facts  # noqa: E402
 from mtpwrap.planner import MiB, PlanConfig, plan  # noqa: E402
 
@@ -108,12 +109,6 @@ def _write(model: str, tmp: Path) -> Path:
     return gguf_writer.write_shape_only(tmp / f"{model}.gguf", model)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> int:

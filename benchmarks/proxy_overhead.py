@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,15 +34,13 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap.child import free_loopback_port as free_port
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 INTERNAL_KEY = "bench-internal-key-0123456789"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 120, headers: dict | None = None) -> None:

@@ -23,7 +23,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,15 +32,13 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap.child import free_loopback_port as free_port
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
 POLL = 0.01
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def poll(url: str, deadline: float) -> float | None:

@@ -9,7 +9,6 @@ tests that need an isolated home use the `isolated_home` fixture.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -78,15 +77,13 @@ def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path.unlink()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
 def free_port() -> int:
-    return _free_port()
+    from mtpwrap.child import free_loopback_port
+
+    return free_loopback_port()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mtpwrap import systemd
+from mtpwrap.child import free_loopback_port as _free_port
 from tests.conftest import REPO, cli_env, run_cli
 
 
@@ -109,10 +110,6 @@ def test_notifier_reaches_path_and_abstract_sockets(tmp_path: Path, abstract: bo
     assert other.watchdog_interval() is None  # the watchdog is meant for another process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.child import free_loopback_port as _free_port
 from mtpwrap.errors import ConfigError, RuntimeFailure
 
 #: profile spec kind -> llama-server --spec-type (upstream names, FACTS.md §2).
@@ -157,12 +158,6 @@ def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int,
         raise
 
 
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _last_line(log_path: Path | None) -> str:
