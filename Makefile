@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install build model up test unit lint clean
+.PHONY: install build model up test unit lint clean wheelhouse
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-build: install
+# The demo model comes first: the build tries each new llama-server on it before keeping it.
+build: install model
 	$(BIN)/mtpwrap build --cpu
 
 model: install
@@ -30,11 +31,27 @@ up: build model
 lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks
 
-test: build model lint
+test: model build lint
 	$(BIN)/python -m pytest
 
 unit: install
 	$(BIN)/python -m pytest -m "not integration"
+
+# The runtime wheels (matplotlib left out: plots are skipped) for a machine without network or
+# venv, such as a lent GPU machine: `make wheelhouse PYVER=3.12`, then carry .wheelhouse.
+WHEELHOUSE ?= .wheelhouse
+PYVER ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+ARCH  ?= $(shell uname -m)
+wheelhouse: install
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(BIN)/python -m pip download -q --only-binary=:all: --implementation cp \
+	  --python-version $(PYVER) --platform manylinux_2_28_$(ARCH) \
+	  --platform manylinux_2_27_$(ARCH) --platform manylinux_2_17_$(ARCH) \
+	  --platform manylinux2014_$(ARCH) -d $(WHEELHOUSE) \
+	  $$($(BIN)/python -c "from importlib.metadata import requires; \
+	    print(' '.join(r.split(';')[0].replace(' ', '') for r in requires('mtpwrap') \
+	    if 'extra' not in r and not r.startswith('matplotlib')))")
+	du -sh $(WHEELHOUSE)
 
 clean:
 	rm -rf build $(VENV)

@@ -10,7 +10,9 @@
 # usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
 #   --dry-run            CPU-side parts only: folder, model file, command lines; no build, no GPU
 #   MTPWRAP_LLAMA_SERVER a llama-server to use instead of building
-#   PYTHON               interpreter with mtpwrap's dependencies (default: python3)
+#   PYTHON               interpreter (default: python3). When it lacks mtpwrap's dependencies,
+#                        they are installed from .wheelhouse (`make wheelhouse`, carried to the
+#                        machine) into $GPU_CHECK_SITE (default /tmp/mtpwrap-site), no network
 #   GPU_CHECK_CONTEXTS   comma-separated prompt lengths (default 1024,8192,32768)
 #   GPU_CHECK_PLAN_GPU   GPU the planner predicts for (default auto: the one present)
 set -euo pipefail
@@ -32,6 +34,24 @@ export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 
 say "results: $out"
+need='import click, httpx, yaml, rich, psutil, gguf, numpy, pynvml, starlette, uvicorn'
+if ! "$py" -c "$need" 2>/dev/null; then
+    wheels="${GPU_CHECK_WHEELHOUSE:-$repo/.wheelhouse}"
+    site="${GPU_CHECK_SITE:-/tmp/mtpwrap-site}"
+    if ! compgen -G "$wheels/*.whl" >/dev/null; then
+        say "$py cannot import mtpwrap's dependencies and $wheels has no wheels: run" \
+            "\`make wheelhouse\` (PYVER=the GPU machine's Python) and carry .wheelhouse"
+        exit 69
+    fi
+    say "$py lacks mtpwrap's dependencies: installing $wheels into $site (no network)"
+    "$py" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check \
+        --upgrade --target "$site" "$wheels"/*.whl >>"$log" 2>&1 \
+        || { say "pip could not install the wheelhouse (see $log)"; exit 69; }
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    "$py" -c "$need" >>"$log" 2>&1 \
+        || { say "the wheelhouse does not fit $py (see $log): make it with PYVER=" \
+             "$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"; exit 69; }
+fi
 if (( ! dry_run )); then
     nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv \
         >>"$log" 2>&1 || { say "no NVIDIA GPU visible (nvidia-smi failed)"; exit 69; }

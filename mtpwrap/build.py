@@ -49,6 +49,9 @@ class Manifest:
     log: str
     capabilities: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    cpu_isa: str | None = None  # native | safe | baseline: how the CPU backend was compiled
+    smoke: dict[str, Any] | None = None  # smoke.SmokeResult of this binary on this machine
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # every configuration tried
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +73,15 @@ class Manifest:
     def commit(self) -> str | None:
         return self.source.get("commit")
 
+    @property
+    def smoke_status(self) -> str | None:
+        return (self.smoke or {}).get("status")
+
+    @property
+    def trusted(self) -> bool:
+        """Tried on this machine and answered (or could not be tried here: no GPU)."""
+        return self.smoke_status in ("passed", "skipped")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -79,6 +91,70 @@ class Plan:
     arch: str | None
     reason: str
     options: dict[str, str]
+    cpu_isa: str = "native"
+
+
+#: How the CPU backend is compiled, tried in this order until one passes its smoke test:
+#: native (GGML_NATIVE: everything this CPU has, AMX included), safe (the instruction sets this
+#: CPU reports, named one by one, AMX off), baseline (AVX2, the common x86-64 floor).
+CPU_ISAS = ("native", "safe", "baseline")
+
+#: /proc/cpuinfo flag -> ggml CMake option, for the "safe" configuration.
+_X86_ISA_OPTIONS = {
+    "sse4_2": "GGML_SSE42",
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "bmi2": "GGML_BMI2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
+_BASELINE = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2")
+_AMX_OPTIONS = ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16")
+#: Environment that changes what the compiler emits, so it is part of the cache key.
+FLAG_ENV = ("CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CUDAFLAGS", "NVCC_APPEND_FLAGS")
+
+
+def cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.partition(":")[2].split())
+    return set()
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def isa_options(isa: str, flags: set[str] | None = None) -> dict[str, str]:
+    """The ggml CMake options for one CPU configuration (see CPU_ISAS)."""
+    if isa not in CPU_ISAS:
+        raise ConfigError(
+            f"--cpu-isa {isa}: expected one of {', '.join(CPU_ISAS)}.",
+            hint="native compiles for this CPU, safe names its instruction sets without AMX, "
+            "baseline is AVX2.",
+        )
+    if isa == "native":
+        return {"GGML_NATIVE": "ON"}
+    opts = {"GGML_NATIVE": "OFF"}
+    if not _is_x86():
+        return opts  # ggml picks a portable -march for Arm when GGML_NATIVE is off
+    have = cpu_flags() if flags is None else flags
+    wanted = {f for f in _X86_ISA_OPTIONS if f in have} if isa == "safe" else set(_BASELINE)
+    for flag, option in _X86_ISA_OPTIONS.items():
+        opts[option] = "ON" if flag in wanted else "OFF"
+    for option in _AMX_OPTIONS:
+        opts[option] = "OFF"
+    return opts
+
+
+def _flag_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in FLAG_ENV if os.environ.get(k)}
 
 
 def _host_fingerprint() -> str:
@@ -108,7 +184,7 @@ def _cuda_arch_from_gpu() -> str | None:
     return None
 
 
-def plan_build(cpu: bool = False, cuda_arch: str | None = None) -> Plan:
+def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "native") -> Plan:
     ccache = toolchain.ccache()
     options = {
         "CMAKE_BUILD_TYPE": "Release",
@@ -118,7 +194,7 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None) -> Plan:
         "LLAMA_BUILD_EXAMPLES": "OFF",
         "LLAMA_USE_PREBUILT_UI": "OFF",
         "BUILD_SHARED_LIBS": "OFF",
-        "GGML_NATIVE": "ON",
+        **isa_options(cpu_isa),
     }
     if ccache:
         options["CMAKE_C_COMPILER_LAUNCHER"] = ccache
@@ -129,11 +205,12 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None) -> Plan:
             "86 (3090), 120 (5090) or 90 (H100/H200)."
         )
     if cpu:
-        return Plan("cpu", None, "--cpu asked for a CPU build", options)
+        return Plan("cpu", None, "--cpu asked for a CPU build", options, cpu_isa)
     tk = toolchain.cuda_toolkit()
     arch = cuda_arch or _cuda_arch_from_gpu()
     if arch is None:
-        return Plan("cpu", None, "no NVIDIA GPU found through NVML and no --cuda-arch", options)
+        return Plan("cpu", None, "no NVIDIA GPU found through NVML and no --cuda-arch", options,
+                    cpu_isa)
     if not tk.usable:
         why = (
             "no nvcc on PATH" if tk.nvcc is None else f"the CUDA toolkit at {tk.root} lacks cuBLAS"
@@ -144,7 +221,7 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None) -> Plan:
                 hint="Install the CUDA toolkit with cuBLAS (e.g. `apt-get install "
                 "nvidia-cuda-toolkit` or NVIDIA's cuda-toolkit), or build with --cpu.",
             )
-        return Plan("cpu", None, f"a GPU (sm_{arch}) is present but {why}", options)
+        return Plan("cpu", None, f"a GPU (sm_{arch}) is present but {why}", options, cpu_isa)
     options.update(
         {
             "GGML_CUDA": "ON",
@@ -155,13 +232,14 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None) -> Plan:
     if ccache:
         options["CMAKE_CUDA_COMPILER_LAUNCHER"] = ccache
     reason = f"--cuda-arch {arch}" if cuda_arch else f"GPU compute capability {arch} (NVML)"
-    return Plan(f"cuda-sm{arch}", arch, reason, options)
+    return Plan(f"cuda-sm{arch}", arch, reason, options, cpu_isa)
 
 
 def cache_key(identity: str, options: dict[str, str], compiler: str | None) -> str:
     # The ccache launcher path does not change the result, so it is left out of the key.
     opts = {k: v for k, v in sorted(options.items()) if not k.endswith("_COMPILER_LAUNCHER")}
-    blob = json.dumps([identity, opts, compiler, _host_fingerprint()], sort_keys=True)
+    blob = json.dumps([identity, opts, compiler, _host_fingerprint(), _flag_env()],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -266,6 +344,100 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+NoteFn = Callable[[str], None]
+
+
+def _attempt_summary(m: Manifest) -> dict[str, Any]:
+    smoke = m.smoke or {}
+    return {"cpu_isa": m.cpu_isa, "cache_key": m.cache_key, "build_dir": m.build_dir,
+            "smoke": smoke.get("status"), "detail": smoke.get("detail"),
+            "signal": smoke.get("signal"), "log_tail": smoke.get("log_tail", [])[-5:]}
+
+
+def _smoke_test(server: Path, variant: str, work_dir: Path) -> dict[str, Any]:
+    from mtpwrap import smoke
+
+    gpu = variant.startswith("cuda")
+    if gpu and _cuda_arch_from_gpu() is None:
+        return smoke.skipped("no NVIDIA GPU is visible on this machine, so the CUDA binary "
+                             "cannot be tried here").to_dict()
+    try:
+        model = smoke.smoke_model(work_dir)
+    except Exception as exc:  # noqa: BLE001 - no model to try with is a failed smoke test
+        return smoke.SmokeResult("failed", f"no model to try the binary with: {exc}").to_dict()
+    return smoke.run(server, model, gpu=gpu).to_dict()
+
+
+def _compile(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path,
+             compiler: str | None, jobs: int | None, progress: ProgressFn | None,
+             force: bool) -> Manifest:
+    """Configure and compile one plan into build_dir; the manifest has no smoke result yet."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if force:
+        # A reused CMake cache keeps the options (and flags) it was first configured with.
+        (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
+    log = build_dir / "build.log"
+    log.write_text("")
+    env = dict(os.environ)
+    started = time.monotonic()
+    tag = f" ({plan.cpu_isa})"
+
+    cfg = ["cmake", "-S", str(src.path), "-B", str(build_dir)]
+    cfg += [f"-D{k}={v}" for k, v in plan.options.items()]
+    if progress:
+        progress("configure" + tag, None, None)
+    rc, tail = _run_logged(cfg, log, "configure" + tag, progress, env)
+    if rc != 0:
+        raise BuildError(
+            f"CMake could not configure {src.path} (exit {rc}).",
+            hint=f"Full log: {log}",
+        ).with_tail(_error_excerpt(tail))
+
+    n = jobs or os.cpu_count() or 2
+    cmd = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(n), "--target"]
+    cmd += list(TARGETS)
+    rc, tail = _run_logged(cmd, log, "compile" + tag, progress, env)
+    if rc != 0:
+        raise BuildError(
+            f"compiling {', '.join(TARGETS)} failed (exit {rc}).",
+            hint=f"Full log: {log}",
+        ).with_tail(_error_excerpt(tail))
+
+    binaries: dict[str, dict[str, str]] = {}
+    for name in TARGETS:
+        exe = build_dir / "bin" / name
+        if not exe.is_file():
+            raise BuildError(
+                f"the build finished but {exe} is missing.", hint=f"Full log: {log}"
+            )
+        binaries[name] = {
+            "path": str(exe),
+            "cache_path": str(exe),
+            "sha256": hashing.sha256_file(exe),
+        }
+    server = build_dir / "bin" / "llama-server"
+    tk = toolchain.cuda_toolkit() if plan.variant.startswith("cuda") else None
+    return Manifest(
+        variant=plan.variant,
+        source={**src.to_dict(), "why": why},
+        cmake_options=plan.options,
+        compiler=compiler,
+        cuda_version=tk.version if tk else None,
+        architectures=[plan.arch] if plan.arch else [platform.machine()],
+        binaries=binaries,
+        version_output=_version_output(server),
+        build_seconds=round(time.monotonic() - started, 1),
+        built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        cache_key=key,
+        build_dir=str(build_dir),
+        log=str(log),
+        capabilities=_capabilities(server),
+        extra={"plan_reason": plan.reason, "cmake_version": toolchain.cmake_version(),
+               "flag_env": _flag_env()},
+        cpu_isa=plan.cpu_isa,
+    )
+
+
 def build(
     source_spec: str | None = None,
     *,
@@ -274,8 +446,16 @@ def build(
     jobs: int | None = None,
     progress: ProgressFn | None = None,
     force: bool = False,
+    cpu_isa: str | None = None,
+    allow_unpinned: bool = False,
+    note: NoteFn | None = None,
 ) -> tuple[Manifest, bool, str]:
-    """Build (or reuse) llama-server. Returns (manifest, reused, why this source)."""
+    """Build (or reuse) llama-server, tried on this machine. Returns (manifest, reused, why).
+
+    Each CPU configuration (CPU_ISAS, or only `cpu_isa` when given) is its own cache entry. A
+    new binary is started on a real model and asked for tokens; one that crashes is remembered
+    as crashed (never installed, never reused) and the next configuration is built.
+    """
     if toolchain.cmake() is None:
         raise MissingToolError(
             "cmake is not installed, so llama.cpp cannot be built.",
@@ -287,7 +467,12 @@ def build(
             "no C++ compiler (c++, g++ or clang++) on PATH, so llama.cpp cannot be built.",
             hint="Install one (`apt-get install build-essential`) and run again.",
         )
-    plan = plan_build(cpu=cpu, cuda_arch=cuda_arch)
+    isas = [cpu_isa] if cpu_isa else list(CPU_ISAS)
+    plans: list[Plan] = []
+    for isa in isas:
+        plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa)
+        if all(p.options != plan.options for p in plans):  # on Arm, safe == baseline
+            plans.append(plan)
 
     # The offline source's identity is known before downloading, so a cached build is reused
     # without touching the network or the 76 MB archive.
@@ -297,91 +482,88 @@ def build(
     elif source_spec == "offline":
         identity, why = source.offline_identity(), "asked for with --source offline"
     else:
-        src = source.resolve(source_spec)
+        src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
         identity, why = src.identity, src.reason
 
-    key = cache_key(identity, plan.options, compiler)
-    build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
-    variant_dir = paths.build_root() / plan.variant
-    cached_manifest = build_dir / MANIFEST
-
-    with _locked(paths.build_cache_dir() / f"{plan.variant}-{key}.lock"):
-        if not force and cached_manifest.is_file() and (src is None or src.kind != "path"):
-            manifest = Manifest.from_dict(json.loads(cached_manifest.read_text()))
-            if _binaries_ok(manifest):
-                if manifest.capabilities is None:
-                    # Recorded by an older mtpwrap: parse --help once and keep it.
-                    server = Path(manifest.binaries["llama-server"]["cache_path"])
-                    manifest.capabilities = _capabilities(server)
-                    if manifest.capabilities is not None:
-                        _write_json(cached_manifest, manifest.to_dict())
+    say = note or (lambda _msg: None)
+    tried: list[dict[str, Any]] = []
+    for i, plan in enumerate(plans):
+        key = cache_key(identity, plan.options, compiler)
+        build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
+        cached_manifest = build_dir / MANIFEST
+        manifest: Manifest | None = None
+        reused = False
+        with _locked(paths.build_cache_dir() / f"{plan.variant}-{key}.lock"):
+            if not force and cached_manifest.is_file() and (src is None or src.kind != "path"):
+                found = Manifest.from_dict(json.loads(cached_manifest.read_text()))
+                if _binaries_ok(found):
+                    manifest, reused = found, True
+                    if manifest.capabilities is None:
+                        # Recorded by an older mtpwrap: parse --help once and keep it.
+                        server = Path(manifest.binaries["llama-server"]["cache_path"])
+                        manifest.capabilities = _capabilities(server)
+            if manifest is None:
+                if src is None:
+                    src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
+                    why = src.reason
+                manifest = _compile(plan, src, why, key, build_dir, compiler, jobs, progress,
+                                    force)
+            if manifest.smoke is None:
+                # New, or cached by an mtpwrap that did not try its builds: try it now.
                 if progress:
-                    progress("up to date", 100.0, None)
-                return _install(manifest, variant_dir), True, why
-
-        if src is None:
-            src = source.resolve(source_spec)
-            why = src.reason
-        build_dir.mkdir(parents=True, exist_ok=True)
-        log = build_dir / "build.log"
-        log.write_text("")
-        env = dict(os.environ)
-        started = time.monotonic()
-
-        cfg = ["cmake", "-S", str(src.path), "-B", str(build_dir)]
-        cfg += [f"-D{k}={v}" for k, v in plan.options.items()]
-        if progress:
-            progress("configure", None, None)
-        rc, tail = _run_logged(cfg, log, "configure", progress, env)
-        if rc != 0:
+                    progress(f"smoke test ({plan.cpu_isa})", None, None)
+                manifest.smoke = _smoke_test(Path(manifest.binaries["llama-server"]
+                                                  ["cache_path"]), plan.variant, build_dir)
+            manifest.cpu_isa = plan.cpu_isa
+            _write_json(cached_manifest, manifest.to_dict())
+        tried.append(_attempt_summary(manifest))
+        if manifest.trusted:
+            manifest.attempts = tried
+            manifest.extra = {**manifest.extra, "isa_reason": _isa_reason(plan, tried, cpu_isa)}
+            _write_json(cached_manifest, manifest.to_dict())
+            if progress:
+                progress("up to date" if reused else "built", 100.0, None)
+            return _install(manifest, paths.build_root() / plan.variant), reused, why
+        smoke = manifest.smoke or {}
+        what = f"the {plan.cpu_isa} build " + ("crashed" if smoke.get("status") == "crashed"
+                                                else "failed") + f": {smoke.get('detail')}"
+        if reused:
+            what += " (remembered from an earlier try; --force tries it again)"
+        if smoke.get("status") != "crashed":
+            # Only a crash says the instruction sets are wrong; anything else is not fixed by
+            # building again with fewer of them.
             raise BuildError(
-                f"CMake could not configure {src.path} (exit {rc}).",
-                hint=f"Full log: {log}",
-            ).with_tail(_error_excerpt(tail))
+                f"{what}. The binary was not installed.",
+                hint=f"Build log: {manifest.log}. Run `mtpwrap build --force` to try again.",
+            ).with_tail(smoke.get("log_tail", []))
+        if i + 1 < len(plans):
+            say(f"{what}; trying the {plans[i + 1].cpu_isa} configuration.")
+    last = tried[-1]
+    _uninstall_if(paths.build_root() / plans[-1].variant, {t["cache_key"] for t in tried})
+    raise BuildError(
+        "every CPU configuration tried crashed in its smoke test ("
+        + "; ".join(f"{t['cpu_isa']}: {t['detail']}" for t in tried)
+        + "). Nothing was installed.",
+        hint=f"Build log: {Path(last['build_dir']) / 'build.log'}. Force one with --cpu-isa, "
+        "or report the log lines above.",
+    ).with_tail(last.get("log_tail", []))
 
-        n = jobs or os.cpu_count() or 2
-        cmd = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(n), "--target"]
-        cmd += list(TARGETS)
-        rc, tail = _run_logged(cmd, log, "build", progress, env)
-        if rc != 0:
-            raise BuildError(
-                f"compiling {', '.join(TARGETS)} failed (exit {rc}).",
-                hint=f"Full log: {log}",
-            ).with_tail(_error_excerpt(tail))
 
-        binaries: dict[str, dict[str, str]] = {}
-        for name in TARGETS:
-            exe = build_dir / "bin" / name
-            if not exe.is_file():
-                raise BuildError(
-                    f"the build finished but {exe} is missing.", hint=f"Full log: {log}"
-                )
-            binaries[name] = {
-                "path": str(exe),
-                "cache_path": str(exe),
-                "sha256": hashing.sha256_file(exe),
-            }
-        server = build_dir / "bin" / "llama-server"
-        tk = toolchain.cuda_toolkit() if plan.variant.startswith("cuda") else None
-        manifest = Manifest(
-            variant=plan.variant,
-            source={**src.to_dict(), "why": why},
-            cmake_options=plan.options,
-            compiler=compiler,
-            cuda_version=tk.version if tk else None,
-            architectures=[plan.arch] if plan.arch else [platform.machine()],
-            binaries=binaries,
-            version_output=_version_output(server),
-            build_seconds=round(time.monotonic() - started, 1),
-            built_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            cache_key=key,
-            build_dir=str(build_dir),
-            log=str(log),
-            capabilities=_capabilities(server),
-            extra={"plan_reason": plan.reason, "cmake_version": toolchain.cmake_version()},
-        )
-        _write_json(cached_manifest, manifest.to_dict())
-        return _install(manifest, variant_dir), False, why
+def _uninstall_if(variant_dir: Path, keys: set[str]) -> None:
+    """Take an installed build out of build/<variant>/ when it is one that just failed here."""
+    mf = variant_dir / MANIFEST
+    with contextlib.suppress(OSError, ValueError):
+        if json.loads(mf.read_text()).get("cache_key") in keys:
+            mf.unlink()
+
+
+def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None) -> str:
+    if forced:
+        return f"--cpu-isa {forced} asked for it"
+    if len(tried) == 1:
+        return f"the {plan.cpu_isa} configuration passed its smoke test"
+    failed = ", ".join(f"{t['cpu_isa']} ({t['detail']})" for t in tried[:-1])
+    return f"kept {plan.cpu_isa}: {failed} failed on this CPU"
 
 
 def ensure_built(variant: str = "cpu") -> Manifest:

@@ -231,20 +231,28 @@ class ChildProcess:
 
     async def generate_one_token(self, timeout: float) -> tuple[bool, str]:
         """Ask for one token; (True, "") when the model really answers."""
-        body = {"prompt": "Hello", "n_predict": 1, "cache_prompt": False, "temperature": 0.0}
+        ok, why, _ = await self.generate("Hello", 1, timeout)
+        return ok, why
+
+    async def generate(self, prompt: str, n_predict: int, timeout: float
+                       ) -> tuple[bool, str, int]:
+        """Ask for up to n_predict tokens: (answered, why not, tokens predicted)."""
+        body = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": False,
+                "temperature": 0.0}
         try:
             r = await self._http.post("/completion", json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
-            return False, f"{type(exc).__name__}: {exc}"
+            return False, f"{type(exc).__name__}: {exc}", 0
         if r.status_code != 200:
-            return False, f"HTTP {r.status_code}: {r.text[:200]}"
+            return False, f"HTTP {r.status_code}: {r.text[:200]}", 0
         try:
             data = r.json()
         except ValueError:
-            return False, "the answer was not JSON"
+            return False, "the answer was not JSON", 0
         if not isinstance(data, dict) or "content" not in data:
-            return False, "the answer had no content"
-        return True, ""
+            return False, "the answer had no content", 0
+        predicted = data.get("tokens_predicted")
+        return True, "", predicted if isinstance(predicted, int) else 0
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""

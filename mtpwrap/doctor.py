@@ -144,12 +144,45 @@ def check_binary() -> Check:
             f"no built binary under {paths.build_root()}",
             "mtpwrap build   (or `mtpwrap build --cpu`)",
         )
-    return Check(
-        "llama-server build",
-        OK,
-        f"{m.variant}, {m.source.get('kind')} source, commit {m.commit}, "
-        f"{m.binary('llama-server')}",
-    )
+    smoke = m.smoke or {}
+    detail = (f"{m.variant}, {m.source.get('kind')} source, commit {m.commit}, "
+              f"{m.binary('llama-server')}")
+    if m.smoke is None:
+        return Check("llama-server build", WARNING, detail + "; never tried on this machine",
+                     "mtpwrap build   (tries the binary and keeps what runs)")
+    if not m.trusted:
+        return Check("llama-server build", MISSING,
+                     detail + f"; its smoke test {smoke.get('status')}: {smoke.get('detail')}",
+                     "mtpwrap build --force")
+    return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
+
+
+def check_cpu_isa() -> Check:
+    """How the installed build's CPU backend was compiled, and why that one was kept."""
+    from mtpwrap import build
+
+    m = build.load_manifest()
+    if m is None:
+        return Check("CPU configuration", WARNING, "no build yet", "mtpwrap build")
+    tried = ", ".join(f"{a.get('cpu_isa')}: {a.get('smoke')}" for a in m.attempts)
+    reason = m.extra.get("isa_reason") or "built before configurations were tried"
+    return Check("CPU configuration", OK,
+                 f"{m.cpu_isa or 'native'} — {reason}" + (f" (tried {tried})" if tried else ""))
+
+
+def check_pin() -> Check:
+    """The fork pin (the superproject's gitlink) against what vendor/ holds."""
+    from mtpwrap import source
+
+    pinned, held = source.pin_status()
+    if held.startswith("empty"):
+        return Check("fork pin", OK, f"{source.SUBMODULE_PATH} pinned at {pinned[:12]}, "
+                     "not initialised: builds use the pinned offline source")
+    if held == pinned:
+        return Check("fork pin", OK, f"{source.SUBMODULE_PATH} at the pin {pinned[:12]}")
+    return Check("fork pin", WARNING,
+                 f"{source.SUBMODULE_PATH} holds {held}, the pin is {pinned}",
+                 "git submodule update   (or build with --allow-unpinned)")
 
 
 def check_model(model: str | None) -> Check:
@@ -186,6 +219,8 @@ def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]
         check_compiler(),
         check_ccache(),
         check_disk(),
+        check_pin(),
         check_binary(),
+        check_cpu_isa(),
         check_model(model),
     ]

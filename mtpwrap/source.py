@@ -9,6 +9,7 @@ Three kinds, chosen in this order when nothing is asked for:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -41,6 +42,7 @@ class Source:
     identity: str  # what the build cache is keyed by
     location: str  # where it came from, for people
     reason: str  # why this source was used
+    pinned: bool = True  # the submodule holds the superproject's pinned commit
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
@@ -72,14 +74,44 @@ def submodule_source(root: Path | None = None) -> Source | None:
     commit = _git(tree, "rev-parse", "HEAD")
     dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
     identity = f"submodule:{commit or 'unknown'}{'+dirty' if dirty else ''}"
+    pinned = commit == SUBMODULE_COMMIT
     return Source(
         kind="submodule",
         path=tree,
         commit=commit,
         identity=identity,
         location=f"{SUBMODULE_PATH} ({SUBMODULE_URL})",
-        reason="the submodule is initialised",
+        reason="the submodule is initialised" + ("" if pinned else
+                                                  f" (at {commit}, not the pin)"),
+        pinned=pinned and not dirty,
     )
+
+
+def pin_status(root: Path | None = None) -> tuple[str, str]:
+    """(pinned commit, what the checkout holds) for `doctor`: the checkout's HEAD, or 'empty'."""
+    sub = submodule_source(root)
+    if sub is None:
+        return SUBMODULE_COMMIT, "empty (not initialised)"
+    held = sub.commit or "unknown commit"
+    if sub.identity.endswith("+dirty"):
+        held += " with local changes"
+    return SUBMODULE_COMMIT, held
+
+
+def check_pin(sub: Source, allow_unpinned: bool) -> Source:
+    """The submodule as it is, if it holds the pinned commit or the user allowed otherwise."""
+    if sub.pinned:
+        return sub
+    held = sub.commit or "an unknown commit"
+    if sub.identity.endswith("+dirty"):
+        held += " with local changes"
+    if not allow_unpinned:
+        raise ConfigError(
+            f"{SUBMODULE_PATH} holds {held}, not the pinned fork commit {SUBMODULE_COMMIT}.",
+            hint="Run `git submodule update` to check out the pin, or pass --allow-unpinned "
+            "(or --source PATH) to build what is there.",
+        )
+    return dataclasses.replace(sub, reason=sub.reason + "; built anyway: --allow-unpinned")
 
 
 def path_source(path: str | Path) -> Source:
@@ -154,24 +186,28 @@ def offline_source(reason: str = "asked for with --source offline") -> Source:
     )
 
 
-def resolve(spec: str | None = None) -> Source:
-    """`None`/"auto": submodule if initialised, else offline. Or "submodule", "offline", a path."""
+def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
+            root: Path | None = None) -> Source:
+    """`None`/"auto": submodule if initialised, else offline. Or "submodule", "offline", a path.
+
+    The submodule is used only at the pinned commit unless `allow_unpinned`.
+    """
     if spec in (None, "", "auto"):
-        sub = submodule_source()
+        sub = submodule_source(root)
         if sub is not None:
-            return sub
+            return check_pin(sub, allow_unpinned)
         return offline_source(
             reason=f"the submodule {SUBMODULE_PATH} is not initialised "
             "(`git submodule update --init` needs GitHub), so the pinned offline source is used"
         )
     if spec == "submodule":
-        sub = submodule_source()
+        sub = submodule_source(root)
         if sub is None:
             raise ConfigError(
                 f"--source submodule: {SUBMODULE_PATH} is empty.",
                 hint="Run `git submodule update --init` (needs GitHub), or use --source offline.",
             )
-        return sub
+        return check_pin(sub, allow_unpinned)
     if spec == "offline":
         return offline_source()
     return path_source(spec)

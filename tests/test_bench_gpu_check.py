@@ -112,3 +112,45 @@ def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     subprocess.run([str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
                    timeout=300)
     assert (tmp_path / "from-env" / "gpu_check.json").exists()
+
+
+def test_dry_run_from_a_bare_python_with_the_wheelhouse(tmp_path: Path, repo_root: Path) -> None:
+    """A lent GPU machine has no network and no project venv: `make wheelhouse` plus the
+    script must be enough, starting from a Python that has nothing installed."""
+    wheels = tmp_path / "wheelhouse"
+    make = subprocess.run(["make", "-s", "wheelhouse", f"WHEELHOUSE={wheels}"], cwd=repo_root,
+                          capture_output=True, text=True, timeout=600)
+    assert make.returncode == 0, make.stdout + make.stderr
+    assert not list(wheels.glob("matplotlib*"))  # kept small enough to carry
+    assert sum(f.stat().st_size for f in wheels.iterdir()) < 48 * 2**20
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", str(bare)], check=True, timeout=300)
+    py = bare / "bin" / "python"
+    assert subprocess.run([str(py), "-c", "import httpx"], capture_output=True).returncode != 0
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OUT")}
+    env.update(PYTHON=str(py), GPU_CHECK_WHEELHOUSE=str(wheels),
+               GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_WORK=str(tmp_path / "work"),
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server", GPU_CHECK_CONTEXTS="1024",
+               GPU_CHECK_PLAN_GPU="rtx4090")
+    p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    log = (out / "gpu_check.log").read_text()
+    assert p.returncode == 0, log
+    assert "lacks mtpwrap's dependencies: installing" in log
+    result = json.loads((out / "gpu_check.json").read_text())
+    assert result["dry_run"] is True and result["planner"]
+    assert all(rec["rc"] == 0 for rec in result["planner"]), result["planner"]
+
+
+def test_a_bare_python_without_wheelhouse_is_told_what_to_do(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True,
+                   timeout=300)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OUT")}
+    env.update(PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELHOUSE=str(tmp_path / "none"),
+               MTPWRAP_LLAMA_SERVER="/opt/llama-server")
+    p = subprocess.run([str(SCRIPT), "--dry-run", str(tmp_path / "r")], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert p.returncode == 69
+    assert "make wheelhouse" in p.stdout

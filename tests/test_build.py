@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,20 @@ FAKE_TREE = Path(__file__).parent / "data" / "fake-llama-tree"
 
 @pytest.fixture
 def build_env(tmp_path: Path) -> dict[str, str]:
-    """An isolated home and build root, so these tests never touch the shared cache."""
-    return cli_env(MTPWRAP_HOME=str(tmp_path / "home"), MTPWRAP_BUILD_DIR=str(tmp_path / "build"))
+    """An isolated home and build root, so these tests never touch the shared cache. The fake
+    tree's llama-server does not read its model, so its smoke test gets a placeholder file."""
+    model = tmp_path / "placeholder.gguf"
+    model.write_bytes(b"GGUF")
+    return cli_env(MTPWRAP_HOME=str(tmp_path / "home"), MTPWRAP_BUILD_DIR=str(tmp_path / "build"),
+                   MTPWRAP_DEMO_MODEL=str(model))
+
+
+def _fake_tree(tmp_path: Path, *markers: str) -> Path:
+    tree = tmp_path / "tree"
+    shutil.copytree(FAKE_TREE, tree)
+    for marker in markers:
+        (tree / marker).write_text("")
+    return tree
 
 
 def test_cpu_plan_has_the_recipe_options() -> None:
@@ -147,3 +161,148 @@ def test_offline_build_is_complete_and_a_second_run_is_a_no_op(cpu_manifest: dic
     assert log.stat().st_mtime_ns == before  # nothing was configured or compiled again
     server = Path(cpu_manifest["binaries"]["llama-server"]["path"])
     assert hashing.sha256_file(server) == cpu_manifest["binaries"]["llama-server"]["sha256"]
+
+
+# --------------------------------------------------------------------------- tried builds
+
+
+def test_safe_isa_names_this_cpus_instruction_sets_and_turns_amx_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(build, "_is_x86", lambda: True)
+    flags = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni",
+             "amx_tile", "amx_int8", "amx_bf16"}
+    safe = build.isa_options("safe", flags)
+    assert safe["GGML_NATIVE"] == "OFF"
+    assert safe["GGML_AVX512"] == "ON" and safe["GGML_AVX512_VNNI"] == "ON"
+    assert safe["GGML_AVX512_BF16"] == "OFF"  # not in this CPU's flags
+    assert all(safe[o] == "OFF" for o in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
+    base = build.isa_options("baseline", flags)
+    assert base["GGML_AVX2"] == "ON" and base["GGML_FMA"] == "ON"
+    assert base["GGML_AVX512"] == "OFF" and base["GGML_AMX_INT8"] == "OFF"
+    assert build.isa_options("native", flags) == {"GGML_NATIVE": "ON"}
+    with pytest.raises(ConfigError, match="--cpu-isa fastest"):
+        build.isa_options("fastest", flags)
+
+
+def test_compiler_flags_from_the_environment_are_part_of_the_cache_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opts = build.plan_build(cpu=True).options
+    monkeypatch.delenv("CFLAGS", raising=False)
+    k1 = build.cache_key("offline:x", opts, "g++ 12")
+    monkeypatch.setenv("CFLAGS", "-march=x86-64-v3")
+    assert build.cache_key("offline:x", opts, "g++ 12") != k1
+
+
+def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
+    build_env: dict[str, str], tmp_path: Path
+) -> None:
+    tree = _fake_tree(tmp_path, "crash-when-native")
+    r = run_cli("build", "--cpu", "--source", str(tree), "--json", env=build_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads(r.stdout)
+    assert manifest["cpu_isa"] == "safe"
+    assert manifest["cmake_options"]["GGML_NATIVE"] == "OFF"
+    assert manifest["smoke"]["status"] == "passed"
+    native, safe = manifest["attempts"]
+    assert native["cpu_isa"] == "native" and native["smoke"] == "crashed"
+    assert native["signal"] == "SIGSEGV"
+    assert any("about to crash" in line for line in native["log_tail"])
+    assert safe["cpu_isa"] == "safe" and safe["smoke"] == "passed"
+    assert "trying the safe configuration" in r.stderr
+    installed = Path(manifest["binaries"]["llama-server"]["path"])
+    # The installed binary is the safe one, byte for byte, and not the crashing native one.
+    assert manifest["binaries"]["llama-server"]["cache_path"].startswith(safe["build_dir"])
+    crashed = Path(native["build_dir"]) / "bin" / "llama-server"
+    assert "FAKE_CRASH" not in installed.read_text()
+    assert "CRASH = 1" in crashed.read_text() and "CRASH = 0" in installed.read_text()
+    # The crashing build's own record says so, so it is never taken from the cache.
+    cached = json.loads((Path(native["build_dir"]) / "manifest.json").read_text())
+    assert cached["smoke"]["status"] == "crashed"
+
+
+def test_when_every_configuration_crashes_nothing_is_installed(
+    build_env: dict[str, str], tmp_path: Path
+) -> None:
+    tree = _fake_tree(tmp_path, "crash-always")
+    r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "every CPU configuration tried crashed" in r.stderr
+    for isa in ("native", "safe", "baseline"):
+        assert f"{isa}: llama-server ended with signal 11 (SIGSEGV)" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (Path(build_env["MTPWRAP_BUILD_DIR"]) / "cpu" / "manifest.json").exists()
+
+
+def test_cpu_isa_forces_one_configuration(build_env: dict[str, str], tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path, "crash-when-native")
+    r = run_cli("build", "--cpu", "--cpu-isa", "native", "--source", str(tree), env=build_env,
+                timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert "native: llama-server ended with signal 11 (SIGSEGV)" in r.stderr
+    r = run_cli("build", "--cpu", "--cpu-isa", "baseline", "--source", str(tree), "--json",
+                env=build_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads(r.stdout)
+    assert [a["cpu_isa"] for a in manifest["attempts"]] == ["baseline"]
+    assert manifest["extra"]["isa_reason"] == "--cpu-isa baseline asked for it"
+
+
+def test_piped_build_prints_one_line_per_phase(build_env: dict[str, str], tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path)
+    r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    for phase in ("configure (native)", "compile (native)", "smoke test (native)", "built"):
+        assert any(line.endswith(f"build: {phase}") for line in lines), r.stderr
+    assert "━" not in r.stderr  # no progress bar drawn into a log
+    assert "smoke test: passed" in r.stderr
+
+
+def test_the_fork_pin_is_a_real_gitlink(repo_root: Path) -> None:
+    out = subprocess.run(["git", "-C", str(repo_root), "ls-files", "-s", source.SUBMODULE_PATH],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[:2] == ["160000", source.SUBMODULE_COMMIT], out
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
+           "PATH": os.environ["PATH"], "HOME": str(cwd)}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def test_a_submodule_at_another_commit_is_refused_unless_allowed(tmp_path: Path) -> None:
+    fork = tmp_path / "super" / source.SUBMODULE_PATH
+    shutil.copytree(FAKE_TREE, fork)
+    _git(fork, "init", "-q")
+    _git(fork, "add", "-A")
+    _git(fork, "commit", "-q", "-m", "not the pin")
+    head = _git(fork, "rev-parse", "HEAD")
+    root = tmp_path / "super"
+    with pytest.raises(ConfigError, match=f"holds {head}, not the pinned fork commit"):
+        source.resolve(None, root=root)
+    with pytest.raises(ConfigError, match="--allow-unpinned"):
+        source.resolve("submodule", root=root)
+    allowed = source.resolve(None, root=root, allow_unpinned=True)
+    assert allowed.kind == "submodule" and allowed.commit == head
+    assert "--allow-unpinned" in allowed.reason
+    assert source.pin_status(root) == (source.SUBMODULE_COMMIT, head)
+
+
+@pytest.mark.integration
+def test_the_real_build_passed_its_smoke_test_on_this_cpu(cpu_manifest: dict,
+                                                          demo_model: Path) -> None:
+    assert cpu_manifest["smoke"]["status"] == "passed", cpu_manifest["smoke"]
+    assert cpu_manifest["smoke"]["tokens"] > 0
+    assert cpu_manifest["cpu_isa"] in build.CPU_ISAS
+    kept = cpu_manifest["attempts"][-1]
+    assert kept["cpu_isa"] == cpu_manifest["cpu_isa"] and kept["smoke"] == "passed"
+    assert all(a["smoke"] == "crashed" for a in cpu_manifest["attempts"][:-1])
+    r = run_cli("doctor", "--json", timeout=120)
+    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    assert cpu_manifest["cpu_isa"] in checks["CPU configuration"]["detail"]
+    assert source.SUBMODULE_COMMIT[:12] in checks["fork pin"]["detail"]
+    assert "smoke test passed" in checks["llama-server build"]["detail"]

@@ -157,7 +157,10 @@ def write(results: dict, out_dir: Path, *, gap_error_note: str | None = None) ->
     results["summary"] = summarize(results)
     files = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
     files["json"].write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
-    files.update(plots(results, out_dir))
+    try:
+        files.update(plots(results, out_dir))
+    except ImportError:  # a bare GPU machine gets the wheelhouse without matplotlib
+        results["summary"]["plots"] = "skipped: matplotlib is not installed"
     files["md"].write_text(markdown(results, files), encoding="utf-8")
     return files
 

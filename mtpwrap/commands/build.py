@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -22,6 +24,21 @@ import click
     help="CUDA compute capability, e.g. 89 (RTX 4090); default from the GPU (NVML).",
 )
 @click.option(
+    "--cpu-isa",
+    type=click.Choice(["native", "safe", "baseline"]),
+    envvar="MTPWRAP_CPU_ISA",
+    default=None,
+    help="How to compile the CPU backend: native (GGML_NATIVE), safe (this CPU's instruction "
+    "sets named one by one, AMX off) or baseline (AVX2). Default: native, then safe, then "
+    "baseline, keeping the first that passes its smoke test.",
+)
+@click.option(
+    "--allow-unpinned",
+    is_flag=True,
+    envvar="MTPWRAP_ALLOW_UNPINNED",
+    help="Build the submodule even when it is not at the pinned fork commit.",
+)
+@click.option(
     "--jobs",
     "-j",
     type=click.IntRange(1, 512),
@@ -29,51 +46,49 @@ import click
     default=None,
     help="Parallel compile jobs (default: all cores).",
 )
-@click.option("--force", is_flag=True, help="Rebuild even when a cached build matches.")
+@click.option("--force", is_flag=True, help="Rebuild (and re-try) even when a cached build "
+              "matches.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def command(
     source_spec: str | None,
     cpu: bool,
     cuda_arch: str | None,
+    cpu_isa: str | None,
+    allow_unpinned: bool,
     jobs: int | None,
     force: bool,
     as_json: bool,
 ) -> None:
-    """Build llama-server and llama-fit-params with CMake for this machine.
+    """Build llama-server and llama-fit-params with CMake for this machine, and try them.
 
-    The result goes to build/<variant>/ (cpu or cuda-smNN) with a manifest.json recording the
-    source, commit, options, compiler, binary sha256 and --version. A second run with nothing
-    changed reuses the cached build in seconds.
+    Each new binary is started on a real model (the demo model when cached, else a tiny one)
+    and asked for a few tokens; one that crashes is never installed, and the next CPU
+    configuration is built. The result goes to build/<variant>/ (cpu or cuda-smNN) with a
+    manifest.json recording the source, commit, options, compiler, binary sha256, --version
+    and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
     from mtpwrap import build, console
     from mtpwrap.errors import BuildError
 
-    with console.progress() as prog:
-        task = prog.add_task("preparing", total=100)
-        state = {"phase": "preparing"}
-
-        def on_progress(phase: str, percent: float | None, line: str | None) -> None:
-            if phase != state["phase"]:
-                state["phase"] = phase
-                prog.update(task, description=phase)
-            if percent is not None:
-                prog.update(task, completed=percent)
-
+    with _reporter() as rep:
         try:
             manifest, reused, why = build.build(
                 source_spec,
                 cpu=cpu,
                 cuda_arch=cuda_arch,
                 jobs=jobs,
-                progress=on_progress,
+                progress=rep.progress,
                 force=force,
+                cpu_isa=cpu_isa,
+                allow_unpinned=allow_unpinned,
+                note=rep.note,
             )
         except BuildError as exc:
-            prog.stop()
+            rep.stop()
             for line in exc.tail:
                 console.err.print(f"  [dim]{line}[/dim]", markup=True, highlight=False)
             raise
-        prog.update(task, completed=100, description="up to date" if reused else "built")
+        rep.done("up to date" if reused else "built")
         kv_note = _calibrate(manifest.variant)
 
     if as_json:
@@ -83,6 +98,9 @@ def command(
     console.info(f"source: {src.get('kind')} — {src.get('location')} (commit {src.get('commit')})")
     console.info(f"why: {why}")
     console.info(f"variant: {manifest.variant} ({manifest.extra.get('plan_reason', '')})")
+    console.info(f"CPU configuration: {manifest.cpu_isa} — {manifest.extra.get('isa_reason', '')}")
+    smoke = manifest.smoke or {}
+    console.info(f"smoke test: {smoke.get('status')} — {smoke.get('detail')}")
     for name, info in manifest.binaries.items():
         console.info(f"{name}: {info['path']}")
     console.info(f"manifest: {build.paths.build_root() / manifest.variant / build.MANIFEST}")
@@ -91,6 +109,74 @@ def command(
         console.info("nothing changed since the last build; reused it.")
     else:
         console.info(f"built in {manifest.build_seconds:.0f} s; log: {manifest.log}")
+
+
+class _Reporter:
+    """Build progress for a person: a rich bar on a terminal; on a pipe (a CI log, journald,
+    `make up > log`) one line per phase and one every 10 % of the compile."""
+
+    def __init__(self) -> None:
+        from mtpwrap import console
+
+        self.console = console
+        self.tty = console.err.is_terminal
+        self.phase = "preparing"
+        self.last_decile = -1
+        self.prog: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> _Reporter:
+        if self.tty:
+            self.prog = self.console.progress()
+            self.prog.__enter__()
+            self.task = self.prog.add_task(self.phase, total=100)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.prog is not None:
+            self.prog.__exit__(None, None, None)
+            self.prog = None
+
+    def _line(self, text: str) -> None:
+        import time
+
+        self.console.info(f"{time.strftime('%H:%M:%S')} build: {text}")
+
+    def progress(self, phase: str, percent: float | None, line: str | None) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            self.last_decile = -1
+            if self.prog is not None:
+                self.prog.update(self.task, description=phase, completed=0)
+            else:
+                self._line(phase)
+        if percent is None:
+            return
+        if self.prog is not None:
+            self.prog.update(self.task, completed=percent)
+        elif int(percent) // 10 > self.last_decile:
+            self.last_decile = int(percent) // 10
+            if 0 < percent < 100:
+                self._line(f"{phase}: {percent:.0f} %")
+
+    def note(self, message: str) -> None:
+        if self.prog is not None:
+            self.prog.console.print(message)
+        else:
+            self._line(message)
+
+    def done(self, description: str) -> None:
+        if self.prog is not None:
+            self.prog.update(self.task, completed=100, description=description)
+        else:
+            self._line(description)
+
+
+def _reporter() -> _Reporter:
+    return _Reporter()
 
 
 def _calibrate(variant: str) -> str:
