@@ -117,9 +117,7 @@ def supervised_front_main(port: int, slots: int) -> None:
                           queue_timeout_s=60, retry_after_s=2)
         front = Front(sup, cfg, {"profile": "load-report"})
         runner = asyncio.ensure_future(sup.run())
-        server = uvicorn.Server(uvicorn.Config(front.app, host="127.0.0.1", port=port,
-                                               log_config=None, lifespan="off",
-                                               access_log=False))
+        server = uvicorn.Server(front.server_config(host="127.0.0.1", port=port))
         try:
             await server.serve()
         finally:

@@ -148,8 +148,7 @@ def front_main(upstream: str, port: int, concurrency: int) -> None:
         kw["http"] = os.environ["BENCH_UVICORN_HTTP"]
     if os.environ.get("BENCH_UVICORN_LOOP"):
         kw["loop"] = os.environ["BENCH_UVICORN_LOOP"]
-    uvicorn.run(front.app, host="127.0.0.1", port=port, log_config=None, access_log=False,
-                lifespan="off", **kw)
+    uvicorn.Server(front.server_config(host="127.0.0.1", port=port, **kw)).run()
 
 
 # ------------------------------------------------------------------------------- load

@@ -58,6 +58,7 @@ from mtpwrap.proxy_policy import (
     check_fields,
     classify,
     derive_allowed_hosts,
+    error_body,
     host_of,
     key_matches,
     parse_json_body,
@@ -74,11 +75,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _OPEN_PATHS = frozenset({"/livez", "/readyz"})
-_DROP_REQUEST = frozenset({
-    b"host", b"authorization", b"x-api-key", b"cookie", b"content-length", b"connection",
-    b"keep-alive", b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"expect",
-})
+#: The client headers llama-server uses; nothing else is forwarded (the body's length and the
+#: internal key are set by the front itself).
+_FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
 _DROP_RESPONSE = frozenset({
     "connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate",
     "trailer", "upgrade",
@@ -97,7 +96,7 @@ class _Refusal(Exception):
         self.status, self.reason, self.message, self.retry = status, reason, message, retry
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one exchange is one request (kept in a dict while open)
 class _Exchange:
     """Mutable state of one forwarded request, shared by its worker and its guard."""
 
@@ -118,17 +117,15 @@ class _Exchange:
     cancel_reason: str | None = None
     status: int = 0
     generation: int | None = None
+    slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-def _error_body(status: int, message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
 
 def _kind(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-            421: "invalid_request_error", 429: "rate_limit_error"}.get(status, "unavailable_error")
+            415: "invalid_request_error", 421: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "unavailable_error")
 
 
 class Front:
@@ -141,6 +138,7 @@ class Front:
         self.inflight = 0
         self.queued = 0
         self.draining = False
+        self._workers: dict[_Exchange, asyncio.Task[None]] = {}
         self._active = 0
         self._gate = asyncio.Semaphore(config.max_concurrency)
         self._keys = tuple(k.encode() for k in config.api_keys)
@@ -186,12 +184,36 @@ class Front:
     # ----------------------------------------------------------------------------- lifecycle
 
     async def drain(self, timeout: float) -> None:
-        """Refuse new requests (503 + Retry-After) and wait up to `timeout` for in-flight ones."""
+        """Refuse new requests (503 + Retry-After) and wait up to `timeout` for in-flight ones.
+
+        When the budget is spent, every request still open is stopped: a stream gets an error
+        event that names the shutdown, a request without an answer yet gets 503, and its
+        connection to llama-server is closed, so the child can stop at once.
+        """
         self.draining = True
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout)
-        if self.inflight:
-            log.warning("drain budget spent with %d request(s) still in flight", self.inflight)
+        if not self.inflight:
+            return
+        log.warning("drain budget (%gs) spent with %d request(s) still in flight; stopping "
+                    "them", timeout, self.inflight)
+        for ex, worker in list(self._workers.items()):
+            if not worker.done():
+                ex.cancel_reason = "shutdown"
+                worker.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), 3.0)
+
+    def server_config(self, **kwargs: Any) -> Any:
+        """The uvicorn configuration that serves this front, with its connection limits."""
+        from mtpwrap.http_server import ConnectionLimits, uvicorn_config
+
+        cfg = self.config
+        limits = ConnectionLimits(
+            header_timeout_s=cfg.header_timeout_s, max_connections=cfg.max_connections,
+            max_header_bytes=cfg.max_header_bytes, max_headers=cfg.max_headers,
+            on_refuse=lambda kind: self.metrics.refused.labels(kind).inc())
+        return uvicorn_config(self.app, limits, cfg.idle_timeout_s, **kwargs)
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -231,8 +253,9 @@ class Front:
 
     async def _answer(self, send: Send, status: int, message: str, label: str, t0: float,
                       retry: bool = False, close: bool = False,
-                      extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        body = _error_body(status, message, _kind(status))
+                      extra: list[tuple[bytes, bytes]] | None = None,
+                      path: str | None = None) -> None:
+        body = error_body(status, message, _kind(status), path or label)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
         if retry:
@@ -270,7 +293,9 @@ class Front:
         route = classify(method, scope.get("raw_path") or scope["path"].encode(), self._enabled)
         if route.status:
             self.metrics.refused.labels("path").inc()
-            await self._answer(send, route.status, route.message, route.label, t0)
+            # The body is not read: close rather than read a refused upload to its end.
+            await self._answer(send, route.status, route.message, route.label, t0,
+                               close=_declares_body(scope))
             return
         if self.draining:
             self.metrics.shed.labels("draining").inc()
@@ -279,7 +304,7 @@ class Front:
             return
         self._hold()
         try:
-            await self._forward(scope, receive, send, route.label, route.upstream_path, t0)
+            await self._forward(scope, receive, send, route, t0)
         finally:
             self._release()
 
@@ -325,10 +350,11 @@ class Front:
         st = self.supervisor.status()
         return self._active >= self.config.max_concurrency or _state(st) != "ready"
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send, label: str,
-                       upstream_path: str, t0: float) -> None:
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Any,
+                       t0: float) -> None:
+        label, upstream_path = route.label, route.upstream_path
         # Shed before reading the body: overload is answered fast and costs no memory.
-        if self._must_queue() and self.queued >= self.config.queue_size:
+        if route.slot and self._must_queue() and self.queued >= self.config.queue_size:
             ready = _state(self.supervisor.status()) == "ready"
             reason = "overload" if ready else "not_ready"
             self.metrics.shed.labels(reason).inc()
@@ -341,22 +367,22 @@ class Front:
         if body is None:
             return
         stream = False
-        ctype = b""
-        for name, value in scope["headers"]:
-            if name == b"content-type":
-                ctype = value.lower()
-        if body and scope["method"] == "POST" and not ctype.startswith(b"multipart/"):
+        if body and route.json_body:
+            # llama-server parses the body as JSON whatever its Content-Type says, so every
+            # limit is checked on what it will parse.
             try:
                 doc = parse_json_body(body)
-                check_fields(doc, self.config.max_n_probs)
+                check_fields(doc, self.config.max_n_probs, self.config.max_choices,
+                             self.config.max_predict)
             except BadBody as err:
                 self.metrics.refused.labels("body").inc()
                 await self._answer(send, 400, str(err), label, t0)
                 return
             stream = isinstance(doc, dict) and doc.get("stream") is True
-        ex = _Exchange(label=label, stream=stream, t0=t0)
+        ex = _Exchange(label=label, stream=stream, t0=t0, slot=route.slot)
         worker = asyncio.create_task(self._work(ex, scope, send, body, upstream_path))
         guard = asyncio.create_task(self._guard(ex, receive, send, worker))
+        self._workers[ex] = worker
         try:
             await worker
         except asyncio.CancelledError:
@@ -364,6 +390,7 @@ class Front:
                 raise  # the server is cancelling us; not ours to swallow
         finally:
             guard.cancel()
+            self._workers.pop(ex, None)
         if worker.cancelled() and ex.cancel_reason is not None:
             await self._finish_cancelled(ex, send)
 
@@ -371,6 +398,15 @@ class Front:
         """Wait for a forwarding slot and a ready child; return the Upstream or raise _Refusal."""
         cfg = self.config
         st = self.supervisor.status()
+        if not ex.slot:
+            # No slot needed (tokenize, props, models ...): only a ready child.
+            if _state(st) == "ready" and st.upstream is not None:
+                return st.upstream
+            up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
+            if up is None:
+                self.metrics.shed.labels("not_ready").inc()
+                raise _Refusal(503, "not_ready", "The model is not ready; retry later.")
+            return up
         if not self._gate.locked() and _state(st) == "ready" and st.upstream is not None:
             await self._gate.acquire()  # uncontended: returns without suspending
             return st.upstream
@@ -406,9 +442,8 @@ class Front:
             self.metrics.queue_wait.observe(time.perf_counter() - t)
 
     def _upstream_headers(self, scope: Scope, api_key: str) -> list[tuple[bytes, bytes]]:
-        headers = [(k, v) for k, v in scope["headers"] if k not in _DROP_REQUEST]
-        if not any(k == b"accept-encoding" for k, _ in headers):
-            headers.append((b"accept-encoding", b"identity"))
+        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST]
+        headers.append((b"accept-encoding", b"identity"))
         headers.append((b"authorization", b"Bearer " + api_key.encode()))
         return headers
 
@@ -441,25 +476,32 @@ class Front:
         except _Refusal as r:
             await self._answer(send, r.status, r.message, ex.label, ex.t0, retry=r.retry)
             return
+        if not ex.slot:
+            await self._exchange(ex, scope, send, body, path, upstream)
+            return
         self._active += 1
-        loop = asyncio.get_running_loop()
         try:
-            ex.phase = "headers"
-            ex.last_progress = loop.time()
-            try:
-                resp = await self._send_upstream(ex, scope, body, upstream, path)
-            except httpx.HTTPError as err:
-                await self._upstream_failed(ex, send, err)
-                return
-            try:
-                await self._relay(ex, resp, send, loop)
-            except httpx.HTTPError as err:
-                await self._upstream_failed(ex, send, err)
-            finally:
-                await resp.aclose()
+            await self._exchange(ex, scope, send, body, path, upstream)
         finally:
             self._active -= 1
             self._gate.release()
+
+    async def _exchange(self, ex: _Exchange, scope: Scope, send: Send, body: bytes, path: str,
+                        upstream: Any) -> None:
+        loop = asyncio.get_running_loop()
+        ex.phase = "headers"
+        ex.last_progress = loop.time()
+        try:
+            resp = await self._send_upstream(ex, scope, body, upstream, path)
+        except httpx.HTTPError as err:
+            await self._upstream_failed(ex, send, err)
+            return
+        try:
+            await self._relay(ex, resp, send, loop)
+        except httpx.HTTPError as err:
+            await self._upstream_failed(ex, send, err)
+        finally:
+            await resp.aclose()
 
     async def _relay(self, ex: _Exchange, resp: httpx.Response, send: Send,
                      loop: asyncio.AbstractEventLoop) -> None:
@@ -607,6 +649,14 @@ class Front:
             # Returning with the response incomplete makes uvicorn close the connection.
             self._record(ex.label, 499, ex.t0)
             return
+        if reason == "shutdown":
+            message = ("The server is shutting down and its drain time ran out; the request "
+                       "was stopped before it finished. Retry it.")
+            if not ex.started:
+                await self._answer(send, 503, message, ex.label, ex.t0, retry=True, close=True)
+            else:
+                await self._end_with_error(ex, send, 503, message)
+            return
         # stall
         budget = self.config.stream_stall_s if ex.first_chunk else self.config.prefill_stall_s
         message = f"The model made no progress for {budget:g} s; the request was stopped."
@@ -620,6 +670,13 @@ class Front:
             await self._answer(send, 504, message, ex.label, ex.t0)
             return
         await self._end_with_error(ex, send, 504, message)
+
+
+def _declares_body(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
 
 
 def _state(st: Any) -> str:
@@ -643,19 +700,37 @@ class _Guard:
         for k, v in scope["headers"]:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         t0 = time.perf_counter()
+        path = scope["path"]
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # RFC 9112 §6.1: a sign of request smuggling; the parser refuses it too.
+            front.metrics.refused.labels("bad_request").inc()
+            await front._answer(send, 400, "Content-Length and Transfer-Encoding together are "
+                                "not allowed.", "other", t0, close=True, path=path)
+            return
         if front._hosts is not None and host_of(headers.get("host", "")) not in front._hosts:
             front.metrics.refused.labels("host").inc()
             await front._answer(send, 421, "This server does not answer for that Host.",
-                                "other", t0, close=True)
+                                "other", t0, close=True, path=path)
             return
-        path = scope["path"]
         needs_key = front._keys and path not in _OPEN_PATHS and not (
             (path == "/metrics" and front.config.metrics_public)
             or (path == "/healthz" and front.config.healthz_public)
         )
         if needs_key and not key_matches(presented_key(headers), front._keys):
             front.metrics.refused.labels("auth").inc()
+            # Without a key nothing of the body is read: the connection closes after the 401.
             await front._answer(send, 401, "Invalid or missing API key.", "other", t0,
-                                extra=[(b"www-authenticate", b"Bearer")])
+                                extra=[(b"www-authenticate", b"Bearer")],
+                                close=_declares_body(scope), path=path)
             return
-        await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback
+            log.error("internal error on %s %s: %s: %s", scope["method"], path,
+                      type(exc).__name__, exc)
+            log.debug("internal error details", exc_info=exc)
+            # If the response had started, uvicorn refuses a second start and closes the
+            # connection, which leaves the client with an incomplete (not a wrong) answer.
+            with contextlib.suppress(Exception):
+                await front._answer(send, 500, "The front failed on this request. The error is "
+                                    "in mtpwrap's log.", "other", t0, close=True, path=path)

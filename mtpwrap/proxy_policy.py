@@ -8,6 +8,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import math
 import re
 import socket
 from collections.abc import Mapping
@@ -79,6 +80,20 @@ UPSTREAM_PATH = {"/backend/metrics": "/metrics"}
 _SAFE_PATH = re.compile(r"^(/[A-Za-z0-9_\-]+(\.[A-Za-z0-9]+)?)*/?$")
 
 
+#: Routes whose request takes one of llama-server's slots (a generation, an embedding, ...):
+#: only these count against the slots; the rest (tokenize, props, models, ...) llama-server
+#: answers from its HTTP threads without a slot.
+SLOT_PATHS = frozenset({
+    "/completion", "/completions", "/v1/completions",
+    "/chat/completions", "/v1/chat/completions", "/responses", "/v1/responses", "/v1/messages",
+    "/infill", "/embedding", "/embeddings", "/v1/embeddings",
+    "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+    "/audio/transcriptions", "/v1/audio/transcriptions",
+})
+#: POST routes whose body llama-server reads as a multipart form, not as JSON.
+FORM_PATHS = frozenset({"/audio/transcriptions", "/v1/audio/transcriptions"})
+
+
 @dataclass(frozen=True)
 class Route:
     """The verdict on one request line."""
@@ -87,6 +102,8 @@ class Route:
     label: str           # metrics label: the route pattern, or "other" (bounded cardinality)
     upstream_path: str = ""
     message: str = ""
+    slot: bool = False   # the request occupies one of llama-server's slots
+    json_body: bool = False  # llama-server parses the body as JSON, whatever its Content-Type
 
 
 def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
@@ -113,7 +130,8 @@ def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
             message=(f"{path} is disabled on this server; the operator can enable it with "
                      f"proxy.enable_paths: [{feature}]."),
         )
-    return Route(0, label, UPSTREAM_PATH.get(path, path))
+    return Route(0, label, UPSTREAM_PATH.get(path, path), slot=path in SLOT_PATHS,
+                 json_body=method == "POST" and path not in FORM_PATHS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,9 +169,22 @@ class BadBody(Exception):
     """A request body the front refuses (400), with a message for the client."""
 
 
+#: JSON nested deeper than this is refused: no request llama-server understands comes close,
+#: and a parser that recurses (Python's does) must never meet thousands of levels.
+MAX_JSON_DEPTH = 64
+
+
+def _no_constant(name: str) -> Any:
+    raise BadBody(f"The request body contains {name}, which is not a JSON number; send a "
+                  "finite number.")
+
+
 def parse_json_body(body: bytes) -> Any:
+    """The body as JSON, or BadBody with one sentence: never another exception."""
     try:
-        return json.loads(body)
+        doc = json.loads(body, parse_constant=_no_constant)
+    except BadBody:
+        raise
     except UnicodeDecodeError as err:
         raise BadBody("The request body is not valid UTF-8 JSON.") from err
     except json.JSONDecodeError as err:
@@ -161,37 +192,89 @@ def parse_json_body(body: bytes) -> Any:
             f"The request body is not valid JSON: {err.msg} "
             f"at line {err.lineno} column {err.colno}."
         ) from err
+    except RecursionError as err:
+        raise BadBody(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.") \
+            from err
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        raise BadBody(f"The request body has a number that cannot be read: {err}.") from err
+    _check_depth(doc)
+    return doc
 
 
-def _int_field(doc: Mapping[str, Any], key: str) -> int | None:
+def _check_depth(doc: Any) -> None:
+    stack = [(doc, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise BadBody(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+
+
+def _number(doc: Mapping[str, Any], key: str) -> float | None:
+    """A numeric field as llama-server would read it; None when absent or not a number
+    (llama-server then uses its default). Non-finite values are refused here."""
     v = doc.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return int(v)
+    if isinstance(v, float) and not math.isfinite(v):
+        raise BadBody(f"{key} must be a finite number, got {v}.")
+    return v
 
 
-def check_fields(doc: Any, max_n_probs: int) -> None:
-    """Refuse fields with values that have crashed or corrupted llama-server.
+def _check_range(doc: Mapping[str, Any], keys: tuple[str, ...], low: int, high: int | None,
+                 what: str) -> None:
+    for key in keys:
+        v = _number(doc, key)
+        if v is None:
+            continue
+        if v < low or (high is not None and v > high):
+            bound = f"{low}..{high}" if high is not None else f"{low} or more"
+            raise BadBody(f"{key} must be {bound} ({what}), got {_short(v)}.")
 
-    negative `n_discard` (out-of-bounds write), huge `n_probs`/`top_logprobs` (memory),
-    slot ids below -1 (out-of-range index), `n_keep` below -1.
+
+def _short(v: float) -> str:
+    text = str(v)
+    return text if len(text) <= 24 else text[:20] + "…"
+
+
+#: Every spelling of the fields that size a response, by what they size.
+PROBS_FIELDS = ("n_probs", "top_logprobs")
+CHOICE_FIELDS = ("n", "n_cmpl")
+PREDICT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def check_fields(doc: Any, max_n_probs: int, max_choices: int = 1, max_predict: int = 0
+                 ) -> None:
+    """Refuse fields with values that have crashed, corrupted or flooded llama-server.
+
+    negative `n_discard` (out-of-bounds write); huge `n_probs`/`top_logprobs`/integer
+    `logprobs` (the legacy completions spelling) — a 75 MB answer for 16 tokens; more choices
+    than allowed (`n`, `n_cmpl`); more tokens than allowed under any of their names; slot ids
+    below -1 (out-of-range index); `n_keep` below -1; NaN and infinities anywhere among these.
     """
     if not isinstance(doc, dict):
         return
-    n = _int_field(doc, "n_discard")
-    if n is not None and n < 0:
-        raise BadBody(f"n_discard must be 0 or more, got {n}.")
-    for key in ("n_probs", "top_logprobs"):
-        n = _int_field(doc, key)
-        if n is not None and not 0 <= n <= max_n_probs:
-            raise BadBody(f"{key} must be 0..{max_n_probs}, got {n}.")
-    for key in ("id_slot", "slot_id"):
-        n = _int_field(doc, key)
-        if n is not None and n < -1:
-            raise BadBody(f"{key} must be -1 (any slot) or a slot number, got {n}.")
-    n = _int_field(doc, "n_keep")
-    if n is not None and n < -1:
-        raise BadBody(f"n_keep must be -1 or more, got {n}.")
+    _check_range(doc, ("n_discard",), 0, None, "tokens to discard")
+    _check_range(doc, PROBS_FIELDS, 0, max_n_probs, "top tokens per position")
+    lp = doc.get("logprobs")
+    if not isinstance(lp, bool):
+        _check_range(doc, ("logprobs",), 0, max_n_probs, "top tokens per position")
+    _check_range(doc, CHOICE_FIELDS, 1, max_choices, "choices per request")
+    _check_range(doc, PREDICT_FIELDS, -1, max_predict or None, "tokens to generate")
+    _check_range(doc, ("id_slot", "slot_id"), -1, None, "-1 is any slot")
+    _check_range(doc, ("n_keep",), -1, None, "-1 keeps the whole prompt")
+
+
+def error_body(status: int, message: str, kind: str, path: str) -> bytes:
+    """An error in the shape of the API the client called: Anthropic's for /v1/messages,
+    else OpenAI's, which llama-server's native endpoints share."""
+    if path.startswith("/v1/messages"):
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}
+                          ).encode()
+    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +295,7 @@ class ProxyConfig:
     allowed_hosts: tuple[str, ...] = ()
     listen_host: str = "127.0.0.1"
     max_body_bytes: int = 8 * MiB
+    #: requests sent to llama-server at once: its slots (-np), set from the launch, never by hand
     max_concurrency: int = 8
     queue_size: int = 32
     queue_timeout_s: float = 30.0
@@ -223,6 +307,15 @@ class ProxyConfig:
     retry_after_s: int = 5
     enable_paths: tuple[str, ...] = ()
     max_n_probs: int = 100
+    max_choices: int = 1
+    max_predict: int = 0  # 0: no cap beyond the context
+    # The connection layer (see mtpwrap.http_server): time to a complete request head, idle
+    # keep-alive, open connections, and the size and count of request headers.
+    header_timeout_s: float = 10.0
+    idle_timeout_s: float = 30.0
+    max_connections: int = 1024
+    max_header_bytes: int = 32 * 1024
+    max_headers: int = 64
     metrics_public: bool = False
     healthz_public: bool = False
     backend_metrics_timeout_s: float = 5.0
@@ -237,7 +330,9 @@ class ProxyConfig:
 
         positive = ("max_body_bytes", "max_concurrency", "queue_timeout_s", "stream_stall_s",
                     "prefill_stall_s", "keepalive_s", "write_timeout_s", "connect_timeout_s",
-                    "retry_after_s", "backend_metrics_timeout_s")
+                    "retry_after_s", "backend_metrics_timeout_s", "max_choices",
+                    "header_timeout_s", "idle_timeout_s", "max_connections",
+                    "max_header_bytes", "max_headers")
         for key in positive:
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be greater than 0, got {getattr(self, key)}")
@@ -245,6 +340,8 @@ class ProxyConfig:
             raise bad("queue_size", f"must be 0 or more, got {self.queue_size}")
         if self.max_n_probs < 0:
             raise bad("max_n_probs", f"must be 0 or more, got {self.max_n_probs}")
+        if self.max_predict < 0:
+            raise bad("max_predict", f"must be 0 (no cap) or more, got {self.max_predict}")
         for name in self.enable_paths:
             if name not in FEATURES:
                 raise bad("enable_paths", f"unknown feature {name!r}; known: {', '.join(FEATURES)}")

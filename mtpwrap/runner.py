@@ -43,6 +43,7 @@ class Launch:
     warnings: list[str] = field(default_factory=list)
     supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
     proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
+    slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
     #: work that only informs (the summary), run once llama-server is starting
     deferred: Callable[[], None] | None = None
 
@@ -96,6 +97,7 @@ def resolve_launch(settings: Settings) -> Launch:
         return step_down(ChildSpec(argv=spec.argv, env=spec.env), step)
 
     values = {d.flag: d.value for d in first.decisions}
+    slots = values.get("-np") or values.get("--parallel") or 1
     info = {
         "profile": prof.name, "profile_reason": why, "binary": str(binary),
         "commit": commit or getattr(caps, "commit", None),
@@ -108,7 +110,7 @@ def resolve_launch(settings: Settings) -> Launch:
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
                     warnings=list(first.warnings), supervisor=dict(prof.supervisor),
-                    proxy=dict(prof.proxy))
+                    proxy=dict(prof.proxy), slots=int(slots))
     if plan_text is None:
         def plan_later() -> None:
             try:
@@ -286,8 +288,15 @@ def proxy_config(settings: Settings, launch: Launch) -> Any:
     light module (no ASGI imports), so checking it early costs nothing."""
     from mtpwrap.proxy_policy import ProxyConfig
 
+    for where, section in ((f"profile {launch.info.get('profile')}", launch.proxy),
+                           (settings.proxy_source, settings.proxy)):
+        if "max_concurrency" in section:
+            raise ConfigError(
+                f"{where}: proxy.max_concurrency: the front sends llama-server at most as many "
+                f"requests as it has slots ({launch.slots} here); remove this key and set the "
+                "profile's slots instead.")
     mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
-               "api_keys": list(settings.api_keys)}
+               "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
@@ -374,6 +383,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         import uvicorn
 
         front = make_front(sup, launch, front_config)
+        server_config = front.server_config(timeout_graceful_shutdown=5)
     except BaseException:
         await sup.stop()  # never leave a child behind a front that could not start
         raise
@@ -383,8 +393,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         def capture_signals(self) -> Iterator[None]:
             yield  # mtpwrap owns the signals (see `_signals`)
 
-    server = _Server(uvicorn.Config(front.app, log_config=None, lifespan="off",
-                                    access_log=False, timeout_graceful_shutdown=5))
+    server = _Server(server_config)
 
     async def service_loop() -> None:
         # WATCHDOG=1 comes from this loop, not from the child's health: a crashed child is

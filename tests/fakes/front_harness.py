@@ -134,9 +134,8 @@ class FrontServer:
             self.loop = asyncio.get_running_loop()
             self.supervisor.loop = self.loop
             self.front = self.make_front()
-            self._server = uvicorn.Server(uvicorn.Config(
-                self.front.app, host="127.0.0.1", port=self.port, log_config=None,
-                lifespan="off", access_log=False))
+            self._server = uvicorn.Server(self.front.server_config(host="127.0.0.1",
+                                                                   port=self.port))
             task = asyncio.ensure_future(self._server.serve())
             while not self._server.started and not task.done():
                 await asyncio.sleep(0.01)

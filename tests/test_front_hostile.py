@@ -1,0 +1,452 @@
+"""The front under hostile input: every request below is one anyone can send.
+
+The first part runs the front over a recording fake upstream (what reached the child, what was
+read of a socket); the second sends every case to a real `mtpwrap up --profile cpu-demo` with
+API keys and the real llama-server, then checks that the instance is still ready, its memory and
+file descriptors bounded and its log free of tracebacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import json
+import os
+import re
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mtpwrap.proxy import ProxyConfig
+from tests.fakes.fake_upstream import FakeUpstream
+from tests.fakes.front_harness import serve_front
+
+KEY = "client-key-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeUpstream]:
+    f = FakeUpstream(mode="json").start()
+    yield f
+    f.stop()
+
+
+def _cfg(**kw: object) -> ProxyConfig:
+    base: dict[str, object] = {"api_keys": (KEY,), "header_timeout_s": 1.0, "idle_timeout_s": 2.0,
+                               "max_predict": 256}
+    base.update(kw)
+    return ProxyConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def front(fake: FakeUpstream) -> Iterator[object]:
+    with serve_front(fake.base_url, fake.api_key, _cfg()) as (srv, _sup):
+        yield srv
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def _read_all(s: socket.socket, timeout: float) -> tuple[bytes, bool]:
+    """Everything the server sends until it closes (True) or `timeout` passes (False)."""
+    s.settimeout(timeout)
+    data = b""
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            chunk = s.recv(65536)
+            if not chunk:
+                return data, True
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return data, True
+    except TimeoutError:
+        pass
+    return data, False
+
+
+def _status(raw: bytes) -> int:
+    m = re.match(rb"HTTP/1\.1 (\d{3})", raw)
+    assert m, raw[:200]
+    return int(m.group(1))
+
+
+def _json_of(raw: bytes) -> dict:
+    return json.loads(raw.split(b"\r\n\r\n", 1)[1])
+
+
+# --------------------------------------------------------------------------- 1: bodies
+
+
+DEEP = b"[" * 1000 + b"]" * 1000
+CASES_400 = [
+    ("/completion", b'{"prompt": "x", "n": ' + DEEP + b"}", "nested more than"),
+    ("/completion", b'{"prompt": "x", "n_probs": NaN}', "NaN"),
+    ("/completion", b'{"prompt": "x", "n_probs": Infinity}', "Infinity"),
+    ("/completion", b'{"prompt": "x", "n_probs": 1e400}', "finite"),
+    ("/completion", b'{"prompt": "x", "n_discard": NaN}', "NaN"),
+    ("/completion", b'{"prompt": "x", "seed": ' + b"9" * 4301 + b"}", "cannot be read"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": 49152}', "logprobs must be 0..100"),
+    ("/v1/chat/completions", b'{"messages": [], "logprobs": true, "top_logprobs": 49152}',
+     "top_logprobs must be 0..100"),
+    ("/v1/chat/completions", b'{"messages": [], "n": 4}', "n must be 1..1"),
+    ("/v1/chat/completions", b'{"messages": [], "max_completion_tokens": 100000}',
+     "max_completion_tokens must be -1..256"),
+    ("/completion", b'{"prompt": "x", "n_predict": -5}', "n_predict must be -1..256"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", CASES_400,
+                         ids=[f"{p}-{n[:18]}" for p, _b, n in CASES_400])
+def test_bodies_the_front_cannot_accept_get_a_json_400(fake: FakeUpstream, front: object,
+                                                       path: str, body: bytes,
+                                                       needle: str) -> None:
+    r = httpx.post(front.url + path, content=body,  # type: ignore[attr-defined]
+                   headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+    assert fake.seen == []
+
+
+def test_limits_hold_whatever_the_content_type_claims(fake: FakeUpstream, front: object) -> None:
+    for ctype in ("multipart/mixed; boundary=x", "text/plain", "application/x-www-form-urlencoded",
+                  ""):
+        r = httpx.post(front.url + "/completion",  # type: ignore[attr-defined]
+                       content=b'{"n_predict": 16, "n_probs": 49152}',
+                       headers={**AUTH, "content-type": ctype}, timeout=30)
+        assert r.status_code == 400 and "n_probs must be 0..100" in r.text, ctype
+    assert fake.seen == []
+
+
+def test_anthropic_path_gets_an_anthropic_shaped_error(fake: FakeUpstream, front: object) -> None:
+    r = httpx.post(front.url + "/v1/messages", content=b'{"max_tokens": NaN}',  # type: ignore
+                   headers={**AUTH, "content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400
+    doc = r.json()
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error"
+    assert "NaN" in doc["error"]["message"]
+
+
+def test_only_what_llama_server_needs_is_forwarded(fake: FakeUpstream, front: object) -> None:
+    headers = {**AUTH, "content-type": "application/json", "x-forwarded-for": "10.0.0.1",
+               "cookie": "a=b", "x-custom": "1", "user-agent": "probe/1"}
+    r = httpx.post(front.url + "/v1/chat/completions", json={"messages": []},  # type: ignore
+                   headers=headers, timeout=30)
+    assert r.status_code == 200
+    sent = fake.seen[-1].headers
+    assert sent["content-type"] == "application/json" and sent["user-agent"] == "probe/1"
+    for name in ("x-forwarded-for", "cookie", "x-custom"):
+        assert name not in sent
+
+
+# --------------------------------------------------------------------------- 3-5, 8: connections
+
+
+def test_a_silent_socket_and_a_half_sent_head_are_closed(front: object) -> None:
+    silent = _connect(front.url)  # type: ignore[attr-defined]
+    half = _connect(front.url)  # type: ignore[attr-defined]
+    half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    t0 = time.monotonic()
+    data, closed = _read_all(half, 5)
+    assert closed and time.monotonic() - t0 < 3
+    assert _status(data) == 408 and "did not arrive within 1 s" in _json_of(data)["error"][
+        "message"]
+    _data, closed = _read_all(silent, 3)
+    assert closed
+    silent.close()
+    half.close()
+
+
+def test_idle_keep_alive_ends(front: object) -> None:
+    s = _connect(front.url)  # type: ignore[attr-defined]
+    s.sendall(b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data, closed = _read_all(s, 4)
+    assert _status(data) == 200 and closed  # the 2 s idle timeout, not the 4 s wait
+    s.close()
+
+
+def test_a_keyless_upload_is_refused_without_reading_it(fake: FakeUpstream,
+                                                        front: object) -> None:
+    s = _connect(front.url)  # type: ignore[attr-defined]
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Content-Type: application/json\r\nContent-Length: 209715200\r\n\r\n")
+    data, _closed = _read_all(s, 2)
+    assert _status(data) == 401 and b"connection: close" in data.lower()
+    sent = 0
+    chunk = b"x" * 65536
+    t0 = time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):  # noqa: PT012
+        while sent < 200 * 2**20 and time.monotonic() - t0 < 20:
+            s.sendall(chunk)
+            sent += len(chunk)
+    assert sent < 32 * 2**20, f"the front read {sent} bytes of a refused upload"
+    s.close()
+    assert fake.seen == []
+
+
+def test_content_length_with_transfer_encoding_is_400_and_closed(front: object) -> None:
+    s = _connect(front.url)  # type: ignore[attr-defined]
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 4\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+    data, closed = _read_all(s, 3)
+    assert _status(data) == 400 and closed
+    assert data.split(b"\r\n\r\n", 1)[1].startswith(b'{"error"')
+    s.close()
+
+
+@pytest.mark.parametrize("how", ["one write", "byte by byte"])
+def test_too_many_or_too_large_headers_get_431_however_they_arrive(front: object,
+                                                                   how: str) -> None:
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(100))
+    large = b"X-Large: " + b"a" * 40000 + b"\r\n"
+    for extra, needle in ((many, b"more than 64 headers"), (large, b"larger than 32768 bytes")):
+        s = _connect(front.url)  # type: ignore[attr-defined]
+        head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + extra + b"\r\n"
+        try:
+            if how == "one write":
+                s.sendall(head)
+            else:
+                for i in range(0, len(head), 97):
+                    s.sendall(head[i:i + 97])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused before everything was sent: the answer is already there
+        data, closed = _read_all(s, 3)
+        assert _status(data) == 431 and needle in data and closed, data[:300]
+        s.close()
+
+
+def test_connections_beyond_the_limit_are_closed(fake: FakeUpstream) -> None:
+    with serve_front(fake.base_url, fake.api_key, _cfg(max_connections=4,
+                                                       header_timeout_s=5.0)) as (srv, _):
+        held = [_connect(srv.url) for _ in range(4)]
+        time.sleep(0.2)
+        extra = _connect(srv.url)
+        _data, closed = _read_all(extra, 2)
+        assert closed
+        for s in held:
+            s.close()
+        extra.close()
+        time.sleep(0.2)
+        assert httpx.get(srv.url + "/livez", timeout=5).status_code == 200
+
+
+# --------------------------------------------------------------------------- 6, 7: load, drain
+
+
+def test_the_front_sends_no_more_than_the_slots_and_queues_the_rest() -> None:
+    slow = FakeUpstream(mode="sse", events=20, interval=0.05).start()
+    try:
+        with serve_front(slow.base_url, slow.api_key,
+                         _cfg(max_concurrency=2, queue_size=8)) as (srv, _):
+            def stream() -> int:
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
+                                  json={"messages": [], "stream": True}, timeout=60) as r:
+                    r.read()
+                    return r.status_code
+            with cf.ThreadPoolExecutor(8) as pool:
+                futs = [pool.submit(stream) for _ in range(8)]
+                peak_active = peak_queued = 0
+                while not all(f.done() for f in futs):
+                    peak_active = max(peak_active, srv.front._active)
+                    peak_queued = max(peak_queued, srv.front.queued)
+                    # requests that do not take a slot are not stuck behind the streams
+                    assert httpx.get(srv.url + "/v1/models", headers=AUTH,
+                                     timeout=1).status_code == 200
+                    time.sleep(0.01)
+                assert [f.result() for f in futs] == [200] * 8
+            assert peak_active == 2 and peak_queued >= 4
+            metrics = httpx.get(srv.url + "/metrics", headers=AUTH, timeout=5).text
+            waited = {s.name: s.value for f in text_string_to_metric_families(metrics)
+                      for s in f.samples}["mtpwrap_queue_wait_seconds_count"]
+            assert waited >= 6  # 8 streams on 2 slots: 6 waited in the front's queue
+    finally:
+        slow.stop()
+
+
+def test_a_drain_that_runs_out_stops_open_streams_with_a_shutdown_event() -> None:
+    endless = FakeUpstream(mode="sse", events=100000, interval=0.05).start()
+    try:
+        with serve_front(endless.base_url, endless.api_key, _cfg()) as (srv, _):
+            got: list[bytes] = []
+
+            def stream() -> None:
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=AUTH,
+                                  json={"messages": [], "stream": True}, timeout=30) as r:
+                    for chunk in r.iter_raw():
+                        got.append(chunk)
+            with cf.ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(stream)
+                time.sleep(0.5)
+                t0 = time.monotonic()
+                srv.call(lambda: srv.front.drain(1.0))
+                took = time.monotonic() - t0
+                fut.result(10)
+            tail = b"".join(got).rstrip().rsplit(b"\n\n", 1)[-1]
+            event = json.loads(tail.removeprefix(b"data: "))
+            assert event["error"]["code"] == 503 and "shutting down" in event["error"]["message"]
+            assert took < 2.5
+            time.sleep(0.3)
+            assert all(s.closed_at is not None for s in endless.seen)  # upstream closed too
+    finally:
+        endless.stop()
+
+
+# --------------------------------------------------------------------------- the real thing
+
+
+@pytest.mark.integration
+class TestAgainstTheRealServer:
+    """Every case above, sent to `mtpwrap up` and the real llama-server."""
+
+    @pytest.fixture(scope="class")
+    def inst(self, tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
+             demo_model: Path) -> Iterator[object]:
+        from mtpwrap.child import free_loopback_port
+        from tests.test_up_real import Instance
+
+        home = tmp_path_factory.mktemp("hostile")
+        cfg = home / "mtpwrap.yaml"
+        cfg.write_text("proxy:\n  header_timeout_s: 2\n  idle_timeout_s: 3\n"
+                       "  max_predict: 256\n  max_connections: 256\n")
+        inst = Instance(home / "home", free_loopback_port(), llama_server_bin, demo_model,
+                        MTPWRAP_API_KEYS=KEY, MTPWRAP_CONFIG=str(cfg))
+        try:
+            inst.wait_ready()
+            yield inst
+        finally:
+            inst.close()
+
+    def _rss_fds(self, pid: int) -> tuple[int, int]:
+        p = psutil.Process(pid)
+        return p.memory_info().rss, p.num_fds()
+
+    def test_every_hostile_case_then_still_ready_and_bounded(self, inst: object) -> None:
+        base = inst.base  # type: ignore[attr-defined]
+        pid = inst.proc.pid  # type: ignore[attr-defined]
+        child = inst.status()[1]["child_pid"]  # type: ignore[attr-defined]
+        # warm up, then measure
+        httpx.post(base + "/completion", headers=AUTH, json={"prompt": "Hi", "n_predict": 2},
+                   timeout=60)
+        rss0, fds0 = self._rss_fds(pid)
+        child_rss0 = psutil.Process(child).memory_info().rss
+        silent: list[socket.socket] = []
+        for _round in range(3):
+            for path, body, needle in CASES_400:
+                r = httpx.post(base + path, content=body, timeout=60,
+                               headers={**AUTH, "content-type": "application/json"})
+                assert r.status_code == 400 and needle in r.json()["error"]["message"], path
+            r = httpx.post(base + "/completion", content=b'{"n_predict": 16, "n_probs": 49152}',
+                           headers={**AUTH, "content-type": "multipart/mixed; boundary=x"},
+                           timeout=60)
+            assert r.status_code == 400
+            silent += [_connect(base) for _ in range(50)]  # connect and say nothing
+            s = _connect(base)
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+            data, closed = _read_all(s, 5)
+            assert _status(data) == 400 and closed
+            s.close()
+            s = _connect(base)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      + b"".join(b"X-H%d: v\r\n" % i for i in range(100)) + b"\r\n")
+            data, closed = _read_all(s, 5)
+            assert _status(data) == 431 and closed
+            s.close()
+        for s in silent:  # each closed by the 2 s head deadline
+            _data, closed = _read_all(s, 5)
+            assert closed
+            s.close()
+        assert httpx.get(base + "/readyz", timeout=5).status_code == 200
+        r = httpx.post(base + "/completion", headers=AUTH, json={"prompt": "Hi", "n_predict": 4},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["tokens_predicted"] > 0
+        rss1, fds1 = self._rss_fds(pid)
+        assert fds1 <= fds0 + 8, (fds0, fds1)
+        assert rss1 < rss0 + 64 * 2**20, (rss0, rss1)
+        assert psutil.Process(child).memory_info().rss < child_rss0 + 128 * 2**20
+
+    def test_eight_streams_on_two_slots_never_wait_inside_llama_server(self,
+                                                                       inst: object) -> None:
+        base = inst.base  # type: ignore[attr-defined]
+
+        async def run() -> tuple[list[int], float]:
+            peak = 0.0
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one() -> int:
+                    async with client.stream(
+                            "POST", base + "/v1/chat/completions", headers=AUTH,
+                            json={"messages": [{"role": "user", "content": "Count to twenty."}],
+                                  "max_tokens": 48, "stream": True}) as r:
+                        await r.aread()
+                        return r.status_code
+                tasks = [asyncio.ensure_future(one()) for _ in range(8)]
+                while not all(t.done() for t in tasks):
+                    text = (await client.get(base + "/metrics", headers=AUTH)).text
+                    m = re.search(r"^mtpwrap_backend_requests_deferred(?:\{[^}]*\})? (\S+)$",
+                                  text, re.M)
+                    if m:
+                        peak = max(peak, float(m.group(1)))
+                    await asyncio.sleep(0.05)
+                return [t.result() for t in tasks], peak
+        codes, deferred = asyncio.run(run())
+        assert codes == [200] * 8
+        assert deferred == 0.0
+
+    def test_no_traceback_in_the_log(self, inst: object) -> None:
+        # last in the class: everything above has been sent by now
+        inst.proc.send_signal(signal.SIGTERM)  # type: ignore[attr-defined]
+        assert inst.proc.wait(60) == 0  # type: ignore[attr-defined]
+        out = inst.output()  # type: ignore[attr-defined]
+        assert "Traceback" not in out and "Internal Server Error" not in out
+        assert "internal error" not in out
+
+
+@pytest.mark.integration
+def test_stop_past_the_drain_budget_names_the_shutdown(tmp_path: Path, llama_server_bin: Path,
+                                                       demo_model: Path, free_port: int) -> None:
+    from tests.test_up_real import Instance
+
+    inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model,
+                    MTPWRAP_DRAIN_S="2")
+    try:
+        inst.wait_ready()
+        got: list[bytes] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", inst.base + "/completion", timeout=120,
+                              json={"prompt": "Once upon a time", "n_predict": 100000,
+                                    "stream": True, "ignore_eos": True}) as r:
+                for chunk in r.iter_raw():
+                    got.append(chunk)
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(stream)
+            end = time.monotonic() + 30
+            while not got and time.monotonic() < end:
+                time.sleep(0.05)
+            assert got, "the stream never started"
+            t0 = time.monotonic()
+            os.kill(inst.proc.pid, signal.SIGTERM)
+            assert inst.proc.wait(60) == 0
+            took = time.monotonic() - t0
+            fut.result(10)
+        tail = b"".join(got).rstrip().rsplit(b"\n\n", 1)[-1]
+        event = json.loads(tail.removeprefix(b"data: "))
+        assert event["error"]["code"] == 503 and "shutting down" in event["error"]["message"]
+        assert "RemoteProtocolError" not in event["error"]["message"]
+        assert took < 2 + 10 + 3  # drain_s + the child's stop grace + slack
+    finally:
+        inst.close()
