@@ -302,7 +302,7 @@ def test_the_real_build_passed_its_smoke_test_on_this_cpu(cpu_manifest: dict,
     assert kept["cpu_isa"] == cpu_manifest["cpu_isa"] and kept["smoke"] == "passed"
     assert all(a["smoke"] == "crashed" for a in cpu_manifest["attempts"][:-1])
     r = run_cli("doctor", "--json", timeout=120)
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert cpu_manifest["cpu_isa"] in checks["CPU configuration"]["detail"]
     assert source.SUBMODULE_COMMIT[:12] in checks["fork pin"]["detail"]
     assert "smoke test passed" in checks["llama-server build"]["detail"]

@@ -171,7 +171,7 @@ class _Reporter:
     def done(self, description: str) -> None:
         if self.prog is not None:
             self.prog.update(self.task, completed=100, description=description)
-        else:
+        elif self.phase != description:
             self._line(description)
 
 
