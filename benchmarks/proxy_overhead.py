@@ -5,13 +5,19 @@ Two upstreams:
   inter-token latency between direct and proxied is the front's own cost;
 - real: llama-server (CPU build) with the demo model.
 
-For each upstream and concurrency (1, 8, 32) it measures, direct and proxied, time to first token
+Each upstream is reached four ways: directly, through nginx (proxy_buffering off, keep-alive
+upstream), through HAProxy 2.6 (`option http-no-delay`) and through mtpwrap's front; nginx and
+HAProxy are started by this script with configurations it writes (loopback only) and skipped,
+saying so, when not installed. Rounds are interleaved (every path once per round, rotating order)
+and medians with their spread are printed.
+
+For each upstream and concurrency (1, 8, 32) it measures, on every path, time to first token
 (request sent → first `data:` event), inter-token latency p50/p99 (gaps between consecutive
 `data:` events of one stream, pooled over streams) and aggregate tokens/s (events with content /
 wall time). The front and each upstream run in their own processes; the load generator is an
 asyncio httpx client in this process.
 
-    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--json OUT]
+    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N] [--json OUT]
 
 The llama-server binary and model come from MTPWRAP_LLAMA_SERVER / MTPWRAP_DEMO_MODEL, else from
 mtpwrap's build and models modules.
@@ -250,37 +256,148 @@ def summary(res: Result) -> dict:
 
 DIRECT_HEADERS = {"authorization": f"Bearer {INTERNAL_KEY}"}
 
+#: The ways a client reaches the same upstream: straight, through the two proxies operators
+#: compare with, and through mtpwrap's front. nginx and HAProxy forward the client's
+#: Authorization header as it is, so they get the internal key like the direct path.
+PATHS = ("direct", "nginx", "haproxy", "mtpwrap")
 
-def compare(name: str, direct_url: str, proxied_url: str, levels: list[int], per_worker,
-            body: dict) -> list[dict]:
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def compare(name: str, urls: dict[str, str], levels: list[int], per_worker, body: dict,
+            rounds: int) -> list[dict]:
+    """Interleaved rounds: each round runs every path once, in an order that rotates, so a
+    noisy moment of a shared machine does not land on one path only."""
     rows = []
-    print(f"\n== {name}: direct vs through mtpwrap ==")
-    print(f"{'conc':>4} {'path':>8} {'TTFT p50':>9} {'ITL p50':>9} {'ITL p99':>9} "
-          f"{'tok/s':>9} {'ok':>4} errors")
+    paths = [p for p in PATHS if p in urls]
+    print(f"\n== {name}: {', '.join(paths)}; {rounds} interleaved rounds, medians (min-max) ==")
+    print(f"{'conc':>4} {'path':>8} {'tok/s':>18} {'vs direct':>9} {'vs nginx':>9} "
+          f"{'TTFT p50':>9} {'ITL p50':>9} {'ITL p99':>9} errors")
     for c in levels:
         n = per_worker(c)
-        # warm both paths (connections, prompt cache) before measuring
-        asyncio.run(run_load(direct_url, min(c, 4), 1, body, DIRECT_HEADERS))
-        asyncio.run(run_load(proxied_url, min(c, 4), 1, body))
-        pair = {}
-        for path, url, h in (("direct", direct_url, DIRECT_HEADERS),
-                             ("mtpwrap", proxied_url, {})):
-            s = summary(asyncio.run(run_load(url, c, n, body, h)))
-            pair[path] = s
-            print(f"{c:>4} {path:>8} {s['ttft_p50_ms']:8.2f}ms {s['itl_p50_ms']:8.3f}ms "
-                  f"{s['itl_p99_ms']:8.3f}ms {s['tokens_per_s']:9.1f} {s['ok']:>4} "
-                  f"{s['errors'] or ''}")
-        d, p = pair["direct"], pair["mtpwrap"]
-        delta = {"itl_p50_added_ms": p["itl_p50_ms"] - d["itl_p50_ms"],
-                 "itl_p99_added_ms": p["itl_p99_ms"] - d["itl_p99_ms"],
-                 "ttft_p50_added_ms": p["ttft_p50_ms"] - d["ttft_p50_ms"],
-                 "tokens_per_s_ratio": p["tokens_per_s"] / d["tokens_per_s"]
-                 if d["tokens_per_s"] else float("nan")}
-        print(f"{c:>4} {'added':>8} {delta['ttft_p50_added_ms']:+8.2f}ms "
-              f"{delta['itl_p50_added_ms']:+8.3f}ms {delta['itl_p99_added_ms']:+8.3f}ms "
-              f"{delta['tokens_per_s_ratio'] * 100:8.1f}%")
-        rows.append({"upstream": name, "concurrency": c, "direct": d, "mtpwrap": p, **delta})
+        for p in paths:  # warm connections and the prompt cache
+            asyncio.run(run_load(urls[p], min(c, 4), 1, body, _headers(p)))
+        runs: dict[str, list[dict]] = {p: [] for p in paths}
+        for r in range(rounds):
+            order = paths[r % len(paths):] + paths[:r % len(paths)]
+            for p in order:
+                runs[p].append(summary(asyncio.run(run_load(urls[p], c, n, body, _headers(p)))))
+        med = {p: {k: _med([x[k] for x in runs[p]]) for k in
+                   ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")} for p in paths}
+        for p in paths:
+            tps = [x["tokens_per_s"] for x in runs[p]]
+            errors: dict[str, int] = {}
+            for x in runs[p]:
+                for k, v in x["errors"].items():
+                    errors[k] = errors.get(k, 0) + v
+            vs_d = med[p]["tokens_per_s"] / med["direct"]["tokens_per_s"] * 100
+            vs_n = (med[p]["tokens_per_s"] / med["nginx"]["tokens_per_s"] * 100
+                    if "nginx" in med else float("nan"))
+            print(f"{c:>4} {p:>8} {med[p]['tokens_per_s']:7.1f} ({min(tps):6.1f}-{max(tps):6.1f})"
+                  f" {vs_d:8.1f}% {vs_n:8.1f}% {med[p]['ttft_p50_ms']:8.2f}ms "
+                  f"{med[p]['itl_p50_ms']:8.3f}ms {med[p]['itl_p99_ms']:8.3f}ms {errors or ''}")
+        added = med["mtpwrap"]["itl_p99_ms"] - med["nginx" if "nginx" in med else "direct"][
+            "itl_p99_ms"]
+        print(f"{c:>4} mtpwrap adds {added:+.3f} ms to the p99 inter-chunk gap of "
+              f"{'nginx' if 'nginx' in med else 'direct'}")
+        rows.append({"upstream": name, "concurrency": c, "rounds": runs, "median": med})
     return rows
+
+
+def _headers(path: str) -> dict:
+    return {} if path == "mtpwrap" else DIRECT_HEADERS
+
+
+# ------------------------------------------------------------------------------- peers
+
+
+def start_nginx(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
+    """nginx as operators configure it for streaming: keep-alive upstream, no buffering."""
+    import shutil
+
+    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                      else None)
+    if exe is None:
+        print("nginx: not installed (apt-get install nginx-light); its rows are skipped")
+        return None
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    conf = work / "nginx.conf"
+    conf.write_text(f"""daemon off;
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {work}/body;
+  proxy_temp_path {work}/proxy;
+  fastcgi_temp_path {work}/fastcgi;
+  uwsgi_temp_path {work}/uwsgi;
+  scgi_temp_path {work}/scgi;
+  upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 600s;
+    }}
+  }}
+}}
+""")
+    proc = spawn([exe, "-c", str(conf), "-p", str(work)])
+    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_haproxy(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
+    """HAProxy 2.6 with `option http-no-delay`, without which SSE chunks arrive bunched."""
+    import shutil
+
+    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists()
+                                        else None)
+    if exe is None:
+        print("haproxy: not installed (apt-get install haproxy); its rows are skipped")
+        return None
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    conf = work / "haproxy.cfg"
+    conf.write_text(f"""global
+  maxconn 4096
+defaults
+  mode http
+  option http-no-delay
+  timeout connect 5s
+  timeout client 600s
+  timeout server 600s
+frontend f
+  bind 127.0.0.1:{port}
+  default_backend b
+backend b
+  server s1 127.0.0.1:{upstream_port} maxconn 1024
+""")
+    proc = spawn([exe, "-db", "-f", str(conf)])
+    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_paths(upstream_port: int, concurrency: int, work: Path, procs: list) -> dict[str, str]:
+    urls = {"direct": f"http://127.0.0.1:{upstream_port}"}
+    for name, starter in (("nginx", start_nginx), ("haproxy", start_haproxy)):
+        started = starter(upstream_port, work / name)
+        if started is not None:
+            procs.append(started[0])
+            urls[name] = started[1]
+    front, furl = start_front(f"http://127.0.0.1:{upstream_port}", concurrency)
+    procs.append(front)
+    urls["mtpwrap"] = furl
+    return urls
 
 
 def llama_paths() -> tuple[Path, Path]:
@@ -317,6 +434,8 @@ def start_front(upstream: str, concurrency: int) -> tuple[subprocess.Popen, str]
 
 
 def main() -> None:
+    import tempfile
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-real", action="store_true")
     ap.add_argument("--skip-synthetic", action="store_true")
@@ -324,6 +443,7 @@ def main() -> None:
     ap.add_argument("--real-levels", default=None, help="concurrency levels for the real server "
                     "(default: --levels)")
     ap.add_argument("--real-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
     ap.add_argument("--interval-ms", type=float, default=10.0,
                     help="synthetic upstream: time between chunks")
     ap.add_argument("--json", type=Path)
@@ -331,34 +451,31 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     rows: list[dict] = []
     procs: list[subprocess.Popen] = []
+    work = Path(tempfile.mkdtemp(prefix="proxy-overhead-"))
     try:
         if not args.skip_synthetic:
             sport = free_port()
             procs.append(spawn([PY, __file__, "_synthetic", str(sport),
                                 str(args.interval_ms / 1000)]))
             wait_http(f"http://127.0.0.1:{sport}/health", 30)
-            front, furl = start_front(f"http://127.0.0.1:{sport}", max(levels))
-            procs.append(front)
+            urls = start_paths(sport, max(levels), work / "synthetic", procs)
             body = {"model": "x", "stream": True, "max_tokens": 100,
                     "messages": [{"role": "user", "content": "hi"}]}
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
-                            f"http://127.0.0.1:{sport}/v1/chat/completions",
-                            furl + "/v1/chat/completions", levels,
-                            lambda c: max(2, 48 // c), body)
+                            {k: v + "/v1/chat/completions" for k, v in urls.items()}, levels,
+                            lambda c: max(2, 48 // c), body, args.rounds)
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lport = free_port()
             procs.append(start_llama(lport, max(rlevels)))
-            front, furl = start_front(f"http://127.0.0.1:{lport}", max(rlevels))
-            procs.append(front)
+            urls = start_paths(lport, max(rlevels), work / "real", procs)
             body = {"model": "x", "stream": True, "max_tokens": args.real_tokens,
                     "temperature": 0,
                     "seed": 1, "messages": [{"role": "user",
                                              "content": "Write a short story about a lighthouse."}]}
             rows += compare("llama-server (demo model, CPU)",
-                            f"http://127.0.0.1:{lport}/v1/chat/completions",
-                            furl + "/v1/chat/completions", rlevels,
-                            lambda c: 2 if c < 8 else 1, body)
+                            {k: v + "/v1/chat/completions" for k, v in urls.items()}, rlevels,
+                            lambda c: 2 if c < 8 else 1, body, args.rounds)
     finally:
         for p in reversed(procs):
             stop(p)
