@@ -463,7 +463,7 @@ def main() -> None:
                     "messages": [{"role": "user", "content": "hi"}]}
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
                             {k: v + "/v1/chat/completions" for k, v in urls.items()}, levels,
-                            lambda c: max(2, 48 // c), body, args.rounds)
+                            lambda c: max(2, 24 // c), body, args.rounds)
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lport = free_port()

@@ -34,7 +34,7 @@ async def livez(_request: Request) -> Response:
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     st = front.supervisor.status()
     state = _state(st)
-    if front.draining:
+    if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
     if state != "ready" or st.upstream is None:
         return False, {"status": state, "reason": st.reason or f"child is {state}"}

@@ -138,6 +138,7 @@ class Front:
         self.inflight = 0
         self.queued = 0
         self.draining = False
+        self.leaving = False  # /readyz says draining; requests are still taken (drain grace)
         self._workers: dict[_Exchange, asyncio.Task[None]] = {}
         self._active = 0
         self._gate = asyncio.Semaphore(config.max_concurrency)
@@ -707,7 +708,10 @@ class _Guard:
             await front._answer(send, 400, "Content-Length and Transfer-Encoding together are "
                                 "not allowed.", "other", t0, close=True, path=path)
             return
-        if front._hosts is not None and host_of(headers.get("host", "")) not in front._hosts:
+        # Probes (/livez, /readyz) answer whatever Host a balancer or kubelet sends: they carry
+        # no key and reveal only up/ready, so DNS rebinding gains nothing from them.
+        if (front._hosts is not None and path not in _OPEN_PATHS
+                and host_of(headers.get("host", "")) not in front._hosts):
             front.metrics.refused.labels("host").inc()
             await front._answer(send, 421, "This server does not answer for that Host.",
                                 "other", t0, close=True, path=path)

@@ -433,6 +433,12 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             exit_code = 1
 
         # The documented shutdown order.
+        if settings.drain_grace_s > 0 and not force.is_set():
+            # Leave the balancer's rotation first: readiness drops, requests are still served.
+            front.leaving = True
+            notifier.status(f"leaving rotation for {settings.drain_grace_s:g}s")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(force.wait(), settings.drain_grace_s)
         sup.begin_drain()
         notifier.stopping("draining: finishing in-flight requests")
         drain_task = asyncio.create_task(front.drain(settings.drain_s))

@@ -47,6 +47,9 @@ TOP: dict[str, Key] = {
     "binary": Key("str", None),
     "api_key_file": Key("str", None),
     "drain_s": Key("float", 30.0, _nonneg, "a number of seconds >= 0"),
+    # before draining: /readyz says 503 while requests are still taken, so a load balancer's
+    # checks move traffic away before any request is refused (0: drain at once)
+    "drain_grace_s": Key("float", 0.0, _nonneg, "a number of seconds >= 0"),
     "ready_timeout_s": Key("float", 0.0, _nonneg, "a number of seconds >= 0 (0: no limit)"),
     "log_level": Key("str", "info", lambda v: v in ("debug", "info", "warning", "error"),
                      "one of debug, info, warning, error"),
@@ -82,6 +85,7 @@ class Settings:
     binary: str | None
     api_key_file: str | None
     drain_s: float
+    drain_grace_s: float
     ready_timeout_s: float
     log_level: str
     supervisor: dict[str, Any]
@@ -248,7 +252,8 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     return Settings(
         profile=values["profile"], model=values["model"], host=values["host"],
         port=values["port"], binary=values["binary"], api_key_file=keys_file,
-        drain_s=values["drain_s"], ready_timeout_s=values["ready_timeout_s"],
+        drain_s=values["drain_s"], drain_grace_s=values["drain_grace_s"],
+        ready_timeout_s=values["ready_timeout_s"],
         log_level=values["log_level"], supervisor=supervisor, proxy=proxy,
         api_keys=tuple(dict.fromkeys(api_keys)), config_file=config_path, sources=sources,
     )

@@ -98,6 +98,7 @@ class UnitOptions:
     watchdog_s: int = 30
     start_timeout_s: int = 300  # extended by EXTEND_TIMEOUT_USEC while the model loads
     drain_s: float = 30.0
+    drain_grace_s: float = 0.0
     stop_grace_s: float = 10.0
     state_dir: str = "/var/lib/mtpwrap"
     log_dir: str = "/var/log/mtpwrap"
@@ -106,8 +107,9 @@ class UnitOptions:
 
 
 def stop_timeout_s(opts: UnitOptions) -> int:
-    """TimeoutStopSec must cover the drain, the child's grace and the final kill."""
-    return int(opts.drain_s + opts.stop_grace_s + 15)
+    """TimeoutStopSec must cover the drain grace, the drain, the child's grace and the final
+    kill."""
+    return int(opts.drain_grace_s + opts.drain_s + opts.stop_grace_s + 15)
 
 
 def render_unit(opts: UnitOptions) -> str:

@@ -244,6 +244,15 @@ def test_connections_beyond_the_limit_are_closed(fake: FakeUpstream) -> None:
         assert httpx.get(srv.url + "/livez", timeout=5).status_code == 200
 
 
+def test_probes_answer_any_host_and_the_rest_does_not(front: object) -> None:
+    for path in ("/livez", "/readyz"):
+        r = httpx.get(front.url + path, headers={"host": "10.1.2.3:8080"}, timeout=5)  # type: ignore
+        assert r.status_code == 200, path
+    r = httpx.get(front.url + "/v1/models", headers={**AUTH, "host": "10.1.2.3:8080"},  # type: ignore
+                  timeout=5)
+    assert r.status_code == 421
+
+
 # --------------------------------------------------------------------------- 6, 7: load, drain
 
 
@@ -415,6 +424,32 @@ class TestAgainstTheRealServer:
         out = inst.output()  # type: ignore[attr-defined]
         assert "Traceback" not in out and "Internal Server Error" not in out
         assert "internal error" not in out
+
+
+@pytest.mark.integration
+def test_drain_grace_leaves_rotation_before_refusing(tmp_path: Path, llama_server_bin: Path,
+                                                     demo_model: Path, free_port: int) -> None:
+    from tests.test_up_real import Instance
+
+    inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model,
+                    MTPWRAP_DRAIN_GRACE_S="3", MTPWRAP_DRAIN_S="2")
+    try:
+        inst.wait_ready()
+        os.kill(inst.proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        end = t0 + 10
+        while httpx.get(inst.base + "/readyz", timeout=5).status_code == 200:
+            assert time.monotonic() < end, "readiness never dropped"
+            time.sleep(0.05)
+        assert httpx.get(inst.base + "/readyz", timeout=5).json()["status"] == "draining"
+        # out of rotation, still serving: a request that arrives now is answered
+        r = httpx.post(inst.base + "/completion", json={"prompt": "Hi", "n_predict": 2},
+                       timeout=60)
+        assert r.status_code == 200 and time.monotonic() - t0 < 3
+        assert inst.proc.wait(60) == 0
+        assert time.monotonic() - t0 >= 3
+    finally:
+        inst.close()
 
 
 @pytest.mark.integration

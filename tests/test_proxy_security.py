@@ -251,7 +251,10 @@ def test_unexpected_host_is_421(fake, front):
         r = HTTP.post(front.url + "/v1/chat/completions", json={},
                       headers={"x-api-key": KEY1, "host": host})
         assert r.status_code == 421, host
-    assert HTTP.get(front.url + "/livez", headers={"host": "evil.example"}).status_code == 421
+    # probes answer any Host (balancers and kubelets send an address); nothing else does
+    assert HTTP.get(front.url + "/livez", headers={"host": "evil.example"}).status_code == 200
+    assert HTTP.get(front.url + "/healthz", headers={"host": "evil.example",
+                                                      "x-api-key": KEY1}).status_code == 421
     for host in ("localhost", f"127.0.0.1:{front.port}", "[::1]:80"):
         r = HTTP.post(front.url + "/v1/chat/completions", json={},
                       headers={"x-api-key": KEY1, "host": host})

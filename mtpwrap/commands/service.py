@@ -8,12 +8,13 @@ import click
 
 
 def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
-             drain_s: float, stop_grace_s: float) -> object:
+             drain_s: float, drain_grace_s: float, stop_grace_s: float) -> object:
     from mtpwrap import systemd
 
     return systemd.UnitOptions(
         exec_start=systemd.default_exec_start(config, profile), user=user, group=user,
-        watchdog_s=watchdog_s, drain_s=drain_s, stop_grace_s=stop_grace_s)
+        watchdog_s=watchdog_s, drain_s=drain_s, drain_grace_s=drain_grace_s,
+        stop_grace_s=stop_grace_s)
 
 
 def _common(f: object) -> object:
@@ -28,6 +29,9 @@ def _common(f: object) -> object:
         click.option("--drain-s", type=click.FloatRange(0), default=30.0,
                      envvar="MTPWRAP_DRAIN_S", show_default=True,
                      help="Drain budget; TimeoutStopSec covers it."),
+        click.option("--drain-grace-s", type=click.FloatRange(0), default=0.0,
+                     envvar="MTPWRAP_DRAIN_GRACE_S", show_default=True,
+                     help="Time out of rotation before draining; TimeoutStopSec covers it."),
         click.option("--stop-grace-s", type=click.FloatRange(0), default=10.0,
                      envvar="MTPWRAP_SUPERVISOR_STOP_GRACE_S", show_default=True,
                      help="Grace llama-server gets after SIGTERM."),
