@@ -313,17 +313,24 @@ def _headers(path: str) -> dict:
 # ------------------------------------------------------------------------------- peers
 
 
-def start_nginx(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
-    """nginx as operators configure it for streaming: keep-alive upstream, no buffering."""
+def _peer(name: str, package: str, work: Path) -> str | None:
+    """The peer's executable (PATH, else /usr/sbin), or None after saying how to install it."""
     import shutil
 
-    exe = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
-                                      else None)
+    exe = shutil.which(name) or shutil.which(name, path="/usr/sbin")
     if exe is None:
-        print("nginx: not installed (apt-get install nginx-light); its rows are skipped")
+        print(f"{name}: not installed (apt-get install {package}); its rows are skipped")
+        return None
+    work.mkdir(parents=True, exist_ok=True)
+    return exe
+
+
+def start_nginx(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
+    """nginx as operators configure it for streaming: keep-alive upstream, no buffering."""
+    exe = _peer("nginx", "nginx-light", work)
+    if exe is None:
         return None
     port = free_port()
-    work.mkdir(parents=True, exist_ok=True)
     conf = work / "nginx.conf"
     conf.write_text(f"""daemon off;
 worker_processes 1;
@@ -358,15 +365,10 @@ http {{
 
 def start_haproxy(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
     """HAProxy 2.6 with `option http-no-delay`, without which SSE chunks arrive bunched."""
-    import shutil
-
-    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists()
-                                        else None)
+    exe = _peer("haproxy", "haproxy", work)
     if exe is None:
-        print("haproxy: not installed (apt-get install haproxy); its rows are skipped")
         return None
     port = free_port()
-    work.mkdir(parents=True, exist_ok=True)
     conf = work / "haproxy.cfg"
     conf.write_text(f"""global
   maxconn 4096
