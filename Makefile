@@ -30,6 +30,7 @@ up: build model
 
 lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks
+	$(BIN)/mypy mtpwrap
 
 test: model build lint
 	$(BIN)/python -m pytest

@@ -315,7 +315,7 @@ def _capabilities(binary: Path) -> dict[str, Any] | None:
     except ImportError:
         return None
     try:
-        return capabilities.probe(binary).to_dict()  # type: ignore[no-any-return]
+        return capabilities.probe(binary).to_dict()
     except Exception:  # noqa: BLE001 - a build stays valid if --help cannot be parsed
         return None
 

@@ -43,7 +43,7 @@ class LazyGroup(click.Group):
         if entry is None:
             return None
         module = importlib.import_module(entry[0])
-        return module.command  # type: ignore[no-any-return]
+        return module.command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help text comes from the table, so listing commands imports none of them.

@@ -116,6 +116,7 @@ def _add_tokenizer(w: Any, vocab: str, n_vocab: int | None) -> int:
         elif key == "tokenizer.ggml.scores":
             val = list(val) + [0.0] * pad
         if vtype == 9:
+            assert sub is not None  # read_tokenizer_kv gives arrays their element type
             w.add_key_value(key, val, GGUFValueType.ARRAY, sub_type=GGUFValueType(sub))
         else:
             w.add_key_value(key, val, GGUFValueType(vtype))

@@ -199,7 +199,9 @@ def host_info(psutil_module: Any | None = None, *,
     ps = psutil_module
     if ps is None and use_psutil:
         try:
-            import psutil as ps
+            import psutil
+
+            ps = psutil
         except ImportError:
             ps = None
     if ps is not None:
@@ -269,7 +271,7 @@ def snapshot(
         error = None if gpus else "the NVIDIA driver is loaded but reports no GPU"
         return HardwareSnapshot(
             gpus=gpus, error=error, driver_version=driver, cuda_driver_version=cuda,
-            source=source, **base,  # type: ignore[arg-type]
+            source=source, **base,
         )
     finally:
         _query(nvml, err, "nvmlShutdown")
@@ -383,7 +385,7 @@ def record(nvml: Any | None = None, *, note: str = "") -> dict[str, Any]:
     try:
         data["driver_version"] = _text(_query(nvml, err, "nvmlSystemGetDriverVersion"))
         data["cuda_driver_version"] = _query(nvml, err, "nvmlSystemGetCudaDriverVersion")
-        devices = []
+        devices: list[dict[str, Any]] = []
         for i in range(int(_query(nvml, err, "nvmlDeviceGetCount") or 0)):
             h = _query(nvml, err, "nvmlDeviceGetHandleByIndex", i)
             if h is None:
@@ -466,10 +468,10 @@ class RecordedNvml:
         return value
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        return self._value(self._data.get("driver_version"))  # type: ignore[no-any-return]
+        return self._value(self._data.get("driver_version"))
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self._value(self._data.get("cuda_driver_version"))  # type: ignore[no-any-return]
+        return self._value(self._data.get("cuda_driver_version"))
 
     def nvmlDeviceGetCount(self) -> int:
         return len(self._devices)
@@ -484,10 +486,10 @@ class RecordedNvml:
         return self._value(self._devices[handle].get(key))
 
     def nvmlDeviceGetName(self, h: int) -> str:
-        return self._dev(h, "name")  # type: ignore[no-any-return]
+        return self._dev(h, "name")
 
     def nvmlDeviceGetUUID(self, h: int) -> str:
-        return self._dev(h, "uuid")  # type: ignore[no-any-return]
+        return self._dev(h, "uuid")
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
         return SimpleNamespace(**self._dev(h, "memory"))
@@ -497,27 +499,27 @@ class RecordedNvml:
         return int(cc[0]), int(cc[1])
 
     def nvmlDeviceGetPowerManagementLimit(self, h: int) -> int:
-        return self._dev(h, "power_management_limit_mw")  # type: ignore[no-any-return]
+        return self._dev(h, "power_management_limit_mw")
 
     def nvmlDeviceGetPowerUsage(self, h: int) -> int:
-        return self._dev(h, "power_usage_mw")  # type: ignore[no-any-return]
+        return self._dev(h, "power_usage_mw")
 
     def nvmlDeviceGetCurrPcieLinkGeneration(self, h: int) -> int:
-        return self._dev(h, "pcie_link_gen")  # type: ignore[no-any-return]
+        return self._dev(h, "pcie_link_gen")
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, h: int) -> int:
-        return self._dev(h, "pcie_link_width")  # type: ignore[no-any-return]
+        return self._dev(h, "pcie_link_width")
 
     def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
         if sensor != NVML_TEMPERATURE_GPU:
             raise RecordedNvmlError(2, "Invalid Argument")
-        return self._dev(h, "temperature_gpu_c")  # type: ignore[no-any-return]
+        return self._dev(h, "temperature_gpu_c")
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
         return SimpleNamespace(**self._dev(h, "utilization"))
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, h: int) -> int:
-        return self._dev(h, "clocks_event_reasons")  # type: ignore[no-any-return]
+        return self._dev(h, "clocks_event_reasons")
 
 
 def snapshot_from_record(data: Mapping[str, Any], source: str = "recording") -> HardwareSnapshot:

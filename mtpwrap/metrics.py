@@ -227,7 +227,7 @@ class FrontMetrics:
         self.refused = Counter("mtpwrap_refused", "Requests refused by policy", ["reason"],
                                registry=r)
         self.live = _LiveCollector(status, front_stats)
-        r.register(self.live)  # type: ignore[arg-type]
+        r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
         for reason in ("overload", "not_ready", "draining", "queue_timeout"):
             self.shed.labels(reason)

@@ -39,7 +39,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,9 +70,9 @@ __all__ = ["Front", "ProxyConfig"]
 log = logging.getLogger("mtpwrap.proxy")
 access_log = logging.getLogger("mtpwrap.access")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 _OPEN_PATHS = frozenset({"/livez", "/readyz"})
 #: The client headers llama-server uses; nothing else is forwarded (the body's length and the

@@ -32,7 +32,7 @@ def model_path(explicit: str | None) -> Path:
         if p.is_file():
             return p
         try:
-            from mtpwrap import models  # type: ignore[attr-defined]
+            from mtpwrap import models
 
             return Path(models.resolve_model(explicit))
         except (ImportError, AttributeError):
@@ -41,7 +41,7 @@ def model_path(explicit: str | None) -> Path:
     if env and Path(env).is_file():
         return Path(env)
     try:
-        from mtpwrap import models  # type: ignore[attr-defined]
+        from mtpwrap import models
 
         return Path(models.ensure_demo_model())
     except (ImportError, AttributeError):

@@ -117,7 +117,7 @@ def hardware_snapshot() -> dict:
 def build_provenance(binary: Path | None) -> dict:
     prov: dict = {"binary": str(binary) if binary else None}
     try:
-        from mtpwrap import build  # type: ignore[attr-defined]
+        from mtpwrap import build
 
         manifest = build.load_manifest()
         if manifest is not None and (binary is None
@@ -148,7 +148,7 @@ def profile_provenance(name: str | None) -> dict | None:
     if not name:
         return None
     try:
-        from mtpwrap import profiles  # type: ignore[attr-defined]
+        from mtpwrap import profiles
 
         return dict(profiles.load_profile(name).to_dict())
     except Exception as exc:
@@ -234,6 +234,7 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
     ctx_size = (need_ctx + 64 + 255) // 256 * 256 * parallel
     for cfg in plan.configs:
         log_path = workdir / f"server-{cfg.name}.log"
+        stop: Callable[[], int | None]
         if plan.url:
             base_url, stop = plan.url, (lambda: None)
         else:

@@ -112,13 +112,14 @@ def analyse(points: list[dict]) -> dict:
                 row["step_cost"] = s.mean_accepted_length / row["measured_speedup"]
                 fit_pts.append((k, row["step_cost"]))
         rows.append(row)
-    a, c = stats.fit_step_cost(fit_pts)
+    overhead, per_draft = stats.fit_step_cost(fit_pts)
     for row in rows:
         if row.get("alpha") is not None:
-            row["modelled_speedup"] = stats.modelled_speedup(row["alpha"], row["k"], a, c)
+            row["modelled_speedup"] = stats.modelled_speedup(row["alpha"], row["k"], overhead,
+                                                             per_draft)
     best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
     return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "baseline_tokens_per_s": base["tokens_per_s"], "fit": {"a": a, "c": c},
+            "baseline_tokens_per_s": base["tokens_per_s"], "fit": {"a": overhead, "c": per_draft},
             "rows": rows, "best": best, "raw": points}
 
 
@@ -130,7 +131,7 @@ def _base_profile(name: str) -> dict:
     """The profile as a plain mapping of its YAML keys (None values and empty sections left
     out), so that the override reads like a hand-written profile."""
     try:
-        from mtpwrap import profiles  # type: ignore[attr-defined]
+        from mtpwrap import profiles
     except ImportError:
         return {"name": name, "description": "", "model": "", "context": 4096}
     d = profiles.load_profile(name).to_dict()
@@ -141,7 +142,7 @@ def _base_profile(name: str) -> dict:
 
 def _validate(data: dict, path: Path, name: str) -> None:
     try:
-        from mtpwrap import profiles  # type: ignore[attr-defined]
+        from mtpwrap import profiles
     except ImportError:
         return
     profiles.validate(data, where=str(path), expected_name=name)

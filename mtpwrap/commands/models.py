@@ -34,5 +34,5 @@ def list_cmd(as_json: bool) -> None:
     console.table(
         None,
         ["name", "size (MB)", "path"],
-        [[r["name"], f"{int(r['bytes']) / 1e6:.0f}", r["path"]] for r in rows],
+        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["path"]] for r in rows],
     )

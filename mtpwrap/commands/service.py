@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -17,7 +19,10 @@ def _options(profile: str | None, config: str | None, user: str, watchdog_s: int
         stop_grace_s=stop_grace_s)
 
 
-def _common(f: object) -> object:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _common(f: _F) -> _F:
     for opt in reversed([
         click.option("--profile", envvar="MTPWRAP_PROFILE", help="Profile the unit serves."),
         click.option("--config", envvar="MTPWRAP_CONFIG", default="/etc/mtpwrap/mtpwrap.yaml",
@@ -36,7 +41,7 @@ def _common(f: object) -> object:
                      envvar="MTPWRAP_SUPERVISOR_STOP_GRACE_S", show_default=True,
                      help="Grace llama-server gets after SIGTERM."),
     ]):
-        f = opt(f)  # type: ignore[operator]
+        f = opt(f)
     return f
 
 
@@ -46,7 +51,7 @@ def command() -> None:
 
 
 @command.command("print")
-@_common  # type: ignore[arg-type]
+@_common
 def print_(**kw: object) -> None:
     """Print the unit file to stdout."""
     from mtpwrap import console, systemd
@@ -55,7 +60,7 @@ def print_(**kw: object) -> None:
 
 
 @command.command("install")
-@_common  # type: ignore[arg-type]
+@_common
 @click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
               envvar="MTPWRAP_UNIT_DIR", show_default=True)
 @click.option("--etc-dir", type=click.Path(path_type=Path), default="/etc/mtpwrap",
