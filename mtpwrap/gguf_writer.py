@@ -456,8 +456,9 @@ def write_shape_only(path: Path, model: str = "qwen3.6-27b", ftype: str = "q4_k_
 # --------------------------------------------------------------------------- tiny random
 
 
-def tiny_spec(arch: str = "qwen35", mtp: bool = True) -> ModelSpec:
-    """Small dimensions, every tensor f32/f16, real tokenizer: loads and runs in seconds."""
+def tiny_spec(arch: str = "qwen35", mtp: bool = True, ftype: str = "f16") -> ModelSpec:
+    """Small dimensions, every tensor f32/f16 (or q8_0 matrices), real tokenizer: loads and
+    runs in seconds."""
     if arch == "qwen35":
         return _qwen35_spec(
             name="tiny-qwen35-mtp" if mtp else "tiny-qwen35", n_embd=128, n_layer=4,
@@ -467,7 +468,7 @@ def tiny_spec(arch: str = "qwen35", mtp: bool = True) -> ModelSpec:
     if arch == "llama":
         # head size 128: fork cache types with 128-value blocks need whole heads per block
         return _llama_spec(name="tiny-llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1,
-                           n_ff=256, n_ctx=4096, ftype="f16", tied=True)
+                           n_ff=256, n_ctx=4096, ftype=ftype, tied=True)
     raise ConfigError(f"no tiny model for architecture {arch!r}; use 'qwen35' or 'llama'.")
 
 
@@ -486,23 +487,31 @@ def _random_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, Any]]:
         else:
             fan_in = t.ne[0]
             arr = rng.normal(0, 1 / np.sqrt(fan_in), size=shape).astype(np.float32)
-        yield t.name, (arr if t.qtype == "f32" else arr.astype(np.float16))
+        if t.qtype == "q8_0":
+            from gguf import GGMLQuantizationType
+            from gguf.quants import quantize
+
+            yield t.name, (quantize(arr, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        else:
+            yield t.name, (arr if t.qtype == "f32" else arr.astype(np.float16), None)
 
 
-def write_tiny_random(path: Path, arch: str = "qwen35", mtp: bool = True, seed: int = 0) -> Path:
-    """A tiny random-weight model llama-server runs; the qwen35 one has an MTP (nextn) block."""
+def write_tiny_random(path: Path, arch: str = "qwen35", mtp: bool = True, seed: int = 0,
+                      ftype: str = "f16") -> Path:
+    """A tiny random-weight model llama-server runs; the qwen35 one has an MTP (nextn) block.
+    `ftype="q8_0"` (llama only) quantizes its matrices, so quantized CPU kernels run too."""
     from gguf import GGUFWriter
 
-    spec = tiny_spec(arch, mtp)
+    spec = tiny_spec(arch, mtp, ftype)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(path, spec.arch)
     w.add_name(spec.name)
-    w.add_file_type(1)
+    w.add_file_type(7 if ftype == "q8_0" else 1)  # LLAMA_FTYPE_MOSTLY_Q8_0 / _F16
     _add_meta(w, spec.arch, spec.meta)
     _add_tokenizer(w, spec.vocab, spec.n_vocab)
-    for name, arr in _random_tensors(spec, seed):
-        w.add_tensor(name, arr)
+    for name, (arr, raw_dtype) in _random_tensors(spec, seed):
+        w.add_tensor(name, arr, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -73,9 +73,10 @@ def smoke_model(work_dir: Path) -> Path:
         return demo
     from mtpwrap import gguf_writer
 
-    tiny = work_dir / "smoke-tiny-llama.gguf"
+    # q8_0 matrices: the quantized kernels (where llama.cpp's AMX code runs) get exercised too
+    tiny = work_dir / "smoke-tiny-llama-q8_0.gguf"
     if not tiny.is_file():
-        gguf_writer.write_tiny_random(tiny, arch="llama", mtp=False)
+        gguf_writer.write_tiny_random(tiny, arch="llama", mtp=False, ftype="q8_0")
     return tiny
 
 

@@ -306,3 +306,21 @@ def test_the_real_build_passed_its_smoke_test_on_this_cpu(cpu_manifest: dict,
     assert cpu_manifest["cpu_isa"] in checks["CPU configuration"]["detail"]
     assert source.SUBMODULE_COMMIT[:12] in checks["fork pin"]["detail"]
     assert "smoke test passed" in checks["llama-server build"]["detail"]
+
+
+@pytest.mark.integration
+def test_the_tiny_smoke_model_runs_quantized_kernels(cpu_manifest: dict, tmp_path: Path) -> None:
+    """Without the demo model the build tries its binary on a tiny q8_0 model the project
+    writes: it must pass on the kept build and crash every build that crashed on the demo
+    model here (on a CPU with AMX, the native build does: the quantized matmul runs there)."""
+    from mtpwrap import gguf_writer, smoke
+
+    model = gguf_writer.write_tiny_random(tmp_path / "tiny-q8_0.gguf", arch="llama", mtp=False,
+                                          ftype="q8_0")
+    kept = smoke.run(Path(cpu_manifest["binaries"]["llama-server"]["path"]), model)
+    assert kept.passed and kept.tokens > 0, kept
+    for attempt in cpu_manifest["attempts"][:-1]:
+        binary = Path(attempt["build_dir"]) / "bin" / "llama-server"
+        if binary.is_file():
+            tried = smoke.run(binary, model)
+            assert tried.crashed, (attempt["cpu_isa"], tried)
