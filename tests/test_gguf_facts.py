@@ -127,8 +127,8 @@ def test_split_models_count_every_shard(tmp_path: Path) -> None:
     w = GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=len(spec.tensors) // 2 + 1)
     gguf_writer._add_meta(w, "llama", spec.meta)
     gguf_writer._add_tokenizer(w, spec.vocab, None)
-    for name, arr in gguf_writer._random_tensors(spec, 0):
-        w.add_tensor(name, arr)
+    for name, (arr, raw_dtype) in gguf_writer._random_tensors(spec, 0):
+        w.add_tensor(name, arr, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
