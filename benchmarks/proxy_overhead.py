@@ -454,6 +454,8 @@ def main() -> None:
     rows: list[dict] = []
     procs: list[subprocess.Popen] = []
     work = Path(tempfile.mkdtemp(prefix="proxy-overhead-"))
+    # A SIGTERM (from `timeout`, say) still stops every process this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if not args.skip_synthetic:
             sport = free_port()
