@@ -1,0 +1,101 @@
+"""`mtpwrap fleet`: configuration for several mtpwrap nodes behind one load balancer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+_NODES = click.option(
+    "--node", "nodes", multiple=True, envvar="MTPWRAP_FLEET_NODES", metavar="[NAME=]HOST:PORT",
+    help="An mtpwrap node (its front's address); repeat for each. "
+         "[env: MTPWRAP_FLEET_NODES, separated by spaces]")
+_OUTPUT = click.option(
+    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+    help="Write to this file instead of stdout.")
+
+
+def _emit(text: str, output: Path | None) -> None:
+    from mtpwrap import console
+
+    if output is None:
+        console.out.print(text, markup=False, end="")
+        return
+    output.write_text(text)
+    console.info(f"wrote {output}")
+
+
+@click.group("fleet")
+def command() -> None:
+    """Configuration for a fleet of mtpwrap nodes: HAProxy in front, Prometheus watching."""
+
+
+@command.command("haproxy")
+@_NODES
+@click.option("--bind", default="127.0.0.1:8000", envvar="MTPWRAP_FLEET_BIND",
+              show_default=True, help="Where clients reach the fleet.")
+@click.option("--metrics-bind", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
+              show_default=True,
+              help="HAProxy's Prometheus exporter (/metrics) and stats page (/stats); "
+                   "'none' for neither.")
+@click.option("--admin-socket", type=click.Path(path_type=Path),
+              envvar="MTPWRAP_FLEET_ADMIN_SOCKET",
+              help="UNIX socket for HAProxy's runtime API (drain a node by hand).")
+@click.option("--check-interval-s", type=float, default=2.0, show_default=True,
+              envvar="MTPWRAP_FLEET_CHECK_INTERVAL_S", help="Seconds between /readyz checks.")
+@click.option("--fall", type=int, default=2, show_default=True, envvar="MTPWRAP_FLEET_FALL",
+              help="Failed checks before a node leaves the rotation.")
+@click.option("--rise", type=int, default=2, show_default=True, envvar="MTPWRAP_FLEET_RISE",
+              help="Passed checks before a node rejoins it.")
+@click.option("--max-per-node", type=int, default=8, show_default=True,
+              envvar="MTPWRAP_FLEET_MAX_PER_NODE",
+              help="Open requests per node before HAProxy queues (0 = no limit); the node's "
+                   "proxy.max_concurrency is a good value.")
+@click.option("--server-timeout-s", type=float, default=600.0, show_default=True,
+              envvar="MTPWRAP_FLEET_SERVER_TIMEOUT_S",
+              help="Longest silence from a node (a non-streamed long generation).")
+@click.option("--check", is_flag=True, envvar="MTPWRAP_FLEET_CHECK",
+              help="Validate the result with `haproxy -c` before writing it.")
+@_OUTPUT
+def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, admin_socket: Path | None,
+            check_interval_s: float, fall: int, rise: int, max_per_node: int,
+            server_timeout_s: float, check: bool, output: Path | None) -> None:
+    """Print haproxy.cfg that spreads requests over the nodes by their /readyz.
+
+    Nodes that are loading, restarting or draining get no new requests; a refused connection
+    or a node's own 503 is retried on another node; nothing that reached llama-server is.
+    """
+    from mtpwrap import fleet
+
+    opts = fleet.HaproxyOptions(
+        bind=bind, metrics_bind=None if metrics_bind.lower() == "none" else metrics_bind,
+        admin_socket=admin_socket, check_interval_s=check_interval_s, fall=fall, rise=rise,
+        max_per_node=max_per_node, server_timeout_s=server_timeout_s)
+    text = fleet.render_haproxy(fleet.parse_nodes(nodes), opts)
+    if check:
+        fleet.check_haproxy(text)
+    _emit(text, output)
+
+
+@command.command("prometheus")
+@_NODES
+@click.option("--haproxy-metrics", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
+              show_default=True, help="HAProxy's exporter to scrape too; 'none' to skip it.")
+@click.option("--scrape-interval-s", type=float, default=15.0, show_default=True,
+              envvar="MTPWRAP_FLEET_SCRAPE_INTERVAL_S", help="Scrape and rule interval.")
+@click.option("--rules", "rule_files", multiple=True, default=("mtpwrap-rules.yml",),
+              show_default=True, help="Rule files to load (deploy/prometheus/ has the "
+              "project's); relative to the written file.")
+@click.option("--key-file", type=click.Path(path_type=Path), envvar="MTPWRAP_FLEET_KEY_FILE",
+              help="File with an API key, when the nodes' /metrics needs one.")
+@_OUTPUT
+def prometheus(nodes: tuple[str, ...], haproxy_metrics: str, scrape_interval_s: float,
+               rule_files: tuple[str, ...], key_file: Path | None, output: Path | None) -> None:
+    """Print prometheus.yml scraping every node (label `node`) and HAProxy."""
+    from mtpwrap import fleet
+
+    opts = fleet.PrometheusOptions(
+        scrape_interval_s=scrape_interval_s,
+        haproxy_metrics=None if haproxy_metrics.lower() == "none" else haproxy_metrics,
+        rule_files=rule_files, key_file=key_file)
+    _emit(fleet.render_prometheus(fleet.parse_nodes(nodes), opts), output)

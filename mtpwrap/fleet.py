@@ -1,0 +1,246 @@
+"""Several mtpwrap nodes behind one address: the HAProxy configuration and the Prometheus scrape
+configuration for a fleet, rendered from one list of nodes.
+
+Each node is one `mtpwrap up` (one GPU, one llama-server). The load balancer asks each node's
+`/readyz`, never llama-server: mtpwrap's readiness already means "the model answers and this
+node is not draining". What the rendered HAProxy configuration does, and why:
+
+- `balance leastconn`: generations last seconds to minutes and vary a lot in length, so the
+  node with the fewest open requests is the best guess at the least busy one (round robin would
+  pile long requests onto one node).
+- `option httpchk` GET `/readyz` every `check_interval_s`: a node that is loading, restarting
+  llama-server, failed, or draining leaves the rotation after `fall` checks and comes back after
+  `rise`. `/livez` is deliberately not used: a live but unready node must get no traffic.
+- No `on-marked-down shutdown-sessions`: a draining node answers `/readyz` 503 at once, and the
+  streams it is still serving must be allowed to finish within its drain budget.
+- `retry-on conn-failure 503` with `option redispatch 1`: a node that is gone (refused
+  connection) or that refused the request without forwarding it (mtpwrap's 503: draining, not
+  ready, overloaded) is retried on another node. Nothing else is retried: a generation is not
+  idempotent, and once a node has accepted a request a retry could run it twice.
+- `maxconn` per server: requests beyond it wait in HAProxy's queue, where the first node to free
+  a slot takes them, rather than in one node's own queue.
+- `timeout server` covers the longest silence of a node: streams carry SSE comments every few
+  seconds, but a non-streamed long generation sends nothing until it is done.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from mtpwrap.errors import ConfigError, MissingToolError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_BACKEND = "mtpwrap"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_address(spec: str, what: str) -> tuple[str, int]:
+    """`HOST:PORT` (IPv6 in brackets) -> (host, port); `what` names the flag in the error."""
+    host, sep, port = spec.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} {spec!r}: expected HOST:PORT with a port from 1 to 65535, "
+                          "for example 127.0.0.1:8080.")
+    return host, int(port)
+
+
+def parse_nodes(specs: Iterable[str]) -> list[Node]:
+    """`[NAME=]HOST:PORT` for each node; names default to node1, node2, ... and must differ."""
+    nodes: list[Node] = []
+    for i, spec in enumerate(specs, 1):
+        name, eq, addr = spec.partition("=")
+        if not eq:
+            name, addr = f"node{i}", spec
+        if not _NAME.match(name):
+            raise ConfigError(f"--node {spec!r}: the name {name!r} must be letters, digits, '_', "
+                              "'.' or '-' (at most 63), as in gpu1=10.0.0.5:8080.")
+        host, port = parse_address(addr, "--node")
+        nodes.append(Node(name, host, port))
+    if not nodes:
+        raise ConfigError("no nodes: give each mtpwrap node as --node [NAME=]HOST:PORT "
+                          "(or in MTPWRAP_FLEET_NODES, separated by spaces).")
+    for attr in ("name", "address"):
+        seen = [getattr(n, attr) for n in nodes]
+        dup = next((v for v in seen if seen.count(v) > 1), None)
+        if dup is not None:
+            raise ConfigError(f"--node: the {attr} {dup!r} is given twice; each node once.")
+    return nodes
+
+
+def _duration(seconds: float) -> str:
+    """A duration both HAProxy and Prometheus read: whole seconds, else milliseconds."""
+    if float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+@dataclass(frozen=True)
+class HaproxyOptions:
+    bind: str = "127.0.0.1:8000"
+    #: where HAProxy's own Prometheus exporter and stats page listen; None = not at all.
+    metrics_bind: str | None = "127.0.0.1:8404"
+    #: a UNIX socket for the runtime API (`set server mtpwrap/NAME state drain`); None = none.
+    admin_socket: Path | None = None
+    check_interval_s: float = 2.0
+    fall: int = 2
+    rise: int = 2
+    #: open requests per node before HAProxy queues; 0 = no limit.
+    max_per_node: int = 8
+    #: how long a request may wait in HAProxy's queue for a node.
+    queue_timeout_s: float = 60.0
+    #: the longest silence from a node (a non-streamed long generation sends nothing until done).
+    server_timeout_s: float = 600.0
+    connect_timeout_s: float = 2.0
+    retries: int = 2
+
+    def __post_init__(self) -> None:
+        parse_address(self.bind, "--bind")
+        if self.metrics_bind is not None:
+            parse_address(self.metrics_bind, "--metrics-bind")
+        for key in ("check_interval_s", "queue_timeout_s", "server_timeout_s",
+                    "connect_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be above 0, "
+                                  f"got {getattr(self, key)}.")
+        for key, low in (("fall", 1), ("rise", 1), ("max_per_node", 0), ("retries", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be at least {low}, "
+                                  f"got {getattr(self, key)}.")
+
+
+def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
+    """haproxy.cfg (HAProxy 2.6 or later) for `nodes`; see the module docstring for the why."""
+    inter = _duration(opts.check_interval_s)
+    maxconn = f" maxconn {opts.max_per_node}" if opts.max_per_node else ""
+    lines = [
+        "# Generated by `mtpwrap fleet haproxy`. Check with `haproxy -c -f FILE`.",
+        "global",
+        "    maxconn 4096",
+    ]
+    if opts.admin_socket is not None:
+        lines.append(f"    stats socket {opts.admin_socket} mode 600 level admin")
+    lines += [
+        "",
+        "defaults",
+        "    mode http",
+        f"    timeout connect {_duration(opts.connect_timeout_s)}",
+        "    timeout http-request 30s",
+        f"    timeout queue {_duration(opts.queue_timeout_s)}",
+        f"    timeout client {_duration(opts.server_timeout_s)}",
+        f"    timeout server {_duration(opts.server_timeout_s)}",
+        "",
+        "frontend mtpwrap",
+        f"    bind {opts.bind}",
+        "    # The balancer's own liveness, independent of the nodes.",
+        "    monitor-uri /haproxy-livez",
+        f"    default_backend {_BACKEND}",
+        "",
+        f"backend {_BACKEND}",
+        "    balance leastconn",
+        "    # A node takes traffic only while its /readyz says the model answers and it is",
+        "    # not draining.",
+        "    option httpchk",
+        "    http-check send meth GET uri /readyz",
+        "    http-check expect status 200",
+        "    # Only what never reached llama-server is retried, on another node: a refused",
+        "    # connection, or mtpwrap's own 503 (draining, not ready, overloaded).",
+        f"    retries {opts.retries}",
+        "    retry-on conn-failure 503",
+        "    option redispatch 1",
+        "    # Which node answered, for clients and for debugging.",
+        "    http-response set-header X-Mtpwrap-Node %s",
+        f"    default-server check inter {inter} fastinter {inter} downinter {inter} "
+        f"fall {opts.fall} rise {opts.rise}{maxconn}",
+    ]
+    lines += [f"    server {n.name} {n.address}" for n in nodes]
+    if opts.metrics_bind is not None:
+        lines += [
+            "",
+            "frontend haproxy-metrics",
+            f"    bind {opts.metrics_bind}",
+            "    http-request use-service prometheus-exporter if { path /metrics }",
+            "    stats enable",
+            "    stats uri /stats",
+            "    stats refresh 5s",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def check_haproxy(text: str, haproxy: str = "haproxy") -> None:
+    """Run `haproxy -c` on a configuration; ConfigError with HAProxy's own words when it fails."""
+    exe = shutil.which(haproxy)
+    if exe is None:
+        raise MissingToolError("haproxy is not installed, so the configuration cannot be "
+                               "checked: install it (apt-get install haproxy) or drop --check.")
+    with tempfile.NamedTemporaryFile("w", suffix=".cfg", prefix="mtpwrap-haproxy-") as f:
+        f.write(text)
+        f.flush()
+        r = subprocess.run([exe, "-c", "-f", f.name], capture_output=True, text=True,
+                           timeout=30, check=False)
+    if r.returncode != 0:
+        why = " ".join(ln.strip() for ln in (r.stderr + r.stdout).splitlines()
+                       if "ALERT" in ln)[:800]
+        raise ConfigError(f"haproxy -c rejected the configuration: {why or r.stderr.strip()}")
+
+
+@dataclass(frozen=True)
+class PrometheusOptions:
+    scrape_interval_s: float = 15.0
+    #: HAProxy's exporter (`HaproxyOptions.metrics_bind`), scraped as job `haproxy`; None = not.
+    haproxy_metrics: str | None = "127.0.0.1:8404"
+    #: rule files Prometheus loads (relative paths are relative to the config file).
+    rule_files: tuple[str, ...] = ("mtpwrap-rules.yml",)
+    #: a file holding an API key, for nodes whose /metrics needs one.
+    key_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.scrape_interval_s <= 0:
+            raise ConfigError(f"--scrape-interval-s: must be above 0, "
+                              f"got {self.scrape_interval_s}.")
+        if self.haproxy_metrics is not None:
+            parse_address(self.haproxy_metrics, "--haproxy-metrics")
+
+
+def render_prometheus(nodes: Sequence[Node], opts: PrometheusOptions) -> str:
+    """prometheus.yml scraping every node (job `mtpwrap`, label `node`) and HAProxy."""
+    every = _duration(opts.scrape_interval_s)
+    job: dict = {
+        "job_name": "mtpwrap",
+        "metrics_path": "/metrics",
+        # A node's scrape reads llama-server's page too; it must end before the next one.
+        "scrape_timeout": _duration(min(10.0, opts.scrape_interval_s)),
+        "static_configs": [{"targets": [n.address], "labels": {"node": n.name}}
+                           for n in nodes],
+    }
+    if opts.key_file is not None:
+        job["authorization"] = {"type": "Bearer", "credentials_file": str(opts.key_file)}
+    jobs = [job]
+    if opts.haproxy_metrics is not None:
+        jobs.append({"job_name": "haproxy",
+                     "static_configs": [{"targets": [opts.haproxy_metrics]}]})
+    doc = {
+        "global": {"scrape_interval": every, "evaluation_interval": every},
+        "rule_files": list(opts.rule_files),
+        "scrape_configs": jobs,
+    }
+    return ("# Generated by `mtpwrap fleet prometheus`. Check with "
+            "`promtool check config FILE`.\n" + yaml.safe_dump(doc, sort_keys=False))
