@@ -100,6 +100,9 @@ class HaproxyOptions:
     metrics_bind: str | None = "127.0.0.1:8404"
     #: a UNIX socket for the runtime API (`set server mtpwrap/NAME state drain`); None = none.
     admin_socket: Path | None = None
+    #: the Host the /readyz checks send: one the nodes answer to (`proxy.allowed_hosts`;
+    #: `localhost` is among the defaults).
+    check_host: str = "localhost"
     check_interval_s: float = 2.0
     fall: int = 2
     rise: int = 2
@@ -110,18 +113,24 @@ class HaproxyOptions:
     #: the longest silence from a node (a non-streamed long generation sends nothing until done).
     server_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
-    retries: int = 2
+    retries: int = 3
+    #: consecutive 5xx answers that take a node out of rotation before its checks do.
+    error_limit: int = 2
 
     def __post_init__(self) -> None:
         parse_address(self.bind, "--bind")
         if self.metrics_bind is not None:
             parse_address(self.metrics_bind, "--metrics-bind")
+        if not re.match(r"^[A-Za-z0-9.:\[\]-]+$", self.check_host):
+            raise ConfigError(f"--check-host {self.check_host!r}: expected a host name or "
+                              "address that the nodes answer to, such as localhost.")
         for key in ("check_interval_s", "queue_timeout_s", "server_timeout_s",
                     "connect_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be above 0, "
                                   f"got {getattr(self, key)}.")
-        for key, low in (("fall", 1), ("rise", 1), ("max_per_node", 0), ("retries", 0)):
+        for key, low in (("fall", 1), ("rise", 1), ("max_per_node", 0), ("retries", 0),
+                          ("error_limit", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be at least {low}, "
                                   f"got {getattr(self, key)}.")
@@ -159,17 +168,25 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
         "    # A node takes traffic only while its /readyz says the model answers and it is",
         "    # not draining.",
         "    option httpchk",
-        "    http-check send meth GET uri /readyz",
+        "    # mtpwrap answers only Host names it knows (else 421), so the check names one.",
+        f"    http-check send meth GET uri /readyz ver HTTP/1.1 hdr Host {opts.check_host}",
         "    http-check expect status 200",
         "    # Only what never reached llama-server is retried, on another node: a refused",
-        "    # connection, or mtpwrap's own 503 (draining, not ready, overloaded).",
+        "    # connection, or mtpwrap's own 503 (draining, not ready, queue timeout).",
         f"    retries {opts.retries}",
         "    retry-on conn-failure 503",
+        "    # A retry needs the whole request in HAProxy's buffer: wait for the body before",
+        "    # connecting. A body larger than the buffer (tune.bufsize, 16 KB) is streamed",
+        "    # and not retried; its client gets the node's 503 and Retry-After.",
+        "    option http-buffer-request",
         "    option redispatch 1",
         "    # Which node answered, for clients and for debugging.",
         "    http-response set-header X-Mtpwrap-Node %s",
+        "    # A node answering 503 looks idle to leastconn and would draw the retries; that",
+        "    # many consecutive 5xx (observe layer7) take it out until its checks pass again.",
         f"    default-server check inter {inter} fastinter {inter} downinter {inter} "
-        f"fall {opts.fall} rise {opts.rise}{maxconn}",
+        f"fall {opts.fall} rise {opts.rise}{maxconn} "
+        f"observe layer7 error-limit {opts.error_limit} on-error mark-down",
     ]
     lines += [f"    server {n.name} {n.address}" for n in nodes]
     if opts.metrics_bind is not None:

@@ -41,6 +41,10 @@ def command() -> None:
 @click.option("--admin-socket", type=click.Path(path_type=Path),
               envvar="MTPWRAP_FLEET_ADMIN_SOCKET",
               help="UNIX socket for HAProxy's runtime API (drain a node by hand).")
+@click.option("--check-host", default="localhost", envvar="MTPWRAP_FLEET_CHECK_HOST",
+              show_default=True,
+              help="Host header of the /readyz checks; must be in the nodes' proxy.allowed_hosts "
+                   "when those are set.")
 @click.option("--check-interval-s", type=float, default=2.0, show_default=True,
               envvar="MTPWRAP_FLEET_CHECK_INTERVAL_S", help="Seconds between /readyz checks.")
 @click.option("--fall", type=int, default=2, show_default=True, envvar="MTPWRAP_FLEET_FALL",
@@ -58,7 +62,7 @@ def command() -> None:
               help="Validate the result with `haproxy -c` before writing it.")
 @_OUTPUT
 def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, admin_socket: Path | None,
-            check_interval_s: float, fall: int, rise: int, max_per_node: int,
+            check_host: str, check_interval_s: float, fall: int, rise: int, max_per_node: int,
             server_timeout_s: float, check: bool, output: Path | None) -> None:
     """Print haproxy.cfg that spreads requests over the nodes by their /readyz.
 
@@ -69,8 +73,8 @@ def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, admin_socket: 
 
     opts = fleet.HaproxyOptions(
         bind=bind, metrics_bind=None if metrics_bind.lower() == "none" else metrics_bind,
-        admin_socket=admin_socket, check_interval_s=check_interval_s, fall=fall, rise=rise,
-        max_per_node=max_per_node, server_timeout_s=server_timeout_s)
+        admin_socket=admin_socket, check_host=check_host, check_interval_s=check_interval_s,
+        fall=fall, rise=rise, max_per_node=max_per_node, server_timeout_s=server_timeout_s)
     text = fleet.render_haproxy(fleet.parse_nodes(nodes), opts)
     if check:
         fleet.check_haproxy(text)
