@@ -33,7 +33,7 @@ lint: install
 
 # System tools the fleet tests run for real (HAProxy, Prometheus with promtool). Installed with
 # apt-get when missing and run as root; otherwise one line says what to install.
-SYSTEM_TOOLS := haproxy:haproxy prometheus:prometheus promtool:prometheus
+SYSTEM_TOOLS := haproxy:haproxy prometheus:prometheus promtool:prometheus openssl:openssl
 system-deps:
 	@missing=""; for tp in $(SYSTEM_TOOLS); do \
 	  command -v $${tp%%:*} >/dev/null 2>&1 || missing="$$missing $${tp#*:}"; done; \

@@ -8,23 +8,35 @@ node is not draining". What the rendered HAProxy configuration does, and why:
 - `balance leastconn`: generations last seconds to minutes and vary a lot in length, so the
   node with the fewest open requests is the best guess at the least busy one (round robin would
   pile long requests onto one node).
-- `option httpchk` GET `/readyz` every `check_interval_s`: a node that is loading, restarting
-  llama-server, failed, or draining leaves the rotation after `fall` checks and comes back after
-  `rise`. `/livez` is deliberately not used: a live but unready node must get no traffic.
+- `option httpchk` GET `/readyz` every `check_interval_s` (1 s), each check given at most that
+  long (`timeout check`): a node that is loading, restarting llama-server, failed, draining or
+  gone leaves the rotation after `fall` (2) failed checks, so within about 3 s, and comes back
+  after `rise` passed ones. `/livez` is deliberately not used: a live but unready node must get
+  no traffic.
 - No `on-marked-down shutdown-sessions`: a draining node answers `/readyz` 503 at once, and the
   streams it is still serving must be allowed to finish within its drain budget.
-- `retry-on conn-failure 503` with `option redispatch 1`: a node that is gone (refused
-  connection) or that refused the request without forwarding it (mtpwrap's 503: draining, not
-  ready, overloaded) is retried on another node. Nothing else is retried: a generation is not
-  idempotent, and once a node has accepted a request a retry could run it twice.
+- `retry-on conn-failure empty-response 503`, `retries 1` and `option redispatch 1`: a node
+  that is gone (refused connection), that closed the connection without a byte of answer, or
+  that refused the request without forwarding it is retried once, on another node. The 503 is
+  safe to retry because mtpwrap's front answers 503 only before the request reaches
+  llama-server (draining, not ready, queue timeout); without it every request that meets a
+  node between its SIGTERM and HAProxy's next check would fail. Nothing else is retried, and
+  never once a response has begun: a generation is not idempotent.
 - `maxconn` per server: requests beyond it wait in HAProxy's queue, where the first node to free
   a slot takes them, rather than in one node's own queue.
-- `timeout server` covers the longest silence of a node: streams carry SSE comments every few
-  seconds, but a non-streamed long generation sends nothing until it is done.
+- `timeout server`/`timeout client` cover the longest silence of a node: a non-streamed long
+  generation sends nothing until it is done; `timeout tunnel` covers upgraded connections.
+- `option http-no-delay`: HAProxy 2.6 otherwise holds small response chunks back to fill
+  packets, so SSE tokens arrive bunched; with it each chunk is sent as it comes.
+- Optional: a stick table on a client header (`affinity_header`, such as `X-Session-Id`), so a
+  conversation returns to the node that holds its prompt cache; TLS termination (`tls_cert`).
+- The stats page listens on loopback only (`stats_bind`); the Prometheus exporter may listen
+  elsewhere (`metrics_bind`). `Authorization` goes to the nodes untouched: they check the keys.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shutil
 import subprocess
@@ -86,6 +98,16 @@ def parse_nodes(specs: Iterable[str]) -> list[Node]:
     return nodes
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or `localhost`) only ever reaches this machine."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def _duration(seconds: float) -> str:
     """A duration both HAProxy and Prometheus read: whole seconds, else milliseconds."""
     if float(seconds).is_integer():
@@ -96,14 +118,22 @@ def _duration(seconds: float) -> str:
 @dataclass(frozen=True)
 class HaproxyOptions:
     bind: str = "127.0.0.1:8000"
-    #: where HAProxy's own Prometheus exporter and stats page listen; None = not at all.
+    #: where HAProxy's own Prometheus exporter (/metrics) listens; None = not at all.
     metrics_bind: str | None = "127.0.0.1:8404"
+    #: where the stats page (/stats, with its CSV) listens: loopback only; None = not at all.
+    stats_bind: str | None = "127.0.0.1:8405"
+    #: a PEM file (certificate, then key) to terminate TLS on `bind`; None = plain HTTP.
+    tls_cert: Path | None = None
+    #: a client header naming a conversation, to keep it on one node; None = no affinity.
+    affinity_header: str | None = None
+    #: how long a conversation's node is remembered after its last request.
+    affinity_expire_s: float = 1800.0
     #: a UNIX socket for the runtime API (`set server mtpwrap/NAME state drain`); None = none.
     admin_socket: Path | None = None
     #: the Host the /readyz checks send: one the nodes answer to (`proxy.allowed_hosts`;
     #: `localhost` is among the defaults).
     check_host: str = "localhost"
-    check_interval_s: float = 2.0
+    check_interval_s: float = 1.0
     fall: int = 2
     rise: int = 2
     #: open requests per node before HAProxy queues; 0 = no limit.
@@ -113,7 +143,7 @@ class HaproxyOptions:
     #: the longest silence from a node (a non-streamed long generation sends nothing until done).
     server_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
-    retries: int = 3
+    retries: int = 1
     #: consecutive 5xx answers that take a node out of rotation before its checks do.
     error_limit: int = 2
 
@@ -121,11 +151,23 @@ class HaproxyOptions:
         parse_address(self.bind, "--bind")
         if self.metrics_bind is not None:
             parse_address(self.metrics_bind, "--metrics-bind")
+        if self.stats_bind is not None:
+            host, _ = parse_address(self.stats_bind, "--stats-bind")
+            if not is_loopback(host):
+                raise ConfigError(f"--stats-bind {self.stats_bind!r}: the stats page shows every "
+                                  "node and must listen on loopback, such as 127.0.0.1:8405.")
+        if self.tls_cert is not None and not self.tls_cert.is_file():
+            raise ConfigError(f"--tls-cert {str(self.tls_cert)!r}: no such file; give a PEM "
+                              "file holding the certificate and then its private key.")
+        if self.affinity_header is not None and not re.match(r"^[A-Za-z0-9-]{1,64}$",
+                                                             self.affinity_header):
+            raise ConfigError(f"--affinity-header {self.affinity_header!r}: expected a header "
+                              "name of letters, digits and '-', such as X-Session-Id.")
         if not re.match(r"^[A-Za-z0-9.:\[\]-]+$", self.check_host):
             raise ConfigError(f"--check-host {self.check_host!r}: expected a host name or "
                               "address that the nodes answer to, such as localhost.")
         for key in ("check_interval_s", "queue_timeout_s", "server_timeout_s",
-                    "connect_timeout_s"):
+                    "connect_timeout_s", "affinity_expire_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be above 0, "
                                   f"got {getattr(self, key)}.")
@@ -140,11 +182,14 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
     """haproxy.cfg (HAProxy 2.6 or later) for `nodes`; see the module docstring for the why."""
     inter = _duration(opts.check_interval_s)
     maxconn = f" maxconn {opts.max_per_node}" if opts.max_per_node else ""
+    tls = f" ssl crt {opts.tls_cert}" if opts.tls_cert is not None else ""
     lines = [
         "# Generated by `mtpwrap fleet haproxy`. Check with `haproxy -c -f FILE`.",
         "global",
         "    maxconn 4096",
     ]
+    if opts.tls_cert is not None:
+        lines.append("    ssl-default-bind-options ssl-min-ver TLSv1.2")
     if opts.admin_socket is not None:
         lines.append(f"    stats socket {opts.admin_socket} mode 600 level admin")
     lines += [
@@ -154,27 +199,51 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
         f"    timeout connect {_duration(opts.connect_timeout_s)}",
         "    timeout http-request 30s",
         f"    timeout queue {_duration(opts.queue_timeout_s)}",
+        "    # A long generation may send nothing for minutes (not streamed), or stream for",
+        "    # minutes: neither side's silence may end it before this.",
         f"    timeout client {_duration(opts.server_timeout_s)}",
         f"    timeout server {_duration(opts.server_timeout_s)}",
+        f"    timeout tunnel {_duration(opts.server_timeout_s)}",
+        f"    timeout check {inter}",
+        "    # Send each response chunk as it comes: without it HAProxy 2.6 holds SSE tokens",
+        "    # back to fill packets, and a stream arrives in bunches.",
+        "    option http-no-delay",
         "",
         "frontend mtpwrap",
-        f"    bind {opts.bind}",
+        f"    bind {opts.bind}{tls}",
         "    # The balancer's own liveness, independent of the nodes.",
         "    monitor-uri /haproxy-livez",
+    ]
+    if opts.tls_cert is not None:
+        lines.append("    http-request set-header X-Forwarded-Proto https")
+    lines += [
+        "    # Authorization goes to the nodes as the client sent it: they check the keys.",
         f"    default_backend {_BACKEND}",
         "",
         f"backend {_BACKEND}",
         "    balance leastconn",
+    ]
+    if opts.affinity_header is not None:
+        lines += [
+            f"    # One conversation ({opts.affinity_header}) stays on the node that holds its",
+            "    # prompt cache while that node is up; requests without the header are spread.",
+            f"    stick-table type string len 64 size 100k "
+            f"expire {_duration(opts.affinity_expire_s)}",
+            f"    stick on req.hdr({opts.affinity_header})",
+        ]
+    lines += [
         "    # A node takes traffic only while its /readyz says the model answers and it is",
         "    # not draining.",
         "    option httpchk",
         "    # mtpwrap answers only Host names it knows (else 421), so the check names one.",
         f"    http-check send meth GET uri /readyz ver HTTP/1.1 hdr Host {opts.check_host}",
         "    http-check expect status 200",
-        "    # Only what never reached llama-server is retried, on another node: a refused",
-        "    # connection, or mtpwrap's own 503 (draining, not ready, queue timeout).",
+        "    # Only what never reached llama-server is retried, once, on another node: a",
+        "    # refused connection, a connection closed with no answer, or mtpwrap's own 503",
+        "    # (draining, not ready, queue timeout: the front sends it before forwarding).",
+        "    # Never a retry once a response has begun.",
         f"    retries {opts.retries}",
-        "    retry-on conn-failure 503",
+        "    retry-on conn-failure empty-response 503",
         "    # A retry needs the whole request in HAProxy's buffer: wait for the body before",
         "    # connecting. A body larger than the buffer (tune.bufsize, 16 KB) is streamed",
         "    # and not retried; its client gets the node's 503 and Retry-After.",
@@ -195,6 +264,14 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
             "frontend haproxy-metrics",
             f"    bind {opts.metrics_bind}",
             "    http-request use-service prometheus-exporter if { path /metrics }",
+            "    http-request deny",
+        ]
+    if opts.stats_bind is not None:
+        lines += [
+            "",
+            "# Every node's state and counters: loopback only.",
+            "frontend haproxy-stats",
+            f"    bind {opts.stats_bind}",
             "    stats enable",
             "    stats uri /stats",
             "    stats refresh 5s",

@@ -3,12 +3,23 @@ gets one sentence and exit 78, and the shipped alert rules behave as promtool ev
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import http.server
+import io
+import json
 import shutil
+import ssl
 import subprocess
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from mtpwrap.child import free_loopback_port
 from tests.conftest import REPO, cli_env, require_tool, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
@@ -94,3 +105,205 @@ def test_alert_rules_behave_as_specified() -> None:
     r = subprocess.run([promtool, "test", "rules", RULES_TEST.name], cwd=RULES_TEST.parent,
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+# --- The rendered configuration at work in the real HAProxy, in front of small loopback
+# backends whose misbehaviour is chosen (a node is too slow to start here for each case).
+
+class Backend:
+    """A loopback HTTP backend: /readyz is 200; a POST is answered as `mode` says (`ok`: a JSON
+    reply naming the backend; `empty`: the connection closed with no answer; `partial`: a 200
+    and half a body, then closed; `sse`: `chunks` SSE events `gap_s` apart)."""
+
+    def __init__(self, name: str, mode: str = "ok", chunks: int = 0, gap_s: float = 0.0) -> None:
+        self.name, self.mode, self.chunks, self.gap_s = name, mode, chunks, gap_s
+        self.posts: list[dict[str, str]] = []  # each POST's headers, names in lower case
+        backend = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                backend.posts.append({k.lower(): v for k, v in self.headers.items()})
+                if backend.mode == "empty":
+                    self.close_connection = True
+                    return
+                if backend.mode == "sse":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for i in range(backend.chunks):
+                        data = f"data: {{\"i\": {i}}}\n\n".encode()
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                        self.wfile.flush()
+                        time.sleep(backend.gap_s)
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                body = json.dumps({"node": backend.name}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if backend.mode == "partial":
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.handle_error = lambda *a: None  # type: ignore[method-assign] # check resets
+        self.port = self.server.server_address[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextlib.contextmanager
+def balancer(tmp_path: Path, backends: list[Backend], *args: str,
+             scheme: str = "http") -> Iterator[str]:
+    """The real HAProxy on `mtpwrap fleet haproxy` for `backends`; yields its base URL once every
+    backend is UP."""
+    from tests.fleet_harness import start_haproxy, stop, wait_for
+
+    require_tool("haproxy", "haproxy")
+    port, stats = free_loopback_port(), free_loopback_port()
+    cfg = tmp_path / "haproxy.cfg"
+    r = run_cli("fleet", "haproxy", *[a for b in backends
+                                      for a in ("--node", f"{b.name}=127.0.0.1:{b.port}")],
+                "--bind", f"127.0.0.1:{port}", "--metrics-bind", "none",
+                "--stats-bind", f"127.0.0.1:{stats}", *args, "--check", "-o", str(cfg))
+    assert r.returncode == 0, r.stderr
+    base = f"{scheme}://localhost:{port}"
+    verify: ssl.SSLContext | bool = True
+    if "--tls-cert" in args:
+        verify = ssl.create_default_context(cafile=args[args.index("--tls-cert") + 1])
+    proc = start_haproxy(cfg, tmp_path / "haproxy.log", f"http://127.0.0.1:{stats}/stats")
+    try:
+        def all_up() -> bool:
+            text = httpx.get(f"http://127.0.0.1:{stats}/stats;csv", timeout=5).text
+            rows = [r for r in csv.DictReader(io.StringIO(text.lstrip("# ")))
+                    if r["pxname"] == "mtpwrap" and r["svname"] not in ("FRONTEND", "BACKEND")]
+            return len(rows) == len(backends) and all(r["status"] == "UP" for r in rows)
+
+        wait_for("every backend UP", all_up, 20)
+        with httpx.Client(base_url=base, verify=verify, timeout=30) as client:
+            yield client  # type: ignore[misc]
+    finally:
+        stop(proc)
+        for b in backends:
+            b.close()
+
+
+def test_a_connection_closed_unanswered_is_retried_on_another_node(tmp_path: Path) -> None:
+    bad, good = Backend("bad", "empty"), Backend("good")
+    with balancer(tmp_path, [bad, good]) as client:
+        replies = [client.post("/v1/chat/completions", json={}) for _ in range(4)]
+    assert [r.status_code for r in replies] == [200] * 4
+    assert {r.json()["node"] for r in replies} == {"good"}
+    assert bad.posts, "leastconn never chose the bad node: the retry was not exercised"
+
+
+def test_a_response_that_began_is_never_retried(tmp_path: Path) -> None:
+    cut, good = Backend("cut", "partial"), Backend("good")
+    outcomes = []
+    with balancer(tmp_path, [cut, good]) as client:
+        for _ in range(4):
+            try:
+                outcomes.append(client.post("/v1/chat/completions", json={}).json()["node"])
+            except (httpx.HTTPError, json.JSONDecodeError):
+                outcomes.append("cut short")
+    assert cut.posts, "leastconn never chose the node that cuts its answers"
+    assert outcomes.count("cut short") == len(cut.posts)  # its clients saw the cut ...
+    assert len(good.posts) == outcomes.count("good")  # ... and nothing was sent twice
+
+
+def test_affinity_header_keeps_a_conversation_on_one_node(tmp_path: Path) -> None:
+    a, b = Backend("a"), Backend("b")
+    with balancer(tmp_path, [a, b], "--affinity-header", "X-Session-Id") as client:
+        def node(session: str | None) -> str:
+            headers = {"X-Session-Id": session} if session else {}
+            r = client.post("/v1/chat/completions", json={}, headers=headers)
+            return str(r.json()["node"])
+
+        assert len({node(None) for _ in range(6)}) == 2  # no header: spread as before
+        for session in ("conv-1", "conv-2", "conv-3", "conv-4"):
+            assert len({node(session) for _ in range(5)}) == 1, session
+        assert len({node(f"conv-{i}") for i in range(1, 5)}) == 2  # conversations spread
+
+
+def test_tls_termination_and_the_api_key_passed_untouched(tmp_path: Path) -> None:
+    openssl = require_tool("openssl", "openssl")
+    key, crt, pem = tmp_path / "key.pem", tmp_path / "crt.pem", tmp_path / "fleet.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+                    "-keyout", str(key), "-out", str(crt)], check=True, capture_output=True)
+    pem.write_text(crt.read_text() + key.read_text())
+    node = Backend("n1")
+    secret = "Bearer sk-Fleet.Key_0123/+=="
+    with balancer(tmp_path, [node], "--tls-cert", str(crt.with_name("fleet.pem")),
+                  scheme="https") as client:
+        r = client.post("/v1/chat/completions", json={}, headers={"Authorization": secret})
+        assert r.status_code == 200 and r.json()["node"] == "n1"
+        assert r.http_version == "HTTP/1.1" and client.base_url.scheme == "https"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served on the TLS port
+            httpx.post(str(client.base_url).replace("https", "http") + "/v1/chat/completions",
+                       json={}, timeout=5)
+    (headers,) = node.posts
+    assert headers["authorization"] == secret
+    assert headers["x-forwarded-proto"] == "https"
+
+
+def test_stats_page_is_on_loopback_only(tmp_path: Path) -> None:
+    r = run_cli("fleet", "haproxy", "--node", "127.0.0.1:8081", "--stats-bind", "0.0.0.0:8405")
+    assert r.returncode == 78 and "must listen on loopback" in r.stderr, r.stderr
+    # The exporter may listen for a remote Prometheus, but it serves no stats page.
+    require_tool("haproxy", "haproxy")
+    from tests.fleet_harness import start_haproxy, stop
+
+    metrics, stats = free_loopback_port(), free_loopback_port()
+    cfg = tmp_path / "haproxy.cfg"
+    r = run_cli("fleet", "haproxy", "--node", "127.0.0.1:1", "--bind",
+                f"127.0.0.1:{free_loopback_port()}", "--metrics-bind", f"127.0.0.1:{metrics}",
+                "--stats-bind", f"127.0.0.1:{stats}", "-o", str(cfg))
+    assert r.returncode == 0, r.stderr
+    proc = start_haproxy(cfg, tmp_path / "haproxy.log", f"http://127.0.0.1:{stats}/stats")
+    try:
+        assert httpx.get(f"http://127.0.0.1:{metrics}/stats").status_code == 403
+        assert "haproxy_process" in httpx.get(f"http://127.0.0.1:{metrics}/metrics").text
+    finally:
+        stop(proc)
+
+
+def test_sse_chunks_are_not_bunched(tmp_path: Path) -> None:
+    """`option http-no-delay`: chunks 20 ms apart reach the client 20 ms apart, as directly."""
+    from tests.fleet_harness import p99
+
+    def gaps(base: str) -> list[float]:
+        stamps = []
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={}, timeout=30) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    stamps.append(time.monotonic())
+        assert len(stamps) == 40
+        return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+    node = Backend("n1", "sse", chunks=40, gap_s=0.02)
+    direct = gaps(node.base)
+    with balancer(tmp_path, [node]) as client:
+        through = gaps(str(client.base_url))
+    assert p99(through) < p99(direct) + 0.015, (p99(direct), p99(through))

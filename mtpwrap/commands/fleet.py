@@ -36,8 +36,16 @@ def command() -> None:
               show_default=True, help="Where clients reach the fleet.")
 @click.option("--metrics-bind", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
               show_default=True,
-              help="HAProxy's Prometheus exporter (/metrics) and stats page (/stats); "
-                   "'none' for neither.")
+              help="HAProxy's Prometheus exporter (/metrics); 'none' for none.")
+@click.option("--stats-bind", default="127.0.0.1:8405", envvar="MTPWRAP_FLEET_STATS_BIND",
+              show_default=True,
+              help="HAProxy's stats page (/stats), on loopback only; 'none' for none.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path),
+              envvar="MTPWRAP_FLEET_TLS_CERT",
+              help="PEM file (certificate, then private key): clients reach the fleet by HTTPS.")
+@click.option("--affinity-header", metavar="NAME", envvar="MTPWRAP_FLEET_AFFINITY_HEADER",
+              help="Client header naming a conversation (such as X-Session-Id): its requests "
+                   "stay on one node, which keeps its prompt cache.")
 @click.option("--admin-socket", type=click.Path(path_type=Path),
               envvar="MTPWRAP_FLEET_ADMIN_SOCKET",
               help="UNIX socket for HAProxy's runtime API (drain a node by hand).")
@@ -45,7 +53,7 @@ def command() -> None:
               show_default=True,
               help="Host header of the /readyz checks; must be in the nodes' proxy.allowed_hosts "
                    "when those are set.")
-@click.option("--check-interval-s", type=float, default=2.0, show_default=True,
+@click.option("--check-interval-s", type=float, default=1.0, show_default=True,
               envvar="MTPWRAP_FLEET_CHECK_INTERVAL_S", help="Seconds between /readyz checks.")
 @click.option("--fall", type=int, default=2, show_default=True, envvar="MTPWRAP_FLEET_FALL",
               help="Failed checks before a node leaves the rotation.")
@@ -55,26 +63,32 @@ def command() -> None:
               envvar="MTPWRAP_FLEET_MAX_PER_NODE",
               help="Open requests per node before HAProxy queues (0 = no limit); the node's "
                    "proxy.max_concurrency is a good value.")
+@click.option("--retries", type=int, default=1, show_default=True, envvar="MTPWRAP_FLEET_RETRIES",
+              help="Retries on another node of a request no node began to answer.")
 @click.option("--server-timeout-s", type=float, default=600.0, show_default=True,
               envvar="MTPWRAP_FLEET_SERVER_TIMEOUT_S",
               help="Longest silence from a node (a non-streamed long generation).")
 @click.option("--check", is_flag=True, envvar="MTPWRAP_FLEET_CHECK",
               help="Validate the result with `haproxy -c` before writing it.")
 @_OUTPUT
-def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, admin_socket: Path | None,
+def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, stats_bind: str,
+            tls_cert: Path | None, affinity_header: str | None, admin_socket: Path | None,
             check_host: str, check_interval_s: float, fall: int, rise: int, max_per_node: int,
-            server_timeout_s: float, check: bool, output: Path | None) -> None:
+            retries: int, server_timeout_s: float, check: bool, output: Path | None) -> None:
     """Print haproxy.cfg that spreads requests over the nodes by their /readyz.
 
     Nodes that are loading, restarting or draining get no new requests; a refused connection
-    or a node's own 503 is retried on another node; nothing that reached llama-server is.
+    a connection closed unanswered, or a node's own 503 is retried once on another node;
+    nothing that reached llama-server is.
     """
     from mtpwrap import fleet
 
     opts = fleet.HaproxyOptions(
         bind=bind, metrics_bind=None if metrics_bind.lower() == "none" else metrics_bind,
-        admin_socket=admin_socket, check_host=check_host, check_interval_s=check_interval_s,
-        fall=fall, rise=rise, max_per_node=max_per_node, server_timeout_s=server_timeout_s)
+        stats_bind=None if stats_bind.lower() == "none" else stats_bind, tls_cert=tls_cert,
+        affinity_header=affinity_header, admin_socket=admin_socket, check_host=check_host,
+        check_interval_s=check_interval_s, fall=fall, rise=rise, max_per_node=max_per_node,
+        retries=retries, server_timeout_s=server_timeout_s)
     text = fleet.render_haproxy(fleet.parse_nodes(nodes), opts)
     if check:
         fleet.check_haproxy(text)
