@@ -22,8 +22,10 @@ node is not draining". What the rendered HAProxy configuration does, and why:
   llama-server (draining, not ready, queue timeout); without it every request that meets a
   node between its SIGTERM and HAProxy's next check would fail. Nothing else is retried, and
   never once a response has begun: a generation is not idempotent.
-- `maxconn` per server: requests beyond it wait in HAProxy's queue, where the first node to free
-  a slot takes them, rather than in one node's own queue.
+- `maxconn` per server, the node's `slots` (else `max_per_node`): requests beyond it wait in
+  HAProxy's queue (for at most `timeout queue`), where the first node to free a slot takes
+  them, rather than in one busy node's own queue. A node's `weight` sets its share of new
+  requests relative to the others (a faster GPU: a higher weight).
 - `timeout server`/`timeout client` cover the longest silence of a node: a non-streamed long
   generation sends nothing until it is done; `timeout tunnel` covers upgraded connections.
 - `option http-no-delay`: HAProxy 2.6 otherwise holds small response chunks back to fill
@@ -42,7 +44,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -50,7 +52,12 @@ import yaml
 from mtpwrap.errors import ConfigError, MissingToolError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:-]{1,253}$")
 _BACKEND = "mtpwrap"
+
+
+#: HAProxy's server weights run from 0 (no new requests) to 256.
+_MAX_WEIGHT = 256
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,13 @@ class Node:
     name: str
     host: str
     port: int
+    #: requests this node serves at once (its `proxy.max_concurrency`): the server's `maxconn`;
+    #: None = the fleet-wide `HaproxyOptions.max_per_node`.
+    slots: int | None = None
+    #: its share of new requests relative to the others (HAProxy `weight`); None = 1.
+    weight: int | None = None
+    #: where it was given, for messages: "node 'SPEC'" or "--inventory 'FILE', node N".
+    source: str = field(default="", compare=False)
 
     @property
     def address(self) -> str:
@@ -75,26 +89,114 @@ def parse_address(spec: str, what: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def parse_nodes(specs: Iterable[str]) -> list[Node]:
-    """`[NAME=]HOST:PORT` for each node; names default to node1, node2, ... and must differ."""
-    nodes: list[Node] = []
-    for i, spec in enumerate(specs, 1):
-        name, eq, addr = spec.partition("=")
-        if not eq:
-            name, addr = f"node{i}", spec
-        if not _NAME.match(name):
-            raise ConfigError(f"--node {spec!r}: the name {name!r} must be letters, digits, '_', "
-                              "'.' or '-' (at most 63), as in gpu1=10.0.0.5:8080.")
+def _whole(value: object, key: str, low: int, high: int | None, where: str) -> int:
+    """`value` as a whole number from `low` to `high` (None: no top); `where` names its node."""
+    text = str(value).strip()
+    ok = (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and text.isdigit())
+    number = int(text) if ok else None
+    if number is None or number < low or (high is not None and number > high):
+        span = f"from {low} to {high}" if high is not None else f"of at least {low}"
+        raise ConfigError(f"{where}: {key} must be a whole number {span}, got {value!r}.")
+    return number
+
+
+def _node(name: str, host: str, port: int, slots: object, weight: object, where: str) -> Node:
+    if not _NAME.match(name):
+        raise ConfigError(f"{where}: the name {name!r} must be letters, digits, '_', '.' or '-' "
+                          "(at most 63), as in gpu1=10.0.0.5:8080.")
+    if not _HOST.match(host):
+        raise ConfigError(f"{where}: the host {host!r} must be a host name or an address, "
+                          "such as 10.0.0.5.")
+    return Node(name, host, port,
+                None if slots is None else _whole(slots, "slots", 1, None, where),
+                None if weight is None else _whole(weight, "weight", 0, _MAX_WEIGHT, where),
+                where)
+
+
+def parse_node(spec: str, index: int) -> Node:
+    """One `[NAME=]HOST:PORT[,slots=N][,weight=W]`; the name defaults to node<index>."""
+    where = f"node {spec!r}"
+    first, *extras = spec.strip().split(",")
+    name, eq, addr = first.partition("=")
+    if not eq:
+        name, addr = f"node{index}", first
+    try:
         host, port = parse_address(addr, "--node")
-        nodes.append(Node(name, host, port))
+    except ConfigError:
+        raise ConfigError(f"{where}: expected [NAME=]HOST:PORT[,slots=N][,weight=W] with a port "
+                          "from 1 to 65535, for example 10.0.0.5:8080,slots=4.") from None
+    keys: dict[str, str] = {}
+    for extra in extras:
+        key, eq, value = extra.partition("=")
+        key = key.strip()
+        if not eq or key not in ("slots", "weight"):
+            raise ConfigError(f"{where}: {extra!r} is not slots=N or weight=W; a node is "
+                              "[NAME=]HOST:PORT[,slots=N][,weight=W].")
+        if key in keys:
+            raise ConfigError(f"{where}: {key} is given twice.")
+        keys[key] = value.strip()
+    return _node(name, host, port, keys.get("slots"), keys.get("weight"), where)
+
+
+_INVENTORY_KEYS = ("name", "host", "port", "slots", "weight")
+
+
+def load_inventory(path: Path) -> list[Node]:
+    """Nodes from a YAML file: a list of {host, port, slots, weight, name (optional)}, or a
+    mapping whose `nodes` key holds that list."""
+    where = f"--inventory {str(path)!r}"
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot be read ({e.strerror or e}).") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at}.") from None
+    if isinstance(doc, dict) and set(doc) == {"nodes"}:
+        doc = doc["nodes"]
+    if not isinstance(doc, list) or not doc:
+        raise ConfigError(f"{where}: expected a list of nodes, each with host, port, slots and "
+                          "weight (name optional).")
+    nodes = []
+    for i, entry in enumerate(doc, 1):
+        at = f"{where}, node {i}"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{at}: expected a mapping with host, port, slots and weight, "
+                              f"got {entry!r}.")
+        unknown = [str(k) for k in entry if k not in _INVENTORY_KEYS]
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]!r}; the keys are "
+                              f"{', '.join(_INVENTORY_KEYS)}.")
+        for key in ("host", "port"):
+            if entry.get(key) in (None, ""):
+                raise ConfigError(f"{at}: the key {key!r} is missing.")
+        host = str(entry["host"]).strip("[]")
+        port = _whole(entry["port"], "port", 1, 65535, at)
+        name = entry.get("name")
+        nodes.append(_node(f"node{i}" if name is None else str(name), host, port,
+                           entry.get("slots"), entry.get("weight"), at))
+    return nodes
+
+
+def parse_nodes(specs: Iterable[str], inventory: Path | None = None) -> list[Node]:
+    """Every node: those in `inventory` (a YAML file), then each `[NAME=]HOST:PORT[,slots=N]
+    [,weight=W]` of `specs`; names default to node1, node2, ... and must differ."""
+    nodes = load_inventory(inventory) if inventory is not None else []
+    for spec in specs:
+        nodes.append(parse_node(spec, len(nodes) + 1))
     if not nodes:
-        raise ConfigError("no nodes: give each mtpwrap node as --node [NAME=]HOST:PORT "
-                          "(or in MTPWRAP_FLEET_NODES, separated by spaces).")
+        raise ConfigError("no nodes: give each mtpwrap node as HOST:PORT[,slots=N][,weight=W] "
+                          "(also --node, or MTPWRAP_FLEET_NODES separated by spaces), or "
+                          "--inventory FILE.")
     for attr in ("name", "address"):
-        seen = [getattr(n, attr) for n in nodes]
-        dup = next((v for v in seen if seen.count(v) > 1), None)
-        if dup is not None:
-            raise ConfigError(f"--node: the {attr} {dup!r} is given twice; each node once.")
+        seen: set[str] = set()
+        for n in nodes:
+            if getattr(n, attr) in seen:
+                raise ConfigError(f"{n.source}: the {attr} {getattr(n, attr)!r} is given twice; "
+                                  "each node once.")
+            seen.add(getattr(n, attr))
     return nodes
 
 
@@ -257,7 +359,9 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
         f"fall {opts.fall} rise {opts.rise}{maxconn} "
         f"observe layer7 error-limit {opts.error_limit} on-error mark-down",
     ]
-    lines += [f"    server {n.name} {n.address}" for n in nodes]
+    lines += [f"    server {n.name} {n.address}"
+              + (f" maxconn {n.slots}" if n.slots is not None else "")
+              + (f" weight {n.weight}" if n.weight is not None else "") for n in nodes]
     if opts.metrics_bind is not None:
         lines += [
             "",

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -62,19 +63,91 @@ def test_check_without_haproxy_says_what_to_install(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("args", "needle"), [
     ([], "no nodes"),
-    (["--node", "10.0.0.5"], "--node '10.0.0.5': expected HOST:PORT"),
+    (["--node", "10.0.0.5"], "node '10.0.0.5': expected [NAME=]HOST:PORT"),
+    (["10.0.0.5"], "node '10.0.0.5': expected [NAME=]HOST:PORT"),
     (["--node", "10.0.0.5:99999"], "port from 1 to 65535"),
     (["--node", "a=10.0.0.5:1", "--node", "a=10.0.0.6:1"], "the name 'a' is given twice"),
     (["--node", "10.0.0.5:1", "--node", "x=10.0.0.5:1"], "the address '10.0.0.5:1' is given"),
+    (["10.0.0.5:1", "--node", "10.0.0.5:1,slots=2"], "the address '10.0.0.5:1' is given"),
     (["--node", "bad name=10.0.0.5:1"], "the name 'bad name' must be"),
-    (["--node", "10.0.0.5:1", "--fall", "0"], "--fall: must be at least 1, got 0"),
-    (["--node", "10.0.0.5:1", "--bind", "8000"], "--bind '8000': expected HOST:PORT"),
+    (["10.0.0.5:1,slots=0"], "node '10.0.0.5:1,slots=0': slots must be a whole number of at "
+                             "least 1, got '0'"),
+    (["10.0.0.5:1,slots=four"], "node '10.0.0.5:1,slots=four': slots must be a whole number"),
+    (["10.0.0.5:1,weight=257"], "node '10.0.0.5:1,weight=257': weight must be a whole number "
+                                "from 0 to 256, got '257'"),
+    (["10.0.0.5:1,speed=2"], "node '10.0.0.5:1,speed=2': 'speed=2' is not slots=N or weight=W"),
+    (["10.0.0.5:1,slots"], "node '10.0.0.5:1,slots': 'slots' is not slots=N or weight=W"),
+    (["10.0.0.5:1,slots=1,slots=2"], "node '10.0.0.5:1,slots=1,slots=2': slots is given twice"),
+    (["10.0.0.5:1", "--fall", "0"], "--fall: must be at least 1, got 0"),
+    (["10.0.0.5:1", "--bind", "8000"], "--bind '8000': expected HOST:PORT"),
 ])
 def test_bad_input_is_one_sentence_and_exit_78(args: list[str], needle: str) -> None:
     r = run_cli("fleet", "haproxy", *args)
     assert r.returncode == 78, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+INVENTORY = """\
+# Two workstations and a node-pool GPU.
+- {name: gpu1, host: 10.0.0.5, port: 8080, slots: 4, weight: 3}
+- {host: 10.0.0.6, port: 8080, slots: 2, weight: 1}
+- {host: "::1", port: 8082, slots: 1, weight: 0}
+"""
+
+
+def test_slots_and_weight_become_maxconn_and_weight(tmp_path: Path) -> None:
+    inventory = tmp_path / "fleet.yml"
+    inventory.write_text(INVENTORY)
+    r = run_cli("fleet", "haproxy", "--inventory", str(inventory), "10.0.0.7:8080,weight=2",
+                "b=10.0.0.8:8080,slots=6", "--max-per-node", "5")
+    assert r.returncode == 0, r.stderr
+    servers = [ln.strip() for ln in r.stdout.splitlines() if ln.strip().startswith("server ")]
+    assert servers == ["server gpu1 10.0.0.5:8080 maxconn 4 weight 3",
+                       "server node2 10.0.0.6:8080 maxconn 2 weight 1",
+                       "server node3 [::1]:8082 maxconn 1 weight 0",
+                       "server node4 10.0.0.7:8080 weight 2",
+                       "server b 10.0.0.8:8080 maxconn 6"]
+    # A node without slots keeps the fleet-wide limit, set once for all.
+    assert "default-server check" in r.stdout and " maxconn 5 " in r.stdout
+    # The same inventory names the same targets for Prometheus.
+    r = run_cli("fleet", "prometheus", "--inventory", str(inventory))
+    assert r.returncode == 0, r.stderr
+    assert "10.0.0.5:8080" in r.stdout and "node: gpu1" in r.stdout and "[::1]:8082" in r.stdout
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("- {host: 10.0.0.5, port: 8080, slots: 4, weight: 1, sltos: 2}",
+     "node 1: unknown key 'sltos'; the keys are name, host, port, slots, weight"),
+    ("- {host: 10.0.0.5, port: 8080}\n- {port: 8081}", "node 2: the key 'host' is missing"),
+    ("- {host: 10.0.0.5}", "node 1: the key 'port' is missing"),
+    ("- {host: 10.0.0.5, port: 70000}", "node 1: port must be a whole number from 1 to 65535"),
+    ("- {host: 10.0.0.5, port: 1, slots: 0}", "node 1: slots must be a whole number of at least 1"),
+    ("- {host: 10.0.0.5, port: 1, slots: true}", "node 1: slots must be a whole number"),
+    ("- {host: 10.0.0.5, port: 1, weight: 1.5}", "node 1: weight must be a whole number from 0"),
+    ("- {host: 10.0.0.5, port: 1, name: 'a b'}", "node 1: the name 'a b' must be"),
+    ("- {host: 'a b', port: 1}", "node 1: the host 'a b' must be a host name or an address"),
+    ("- {host: a, port: 1, name: x}\n- {host: b, port: 1, name: x}", "the name 'x' is given twice"),
+    ("- 10.0.0.5:8080", "node 1: expected a mapping with host, port"),
+    ("host: 10.0.0.5\nport: 8080", "expected a list of nodes"),
+    ("[]", "expected a list of nodes"),
+    ("- {host: 10.0.0.5, port: [", "not valid YAML at line 2"),
+])
+def test_bad_inventory_is_one_sentence_naming_file_and_key(tmp_path: Path, text: str,
+                                                           needle: str) -> None:
+    inventory = tmp_path / "fleet.yml"
+    inventory.write_text(text + "\n")
+    r = run_cli("fleet", "haproxy", "--inventory", str(inventory))
+    assert r.returncode == 78, r.stderr
+    assert f"--inventory '{inventory}'" in r.stderr and needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_missing_inventory_is_one_sentence(tmp_path: Path) -> None:
+    r = run_cli("fleet", "haproxy", "--inventory", str(tmp_path / "nope.yml"))
+    assert r.returncode == 78, r.stderr
+    assert f"--inventory '{tmp_path / 'nope.yml'}': cannot be read" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_nodes_from_the_environment() -> None:
@@ -118,6 +191,9 @@ class Backend:
     def __init__(self, name: str, mode: str = "ok", chunks: int = 0, gap_s: float = 0.0) -> None:
         self.name, self.mode, self.chunks, self.gap_s = name, mode, chunks, gap_s
         self.posts: list[dict[str, str]] = []  # each POST's headers, names in lower case
+        self.options = ""  # added to the NODE argument, such as ",slots=1,weight=5"
+        self.active = self.peak = 0  # POSTs being answered now, and the most at once
+        lock = threading.Lock()
         backend = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -133,6 +209,16 @@ class Backend:
                 self.wfile.write(b"ok")
 
             def do_POST(self) -> None:
+                with lock:
+                    backend.active += 1
+                    backend.peak = max(backend.peak, backend.active)
+                try:
+                    self.answer()
+                finally:
+                    with lock:
+                        backend.active -= 1
+
+            def answer(self) -> None:
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 backend.posts.append({k.lower(): v for k, v in self.headers.items()})
                 if backend.mode == "empty":
@@ -175,7 +261,7 @@ class Backend:
 
 @contextlib.contextmanager
 def balancer(tmp_path: Path, backends: list[Backend], *args: str,
-             scheme: str = "http") -> Iterator[str]:
+             scheme: str = "http", rows: dict[str, dict[str, str]] | None = None) -> Iterator[str]:
     """The real HAProxy on `mtpwrap fleet haproxy` for `backends`; yields its base URL once every
     backend is UP."""
     from tests.fleet_harness import start_haproxy, stop, wait_for
@@ -183,8 +269,7 @@ def balancer(tmp_path: Path, backends: list[Backend], *args: str,
     require_tool("haproxy", "haproxy")
     port, stats = free_loopback_port(), free_loopback_port()
     cfg = tmp_path / "haproxy.cfg"
-    r = run_cli("fleet", "haproxy", *[a for b in backends
-                                      for a in ("--node", f"{b.name}=127.0.0.1:{b.port}")],
+    r = run_cli("fleet", "haproxy", *[f"{b.name}=127.0.0.1:{b.port}{b.options}" for b in backends],
                 "--bind", f"127.0.0.1:{port}", "--metrics-bind", "none",
                 "--stats-bind", f"127.0.0.1:{stats}", *args, "--check", "-o", str(cfg))
     assert r.returncode == 0, r.stderr
@@ -196,9 +281,11 @@ def balancer(tmp_path: Path, backends: list[Backend], *args: str,
     try:
         def all_up() -> bool:
             text = httpx.get(f"http://127.0.0.1:{stats}/stats;csv", timeout=5).text
-            rows = [r for r in csv.DictReader(io.StringIO(text.lstrip("# ")))
-                    if r["pxname"] == "mtpwrap" and r["svname"] not in ("FRONTEND", "BACKEND")]
-            return len(rows) == len(backends) and all(r["status"] == "UP" for r in rows)
+            found = [r for r in csv.DictReader(io.StringIO(text.lstrip("# ")))
+                     if r["pxname"] == "mtpwrap" and r["svname"] not in ("FRONTEND", "BACKEND")]
+            if rows is not None:  # HAProxy's own view of each server, for the caller
+                rows.update({r["svname"]: r for r in found})
+            return len(found) == len(backends) and all(r["status"] == "UP" for r in found)
 
         wait_for("every backend UP", all_up, 20)
         with httpx.Client(base_url=base, verify=verify, timeout=30) as client:
@@ -207,6 +294,24 @@ def balancer(tmp_path: Path, backends: list[Backend], *args: str,
         stop(proc)
         for b in backends:
             b.close()
+
+
+def test_a_node_gets_no_more_requests_at_once_than_its_slots(tmp_path: Path) -> None:
+    """slots=1: three streams at once reach the node one after another (the others wait in
+    HAProxy's queue) and all complete; HAProxy itself reports the maxconn and weight given."""
+    node = Backend("n1", "sse", chunks=5, gap_s=0.05)
+    node.options = ",slots=1,weight=5"
+    rows: dict[str, dict[str, str]] = {}
+    with balancer(tmp_path, [node], "--max-per-node", "8", rows=rows) as client:
+        def stream(_: int) -> int:
+            with client.stream("POST", "/v1/chat/completions", json={}) as s:
+                return sum(1 for line in s.iter_lines() if line.startswith("data: "))
+
+        with ThreadPoolExecutor(3) as pool:
+            events = list(pool.map(stream, range(3)))
+    assert events == [5, 5, 5]
+    assert len(node.posts) == 3 and node.peak == 1, node.peak
+    assert rows["n1"]["slim"] == "1" and rows["n1"]["weight"] == "5", rows["n1"]
 
 
 def test_a_connection_closed_unanswered_is_retried_on_another_node(tmp_path: Path) -> None:

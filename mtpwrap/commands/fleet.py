@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
-_NODES = click.option(
-    "--node", "nodes", multiple=True, envvar="MTPWRAP_FLEET_NODES", metavar="[NAME=]HOST:PORT",
-    help="An mtpwrap node (its front's address); repeat for each. "
-         "[env: MTPWRAP_FLEET_NODES, separated by spaces]")
+_SPEC = "HOST:PORT[,slots=N][,weight=W]"
+
+
+def _nodes(f: Callable[..., None]) -> Callable[..., None]:
+    """NODE arguments, repeatable --node and --inventory FILE: together, the fleet's nodes."""
+    f = click.option(
+        "--inventory", type=click.Path(dir_okay=False, path_type=Path),
+        envvar="MTPWRAP_FLEET_INVENTORY",
+        help="YAML file listing the nodes, each with host, port, slots, weight and an optional "
+             "name.")(f)
+    f = click.option(
+        "--node", "node_flags", multiple=True, envvar="MTPWRAP_FLEET_NODES",
+        metavar=f"[NAME=]{_SPEC}",
+        help="A node, as a NODE argument; repeatable. [env: MTPWRAP_FLEET_NODES, separated by "
+             "spaces]")(f)
+    return click.argument("nodes", nargs=-1, metavar="NODE...")(f)
+
+
 _OUTPUT = click.option(
     "-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
     help="Write to this file instead of stdout.")
@@ -31,7 +46,7 @@ def command() -> None:
 
 
 @command.command("haproxy")
-@_NODES
+@_nodes
 @click.option("--bind", default="127.0.0.1:8000", envvar="MTPWRAP_FLEET_BIND",
               show_default=True, help="Where clients reach the fleet.")
 @click.option("--metrics-bind", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
@@ -61,8 +76,8 @@ def command() -> None:
               help="Passed checks before a node rejoins it.")
 @click.option("--max-per-node", type=int, default=8, show_default=True,
               envvar="MTPWRAP_FLEET_MAX_PER_NODE",
-              help="Open requests per node before HAProxy queues (0 = no limit); the node's "
-                   "proxy.max_concurrency is a good value.")
+              help="Open requests per node before HAProxy queues (0 = no limit), for nodes "
+                   "without slots=N; the node's proxy.max_concurrency is a good value.")
 @click.option("--retries", type=int, default=1, show_default=True, envvar="MTPWRAP_FLEET_RETRIES",
               help="Retries on another node of a request no node began to answer.")
 @click.option("--server-timeout-s", type=float, default=600.0, show_default=True,
@@ -71,11 +86,16 @@ def command() -> None:
 @click.option("--check", is_flag=True, envvar="MTPWRAP_FLEET_CHECK",
               help="Validate the result with `haproxy -c` before writing it.")
 @_OUTPUT
-def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, stats_bind: str,
+def haproxy(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path | None,
+            bind: str, metrics_bind: str, stats_bind: str,
             tls_cert: Path | None, affinity_header: str | None, admin_socket: Path | None,
             check_host: str, check_interval_s: float, fall: int, rise: int, max_per_node: int,
             retries: int, server_timeout_s: float, check: bool, output: Path | None) -> None:
     """Print haproxy.cfg that spreads requests over the nodes by their /readyz.
+
+    Each NODE is [NAME=]HOST:PORT[,slots=N][,weight=W] (a node's front): slots, the requests
+    it serves at once, becomes its maxconn (else --max-per-node); weight, its share of new
+    requests. --inventory gives the nodes in a YAML file instead.
 
     Nodes that are loading, restarting or draining get no new requests; a refused connection
     a connection closed unanswered, or a node's own 503 is retried once on another node;
@@ -89,14 +109,14 @@ def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, stats_bind: st
         affinity_header=affinity_header, admin_socket=admin_socket, check_host=check_host,
         check_interval_s=check_interval_s, fall=fall, rise=rise, max_per_node=max_per_node,
         retries=retries, server_timeout_s=server_timeout_s)
-    text = fleet.render_haproxy(fleet.parse_nodes(nodes), opts)
+    text = fleet.render_haproxy(fleet.parse_nodes(node_flags + nodes, inventory), opts)
     if check:
         fleet.check_haproxy(text)
     _emit(text, output)
 
 
 @command.command("prometheus")
-@_NODES
+@_nodes
 @click.option("--haproxy-metrics", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
               show_default=True, help="HAProxy's exporter to scrape too; 'none' to skip it.")
 @click.option("--scrape-interval-s", type=float, default=15.0, show_default=True,
@@ -107,7 +127,8 @@ def haproxy(nodes: tuple[str, ...], bind: str, metrics_bind: str, stats_bind: st
 @click.option("--key-file", type=click.Path(path_type=Path), envvar="MTPWRAP_FLEET_KEY_FILE",
               help="File with an API key, when the nodes' /metrics needs one.")
 @_OUTPUT
-def prometheus(nodes: tuple[str, ...], haproxy_metrics: str, scrape_interval_s: float,
+def prometheus(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path | None,
+               haproxy_metrics: str, scrape_interval_s: float,
                rule_files: tuple[str, ...], key_file: Path | None, output: Path | None) -> None:
     """Print prometheus.yml scraping every node (label `node`) and HAProxy."""
     from mtpwrap import fleet
@@ -116,4 +137,4 @@ def prometheus(nodes: tuple[str, ...], haproxy_metrics: str, scrape_interval_s: 
         scrape_interval_s=scrape_interval_s,
         haproxy_metrics=None if haproxy_metrics.lower() == "none" else haproxy_metrics,
         rule_files=rule_files, key_file=key_file)
-    _emit(fleet.render_prometheus(fleet.parse_nodes(nodes), opts), output)
+    _emit(fleet.render_prometheus(fleet.parse_nodes(node_flags + nodes, inventory), opts), output)
