@@ -31,9 +31,10 @@ from tests.fleet_harness import LocalFleet, answers, chat, p99, wait_for
 
 pytestmark = pytest.mark.integration
 
-DASHBOARD = REPO / "deploy" / "grafana" / "mtpwrap-fleet.json"
+DASHBOARD = REPO / "deploy" / "grafana" / "mtpwrap.json"
 #: panels that have no data on the CPU demo (no GPU, no speculation), by design.
-EMPTY_ON_CPU_DEMO = {"Speculative acceptance", "GPU memory used"}
+EMPTY_ON_CPU_DEMO = {"Speculative acceptance", "Speculative acceptance by draft position",
+                     "GPU memory used", "GPU utilisation", "GPU power"}
 KEY = "sk-fleet-Key_0123456789"
 
 
