@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install build model up test unit lint clean wheelhouse
+.PHONY: install build model up test unit lint clean wheelhouse system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,22 @@ lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks
 	$(BIN)/mypy mtpwrap
 
-test: model build lint
+# System tools the fleet tests run for real (HAProxy, Prometheus with promtool). Installed with
+# apt-get when missing and run as root; otherwise one line says what to install.
+SYSTEM_TOOLS := haproxy:haproxy prometheus:prometheus promtool:prometheus openssl:openssl
+system-deps:
+	@missing=""; for tp in $(SYSTEM_TOOLS); do \
+	  command -v $${tp%%:*} >/dev/null 2>&1 || missing="$$missing $${tp#*:}"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing $$missing"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing \
+	  || { apt-get update && DEBIAN_FRONTEND=noninteractive \
+	       apt-get install -y --no-install-recommends $$missing; }; \
+	else echo "missing system packages: $$missing(run: sudo make system-deps)"; fi
+
+test: system-deps model build lint
 	$(BIN)/python -m pytest
 
 unit: install

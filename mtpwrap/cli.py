@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Build llama-server from the pinned source for this machine.",
     ),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
+    "fleet": ("mtpwrap.commands.fleet", "HAProxy and Prometheus configuration for several nodes."),
     "hw": ("mtpwrap.commands.hw", "Show GPUs, CPU and RAM (NVML and psutil)."),
     "models": ("mtpwrap.commands.models", "Fetch and list models (the demo model included)."),
     "plan": ("mtpwrap.commands.plan", "Will a model fit a GPU at a context? Memory per buffer."),

@@ -120,3 +120,18 @@ def run_cli(
 @pytest.fixture
 def cli() -> Iterator[object]:
     yield run_cli
+
+
+def require_tool(name: str, package: str) -> str:
+    """Path of a system tool a test needs. Missing: a failure in CI (CI=true), else a skip
+    that says how to install it."""
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        how = (f"{name} is not installed: run `sudo make system-deps` "
+               f"(or `apt-get install {package}`)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(how)
+        pytest.skip(how)
+    return path

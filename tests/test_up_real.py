@@ -50,8 +50,10 @@ def alive(pid: int) -> bool:
 
 class Instance:
     def __init__(self, home: Path, port: int, binary: Path, model: Path,
-                 **more_env: str) -> None:
-        self.home, self.port = home, port
+                 log: Path | None = None, **more_env: str) -> None:
+        # With `log`, the output goes to that file: a pipe nobody reads would stall a node
+        # that serves many requests.
+        self.home, self.port, self.log = home, port, log
         extra = {"MTPWRAP_HOME": str(home), "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.5",
                  "MTPWRAP_DRAIN_S": "5"}
         extra.update(more_env)
@@ -59,7 +61,8 @@ class Instance:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo", "--binary",
              str(binary), "--model", str(model), "--port", str(port)],
-            env=self.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env=self.env, cwd=REPO, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE if log is None else log.open("w"))
         self.base = f"http://127.0.0.1:{port}"
 
     def status(self) -> tuple[int, dict]:
@@ -81,7 +84,8 @@ class Instance:
     def output(self) -> str:
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.communicate(timeout=10)[0] or ""
+        out = self.proc.communicate(timeout=10)[0] or ""
+        return self.log.read_text() if self.log is not None else out
 
     def close(self) -> None:
         if self.proc.poll() is None:
