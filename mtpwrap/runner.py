@@ -124,10 +124,8 @@ def resolve_launch(settings: Settings) -> Launch:
 
 def _kv_sizes(manifest: Any) -> dict[str, Any] | None:
     """KV type sizes measured from the built binary (fork types such as tbq4_0 included)."""
-    try:
-        from mtpwrap.calibrate import load_kv_sizes
-    except ImportError:
-        return None
+    from mtpwrap.calibrate import load_kv_sizes
+
     return load_kv_sizes(manifest)
 
 

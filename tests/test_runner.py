@@ -222,7 +222,9 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
 )], indirect=True)
 def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     served.wait_ready()
-    first_child = served.state()["child_pid"]
+    st0 = served.state()
+    # On a busy machine the first recycle can come before this read; then the pid proves nothing
+    first_child = st0["child_pid"] if st0["restarts"] == 0 else None
     statuses: list[int] = []
     end = time.monotonic() + 30
     with httpx.Client(timeout=30) as c:
@@ -234,7 +236,7 @@ def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
             if st["restarts"] >= 1 and st["state"] == "ready" and len(statuses) > 5:
                 break
     st = served.state()
-    assert st["restarts"] == 1 and st["child_pid"] != first_child
+    assert st["restarts"] == 1 and st["child_pid"] not in (first_child, None)
     assert st["last_exit"] == "exit 0"  # stopped politely after draining, not killed
     assert statuses and set(statuses) == {200}, statuses  # held during the recycle, then served
     served.proc.send_signal(signal.SIGTERM)

@@ -5,25 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mtpwrap.errors import ConfigError, MissingToolError
+from mtpwrap.errors import ConfigError
 
 
 def server_binary(explicit: str | None) -> Path:
     """--server-bin, `MTPWRAP_LLAMA_SERVER`, or the installed build's llama-server."""
     if explicit and not Path(explicit).expanduser().is_file():
         raise ConfigError(f"--server-bin {explicit}: no such file; pass a llama-server binary.")
-    try:
-        from mtpwrap import build
-    except ImportError:  # pragma: no cover - build is part of the package
-        build = None  # type: ignore[assignment]
-    if build is not None:
-        return Path(build.find_binary("llama-server", explicit))
-    env = explicit or os.environ.get("MTPWRAP_LLAMA_SERVER")
-    if env and Path(env).is_file():
-        return Path(env)
-    raise MissingToolError(
-        "No built llama-server found; run `mtpwrap build` or pass --server-bin PATH."
-    )
+    from mtpwrap import build
+
+    return Path(build.find_binary("llama-server", explicit))
 
 
 def model_path(explicit: str | None) -> Path:
@@ -31,23 +22,15 @@ def model_path(explicit: str | None) -> Path:
         p = Path(explicit).expanduser()
         if p.is_file():
             return p
-        try:
-            from mtpwrap import models
+        from mtpwrap import models
 
-            return Path(models.resolve_model(explicit))
-        except (ImportError, AttributeError):
-            raise ConfigError(f"Model {explicit} does not exist; pass --model PATH.") from None
+        return Path(models.resolve_model(explicit))
     env = os.environ.get("MTPWRAP_DEMO_MODEL")
     if env and Path(env).is_file():
         return Path(env)
-    try:
-        from mtpwrap import models
+    from mtpwrap import models
 
-        return Path(models.ensure_demo_model())
-    except (ImportError, AttributeError):
-        raise ConfigError(
-            "No model given and the demo model is not available; pass --model PATH."
-        ) from None
+    return Path(models.ensure_demo_model())
 
 
 def int_list(value: str, what: str) -> list[int]:

@@ -130,10 +130,8 @@ def override_path(profile: str) -> Path:
 def _base_profile(name: str) -> dict:
     """The profile as a plain mapping of its YAML keys (None values and empty sections left
     out), so that the override reads like a hand-written profile."""
-    try:
-        from mtpwrap import profiles
-    except ImportError:
-        return {"name": name, "description": "", "model": "", "context": 4096}
+    from mtpwrap import profiles
+
     d = profiles.load_profile(name).to_dict()
     out = {k: v for k, v in d.items()
            if k in profiles.TOP_KEYS and v is not None and v != {} and v != []}
@@ -141,10 +139,8 @@ def _base_profile(name: str) -> dict:
 
 
 def _validate(data: dict, path: Path, name: str) -> None:
-    try:
-        from mtpwrap import profiles
-    except ImportError:
-        return
+    from mtpwrap import profiles
+
     profiles.validate(data, where=str(path), expected_name=name)
 
 

@@ -19,11 +19,9 @@ def find_server(explicit: Path | None) -> tuple[Path, dict[str, Any] | None]:
         if not (explicit.is_file() and os.access(explicit, os.X_OK)):
             raise ConfigError(f"--binary {explicit}: not an executable file.")
         return explicit, None
-    try:
-        from mtpwrap import build
-    except ImportError:
-        build = None  # type: ignore[assignment]
-    manifest = build.load_manifest() if build is not None else None
+    from mtpwrap import build
+
+    manifest = build.load_manifest()
     if manifest is None:
         raise MissingToolError("no built llama-server found.",
                                hint="Run `mtpwrap build`, or pass --binary PATH "
@@ -33,11 +31,9 @@ def find_server(explicit: Path | None) -> tuple[Path, dict[str, Any] | None]:
 
 def resolve_model(name: str) -> tuple[str, str | None]:
     """(path or name, warning). A missing model is a warning here: `args` only shows."""
-    try:
-        from mtpwrap import models
-    except ImportError:
-        return name, None
-    if name in getattr(models, "DEMO_ALIASES", ()):
+    from mtpwrap import models
+
+    if name in models.DEMO_ALIASES:
         # resolve_model would fetch the demo model; a preview must not download anything.
         demo = Path(os.environ.get("MTPWRAP_DEMO_MODEL") or models.demo_model_path())
         if demo.is_file():
