@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import platform
 import re
 import shutil
 import subprocess
+import tarfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -814,6 +816,84 @@ def update_manifest(manifest: Manifest, **extra: Any) -> Manifest:
     if variant_file.is_file():
         _write_json(variant_file, merged.to_dict())
     return merged
+
+
+def pin_identity(kind: str | None) -> str | None:
+    """The cache identity of the pinned source of this kind (None for a PATH source)."""
+    if kind == "offline":
+        return source.offline_identity()
+    if kind == "submodule":
+        return f"submodule:{source.SUBMODULE_COMMIT}"
+    return None
+
+
+def pack_prebuilt(manifest: Manifest, dest: Path) -> Path:
+    """An installed build's binaries and manifest.json as one xz archive, to carry to a machine
+    that should not spend its time compiling (see `install_prebuilt`)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    with tarfile.open(tmp, "w:xz", preset=6) as tar:
+        for name, info in manifest.binaries.items():
+            tar.add(info["path"], arcname=f"bin/{name}")
+        data = json.dumps(manifest.to_dict(), indent=2).encode()
+        member = tarfile.TarInfo(MANIFEST)
+        member.size = len(data)
+        member.mtime = int(time.time())
+        tar.addfile(member, io.BytesIO(data))
+    os.replace(tmp, dest)
+    return dest
+
+
+def install_prebuilt(archive: str | Path, snap: Any | None = None) -> Manifest:
+    """Install a carried build (`pack_prebuilt`) into build/<variant>/ after checking that it was
+    built from the pinned source and has code for the GPUs present; raises ConfigError if not."""
+    path = Path(archive)
+    try:
+        tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by the `with tar` below
+    except (OSError, tarfile.TarError) as exc:
+        raise ConfigError(f"prebuilt {path}: not a readable archive ({exc}).",
+                          hint="Make one with `mtpwrap build --pack FILE`.") from None
+    with tar:
+        try:
+            fh = tar.extractfile(MANIFEST)
+            manifest = Manifest.from_dict(json.loads(fh.read() if fh else b""))
+        except (KeyError, ValueError, TypeError):
+            raise ConfigError(f"prebuilt {path}: no readable {MANIFEST} inside.",
+                              hint="Make one with `mtpwrap build --pack FILE`.") from None
+        kind, identity = manifest.source.get("kind"), manifest.source.get("identity")
+        pinned = pin_identity(kind)
+        if pinned is None or identity != pinned:
+            raise ConfigError(
+                f"prebuilt {path}: built from {kind} source {identity}, but the pin is "
+                f"{pinned or 'the submodule or the offline source'}.",
+                hint="Make it again from this checkout with `mtpwrap build --pack FILE`.")
+        problem = coverage_problem(manifest, snap)
+        if problem is not None:
+            raise ConfigError(f"prebuilt {path}: {problem}")
+        bin_dir = paths.build_root() / manifest.variant / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        binaries: dict[str, dict[str, str]] = {}
+        for name, info in manifest.binaries.items():
+            src_fh = tar.extractfile(f"bin/{name}")
+            if src_fh is None:
+                raise ConfigError(f"prebuilt {path}: bin/{name} is missing.")
+            dst = bin_dir / name
+            tmp = dst.with_suffix(".tmp")
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(src_fh, out)
+            tmp.chmod(0o755)
+            if hashing.sha256_file(tmp) != info["sha256"]:
+                tmp.unlink()
+                raise ConfigError(f"prebuilt {path}: bin/{name} does not match the sha256 its "
+                                  "manifest records.", hint="Copy the archive again.")
+            os.replace(tmp, dst)
+            binaries[name] = {"path": str(dst), "cache_path": str(dst), "sha256": info["sha256"]}
+    installed = Manifest.from_dict({
+        **manifest.to_dict(), "binaries": binaries, "build_dir": str(bin_dir.parent),
+        "extra": {**manifest.extra, "prebuilt": {"archive": str(path.resolve()),
+                                                 "built_dir": manifest.build_dir}}})
+    _write_json(bin_dir.parent / MANIFEST, installed.to_dict())
+    return installed
 
 
 def uncovered_gpus(manifest: Manifest, snap: Any | None = None) -> list[tuple[str, str]]:

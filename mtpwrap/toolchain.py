@@ -201,3 +201,20 @@ def cublas_link_dir(wheel: CublasWheel, under: Path) -> Path:
             tmp.symlink_to(lib)
             os.replace(tmp, target)
     return links
+
+
+def cuda_library_dirs(tk: CudaToolkit | None = None) -> list[str]:
+    """Where a CUDA llama-server finds cudart and cuBLAS on this machine (for LD_LIBRARY_PATH
+    when the binary was built elsewhere and its RPATH points at that machine's folders)."""
+    tk = tk or cuda_toolkit()
+    dirs: list[str] = []
+    if tk.root is not None:
+        for cand in [tk.root / "lib64", tk.root / "lib",
+                     *sorted(tk.root.glob("targets/*/lib"))]:
+            if any(cand.glob("libcudart.so*")):
+                dirs.append(str(cand))
+    if tk.cublas_wheel is not None:
+        dirs.append(str(tk.cublas_wheel.lib))
+    else:
+        dirs += [str(w.lib) for w in cublas_wheels()]
+    return list(dict.fromkeys(dirs))

@@ -7,11 +7,12 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from mtpwrap import build, doctor, hardware, source, toolchain
+from mtpwrap import build, doctor, hardware, hashing, source, toolchain
 from mtpwrap.errors import ConfigError, MissingToolError
 from tests.conftest import cli_env, run_cli
 
@@ -328,3 +329,95 @@ def test_a_cpu_build_is_never_refused_for_a_gpu(tmp_path: Path,
     m = build.load_manifest("cpu")
     assert m is not None
     assert build.uncovered_gpus(m, hardware.load_snapshot(SNAPSHOTS / "h100.json")) == []
+
+
+# --------------------------------------------------------------------------- carried builds
+
+
+def _packable(tmp_path: Path, identity: str | None = None, sha: str | None = None
+              ) -> build.Manifest:
+    """An installed cuda-sm89 build of the offline pin with real (small) binaries."""
+    bin_dir = tmp_path / "made-here" / "bin"
+    bin_dir.mkdir(parents=True)
+    binaries = {}
+    for name in build.TARGETS:
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/sh\necho {name}\n")
+        exe.chmod(0o755)
+        binaries[name] = {"path": str(exe), "cache_path": str(exe),
+                          "sha256": sha or hashing.sha256_file(exe)}
+    return build.Manifest(
+        variant="cuda-sm89", source={"kind": "offline", "commit": "0c1e570",
+                                     "identity": identity or source.offline_identity()},
+        cmake_options={"GGML_CUDA": "ON"}, compiler="g++", cuda_version="13.0",
+        architectures=["89"], binaries=binaries, version_output="", build_seconds=1.0,
+        built_at="2026-11-30T00:00:00", cache_key="k", build_dir=str(bin_dir.parent), log="",
+        smoke={"status": "skipped", "detail": "no GPU"})
+
+
+def test_a_packed_build_installs_elsewhere_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = _packable(tmp_path)
+    archive = build.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
+    target = tmp_path / "there"
+    monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(target))
+    none = hardware.load_snapshot(SNAPSHOTS / "none.json")
+    installed = build.install_prebuilt(archive, snap=none)
+    for name, info in installed.binaries.items():
+        p = Path(info["path"])
+        assert p.parent == target / "cuda-sm89" / "bin"
+        assert p.read_bytes() == Path(made.binaries[name]["path"]).read_bytes()
+        assert os.access(p, os.X_OK)
+    assert installed.extra["prebuilt"]["archive"] == str(archive.resolve())
+    found = build.load_manifest("cuda-sm89")
+    assert found is not None and found.to_dict() == installed.to_dict()
+
+    h100 = hardware.load_snapshot(SNAPSHOTS / "h100.json")
+    with pytest.raises(ConfigError, match=r"mtpwrap build --cuda-arch 89,90"):
+        build.install_prebuilt(archive, snap=h100)
+
+
+def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path) -> None:
+    archive = build.pack_prebuilt(_packable(tmp_path, identity="offline:0ld"),
+                                  tmp_path / "old.tar.xz")
+    env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "b"))
+    r = run_cli("build", "--from-prebuilt", str(archive), env=env)
+    assert r.returncode == 78, r.stderr
+    assert f"built from offline source offline:0ld, but the pin is {source.offline_identity()}" \
+        in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
+    r = run_cli("build", "--from-prebuilt", str(tmp_path / "old.tar.xz.missing"), env=env)
+    assert r.returncode == 78 and "not a readable archive" in r.stderr
+
+
+def test_a_prebuilt_whose_binary_changed_is_refused(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    archive = build.pack_prebuilt(_packable(tmp_path, sha="0" * 64), tmp_path / "x.tar.xz")
+    monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="does not match the sha256"):
+        build.install_prebuilt(archive, snap=hardware.load_snapshot(SNAPSHOTS / "none.json"))
+    assert not list((tmp_path / "b").rglob("llama-server*"))
+
+
+# --------------------------------------------------------------------------- the real build
+
+
+@pytest.mark.integration
+def test_the_cuda_build_made_here_answers_help_without_a_gpu() -> None:
+    """Runs where benchmarks/cuda_build_check.sh (or `mtpwrap build --cuda-arch 89`) has
+    installed a CUDA build: it links, parses its own --help, and was not smoke-tested here."""
+    cuda = [m for m in build.installed_variants() if m.variant.startswith("cuda")
+            and "prebuilt" not in m.extra and m.binary().is_file()]
+    if not cuda:
+        pytest.skip("no CUDA build installed under build/ (benchmarks/cuda_build_check.sh)")
+    m = cuda[0]
+    server = m.binary()
+    out = subprocess.run(["ldd", str(server)], capture_output=True, text=True).stdout
+    missing = [line for line in out.splitlines() if "not found" in line]
+    assert all("libcuda.so" in line for line in missing), missing
+    assert "libcublas" in out and "libcudart" in out
+    assert m.capabilities and len(m.capabilities["options"]) > 100
+    assert m.configure and m.configure["rejected"] == {}
+    if not build.present_gpu_archs():
+        assert m.smoke_status == "skipped" and "no NVIDIA GPU" in (m.smoke or {})["detail"]

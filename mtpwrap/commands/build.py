@@ -53,6 +53,12 @@ import click
               "and print the options CMake took; exit 1 when it did not take one of them.")
 @click.option("--log-objects", is_flag=True, envvar="MTPWRAP_BUILD_LOG_OBJECTS",
               help="On a pipe, print one line per compiled object instead of one every 10 %.")
+@click.option("--pack", "pack", type=click.Path(dir_okay=False), default=None,
+              help="Also write the build's binaries and manifest to this .tar.xz, to carry to "
+              "a machine that should not compile (benchmarks/gpu_check.sh installs it).")
+@click.option("--from-prebuilt", "prebuilt", type=click.Path(dir_okay=False), default=None,
+              help="Install a carried --pack archive instead of compiling, after checking it "
+              "is of the source pin and has code for the GPUs present.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def command(
     source_spec: str | None,
@@ -64,6 +70,8 @@ def command(
     force: bool,
     configure_only: bool,
     log_objects: bool,
+    pack: str | None,
+    prebuilt: str | None,
     as_json: bool,
 ) -> None:
     """Build llama-server and llama-fit-params with CMake for this machine, and try them.
@@ -79,6 +87,14 @@ def command(
 
     if configure_only:
         _configure_only(source_spec, cpu, cuda_arch, cpu_isa, allow_unpinned, as_json)
+        return
+    if prebuilt:
+        installed = build.install_prebuilt(prebuilt)
+        if as_json:
+            console.print_json(installed.to_dict())
+        else:
+            console.info(f"installed the carried {installed.variant} build (commit "
+                         f"{installed.commit}): {installed.binary('llama-server')}")
         return
     with _reporter(log_objects) as rep:
         try:
@@ -100,6 +116,12 @@ def command(
             raise
         rep.done("up to date" if reused else "built")
         kv_note = _calibrate(manifest.variant)
+    if pack:
+        from pathlib import Path
+
+        packed = build.pack_prebuilt(manifest, Path(pack))
+        console.info(f"packed {manifest.variant} into {packed} "
+                     f"({packed.stat().st_size / 2**20:.0f} MiB)")
 
     if as_json:
         console.print_json(manifest.to_dict())
