@@ -441,13 +441,18 @@ def _attempt_summary(m: Manifest) -> dict[str, Any]:
             "signal": smoke.get("signal"), "log_tail": smoke.get("log_tail", [])[-5:]}
 
 
-def _smoke_test(server: Path, variant: str, work_dir: Path) -> dict[str, Any]:
+def _smoke_test(server: Path, variant: str, work_dir: Path,
+                archs: list[str] | None = None) -> dict[str, Any]:
     from mtpwrap import smoke
 
     gpu = variant.startswith("cuda")
-    if gpu and not present_gpu_archs():
+    present = present_gpu_archs() if gpu else []
+    if gpu and not present:
         return smoke.skipped("no NVIDIA GPU is visible on this machine, so the CUDA binary "
                              "cannot be tried here").to_dict()
+    if gpu and archs and not set(present) & {str(_arch_number(a)) for a in archs}:
+        return smoke.skipped(f"the GPUs here (sm_{', sm_'.join(present)}) are not among the "
+                             f"build's architectures (sm_{', sm_'.join(archs)})").to_dict()
     try:
         model = smoke.smoke_model(work_dir)
     except Exception as exc:  # noqa: BLE001 - no model to try with is a failed smoke test
@@ -719,7 +724,8 @@ def build(
                 if progress:
                     progress(f"smoke test ({plan.cpu_isa})", None, None)
                 manifest.smoke = _smoke_test(Path(manifest.binaries["llama-server"]
-                                                  ["cache_path"]), plan.variant, build_dir)
+                                                  ["cache_path"]), plan.variant, build_dir,
+                                             manifest.architectures)
             manifest.cpu_isa = plan.cpu_isa
             _write_json(cached_manifest, manifest.to_dict())
         tried.append(_attempt_summary(manifest))

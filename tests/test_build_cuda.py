@@ -331,6 +331,20 @@ def test_a_cpu_build_is_never_refused_for_a_gpu(tmp_path: Path,
     assert build.uncovered_gpus(m, hardware.load_snapshot(SNAPSHOTS / "h100.json")) == []
 
 
+def test_a_cuda_build_is_smoke_tested_only_on_a_gpu_it_has_code_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = tmp_path / "llama-server"  # never started: every case below is decided before
+    monkeypatch.setattr(build, "present_gpu_archs", lambda snap=None: [])
+    none = build._smoke_test(server, "cuda-sm89", tmp_path, ["89"])
+    assert none["status"] == "skipped" and "no NVIDIA GPU is visible" in none["detail"]
+    monkeypatch.setattr(build, "present_gpu_archs", lambda snap=None: ["90"])
+    other = build._smoke_test(server, "cuda-sm89", tmp_path, ["89"])
+    assert other["status"] == "skipped"
+    assert other["detail"] == ("the GPUs here (sm_90) are not among the build's architectures "
+                               "(sm_89)")
+
+
 # --------------------------------------------------------------------------- carried builds
 
 
