@@ -403,6 +403,8 @@ def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path)
     assert "Traceback" not in r.stderr and not (tmp_path / "b").exists()
     r = run_cli("build", "--from-prebuilt", str(tmp_path / "old.tar.xz.missing"), env=env)
     assert r.returncode == 78 and "not a readable archive" in r.stderr
+    r = run_cli("build", "--from-prebuilt", str(archive), "--pack", "x.tar.xz", env=env)
+    assert r.returncode == 78 and "exclude each other" in r.stderr
 
 
 def test_a_prebuilt_whose_binary_changed_is_refused(tmp_path: Path,

@@ -83,8 +83,11 @@ def command(
     and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
     from mtpwrap import build, console
-    from mtpwrap.errors import BuildError
+    from mtpwrap.errors import BuildError, ConfigError
 
+    if sum(map(bool, (configure_only, pack, prebuilt))) > 1:
+        raise ConfigError("--configure-only, --pack and --from-prebuilt exclude each other: "
+                          "give one of them.")
     if configure_only:
         _configure_only(source_spec, cpu, cuda_arch, cpu_isa, allow_unpinned, as_json)
         return
