@@ -773,7 +773,7 @@ def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None) -> 
     if forced:
         return f"--cpu-isa {forced} asked for it"
     if len(tried) == 1:
-        return f"the {plan.cpu_isa} configuration passed its smoke test"
+        return f"the {plan.cpu_isa} configuration's smoke test {tried[0]['smoke']}"
     failed = ", ".join(f"{t['cpu_isa']} ({t['detail']})" for t in tried[:-1])
     return f"kept {plan.cpu_isa}: {failed} failed on this CPU"
 
@@ -833,12 +833,22 @@ def pin_identity(kind: str | None) -> str | None:
     return None
 
 
+#: xz dictionary for --pack: more than one statically linked CUDA binary (81 MB for sm_89).
+PACK_DICT_BYTES = 128 << 20
+
+
 def pack_prebuilt(manifest: Manifest, dest: Path) -> Path:
     """An installed build's binaries and manifest.json as one xz archive, to carry to a machine
     that should not spend its time compiling (see `install_prebuilt`)."""
+    import lzma
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(dest.name + ".tmp")
-    with tarfile.open(tmp, "w:xz", preset=6) as tar:
+    # llama-server and llama-fit-params each hold the whole CUDA backend: a dictionary larger
+    # than one binary lets xz store that code once (sm_89: 82 MB with the default, 44 with this).
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": PACK_DICT_BYTES}]
+    with lzma.open(tmp, "wb", format=lzma.FORMAT_XZ, filters=filters) as xz, \
+            tarfile.open(fileobj=xz, mode="w") as tar:
         for name, info in manifest.binaries.items():
             tar.add(info["path"], arcname=f"bin/{name}")
         data = json.dumps(manifest.to_dict(), indent=2).encode()

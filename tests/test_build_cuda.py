@@ -392,6 +392,17 @@ def test_a_packed_build_installs_elsewhere_byte_for_byte(
         build.install_prebuilt(archive, snap=h100)
 
 
+def test_the_backend_both_binaries_carry_is_packed_once(tmp_path: Path) -> None:
+    """Statically linked, both binaries hold the same CUDA code; the archive holds it once."""
+    made = _packable(tmp_path)
+    blob = os.urandom(12 * 2**20)  # incompressible, and beyond xz's default 8 MiB dictionary
+    for info in made.binaries.values():
+        Path(info["path"]).write_bytes(blob)
+        info["sha256"] = hashing.sha256_file(Path(info["path"]))
+    archive = build.pack_prebuilt(made, tmp_path / "twice.tar.xz")
+    assert archive.stat().st_size < 13 * 2**20
+
+
 def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path) -> None:
     archive = build.pack_prebuilt(_packable(tmp_path, identity="offline:0ld"),
                                   tmp_path / "old.tar.xz")
