@@ -10,6 +10,10 @@
 # usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
 #   --dry-run            CPU-side parts only: folder, model file, command lines; no build, no GPU
 #   MTPWRAP_LLAMA_SERVER a llama-server to use instead of building
+#   GPU_CHECK_PREBUILT   a carried build (`mtpwrap build --cuda-arch 90 --pack FILE`) to install
+#                        instead of building; default: the newest .prebuilt/*.tar.xz. Refused (and
+#                        built instead) when its manifest is not of the source pin or lacks the
+#                        GPU's architecture
 #   PYTHON               interpreter (default: python3). When it lacks mtpwrap's dependencies,
 #                        they are installed from .wheelhouse (`make wheelhouse`, carried to the
 #                        machine) into $GPU_CHECK_SITE (default /tmp/mtpwrap-site), no network
@@ -58,6 +62,24 @@ if (( ! dry_run )); then
 fi
 
 server="${MTPWRAP_LLAMA_SERVER:-}"
+prebuilt="${GPU_CHECK_PREBUILT:-$(ls -t "$repo"/.prebuilt/*.tar.xz 2>/dev/null | head -n 1 || true)}"
+if [[ -z "$server" && -n "$prebuilt" ]]; then
+    say "installing the carried build $prebuilt (checked against the source pin and this GPU)"
+    if "$py" -m mtpwrap build --from-prebuilt "$prebuilt" --json >"$out/prebuilt-manifest.json" \
+            2>>"$log"; then
+        server="$("$py" -c 'import json, sys
+print(json.load(open(sys.argv[1]))["binaries"]["llama-server"]["path"])' \
+            "$out/prebuilt-manifest.json")"
+        # Its RPATH names the folders of the machine that built it: use this machine's.
+        libs="$("$py" -c 'from mtpwrap import toolchain; print(":".join(toolchain.cuda_library_dirs()))')"
+        export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        say "using the carried build: $server (LD_LIBRARY_PATH=$libs)"
+        ldd "$server" >>"$log" 2>&1 || true
+    else
+        server=""
+        say "the carried build was refused: $(tail -n 1 "$log")"
+    fi
+fi
 if [[ -z "$server" ]]; then
     if (( dry_run )); then
         server="$repo/build/cuda/bin/llama-server"

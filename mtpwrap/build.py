@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import os
 import platform
 import re
 import shutil
 import subprocess
+import tarfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -52,6 +54,10 @@ class Manifest:
     cpu_isa: str | None = None  # native | safe | baseline: how the CPU backend was compiled
     smoke: dict[str, Any] | None = None  # smoke.SmokeResult of this binary on this machine
     attempts: list[dict[str, Any]] = field(default_factory=list)  # every configuration tried
+    #: CUDA builds: architectures, where cuBLAS came from, how the driver library was handled
+    cuda: dict[str, Any] | None = None
+    #: the CMake configure step: argv, the options CMake accepted, any it did not
+    configure: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -92,6 +98,7 @@ class Plan:
     reason: str
     options: dict[str, str]
     cpu_isa: str = "native"
+    cuda: dict[str, Any] | None = None  # see Manifest.cuda
 
 
 #: How the CPU backend is compiled, tried in this order until one passes its smoke test:
@@ -168,27 +175,118 @@ def _host_fingerprint() -> str:
     return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:12]
 
 
-def _cuda_arch_from_gpu() -> str | None:
-    try:
-        from mtpwrap import hardware
-    except ImportError:
-        return None
-    try:
-        snap = hardware.snapshot()
-    except Exception:  # noqa: BLE001 - no driver is a normal answer here
-        return None
-    for gpu in getattr(snap, "gpus", ()):
+def present_gpu_archs(snap: Any | None = None) -> list[str]:
+    """The compute capabilities of the GPUs NVML sees ("89", "90"), each once; [] when none."""
+    if snap is None:
+        try:
+            from mtpwrap import hardware
+
+            snap = hardware.snapshot()
+        except Exception:  # noqa: BLE001 - no driver is a normal answer here
+            return []
+    archs: list[str] = []
+    for gpu in getattr(snap, "gpus", ()) or ():
         cc = getattr(gpu, "compute_capability", None)
-        if cc:
-            return f"{cc[0]}{cc[1]}"
-    return None
+        if cc and f"{cc[0]}{cc[1]}" not in archs:
+            archs.append(f"{cc[0]}{cc[1]}")
+    return sorted(archs, key=_arch_number)
 
 
-def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "native") -> Plan:
+def _arch_number(arch: str) -> int:
+    return int(re.match(r"\d+", arch).group(0))  # type: ignore[union-attr]
+
+
+def parse_cuda_archs(spec: str) -> list[str]:
+    """`--cuda-arch 89,90` -> ["89", "90"]: compute capabilities, each once, in order."""
+    archs: list[str] = []
+    for part in spec.replace(";", ",").split(","):
+        arch = part.strip().lower()
+        if not re.fullmatch(r"\d{2,3}[a-z]?", arch):
+            raise ConfigError(
+                f"--cuda-arch {spec}: expected compute capabilities such as 89 (RTX 4090), "
+                "86 (3090), 120 (5090) or 90 (H100/H200), comma-separated for several (89,90)."
+            )
+        if arch not in archs:
+            archs.append(arch)
+    return sorted(archs, key=_arch_number)
+
+
+def cuda_variant(archs: list[str]) -> str:
+    return "cuda-" + "-".join(f"sm{a}" for a in archs)
+
+
+#: CUDA-only options of the MTP + TurboQuant fork, set only when the source is the fork.
+#: Source: the fork's documented capabilities at the pinned commit (shared/design/FACTS.md §1:
+#: "fused TBQ4 flash attention on CUDA", "quantized V needs --flash-attn on", -ctkd/-ctvd set
+#: the draft's KV types). The names are ggml's; tests/test_build.py checks each against the
+#: fork's own CMake files whenever vendor/llama.cpp-mtp is initialised.
+FORK_CUDA_OPTIONS: dict[str, tuple[str, str]] = {
+    "GGML_CUDA_FA": ("ON", "the fused TBQ4 flash-attention kernels are part of the CUDA "
+                     "flash-attention build, and quantized V (tbq4_0) runs only with it"),
+    "GGML_CUDA_FA_ALL_QUANTS": ("ON", "tbq4_0 K with tbq4_0 V, and the draft's own -ctkd/-ctvd "
+                                "types, need flash-attention kernels for every K/V type pair, "
+                                "not only the default f16, q4_0 and q8_0 pairs"),
+}
+
+#: What GGML_CUDA_NO_VMM=ON (the build links without libcuda.so) costs when it runs.
+NO_VMM_COST = (
+    "ggml's temporary compute buffers come from its legacy pool (up to 256 cudaMalloc'd blocks "
+    "reused best-fit, each 5 % larger than asked, kept until exit) instead of one virtual "
+    "address range grown in place through the driver's VMM API: a little more VRAM held for "
+    "scratch and a few cudaMalloc calls on the first requests; weights and KV cache are "
+    "unaffected, and the driver is still loaded by the CUDA runtime when the server starts"
+)
+
+
+def _cuda_plan(tk: toolchain.CudaToolkit, archs: list[str], fork: bool
+               ) -> tuple[dict[str, str], dict[str, Any]]:
+    """The CMake options of a CUDA build for `archs`, and what the manifest records about it."""
+    opts = {
+        "GGML_CUDA": "ON",
+        "CMAKE_CUDA_ARCHITECTURES": ";".join(archs),
+        "CMAKE_CUDA_COMPILER": tk.compiler or "nvcc",
+    }
+    info: dict[str, Any] = {"architectures": archs, "nvcc": tk.compiler, "nvcc_version": tk.version}
+    wheel = tk.cublas_wheel
+    if wheel is not None:
+        links = toolchain.cublas_link_dir(wheel, paths.build_cache_dir())
+        opts.update({
+            "CMAKE_LIBRARY_PATH": str(links),
+            "CMAKE_CUDA_STANDARD_INCLUDE_DIRECTORIES": str(wheel.include),
+            "CMAKE_CXX_STANDARD_INCLUDE_DIRECTORIES": str(wheel.include),
+            # the binary finds libcublas.so.13 in the wheel without LD_LIBRARY_PATH
+            "CMAKE_BUILD_RPATH": str(wheel.lib),
+        })
+        info["cublas"] = {"from": "wheel", "package": f"{wheel.name}=={wheel.version}",
+                          "lib": str(wheel.lib), "include": str(wheel.include)}
+    else:
+        info["cublas"] = {"from": "toolkit", "root": str(tk.root)}
+    if tk.driver_lib is None:
+        opts["GGML_CUDA_NO_VMM"] = "ON"
+        info["driver_link"] = {"how": "GGML_CUDA_NO_VMM=ON", "library": None,
+                               "why": f"no libcuda.so (driver or toolkit stub) under {tk.root} "
+                               "or the system library folders",
+                               "runtime_cost": NO_VMM_COST}
+    else:
+        stub = "stubs" in tk.driver_lib.parts
+        info["driver_link"] = {"how": "toolkit stub" if stub else "driver library",
+                               "library": str(tk.driver_lib),
+                               "why": "linked against libcuda.so for the VMM memory pool",
+                               "runtime_cost": "none: the driver's libcuda.so.1 is loaded at "
+                               "run time" + (" (the stub is only for linking)" if stub else "")}
+    if fork:
+        opts.update({k: v for k, (v, _) in FORK_CUDA_OPTIONS.items()})
+        info["fork_options"] = {k: {"value": v, "why": why}
+                                for k, (v, why) in FORK_CUDA_OPTIONS.items()}
+    return opts, info
+
+
+def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "native",
+               fork: bool = False) -> Plan:
+    """`fork`: the source is the MTP + TurboQuant fork, whose CUDA options are then set."""
     ccache = toolchain.ccache()
     options = {
         "CMAKE_BUILD_TYPE": "Release",
-        "LLAMA_CURL": "OFF",
         "LLAMA_OPENSSL": "OFF",
         "LLAMA_BUILD_TESTS": "OFF",
         "LLAMA_BUILD_EXAMPLES": "OFF",
@@ -199,40 +297,29 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
     if ccache:
         options["CMAKE_C_COMPILER_LAUNCHER"] = ccache
         options["CMAKE_CXX_COMPILER_LAUNCHER"] = ccache
-    if cuda_arch is not None and not re.fullmatch(r"\d{2,3}[a-z]?", cuda_arch):
-        raise ConfigError(
-            f"--cuda-arch {cuda_arch}: expected a compute capability such as 89 (RTX 4090), "
-            "86 (3090), 120 (5090) or 90 (H100/H200)."
-        )
+    asked = parse_cuda_archs(cuda_arch) if cuda_arch is not None else None
     if cpu:
         return Plan("cpu", None, "--cpu asked for a CPU build", options, cpu_isa)
-    tk = toolchain.cuda_toolkit()
-    arch = cuda_arch or _cuda_arch_from_gpu()
-    if arch is None:
+    archs = asked or present_gpu_archs()
+    if not archs:
         return Plan("cpu", None, "no NVIDIA GPU found through NVML and no --cuda-arch", options,
                     cpu_isa)
+    tk = toolchain.cuda_toolkit()
+    shown = ",".join(archs)
     if not tk.usable:
-        why = (
-            "no nvcc on PATH" if tk.nvcc is None else f"the CUDA toolkit at {tk.root} lacks cuBLAS"
-        )
-        if cuda_arch:
+        why = tk.why_unusable()
+        if asked:
             raise MissingToolError(
                 f"--cuda-arch {cuda_arch}: cannot build for CUDA because {why}.",
-                hint="Install the CUDA toolkit with cuBLAS (e.g. `apt-get install "
-                "nvidia-cuda-toolkit` or NVIDIA's cuda-toolkit), or build with --cpu.",
+                hint=tk.how_to_fix(),
             )
-        return Plan("cpu", None, f"a GPU (sm_{arch}) is present but {why}", options, cpu_isa)
-    options.update(
-        {
-            "GGML_CUDA": "ON",
-            "GGML_CUDA_F16": "ON",
-            "CMAKE_CUDA_ARCHITECTURES": arch,
-        }
-    )
+        return Plan("cpu", None, f"a GPU (sm_{shown}) is present but {why}", options, cpu_isa)
+    cuda_opts, info = _cuda_plan(tk, archs, fork)
+    options.update(cuda_opts)
     if ccache:
         options["CMAKE_CUDA_COMPILER_LAUNCHER"] = ccache
-    reason = f"--cuda-arch {arch}" if cuda_arch else f"GPU compute capability {arch} (NVML)"
-    return Plan(f"cuda-sm{arch}", arch, reason, options, cpu_isa)
+    reason = f"--cuda-arch {shown}" if asked else f"GPU compute capability {shown} (NVML)"
+    return Plan(cuda_variant(archs), shown, reason, options, cpu_isa, info)
 
 
 def cache_key(identity: str, options: dict[str, str], compiler: str | None) -> str:
@@ -354,13 +441,18 @@ def _attempt_summary(m: Manifest) -> dict[str, Any]:
             "signal": smoke.get("signal"), "log_tail": smoke.get("log_tail", [])[-5:]}
 
 
-def _smoke_test(server: Path, variant: str, work_dir: Path) -> dict[str, Any]:
+def _smoke_test(server: Path, variant: str, work_dir: Path,
+                archs: list[str] | None = None) -> dict[str, Any]:
     from mtpwrap import smoke
 
     gpu = variant.startswith("cuda")
-    if gpu and _cuda_arch_from_gpu() is None:
+    present = present_gpu_archs() if gpu else []
+    if gpu and not present:
         return smoke.skipped("no NVIDIA GPU is visible on this machine, so the CUDA binary "
                              "cannot be tried here").to_dict()
+    if gpu and archs and not set(present) & {str(_arch_number(a)) for a in archs}:
+        return smoke.skipped(f"the GPUs here (sm_{', sm_'.join(present)}) are not among the "
+                             f"build's architectures (sm_{', sm_'.join(archs)})").to_dict()
     try:
         model = smoke.smoke_model(work_dir)
     except Exception as exc:  # noqa: BLE001 - no model to try with is a failed smoke test
@@ -373,25 +465,12 @@ def _compile(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path
              force: bool) -> Manifest:
     """Configure and compile one plan into build_dir; the manifest has no smoke result yet."""
     build_dir.mkdir(parents=True, exist_ok=True)
-    if force:
-        # A reused CMake cache keeps the options (and flags) it was first configured with.
-        (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
     log = build_dir / "build.log"
     log.write_text("")
     env = dict(os.environ)
     started = time.monotonic()
     tag = f" ({plan.cpu_isa})"
-
-    cfg = ["cmake", "-S", str(src.path), "-B", str(build_dir)]
-    cfg += [f"-D{k}={v}" for k, v in plan.options.items()]
-    if progress:
-        progress("configure" + tag, None, None)
-    rc, tail = _run_logged(cfg, log, "configure" + tag, progress, env)
-    if rc != 0:
-        raise BuildError(
-            f"CMake could not configure {src.path} (exit {rc}).",
-            hint=f"Full log: {log}",
-        ).with_tail(_error_excerpt(tail))
+    configured = _configure(plan, src, build_dir, log, progress, force)
 
     n = jobs or os.cpu_count() or 2
     cmd = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(n), "--target"]
@@ -423,7 +502,7 @@ def _compile(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path
         cmake_options=plan.options,
         compiler=compiler,
         cuda_version=tk.version if tk else None,
-        architectures=[plan.arch] if plan.arch else [platform.machine()],
+        architectures=(plan.cuda or {}).get("architectures") or [platform.machine()],
         binaries=binaries,
         version_output=_version_output(server),
         build_seconds=round(time.monotonic() - started, 1),
@@ -435,7 +514,144 @@ def _compile(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path
         extra={"plan_reason": plan.reason, "cmake_version": toolchain.cmake_version(),
                "flag_env": _flag_env()},
         cpu_isa=plan.cpu_isa,
+        cuda=plan.cuda,
+        configure=configured,
     )
+
+
+_UNUSED_HEADER = "Manually-specified variables were not used by the project:"
+
+
+def unused_variables(log_text: str) -> list[str]:
+    """The names CMake listed as "Manually-specified variables were not used by the project"."""
+    names: list[str] = []
+    lines = log_text.splitlines()
+    for i, line in enumerate(lines):
+        if _UNUSED_HEADER in line:
+            for nxt in lines[i + 1:]:
+                if not nxt.strip():
+                    if names:
+                        break
+                    continue
+                if not nxt.startswith("    "):
+                    break
+                names.append(nxt.strip())
+    return names
+
+
+def read_cmake_cache(build_dir: Path) -> dict[str, tuple[str, str]]:
+    """CMakeCache.txt as {name: (type, value)}."""
+    entries: dict[str, tuple[str, str]] = {}
+    with contextlib.suppress(OSError):
+        for line in (build_dir / "CMakeCache.txt").read_text(errors="replace").splitlines():
+            m = re.match(r"^([A-Za-z0-9_.+-]+):([A-Z]+)=(.*)$", line)
+            if m:
+                entries[m.group(1)] = (m.group(2), m.group(3))
+    return entries
+
+
+def judge_options(options: dict[str, str], cache: dict[str, tuple[str, str]],
+                  unused: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Which of our -D options CMake took: (accepted name -> value, rejected name -> why).
+
+    CMake's own "not used" list misses misspelt GGML_* names (ggml reads every GGML_ variable
+    for its package file), so an option is also rejected when the project never declared it:
+    it stays UNINITIALIZED in the cache unless CMake itself reads it (CMAKE_*)."""
+    accepted: dict[str, str] = {}
+    rejected: dict[str, str] = {}
+    for name, value in options.items():
+        kind, held = cache.get(name, ("", ""))
+        if name in unused:
+            rejected[name] = "CMake reported it as not used by the project"
+        elif not kind:
+            rejected[name] = "it is not in CMakeCache.txt"
+        elif kind == "UNINITIALIZED" and not name.startswith("CMAKE_"):
+            rejected[name] = "the project declares no such option"
+        elif held != value and not (kind == "BOOL" and held.upper() == value.upper()):
+            rejected[name] = f"CMake kept {held!r}"
+        else:
+            accepted[name] = held
+    return accepted, rejected
+
+
+def _configure(plan: Plan, src: source.Source, build_dir: Path, log: Path,
+               progress: ProgressFn | None, force: bool) -> dict[str, Any]:
+    """Run CMake's configure step for `plan`; the record of what CMake took (Manifest.configure).
+    Raises BuildError when CMake fails."""
+    if force:
+        # A reused CMake cache keeps the options (and flags) it was first configured with.
+        (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
+    tag = f" ({plan.cpu_isa})"
+    cfg = ["cmake", "-S", str(src.path), "-B", str(build_dir)]
+    cfg += [f"-D{k}={v}" for k, v in plan.options.items()]
+    if progress:
+        progress("configure" + tag, None, None)
+    started = time.monotonic()
+    rc, tail = _run_logged(cfg, log, "configure" + tag, progress, dict(os.environ))
+    if rc != 0:
+        raise BuildError(
+            f"CMake could not configure {src.path} (exit {rc}).",
+            hint=f"Full log: {log}",
+        ).with_tail(_error_excerpt(tail))
+    accepted, rejected = judge_options(plan.options, read_cmake_cache(build_dir),
+                                       unused_variables("\n".join(tail)))
+    return {"argv": cfg, "accepted": accepted, "rejected": rejected,
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def _preflight() -> str:
+    """The C++ compiler's version line; refuses when cmake or a compiler is missing."""
+    if toolchain.cmake() is None:
+        raise MissingToolError(
+            "cmake is not installed, so llama.cpp cannot be built.",
+            hint="Install it (`apt-get install cmake` or `pip install cmake`) and run again.",
+        )
+    compiler = toolchain.cxx_version()
+    if compiler is None:
+        raise MissingToolError(
+            "no C++ compiler (c++, g++ or clang++) on PATH, so llama.cpp cannot be built.",
+            hint="Install one (`apt-get install build-essential`) and run again.",
+        )
+    return compiler
+
+
+def _source_is_fork(source_spec: str | None) -> bool:
+    """The build will use the submodule (the MTP + TurboQuant fork), known before resolving."""
+    if source_spec == "submodule":
+        return True
+    return source_spec in (None, "", "auto") and source.submodule_source() is not None
+
+
+def configure_only(
+    source_spec: str | None = None,
+    *,
+    cpu: bool = False,
+    cuda_arch: str | None = None,
+    cpu_isa: str | None = None,
+    allow_unpinned: bool = False,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """CMake's configure step alone, in the build's own cache folder: seconds, no compile.
+
+    Returns (and writes to configure.json there) the plan, the argv and which options CMake
+    took; a build with the same options later reuses the configured folder."""
+    compiler = _preflight()
+    plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or CPU_ISAS[0],
+                      fork=_source_is_fork(source_spec))
+    src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
+    key = cache_key(src.identity, plan.options, compiler)
+    build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(paths.build_cache_dir() / f"{plan.variant}-{key}.lock"):
+        log = build_dir / "configure.log"
+        log.write_text("")
+        record = _configure(plan, src, build_dir, log, progress, force=True)
+    result = {"variant": plan.variant, "reason": plan.reason, "cpu_isa": plan.cpu_isa,
+              "source": {**src.to_dict(), "why": src.reason}, "cmake_options": plan.options,
+              "cuda": plan.cuda, "cache_key": key, "build_dir": str(build_dir), "log": str(log),
+              **record}
+    _write_json(build_dir / "configure.json", result)
+    return result
 
 
 def build(
@@ -456,21 +672,12 @@ def build(
     new binary is started on a real model and asked for tokens; one that crashes is remembered
     as crashed (never installed, never reused) and the next configuration is built.
     """
-    if toolchain.cmake() is None:
-        raise MissingToolError(
-            "cmake is not installed, so llama.cpp cannot be built.",
-            hint="Install it (`apt-get install cmake` or `pip install cmake`) and run again.",
-        )
-    compiler = toolchain.cxx_version()
-    if compiler is None:
-        raise MissingToolError(
-            "no C++ compiler (c++, g++ or clang++) on PATH, so llama.cpp cannot be built.",
-            hint="Install one (`apt-get install build-essential`) and run again.",
-        )
+    compiler = _preflight()
     isas = [cpu_isa] if cpu_isa else list(CPU_ISAS)
+    fork = _source_is_fork(source_spec)
     plans: list[Plan] = []
     for isa in isas:
-        plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa)
+        plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa, fork=fork)
         if all(p.options != plan.options for p in plans):  # on Arm, safe == baseline
             plans.append(plan)
 
@@ -508,12 +715,17 @@ def build(
                     why = src.reason
                 manifest = _compile(plan, src, why, key, build_dir, compiler, jobs, progress,
                                     force)
+                rejected = (manifest.configure or {}).get("rejected") or {}
+                if rejected:
+                    taken = "; ".join(f"{k}: {w}" for k, w in rejected.items())
+                    say(f"CMake did not take {taken} (log: {manifest.log})")
             if manifest.smoke is None:
                 # New, or cached by an mtpwrap that did not try its builds: try it now.
                 if progress:
                     progress(f"smoke test ({plan.cpu_isa})", None, None)
                 manifest.smoke = _smoke_test(Path(manifest.binaries["llama-server"]
-                                                  ["cache_path"]), plan.variant, build_dir)
+                                                  ["cache_path"]), plan.variant, build_dir,
+                                             manifest.architectures)
             manifest.cpu_isa = plan.cpu_isa
             _write_json(cached_manifest, manifest.to_dict())
         tried.append(_attempt_summary(manifest))
@@ -561,7 +773,7 @@ def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None) -> 
     if forced:
         return f"--cpu-isa {forced} asked for it"
     if len(tried) == 1:
-        return f"the {plan.cpu_isa} configuration passed its smoke test"
+        return f"the {plan.cpu_isa} configuration's smoke test {tried[0]['smoke']}"
     failed = ", ".join(f"{t['cpu_isa']} ({t['detail']})" for t in tried[:-1])
     return f"kept {plan.cpu_isa}: {failed} failed on this CPU"
 
@@ -612,8 +824,140 @@ def update_manifest(manifest: Manifest, **extra: Any) -> Manifest:
     return merged
 
 
-def find_binary(name: str = "llama-server", explicit: str | Path | None = None) -> Path:
-    """An explicit path, `MTPWRAP_LLAMA_SERVER`, or the installed build's binary."""
+def pin_identity(kind: str | None) -> str | None:
+    """The cache identity of the pinned source of this kind (None for a PATH source)."""
+    if kind == "offline":
+        return source.offline_identity()
+    if kind == "submodule":
+        return f"submodule:{source.SUBMODULE_COMMIT}"
+    return None
+
+
+#: xz dictionary for --pack: more than one statically linked CUDA binary (81 MB for sm_89).
+PACK_DICT_BYTES = 128 << 20
+
+
+def pack_prebuilt(manifest: Manifest, dest: Path) -> Path:
+    """An installed build's binaries and manifest.json as one xz archive, to carry to a machine
+    that should not spend its time compiling (see `install_prebuilt`)."""
+    import lzma
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".tmp")
+    # llama-server and llama-fit-params each hold the whole CUDA backend: a dictionary larger
+    # than one binary lets xz store that code once (sm_89: 82 MB with the default, 44 with this).
+    filters = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": PACK_DICT_BYTES}]
+    with lzma.open(tmp, "wb", format=lzma.FORMAT_XZ, filters=filters) as xz, \
+            tarfile.open(fileobj=xz, mode="w") as tar:
+        for name, info in manifest.binaries.items():
+            tar.add(info["path"], arcname=f"bin/{name}")
+        data = json.dumps(manifest.to_dict(), indent=2).encode()
+        member = tarfile.TarInfo(MANIFEST)
+        member.size = len(data)
+        member.mtime = int(time.time())
+        tar.addfile(member, io.BytesIO(data))
+    os.replace(tmp, dest)
+    return dest
+
+
+def install_prebuilt(archive: str | Path, snap: Any | None = None) -> Manifest:
+    """Install a carried build (`pack_prebuilt`) into build/<variant>/ after checking that it was
+    built from the pinned source and has code for the GPUs present; raises ConfigError if not."""
+    path = Path(archive)
+    try:
+        tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by the `with tar` below
+    except (OSError, tarfile.TarError) as exc:
+        raise ConfigError(f"prebuilt {path}: not a readable archive ({exc}).",
+                          hint="Make one with `mtpwrap build --pack FILE`.") from None
+    with tar:
+        try:
+            fh = tar.extractfile(MANIFEST)
+            manifest = Manifest.from_dict(json.loads(fh.read() if fh else b""))
+        except (KeyError, ValueError, TypeError):
+            raise ConfigError(f"prebuilt {path}: no readable {MANIFEST} inside.",
+                              hint="Make one with `mtpwrap build --pack FILE`.") from None
+        kind, identity = manifest.source.get("kind"), manifest.source.get("identity")
+        pinned = pin_identity(kind)
+        if pinned is None or identity != pinned:
+            raise ConfigError(
+                f"prebuilt {path}: built from {kind} source {identity}, but the pin is "
+                f"{pinned or 'the submodule or the offline source'}.",
+                hint="Make it again from this checkout with `mtpwrap build --pack FILE`.")
+        problem = coverage_problem(manifest, snap)
+        if problem is not None:
+            raise ConfigError(f"prebuilt {path}: {problem}")
+        bin_dir = paths.build_root() / manifest.variant / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        binaries: dict[str, dict[str, str]] = {}
+        for name, info in manifest.binaries.items():
+            src_fh = tar.extractfile(f"bin/{name}")
+            if src_fh is None:
+                raise ConfigError(f"prebuilt {path}: bin/{name} is missing.")
+            dst = bin_dir / name
+            tmp = dst.with_suffix(".tmp")
+            with tmp.open("wb") as out:
+                shutil.copyfileobj(src_fh, out)
+            tmp.chmod(0o755)
+            if hashing.sha256_file(tmp) != info["sha256"]:
+                tmp.unlink()
+                raise ConfigError(f"prebuilt {path}: bin/{name} does not match the sha256 its "
+                                  "manifest records.", hint="Copy the archive again.")
+            os.replace(tmp, dst)
+            binaries[name] = {"path": str(dst), "cache_path": str(dst), "sha256": info["sha256"]}
+    installed = Manifest.from_dict({
+        **manifest.to_dict(), "binaries": binaries, "build_dir": str(bin_dir.parent),
+        "extra": {**manifest.extra, "prebuilt": {"archive": str(path.resolve()),
+                                                 "built_dir": manifest.build_dir}}})
+    _write_json(bin_dir.parent / MANIFEST, installed.to_dict())
+    return installed
+
+
+def uncovered_gpus(manifest: Manifest, snap: Any | None = None) -> list[tuple[str, str]]:
+    """The present GPUs, as (name, arch), that a CUDA build has no code for; [] for CPU builds.
+
+    A build covers a GPU when it was compiled for that compute capability (89 covers an RTX
+    4090's 8.9; "90a" covers 9.0)."""
+    if not manifest.variant.startswith("cuda"):
+        return []
+    if snap is None:
+        try:
+            from mtpwrap import hardware
+
+            snap = hardware.snapshot()
+        except Exception:  # noqa: BLE001 - no driver: nothing to compare against
+            return []
+    built = {str(_arch_number(a)) for a in manifest.architectures if re.match(r"\d", a)}
+    gaps: list[tuple[str, str]] = []
+    for gpu in getattr(snap, "gpus", ()) or ():
+        cc = getattr(gpu, "compute_capability", None)
+        if cc and f"{cc[0]}{cc[1]}" not in built:
+            gaps.append((str(getattr(gpu, "name", "GPU")), f"{cc[0]}{cc[1]}"))
+    return gaps
+
+
+def rebuild_command(manifest: Manifest, gaps: list[tuple[str, str]]) -> str:
+    """The `mtpwrap build` that covers both what this build has and the GPUs it lacks."""
+    archs = list(dict.fromkeys([*manifest.architectures, *(a for _, a in gaps)]))
+    return f"mtpwrap build --cuda-arch {','.join(sorted(archs, key=_arch_number))}"
+
+
+def coverage_problem(manifest: Manifest, snap: Any | None = None) -> str | None:
+    """One sentence when a CUDA build cannot run on a present GPU, naming the build that can."""
+    gaps = uncovered_gpus(manifest, snap)
+    if not gaps:
+        return None
+    gpus = ", ".join(f"{name} (sm_{arch})" for name, arch in gaps)
+    built = ", ".join(f"sm_{a}" for a in manifest.architectures)
+    return (f"the installed {manifest.variant} build has no code for {gpus}: it was compiled "
+            f"for {built} only. Run `{rebuild_command(manifest, gaps)}`.")
+
+
+def find_binary(name: str = "llama-server", explicit: str | Path | None = None,
+                snap: Any | None = None) -> Path:
+    """An explicit path, `MTPWRAP_LLAMA_SERVER`, or the installed build's binary.
+
+    An installed CUDA build must have code for every GPU NVML sees; otherwise another installed
+    CUDA build that has is used, or the command that builds one is named."""
     candidate = explicit or (
         os.environ.get("MTPWRAP_LLAMA_SERVER") if name == "llama-server" else None
     )
@@ -628,4 +972,12 @@ def find_binary(name: str = "llama-server", explicit: str | Path | None = None) 
             "no built llama-server found under build/.",
             hint="Run `mtpwrap build` (or `mtpwrap build --cpu`) first.",
         )
+    problem = coverage_problem(manifest, snap)
+    if problem is not None:
+        others = [m for m in installed_variants()
+                  if m.variant.startswith("cuda") and m.variant != manifest.variant
+                  and _binaries_ok(m) and not uncovered_gpus(m, snap)]
+        if not others:
+            raise MissingToolError(problem)
+        manifest = others[0]
     return manifest.binary(name)

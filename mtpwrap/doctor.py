@@ -73,11 +73,15 @@ def check_cuda() -> Check:
         return Check(
             "CUDA toolkit (nvcc)",
             WARNING,
-            f"nvcc {tk.version} at {tk.nvcc}, but cuBLAS is missing under {tk.root}, "
-            "so CUDA builds cannot link",
-            "install cuBLAS (e.g. `apt-get install libcublas-dev-13-0` from NVIDIA's repo)",
+            f"nvcc {tk.version} at {tk.nvcc}, but {tk.why_unusable()}, so CUDA builds cannot "
+            "link",
+            tk.how_to_fix(),
         )
-    return Check("CUDA toolkit (nvcc)", OK, f"nvcc {tk.version} with cuBLAS at {tk.root}")
+    where = (f"cuBLAS from the {tk.cublas_wheel.name} {tk.cublas_wheel.version} wheel"
+             if tk.cublas_wheel else f"cuBLAS at {tk.root}")
+    driver = (f"links libcuda.so at {tk.driver_lib}" if tk.driver_lib else
+              "no libcuda.so to link: builds use GGML_CUDA_NO_VMM=ON")
+    return Check("CUDA toolkit (nvcc)", OK, f"nvcc {tk.version} with {where}; {driver}")
 
 
 def check_cmake() -> Check:
@@ -133,7 +137,8 @@ def check_disk(min_free_gib: float = 20.0) -> Check:
     return Check("free disk", OK, f"{free:.0f} GiB free at {probe}")
 
 
-def check_binary() -> Check:
+def check_binary(snap: Any | None = None) -> Check:
+    """The installed build: tried here, and compiled for every GPU present (`snap`: NVML)."""
     from mtpwrap import build
 
     m = build.load_manifest()
@@ -154,6 +159,10 @@ def check_binary() -> Check:
         return Check("llama-server build", MISSING,
                      detail + f"; its smoke test {smoke.get('status')}: {smoke.get('detail')}",
                      "mtpwrap build --force")
+    gaps = build.uncovered_gpus(m, snap)
+    if gaps:
+        return Check("llama-server build", MISSING, build.coverage_problem(m, snap) or detail,
+                     build.rebuild_command(m, gaps), hard=True)
     return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
 
 
@@ -212,6 +221,10 @@ def check_model(model: str | None) -> Check:
 
 
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
+    if snap is None:
+        from mtpwrap import hardware
+
+        snap = hardware.snapshot()
     return [
         *check_gpus(snap),
         check_cuda(),
@@ -220,7 +233,7 @@ def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]
         check_ccache(),
         check_disk(),
         check_pin(),
-        check_binary(),
+        check_binary(snap),
         check_cpu_isa(),
         check_model(model),
     ]

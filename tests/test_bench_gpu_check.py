@@ -154,3 +154,32 @@ def test_a_bare_python_without_wheelhouse_is_told_what_to_do(tmp_path: Path) -> 
                        text=True, env=env, timeout=120)
     assert p.returncode == 69
     assert "make wheelhouse" in p.stdout
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_carried_prebuilt_is_used_only_when_it_is_of_the_pin(tmp_path: Path,
+                                                               pinned: bool) -> None:
+    """`mtpwrap build --pack` on a machine that compiled, carried to the GPU machine: the script
+    installs it instead of building when its manifest names the source pin, else builds."""
+    from mtpwrap import build
+    from tests.test_build_cuda import _packable
+
+    made = _packable(tmp_path, identity=None if pinned else "offline:an-older-release")
+    archive = build.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k not in ("MTPWRAP_LLAMA_SERVER", "OUT")}
+    env.update(PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
+               GPU_CHECK_PREBUILT=str(archive), MTPWRAP_BUILD_DIR=str(tmp_path / "build"),
+               GPU_CHECK_CONTEXTS="1024", GPU_CHECK_PLAN_GPU="rtx4090")
+    p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
+                       env=env, timeout=300)
+    log = (out / "gpu_check.log").read_text()
+    assert p.returncode in (0, 2), log
+    server = tmp_path / "build" / "cuda-sm89" / "bin" / "llama-server"
+    if pinned:
+        assert f"using the carried build: {server}" in log
+        assert server.read_bytes() == Path(made.binaries["llama-server"]["path"]).read_bytes()
+        assert json.loads((out / "gpu_check.json").read_text())["server_bin"] == str(server)
+    else:
+        assert "the carried build was refused: " in log and "but the pin is" in log
+        assert "dry run: no build" in log and not server.exists()

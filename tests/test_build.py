@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtpwrap import build, hashing, source, toolchain
-from mtpwrap.errors import ConfigError, MissingToolError
+from mtpwrap.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
 FAKE_TREE = Path(__file__).parent / "data" / "fake-llama-tree"
@@ -39,28 +39,28 @@ def test_cpu_plan_has_the_recipe_options() -> None:
     plan = build.plan_build(cpu=True)
     assert plan.variant == "cpu"
     assert plan.options["CMAKE_BUILD_TYPE"] == "Release"
-    assert plan.options["LLAMA_CURL"] == "OFF"
+    assert plan.options["LLAMA_OPENSSL"] == "OFF"
     assert "GGML_CUDA" not in plan.options
 
 
-def test_cuda_plan_uses_the_arch_and_recipe_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_plan_uses_the_arch_and_the_toolkits_own_nvcc(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "cuda"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "nvcc").write_text("")
+    (root / "bin" / "nvcc").chmod(0o755)
     monkeypatch.setattr(
         toolchain,
         "cuda_toolkit",
-        lambda: toolchain.CudaToolkit("/opt/cuda/bin/nvcc", "12.8", Path("/opt/cuda"), True),
+        lambda: toolchain.CudaToolkit("/usr/local/bin/nvcc", "12.8", root, True),
     )
     plan = build.plan_build(cuda_arch="89")
     assert plan.variant == "cuda-sm89"
     assert plan.options["GGML_CUDA"] == "ON"
-    assert plan.options["GGML_CUDA_F16"] == "ON"
     assert plan.options["CMAKE_CUDA_ARCHITECTURES"] == "89"
-
-
-def test_cuda_arch_without_cublas_is_refused_with_the_reason() -> None:
-    if toolchain.cuda_toolkit().usable:
-        pytest.skip("this machine has a usable CUDA toolkit")
-    with pytest.raises(MissingToolError, match="--cuda-arch 90"):
-        build.plan_build(cuda_arch="90")
+    # a wrapper script on PATH is not what CMake should probe as the CUDA compiler
+    assert plan.options["CMAKE_CUDA_COMPILER"] == str(root / "bin" / "nvcc")
 
 
 def test_bad_cuda_arch_is_a_config_error() -> None:

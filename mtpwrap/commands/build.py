@@ -21,7 +21,8 @@ import click
     "--cuda-arch",
     envvar="MTPWRAP_CUDA_ARCH",
     default=None,
-    help="CUDA compute capability, e.g. 89 (RTX 4090); default from the GPU (NVML).",
+    help="CUDA compute capabilities, comma-separated: 89 (RTX 4090), 89,90 (and H100); "
+    "default: the GPUs NVML sees.",
 )
 @click.option(
     "--cpu-isa",
@@ -48,6 +49,16 @@ import click
 )
 @click.option("--force", is_flag=True, help="Rebuild (and re-try) even when a cached build "
               "matches.")
+@click.option("--configure-only", is_flag=True, help="Run CMake's configure step only (seconds) "
+              "and print the options CMake took; exit 1 when it did not take one of them.")
+@click.option("--log-objects", is_flag=True, envvar="MTPWRAP_BUILD_LOG_OBJECTS",
+              help="On a pipe, print one line per compiled object instead of one every 10 %.")
+@click.option("--pack", "pack", type=click.Path(dir_okay=False), default=None,
+              help="Also write the build's binaries and manifest to this .tar.xz, to carry to "
+              "a machine that should not compile (benchmarks/gpu_check.sh installs it).")
+@click.option("--from-prebuilt", "prebuilt", type=click.Path(dir_okay=False), default=None,
+              help="Install a carried --pack archive instead of compiling, after checking it "
+              "is of the source pin and has code for the GPUs present.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def command(
     source_spec: str | None,
@@ -57,6 +68,10 @@ def command(
     allow_unpinned: bool,
     jobs: int | None,
     force: bool,
+    configure_only: bool,
+    log_objects: bool,
+    pack: str | None,
+    prebuilt: str | None,
     as_json: bool,
 ) -> None:
     """Build llama-server and llama-fit-params with CMake for this machine, and try them.
@@ -68,9 +83,23 @@ def command(
     and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
     from mtpwrap import build, console
-    from mtpwrap.errors import BuildError
+    from mtpwrap.errors import BuildError, ConfigError
 
-    with _reporter() as rep:
+    if sum(map(bool, (configure_only, pack, prebuilt))) > 1:
+        raise ConfigError("--configure-only, --pack and --from-prebuilt exclude each other: "
+                          "give one of them.")
+    if configure_only:
+        _configure_only(source_spec, cpu, cuda_arch, cpu_isa, allow_unpinned, as_json)
+        return
+    if prebuilt:
+        installed = build.install_prebuilt(prebuilt)
+        if as_json:
+            console.print_json(installed.to_dict())
+        else:
+            console.info(f"installed the carried {installed.variant} build (commit "
+                         f"{installed.commit}): {installed.binary('llama-server')}")
+        return
+    with _reporter(log_objects) as rep:
         try:
             manifest, reused, why = build.build(
                 source_spec,
@@ -90,6 +119,12 @@ def command(
             raise
         rep.done("up to date" if reused else "built")
         kv_note = _calibrate(manifest.variant)
+    if pack:
+        from pathlib import Path
+
+        packed = build.pack_prebuilt(manifest, Path(pack))
+        console.info(f"packed {manifest.variant} into {packed} "
+                     f"({packed.stat().st_size / 2**20:.0f} MiB)")
 
     if as_json:
         console.print_json(manifest.to_dict())
@@ -111,14 +146,43 @@ def command(
         console.info(f"built in {manifest.build_seconds:.0f} s; log: {manifest.log}")
 
 
+def _configure_only(source_spec: str | None, cpu: bool, cuda_arch: str | None,
+                    cpu_isa: str | None, allow_unpinned: bool, as_json: bool) -> None:
+    """`--configure-only`: CMake's configure step, then the options it took, one per line."""
+    from mtpwrap import build, console
+    from mtpwrap.errors import BuildError
+
+    try:
+        result = build.configure_only(source_spec, cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa,
+                                      allow_unpinned=allow_unpinned)
+    except BuildError as exc:
+        for line in exc.tail:
+            console.err.print(f"  [dim]{line}[/dim]", markup=True, highlight=False)
+        raise
+    if as_json:
+        console.print_json(result)
+    else:
+        console.info(f"variant: {result['variant']} ({result['reason']}); configured in "
+                     f"{result['seconds']:.0f} s; log: {result['log']}")
+        for name, value in result["accepted"].items():
+            console.out.print(f"{name}={value}", markup=False, highlight=False)
+    rejected = result["rejected"]
+    if rejected:
+        raise BuildError(
+            "CMake did not take " + "; ".join(f"{k} ({why})" for k, why in rejected.items())
+            + ".", hint=f"Configure log: {result['log']}")
+
+
 class _Reporter:
     """Build progress for a person: a rich bar on a terminal; on a pipe (a CI log, journald,
-    `make up > log`) one line per phase and one every 10 % of the compile."""
+    `make up > log`) one line per phase and one every 10 % of the compile, or with `objects`
+    one per compiled object."""
 
-    def __init__(self) -> None:
+    def __init__(self, objects: bool = False) -> None:
         from mtpwrap import console
 
         self.console = console
+        self.objects = objects
         self.tty = console.err.is_terminal
         self.phase = "preparing"
         self.last_decile = -1
@@ -157,6 +221,9 @@ class _Reporter:
             return
         if self.prog is not None:
             self.prog.update(self.task, completed=percent)
+        elif self.objects:
+            if line and " object " in line:
+                self._line(line.strip())
         elif int(percent) // 10 > self.last_decile:
             self.last_decile = int(percent) // 10
             if 0 < percent < 100:
@@ -175,8 +242,8 @@ class _Reporter:
             self._line(description)
 
 
-def _reporter() -> _Reporter:
-    return _Reporter()
+def _reporter(objects: bool = False) -> _Reporter:
+    return _Reporter(objects)
 
 
 def _calibrate(variant: str) -> str:
