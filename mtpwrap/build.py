@@ -397,10 +397,8 @@ def _version_output(binary: Path) -> str:
 
 
 def _capabilities(binary: Path) -> dict[str, Any] | None:
-    try:
-        from mtpwrap import capabilities
-    except ImportError:
-        return None
+    from mtpwrap import capabilities
+
     try:
         return capabilities.probe(binary).to_dict()
     except Exception:  # noqa: BLE001 - a build stays valid if --help cannot be parsed
