@@ -64,6 +64,7 @@ from mtpwrap.proxy_policy import (
     parse_json_body,
     presented_key,
 )
+from mtpwrap.proxy_policy import Route as Verdict
 
 __all__ = ["Front", "ProxyConfig"]
 
@@ -124,8 +125,7 @@ class _Exchange:
 def _kind(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-            415: "invalid_request_error", 421: "invalid_request_error",
-            429: "rate_limit_error"}.get(status, "unavailable_error")
+            421: "invalid_request_error", 429: "rate_limit_error"}.get(status, "unavailable_error")
 
 
 class Front:
@@ -351,7 +351,7 @@ class Front:
         st = self.supervisor.status()
         return self._active >= self.config.max_concurrency or _state(st) != "ready"
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Any,
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Verdict,
                        t0: float) -> None:
         label, upstream_path = route.label, route.upstream_path
         # Shed before reading the body: overload is answered fast and costs no memory.
