@@ -262,12 +262,16 @@ class ChildProcess:
             return None
         if r.status_code != 200:
             return None
+        from prometheus_client.parser import text_string_to_metric_families
+
         out: dict[str, float] = {}
-        for line in r.text.splitlines():
-            if line.startswith("llamacpp:") and "{" not in line:
-                name, _, value = line.partition(" ")
-                with contextlib.suppress(ValueError):
-                    out[name[len("llamacpp:"):]] = float(value)
+        try:
+            for family in text_string_to_metric_families(r.text):
+                for sample in family.samples:
+                    if sample.name.startswith("llamacpp:") and not sample.labels:
+                        out[sample.name[len("llamacpp:"):]] = sample.value
+        except ValueError:  # a page that is not Prometheus text: no readings
+            return None
         return out
 
     def memory_bytes(self) -> int:

@@ -243,7 +243,11 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     env_keys = env.get("MTPWRAP_API_KEYS", "")
     api_keys += [k.strip() for k in env_keys.split(",") if k.strip()]
     if keys_file:
-        api_keys += _read_keys(Path(str(keys_file)).expanduser())
+        from mtpwrap.proxy_policy import read_keys_file
+
+        where_keys = ("--api-key-file" if values["api_key_file"]
+                      else f"{where_file}: proxy.api_keys_file")
+        api_keys += read_keys_file(str(keys_file), where_keys)
     if proxy.get("api_keys"):
         raise ConfigError(f"{where_file}: proxy.api_keys: keys do not belong in the config file.",
                           hint="Put them in a file named by proxy.api_keys_file (mode 0600) "
@@ -257,16 +261,3 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         log_level=values["log_level"], supervisor=supervisor, proxy=proxy,
         api_keys=tuple(dict.fromkeys(api_keys)), config_file=config_path, sources=sources,
     )
-
-
-def _read_keys(path: Path) -> list[str]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--api-key-file {path}: cannot read ({exc.strerror}).",
-                          hint="Point it at a readable file with one key per line.") from exc
-    keys = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    if not keys:
-        raise ConfigError(f"--api-key-file {path}: no keys in the file.",
-                          hint="Write one key per line.")
-    return keys

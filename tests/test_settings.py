@@ -75,7 +75,7 @@ def test_api_keys_from_env_and_file_never_from_config(tmp_path: Path) -> None:
     assert s.proxy == {"queue_size": 4}  # the file name is consumed, the rest is the front's
     empty = tmp_path / "empty"
     empty.write_text("\n")
-    with pytest.raises(ConfigError, match="no keys in the file"):
+    with pytest.raises(ConfigError, match="--api-key-file: .*holds no key"):
         load_settings({"api_key_file": str(empty)}, env={})
 
 
