@@ -65,6 +65,7 @@ from mtpwrap.proxy_policy import (
     presented_key,
 )
 from mtpwrap.proxy_policy import Route as Verdict
+from mtpwrap.supervisor import SupervisorPort
 
 __all__ = ["Front", "ProxyConfig"]
 
@@ -131,7 +132,8 @@ def _kind(status: int) -> str:
 class Front:
     """The ASGI front for one supervised llama-server (see the module docstring)."""
 
-    def __init__(self, supervisor: Any, config: ProxyConfig, info: dict[str, Any]) -> None:
+    def __init__(self, supervisor: SupervisorPort, config: ProxyConfig,
+                 info: dict[str, Any]) -> None:
         self.supervisor = supervisor
         self.config = config
         self.info = dict(info)

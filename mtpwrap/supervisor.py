@@ -86,6 +86,17 @@ class SupervisorStatus:
         }
 
 
+class SupervisorPort(Protocol):
+    """What the front, its ops endpoints and its metrics need of a supervisor: the Supervisor
+    below, and every test double of it."""
+
+    def status(self) -> SupervisorStatus: ...
+
+    async def wait_ready(self, timeout: float) -> Upstream | None: ...
+
+    def report_stall(self, generation: int, reason: str) -> None: ...
+
+
 class LaunchFactory(Protocol):
     def __call__(self, port: int, api_key: str, step: int) -> ChildSpec | None:
         """The child to run on `port` with `api_key`. `step` > 0 asks for the n-th cheaper
