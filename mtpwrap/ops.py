@@ -17,14 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mtpwrap.metrics import gpu_samples
+from mtpwrap.supervisor import state_name
 
 if TYPE_CHECKING:
     from mtpwrap.proxy import Front
-
-
-def _state(st: Any) -> str:
-    s = getattr(st, "state", None)
-    return str(getattr(s, "value", s))
 
 
 async def livez(_request: Request) -> Response:
@@ -33,7 +29,7 @@ async def livez(_request: Request) -> Response:
 
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     st = front.supervisor.status()
-    state = _state(st)
+    state = state_name(st)
     if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
     if state != "ready" or st.upstream is None:
@@ -66,7 +62,7 @@ def health_document(front: Front) -> dict[str, Any]:
         })
     up = st.upstream
     return {
-        "state": _state(st),
+        "state": state_name(st),
         "ready": ready,
         "draining": front.draining,
         "reason": st.reason,
@@ -78,7 +74,8 @@ def health_document(front: Front) -> dict[str, Any]:
         "child_uptime_s": round(now - st.child_started_at, 1) if st.child_started_at else None,
         "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
         "restarts": st.restarts,
-        "last_error": st.last_exit or (st.reason if _state(st) in ("failed", "backoff") else None),
+        "last_error": st.last_exit or (st.reason if state_name(st) in ("failed", "backoff")
+                                       else None),
         "child_pid": st.pid,
         "generation": up.generation if up is not None else None,
         "requests": {

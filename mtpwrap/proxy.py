@@ -65,7 +65,7 @@ from mtpwrap.proxy_policy import (
     presented_key,
 )
 from mtpwrap.proxy_policy import Route as Verdict
-from mtpwrap.supervisor import SupervisorPort
+from mtpwrap.supervisor import SupervisorPort, state_name
 
 __all__ = ["Front", "ProxyConfig"]
 
@@ -351,14 +351,14 @@ class Front:
 
     def _must_queue(self) -> bool:
         st = self.supervisor.status()
-        return self._active >= self.config.max_concurrency or _state(st) != "ready"
+        return self._active >= self.config.max_concurrency or state_name(st) != "ready"
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Verdict,
                        t0: float) -> None:
         label, upstream_path = route.label, route.upstream_path
         # Shed before reading the body: overload is answered fast and costs no memory.
         if route.slot and self._must_queue() and self.queued >= self.config.queue_size:
-            ready = _state(self.supervisor.status()) == "ready"
+            ready = state_name(self.supervisor.status()) == "ready"
             reason = "overload" if ready else "not_ready"
             self.metrics.shed.labels(reason).inc()
             await self._answer(send, 429 if ready else 503,
@@ -403,18 +403,18 @@ class Front:
         st = self.supervisor.status()
         if not ex.slot:
             # No slot needed (tokenize, props, models ...): only a ready child.
-            if _state(st) == "ready" and st.upstream is not None:
+            if state_name(st) == "ready" and st.upstream is not None:
                 return st.upstream
             up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
             if up is None:
                 self.metrics.shed.labels("not_ready").inc()
                 raise _Refusal(503, "not_ready", "The model is not ready; retry later.")
             return up
-        if not self._gate.locked() and _state(st) == "ready" and st.upstream is not None:
+        if not self._gate.locked() and state_name(st) == "ready" and st.upstream is not None:
             await self._gate.acquire()  # uncontended: returns without suspending
             return st.upstream
         if self.queued >= cfg.queue_size:
-            ready = _state(st) == "ready"
+            ready = state_name(st) == "ready"
             self.metrics.shed.labels("overload" if ready else "not_ready").inc()
             raise _Refusal(429 if ready else 503, "shed",
                            "The server is busy; retry later." if ready else
@@ -426,9 +426,10 @@ class Front:
             up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
             if up is None:
                 st = self.supervisor.status()
-                reason = "queue_timeout" if _state(st) in ("starting", "backoff") else "not_ready"
+                state = state_name(st)
+                reason = "queue_timeout" if state in ("starting", "backoff") else "not_ready"
                 self.metrics.shed.labels(reason).inc()
-                raise _Refusal(503, reason, f"The model is not ready ({_state(st)}); retry later.")
+                raise _Refusal(503, reason, f"The model is not ready ({state}); retry later.")
             left = deadline - asyncio.get_running_loop().time()
             try:
                 await asyncio.wait_for(self._gate.acquire(), max(0.0, left))
@@ -437,7 +438,7 @@ class Front:
                 raise _Refusal(503, "queue_timeout", "The server is busy; retry later.") from None
             # The child may have restarted while we waited for a slot: ask again.
             st = self.supervisor.status()
-            if _state(st) == "ready" and st.upstream is not None:
+            if state_name(st) == "ready" and st.upstream is not None:
                 up = st.upstream
             return up
         finally:
@@ -680,11 +681,6 @@ def _declares_body(scope: Scope) -> bool:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
             return True
     return False
-
-
-def _state(st: Any) -> str:
-    s = getattr(st, "state", None)
-    return str(getattr(s, "value", s))
 
 
 class _Guard:

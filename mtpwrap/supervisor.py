@@ -86,6 +86,13 @@ class SupervisorStatus:
         }
 
 
+def state_name(status: Any) -> str:
+    """The state of a status as a plain string ("ready", ...), whether it holds a State or,
+    as some doubles do, the string itself."""
+    s = getattr(status, "state", None)
+    return str(getattr(s, "value", s))
+
+
 class SupervisorPort(Protocol):
     """What the front, its ops endpoints and its metrics need of a supervisor: the Supervisor
     below, and every test double of it."""
