@@ -418,14 +418,16 @@ def llama_paths() -> tuple[Path, Path]:
 
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> subprocess.Popen:
+    from mtpwrap.child import start_server
+
     binary, model = llama_paths()
     env = {"LLAMA_API_KEY": INTERNAL_KEY,
            "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    proc = spawn([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-                  "-np", str(slots), "-c", str(slots * ctx_per_slot), "--metrics",
-                  "--no-webui", *(extra or [])], env=env)
-    wait_http(f"http://127.0.0.1:{port}/health", 180)
-    return proc
+    srv = start_server([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port",
+                        str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+                        "--metrics", "--no-webui", *(extra or [])],
+                       base_url=f"http://127.0.0.1:{port}", env=env, timeout=180)
+    return srv.proc
 
 
 def start_front(upstream: str, concurrency: int) -> tuple[subprocess.Popen, str]:

@@ -247,34 +247,21 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
-    import time
+    from mtpwrap.child import running_server
 
     cmd = [str(server_bin), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--fit", "off", "--no-warmup", "-t", "2", "-lv", "4",
            *llama_args(cfg, server=True)]
-    with tempfile.TemporaryFile(mode="w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         try:
-            deadline = time.monotonic() + timeout
-            text = ""
-            while time.monotonic() < deadline:
-                time.sleep(0.5)
-                log.seek(0)
-                text = log.read()
-                if "listening on" in text or proc.poll() is not None:
-                    break
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.seek(0)
-        text = log.read()
-    if "listening on" not in text:
-        tail = " | ".join(text.strip().splitlines()[-3:])
-        raise RuntimeFailure(f"{server_bin.name} did not start on {model.name}: {tail}")
+            with running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
+                                timeout=timeout, what=server_bin.name,
+                                log_path=Path(tmp) / "server.log") as srv:
+                pass
+        except RuntimeFailure as exc:
+            raise RuntimeFailure(f"{server_bin.name} did not start on {model.name}: "
+                                 f"{exc.message}") from None
+        text = srv.log_text()
     return parse_allocations(text), text
 
 

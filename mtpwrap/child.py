@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -346,3 +347,106 @@ def close_file_logger(logger: logging.Logger | None) -> None:
     for h in list(logger.handlers):
         h.close()
         logger.removeHandler(h)
+
+
+# --------------------------------------------------------------------------- outside the supervisor
+
+
+@dataclass
+class ServerProcess:
+    """A llama-server started by `start_server` for a measurement, a benchmark or a test: its
+    own process group, output in `log_path`; `stop()` ends the whole group (idempotent)."""
+
+    argv: list[str]
+    base_url: str
+    proc: Any  # subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def last_line(self) -> str:
+        lines = [ln for ln in self.log_text().splitlines() if ln.strip()]
+        return lines[-1].strip()[-200:] if lines else "no output"
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """A signal to the whole group (a crash or a wedge in a test), then wait for the exit."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            self.proc.wait(15)
+
+    def stop(self, grace: float = 15.0) -> int | None:
+        """SIGTERM to the group, `grace` seconds, then SIGKILL. One SIGTERM only: llama-server
+        takes a second one as "exit now" with code 1."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=15)
+        return int(self.proc.returncode)
+
+
+def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] | None = None,
+                 log_path: Path | None = None, ready: str = "health",
+                 headers: Mapping[str, str] | None = None, timeout: float = 300.0,
+                 what: str = "llama-server") -> ServerProcess:
+    """Start llama-server (or a stand-in) in its own process group and wait until it is ready:
+    `ready="health"` waits for GET /health 200, `"listening"` for its "listening on" line
+    (enough when nothing will be asked of it). A server that exits or is not ready in time is
+    stopped and reported with its last output line (RuntimeFailure)."""
+    import tempfile
+
+    from mtpwrap.errors import RuntimeFailure
+
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+        os.close(fd)
+        log_path = Path(name)
+    full_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
+    full_env.update(env or {})
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=full_env, start_new_session=True)
+    srv = ServerProcess(list(argv), base_url, proc, log_path)
+    deadline = time.monotonic() + timeout
+    try:
+        import httpx
+
+        with httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {})) as client:
+            while True:
+                if proc.poll() is not None:
+                    how = describe_returncode(proc.returncode)
+                    raise RuntimeFailure(f"{what} exited with {how} while starting "
+                                         f"({srv.last_line()}; log {log_path}).")
+                if ready == "listening":
+                    if "listening on" in srv.log_text():
+                        return srv
+                else:
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(base_url + "/health").status_code == 200:
+                            return srv
+                if time.monotonic() > deadline:
+                    raise RuntimeFailure(f"{what} was not ready after {timeout:.0f} s "
+                                         f"({srv.last_line()}; log {log_path}).")
+                time.sleep(0.1)
+    except BaseException:
+        srv.stop(grace=5.0)
+        raise
+
+
+@contextlib.contextmanager
+def running_server(argv: Sequence[str], **kwargs: Any) -> Any:
+    """`start_server` as a context manager: the server is stopped however the block ends."""
+    srv = start_server(argv, **kwargs)
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -14,9 +14,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpwrap.child import free_loopback_port as free_port
 from mtpwrap.proxy import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream, sse_events
-from tests.fakes.front_harness import State, Upstream, free_port, serve_front
+from tests.fakes.front_harness import State, Upstream, serve_front
 
 KEY = "client-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}

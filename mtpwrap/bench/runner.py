@@ -7,12 +7,9 @@ server; it builds the argv itself so the same binary runs every cell of the matr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,68 +100,19 @@ def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int,
     `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
+    from mtpwrap.child import start_server
+
     port = port or _free_port(host)
     argv = server_argv(binary, model, cfg, host=host, port=port, ctx_size=ctx_size,
                        parallel=parallel, threads=threads, extra=extra)
-    log_fh = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    env = dict(os.environ)
     # The build ships its shared libraries next to the binary.
-    env["LD_LIBRARY_PATH"] = f"{Path(binary).parent}:{env.get('LD_LIBRARY_PATH', '')}"
-    proc = subprocess.Popen(argv, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    stopped = False
-
-    def stop() -> int | None:
-        nonlocal stopped
-        if stopped:
-            return proc.returncode
-        stopped = True
-        if proc.poll() is None:
-            # One SIGTERM is a graceful stop; a second would exit at once with code 1.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=15)
-        if log_path and hasattr(log_fh, "close"):
-            log_fh.close()
-        return proc.returncode
-
-    base_url = f"http://{host}:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        with httpx.Client(timeout=5.0) as c:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeFailure(
-                        f"llama-server for configuration {cfg.name!r} exited with code"
-                        f" {proc.returncode} during start ({_last_line(log_path)});"
-                        f" command: {' '.join(argv)}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if c.get(base_url + "/health").status_code == 200:
-                        return base_url, stop
-                if time.monotonic() > deadline:
-                    raise RuntimeFailure(
-                        f"llama-server for configuration {cfg.name!r} was not healthy after"
-                        f" {timeout:.0f} s ({_last_line(log_path)})."
-                    )
-                time.sleep(0.2)
-    except BaseException:
-        stop()
-        raise
+    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    srv = start_server(argv, base_url=f"http://{host}:{port}", env=env,
+                       log_path=Path(log_path) if log_path else None, timeout=timeout,
+                       what=f"llama-server for configuration {cfg.name!r}")
+    return srv.base_url, srv.stop
 
 
-
-
-def _last_line(log_path: Path | None) -> str:
-    if not log_path or not Path(log_path).exists():
-        return "no log"
-    lines = [ln for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
-    return f"log {log_path}: {lines[-1].strip()}" if lines else f"log {log_path} is empty"
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from mtpwrap.child import ServerProcess, free_loopback_port
 from mtpwrap.supervisor import State, SupervisorStatus, Upstream
 
 
@@ -169,6 +169,7 @@ class LlamaChild:
         self.binary, self.model, self.port, self.api_key = binary, model, port, api_key
         self.extra = extra or []
         self.log_path = log_path
+        self.server: ServerProcess | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -176,47 +177,26 @@ class LlamaChild:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> LlamaChild:
-        env = dict(os.environ)
-        env["LLAMA_API_KEY"] = self.api_key  # the key travels in the environment, not argv
-        env["LD_LIBRARY_PATH"] = str(self.binary.parent) + os.pathsep + env.get(
-            "LD_LIBRARY_PATH", "")
+        from mtpwrap.child import start_server
+
         argv = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                 "--port", str(self.port), "-c", "4096", "-np", "2", "-t", "2",
                 "--metrics", "--no-webui", *self.extra]
-        out = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("llama-server did not become ready")
+        # the key travels in the environment, not argv
+        self.server = start_server(argv, base_url=self.base_url, timeout=timeout,
+                                   env={"LLAMA_API_KEY": self.api_key}, log_path=self.log_path)
+        self.proc = self.server.proc
+        return self
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            self.proc.wait(10)
+        if self.server is not None:
+            self.server.kill(sig)
 
     def slots_busy(self) -> int:
         r = httpx.get(self.base_url + "/slots",
                       headers={"authorization": f"Bearer {self.api_key}"}, timeout=5)
         r.raise_for_status()
         return sum(1 for s in r.json() if s.get("is_processing"))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -226,7 +206,7 @@ def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = No
     from mtpwrap.proxy import Front
 
     sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
-    srv = FrontServer(lambda: Front(sup, config, info or {}), free_port(), sup).start()
+    srv = FrontServer(lambda: Front(sup, config, info or {}), free_loopback_port(), sup).start()
     try:
         yield srv, sup
     finally:
