@@ -65,7 +65,7 @@ class Node:
     name: str
     host: str
     port: int
-    #: requests this node serves at once (its `proxy.max_concurrency`): the server's `maxconn`;
+    #: requests this node serves at once (its profile's slots, llama-server's -np): `maxconn`;
     #: None = the fleet-wide `HaproxyOptions.max_per_node`.
     slots: int | None = None
     #: its share of new requests relative to the others (HAProxy `weight`); None = 1.

@@ -77,7 +77,7 @@ def command() -> None:
 @click.option("--max-per-node", type=int, default=8, show_default=True,
               envvar="MTPWRAP_FLEET_MAX_PER_NODE",
               help="Open requests per node before HAProxy queues (0 = no limit), for nodes "
-                   "without slots=N; the node's proxy.max_concurrency is a good value.")
+                   "without slots=N; the node's profile slots (-np) is the right value.")
 @click.option("--retries", type=int, default=1, show_default=True, envvar="MTPWRAP_FLEET_RETRIES",
               help="Retries on another node of a request no node began to answer.")
 @click.option("--server-timeout-s", type=float, default=600.0, show_default=True,
