@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 
 from mtpwrap import gguf_writer
@@ -72,61 +69,30 @@ def test_llama_cpp_loads_every_shape_model(model: str, fit_params_bin: Path, tmp
         path.unlink()
 
 
-def _get(url: str, timeout: float = 5) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return 0, ""
-
-
 @pytest.mark.integration
 def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, free_port: int,
                                                      tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mtpwrap.child import running_server
+
     model = gguf_writer.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
-    log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(
-        [str(llama_server_bin), "-m", str(model), "--host", "127.0.0.1", "--port",
-         str(free_port), "-c", "2048", "-np", "1", "--spec-type", "draft-mtp",
-         "--spec-draft-n-max", "3", "--metrics", "--no-warmup", "-t", "2", "-lv", "4"],
-        stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{free_port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("llama-server exited: " + (tmp_path / "server.log").read_text()[-3000:])
-            if _get(base + "/health")[0] == 200:
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("llama-server did not become ready")
-        body = json.dumps({"prompt": "The quick brown fox", "n_predict": 16,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(base + "/completion", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            out = json.loads(r.read())
+    argv = [str(llama_server_bin), "-m", str(model), "--host", "127.0.0.1", "--port",
+            str(free_port), "-c", "2048", "-np", "1", "--spec-type", "draft-mtp",
+            "--spec-draft-n-max", "3", "--metrics", "--no-warmup", "-t", "2", "-lv", "4"]
+    with running_server(argv, base_url=base, timeout=120,
+                        log_path=tmp_path / "server.log") as srv:
+        out = httpx.post(base + "/completion", timeout=120, json={
+            "prompt": "The quick brown fox", "n_predict": 16, "temperature": 0}).json()
         assert out["timings"]["predicted_n"] > 0
-        status, metrics = _get(base + "/metrics")
-        assert status == 200
-        values = {}
-        for line in metrics.splitlines():
-            if line.startswith("llamacpp:spec_decode_num_draft") and " " in line:
-                name, val = line.rsplit(" ", 1)
-                values[name] = float(val)
-        assert values.get("llamacpp:spec_decode_num_drafts_total", 0) > 0, metrics
-        assert values.get("llamacpp:spec_decode_num_draft_tokens_total", 0) > 0, metrics
-        text = (tmp_path / "server.log").read_text()
-        # the MTP context: its own one-layer KV cache next to the main one
-        assert len(parse_allocations(text).kv) >= 2, text[-3000:]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        metrics = httpx.get(base + "/metrics", timeout=10)
+        assert metrics.status_code == 200
+        values = {sample.name: sample.value
+                  for family in text_string_to_metric_families(metrics.text)
+                  for sample in family.samples}
+        assert values.get("llamacpp:spec_decode_num_drafts_total", 0) > 0, metrics.text
+        assert values.get("llamacpp:spec_decode_num_draft_tokens_total", 0) > 0, metrics.text
+        text = srv.log_text()
+    # the MTP context: its own one-layer KV cache next to the main one
+    assert len(parse_allocations(text).kv) >= 2, text[-3000:]
