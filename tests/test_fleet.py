@@ -212,9 +212,17 @@ class Backend:
                 with lock:
                     backend.active += 1
                     backend.peak = max(backend.peak, backend.active)
+                self.counted = True
                 try:
                     self.answer()
                 finally:
+                    self.done()
+
+            def done(self) -> None:
+                # Counted out before the answer's last bytes leave: once the client (HAProxy)
+                # has them it may send the next request while this thread is still returning.
+                if self.counted:
+                    self.counted = False
                     with lock:
                         backend.active -= 1
 
@@ -234,6 +242,7 @@ class Backend:
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                         self.wfile.flush()
                         time.sleep(backend.gap_s)
+                    self.done()
                     self.wfile.write(b"0\r\n\r\n")
                     return
                 body = json.dumps({"node": backend.name}).encode()
@@ -246,6 +255,7 @@ class Backend:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                self.done()
                 self.wfile.write(body)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
