@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtpwrap import build, models  # noqa: E402
+from mtpwrap.build import builder  # noqa: E402
+from mtpwrap.decide import models  # noqa: E402
 from tests.fleet_harness import LocalFleet, chat, wait_for  # noqa: E402
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args()
-    binary = Path(build.ensure_built(variant="cpu").to_dict()["binaries"]["llama-server"]["path"])
+    binary = Path(builder.ensure_built(variant="cpu").to_dict()["binaries"]["llama-server"]["path"])
     model = models.ensure_demo_model()
     results: dict[str, dict[str, float]] = {}
     for n in (1, 2, 3):

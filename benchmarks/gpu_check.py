@@ -61,12 +61,12 @@ def allocations(log_text: str) -> list[dict]:
 
 def write_model(work: Path) -> tuple[Path | None, str]:
     try:
-        from mtpwrap import gguf_writer  # type: ignore[attr-defined]
+        from mtpwrap.build import tiny_gguf
     except ImportError as exc:
         return None, f"model writer unavailable: {exc}"
     path = work / "qwen3.6-27b-shape-q4_k_m.gguf"
     if not path.exists():
-        gguf_writer.write_shape_only(path, model="qwen3.6-27b", ftype="q4_k_m")
+        tiny_gguf.write_shape_only(path, model="qwen3.6-27b", ftype="q4_k_m")
     return path, "ok"
 
 

@@ -71,7 +71,7 @@ if [[ -z "$server" && -n "$prebuilt" ]]; then
 print(json.load(open(sys.argv[1]))["binaries"]["llama-server"]["path"])' \
             "$out/prebuilt-manifest.json")"
         # Its RPATH names the folders of the machine that built it: use this machine's.
-        libs="$("$py" -c 'from mtpwrap import toolchain; print(":".join(toolchain.cuda_library_dirs()))')"
+        libs="$("$py" -c 'from mtpwrap.build import toolchain; print(":".join(toolchain.cuda_library_dirs()))')"
         export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         say "using the carried build: $server (LD_LIBRARY_PATH=$libs)"
         ldd "$server" >>"$log" 2>&1 || true
@@ -87,7 +87,7 @@ if [[ -z "$server" ]]; then
     else
         say "building llama-server for this GPU (mtpwrap build)"
         timeout 480 "$py" -m mtpwrap build 2>&1 | tail -n 20 >>"$log"
-        server="$("$py" -c 'from mtpwrap import build; print(build.load_manifest().binary("llama-server"))')"
+        server="$("$py" -c 'from mtpwrap.build import builder; print(builder.load_manifest().binary("llama-server"))')"
     fi
 fi
 say "llama-server: $server"

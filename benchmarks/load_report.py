@@ -109,7 +109,7 @@ def supervised_front_main(port: int, slots: int) -> None:
     import uvicorn
 
     sys.path.insert(0, str(REPO))
-    from mtpwrap.proxy import Front, ProxyConfig
+    from mtpwrap.serve.front import Front, ProxyConfig
 
     async def main() -> None:
         sup = RestartingSupervisor(free_port(), slots)

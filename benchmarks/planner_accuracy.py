@@ -25,11 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtpwrap import gguf_writer  # noqa: E402
-from mtpwrap.calibrate import measure_config, measure_server  # noqa: E402
-from mtpwrap.child import free_loopback_port as _free_port
-from mtpwrap.gguf_facts import read_facts  # noqa: E402
-from mtpwrap.planner import MiB, PlanConfig, plan  # noqa: E402
+from mtpwrap.build import tiny_gguf  # noqa: E402
+from mtpwrap.build.calibrate import measure_config, measure_server  # noqa: E402
+from mtpwrap.decide.gguf_facts import read_facts  # noqa: E402
+from mtpwrap.decide.planner import MiB, PlanConfig, plan  # noqa: E402
+from mtpwrap.run.child import free_loopback_port as _free_port
 
 
 @dataclass
@@ -62,7 +62,7 @@ def cases(quick: bool, heavy: bool) -> list[Case]:
         return PlanConfig(backend="cpu", cpu_repack=False, **kw)  # type: ignore[arg-type]
 
     out: list[Case] = []
-    for model in gguf_writer.SHAPES:
+    for model in tiny_gguf.SHAPES:
         out += [
             Case(model, fit(n_ctx=4096, type_k="f16", type_v="f16")),
             Case(model, fit(n_ctx=32768, type_k="q8_0", type_v="q8_0")),
@@ -105,8 +105,8 @@ def pct(pred: int, got: int) -> str:
 
 def _write(model: str, tmp: Path) -> Path:
     if model == "tiny-qwen35-mtp":
-        return gguf_writer.write_tiny_random(tmp / f"{model}.gguf", arch="qwen35", mtp=True)
-    return gguf_writer.write_shape_only(tmp / f"{model}.gguf", model)
+        return tiny_gguf.write_tiny_random(tmp / f"{model}.gguf", arch="qwen35", mtp=True)
+    return tiny_gguf.write_shape_only(tmp / f"{model}.gguf", model)
 
 
 
@@ -123,9 +123,9 @@ def main() -> int:
     a = ap.parse_args()
     bin_dir = a.bin_dir
     if bin_dir is None:
-        from mtpwrap import build
+        from mtpwrap.build import builder
 
-        bin_dir = build.find_binary("llama-server").parent
+        bin_dir = builder.find_binary("llama-server").parent
     fit_bin, server_bin = bin_dir / "llama-fit-params", bin_dir / "llama-server"
     rows: list[dict[str, object]] = []
     worst: dict[str, float] = {}

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.child import free_loopback_port as free_port
+from mtpwrap.run.child import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -145,7 +145,7 @@ def front_main(upstream: str, port: int, concurrency: int) -> None:
     import uvicorn
 
     sys.path.insert(0, str(REPO))
-    from mtpwrap.proxy import Front, ProxyConfig
+    from mtpwrap.serve.front import Front, ProxyConfig
 
     cfg = ProxyConfig(max_concurrency=concurrency, queue_size=concurrency * 2)
     front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, {"profile": "bench"})
@@ -406,11 +406,11 @@ def llama_paths() -> tuple[Path, Path]:
     binary = os.environ.get("MTPWRAP_LLAMA_SERVER")
     model = os.environ.get("MTPWRAP_DEMO_MODEL")
     if not binary:
-        from mtpwrap import build
+        from mtpwrap.build import builder
 
-        binary = str(build.ensure_built(variant="cpu").binary("llama-server"))
+        binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
     if not model:
-        from mtpwrap import models
+        from mtpwrap.decide import models
 
         model = str(models.ensure_demo_model())
     return Path(binary), Path(model)
@@ -418,7 +418,7 @@ def llama_paths() -> tuple[Path, Path]:
 
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> subprocess.Popen:
-    from mtpwrap.child import start_server
+    from mtpwrap.run.child import start_server
 
     binary, model = llama_paths()
     env = {"LLAMA_API_KEY": INTERNAL_KEY,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.child import free_loopback_port as free_port
+from mtpwrap.run.child import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
@@ -113,12 +113,14 @@ PRE_SPAWN = """
 import time, sys
 from mtpwrap import cli
 from mtpwrap.commands import up
-from mtpwrap import instance, runner, settings
+from mtpwrap import settings
+from mtpwrap.run import instance
+from mtpwrap.run import service
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()
-launch = runner.resolve_launch(s)
-runner.supervisor_config(s, launch)
-runner.proxy_config(s, launch)
+launch = service.resolve_launch(s)
+service.supervisor_config(s, launch)
+service.proxy_config(s, launch)
 print(time.process_time())
 """
 
@@ -142,9 +144,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from mtpwrap import build, models
+    from mtpwrap.build import builder
+    from mtpwrap.decide import models
 
-    binary = args.binary or build.find_binary()
+    binary = args.binary or builder.find_binary()
     model = args.model or models.ensure_demo_model()
     print(f"binary {binary}\nmodel  {model}\n")
     cols = ["direct /health", "direct 1 tok", "mtpwrap", "own", "overhead", "pre-spawn",

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import paths, toolchain
+from mtpwrap import paths
+from mtpwrap.build import toolchain
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
 
@@ -29,7 +30,7 @@ class Check:
 
 def check_gpus(snap: Any | None = None) -> list[Check]:
     if snap is None:
-        from mtpwrap import hardware
+        from mtpwrap.decide import hardware
 
         snap = hardware.snapshot()
     gpus = list(getattr(snap, "gpus", ()) or ())
@@ -139,9 +140,9 @@ def check_disk(min_free_gib: float = 20.0) -> Check:
 
 def check_binary(snap: Any | None = None) -> Check:
     """The installed build: tried here, and compiled for every GPU present (`snap`: NVML)."""
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    m = build.load_manifest()
+    m = builder.load_manifest()
     if m is None:
         return Check(
             "llama-server build",
@@ -159,18 +160,18 @@ def check_binary(snap: Any | None = None) -> Check:
         return Check("llama-server build", MISSING,
                      detail + f"; its smoke test {smoke.get('status')}: {smoke.get('detail')}",
                      "mtpwrap build --force")
-    gaps = build.uncovered_gpus(m, snap)
+    gaps = builder.uncovered_gpus(m, snap)
     if gaps:
-        return Check("llama-server build", MISSING, build.coverage_problem(m, snap) or detail,
-                     build.rebuild_command(m, gaps), hard=True)
+        return Check("llama-server build", MISSING, builder.coverage_problem(m, snap) or detail,
+                     builder.rebuild_command(m, gaps), hard=True)
     return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
 
 
 def check_cpu_isa() -> Check:
     """How the installed build's CPU backend was compiled, and why that one was kept."""
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    m = build.load_manifest()
+    m = builder.load_manifest()
     if m is None:
         return Check("CPU configuration", WARNING, "no build yet", "mtpwrap build")
     tried = ", ".join(f"{a.get('cpu_isa')}: {a.get('smoke')}" for a in m.attempts)
@@ -181,7 +182,7 @@ def check_cpu_isa() -> Check:
 
 def check_pin() -> Check:
     """The fork pin (the superproject's gitlink) against what vendor/ holds."""
-    from mtpwrap import source
+    from mtpwrap.build import source
 
     pinned, held = source.pin_status()
     if held.startswith("empty"):
@@ -195,7 +196,7 @@ def check_pin() -> Check:
 
 
 def check_model(model: str | None) -> Check:
-    from mtpwrap import models
+    from mtpwrap.decide import models
     from mtpwrap.errors import ConfigError
 
     if model:
@@ -222,7 +223,7 @@ def check_model(model: str | None) -> Check:
 
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
     if snap is None:
-        from mtpwrap import hardware
+        from mtpwrap.decide import hardware
 
         snap = hardware.snapshot()
     return [

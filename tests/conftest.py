@@ -1,7 +1,7 @@
 """Shared fixtures.
 
 Integration tests use the real llama-server, built from the pinned source by
-`mtpwrap.build.ensure_built` (a no-op once the build cache has it), and the real demo model.
+`mtpwrap.build.builder.ensure_built` (a no-op once the build cache has it), and the real demo model.
 `MTPWRAP_HOME` is left alone on purpose so the build and model caches are shared between runs;
 tests that need an isolated home use the `isolated_home` fixture.
 """
@@ -27,9 +27,9 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def cpu_manifest() -> dict:
     """The manifest of the CPU build of llama-server (built on first use, then cached)."""
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    return build.ensure_built(variant="cpu").to_dict()
+    return builder.ensure_built(variant="cpu").to_dict()
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +53,7 @@ def fit_params_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from mtpwrap import models
+    from mtpwrap.decide import models
 
     return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 
@@ -69,9 +69,9 @@ def drop_gguf_files(tmp_path: Path) -> Iterator[None]:
 @pytest.fixture(scope="session")
 def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A shape-only Qwen3.6-27B GGUF (16.5 GB apparent, a few MB on disk), written once."""
-    from mtpwrap import gguf_writer
+    from mtpwrap.build import tiny_gguf
 
-    path = gguf_writer.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
+    path = tiny_gguf.write_shape_only(tmp_path_factory.mktemp("q27") / "q27.gguf",
                                         "qwen3.6-27b")
     yield path
     path.unlink()
@@ -81,7 +81,7 @@ def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture
 def free_port() -> int:
-    from mtpwrap.child import free_loopback_port
+    from mtpwrap.run.child import free_loopback_port
 
     return free_loopback_port()
 

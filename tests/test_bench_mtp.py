@@ -12,6 +12,7 @@ import pytest
 
 from mtpwrap.bench import stats
 from mtpwrap.bench.runner import BenchConfig, Client, launch_config
+from mtpwrap.build.tiny_gguf import write_tiny_random
 
 pytestmark = pytest.mark.integration
 
@@ -24,10 +25,6 @@ def server_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        from mtpwrap.gguf_writer import write_tiny_random  # type: ignore[import-not-found]
-    except ImportError as exc:
-        pytest.skip(f"mtpwrap.gguf_writer.write_tiny_random is not importable yet ({exc})")
     return write_tiny_random(tmp_path_factory.mktemp("mtp") / "tiny-qwen35-mtp.gguf",
                              arch="qwen35", mtp=True)
 

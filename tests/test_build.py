@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import build, hashing, source, toolchain
+from mtpwrap import hashing
+from mtpwrap.build import builder, source, toolchain
 from mtpwrap.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
@@ -36,7 +37,7 @@ def _fake_tree(tmp_path: Path, *markers: str) -> Path:
 
 
 def test_cpu_plan_has_the_recipe_options() -> None:
-    plan = build.plan_build(cpu=True)
+    plan = builder.plan_build(cpu=True)
     assert plan.variant == "cpu"
     assert plan.options["CMAKE_BUILD_TYPE"] == "Release"
     assert plan.options["LLAMA_OPENSSL"] == "OFF"
@@ -55,7 +56,7 @@ def test_cuda_plan_uses_the_arch_and_the_toolkits_own_nvcc(
         "cuda_toolkit",
         lambda: toolchain.CudaToolkit("/usr/local/bin/nvcc", "12.8", root, True),
     )
-    plan = build.plan_build(cuda_arch="89")
+    plan = builder.plan_build(cuda_arch="89")
     assert plan.variant == "cuda-sm89"
     assert plan.options["GGML_CUDA"] == "ON"
     assert plan.options["CMAKE_CUDA_ARCHITECTURES"] == "89"
@@ -65,18 +66,18 @@ def test_cuda_plan_uses_the_arch_and_the_toolkits_own_nvcc(
 
 def test_bad_cuda_arch_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--cuda-arch sm89x"):
-        build.plan_build(cuda_arch="sm89x")
+        builder.plan_build(cuda_arch="sm89x")
 
 
 def test_cache_key_follows_options_but_not_the_launcher() -> None:
-    opts = build.plan_build(cpu=True).options
-    k1 = build.cache_key("offline:x", opts, "g++ 12")
-    assert k1 == build.cache_key(
+    opts = builder.plan_build(cpu=True).options
+    k1 = builder.cache_key("offline:x", opts, "g++ 12")
+    assert k1 == builder.cache_key(
         "offline:x", {**opts, "CMAKE_CXX_COMPILER_LAUNCHER": "/x"}, "g++ 12"
     )
-    assert k1 != build.cache_key("offline:x", {**opts, "GGML_NATIVE": "OFF"}, "g++ 12")
-    assert k1 != build.cache_key("offline:y", opts, "g++ 12")
-    assert k1 != build.cache_key("offline:x", opts, "clang 18")
+    assert k1 != builder.cache_key("offline:x", {**opts, "GGML_NATIVE": "OFF"}, "g++ 12")
+    assert k1 != builder.cache_key("offline:y", opts, "g++ 12")
+    assert k1 != builder.cache_key("offline:x", opts, "clang 18")
 
 
 def test_source_path_errors_name_the_flag(tmp_path: Path) -> None:
@@ -126,7 +127,7 @@ def test_build_from_a_path_writes_a_complete_manifest(
     assert manifest["version_output"].startswith("version: 42 (fake000)")
     assert manifest["cmake_options"]["CMAKE_BUILD_TYPE"] == "Release"
     assert manifest["compiler"] and manifest["built_at"] and manifest["architectures"]
-    for name in build.TARGETS:
+    for name in builder.TARGETS:
         info = manifest["binaries"][name]
         assert Path(info["path"]).is_file()
         assert info["sha256"] == hashing.sha256_file(Path(info["path"]))
@@ -169,30 +170,30 @@ def test_offline_build_is_complete_and_a_second_run_is_a_no_op(cpu_manifest: dic
 def test_safe_isa_names_this_cpus_instruction_sets_and_turns_amx_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(build, "_is_x86", lambda: True)
+    monkeypatch.setattr(builder, "_is_x86", lambda: True)
     flags = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni",
              "amx_tile", "amx_int8", "amx_bf16"}
-    safe = build.isa_options("safe", flags)
+    safe = builder.isa_options("safe", flags)
     assert safe["GGML_NATIVE"] == "OFF"
     assert safe["GGML_AVX512"] == "ON" and safe["GGML_AVX512_VNNI"] == "ON"
     assert safe["GGML_AVX512_BF16"] == "OFF"  # not in this CPU's flags
     assert all(safe[o] == "OFF" for o in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
-    base = build.isa_options("baseline", flags)
+    base = builder.isa_options("baseline", flags)
     assert base["GGML_AVX2"] == "ON" and base["GGML_FMA"] == "ON"
     assert base["GGML_AVX512"] == "OFF" and base["GGML_AMX_INT8"] == "OFF"
-    assert build.isa_options("native", flags) == {"GGML_NATIVE": "ON"}
+    assert builder.isa_options("native", flags) == {"GGML_NATIVE": "ON"}
     with pytest.raises(ConfigError, match="--cpu-isa fastest"):
-        build.isa_options("fastest", flags)
+        builder.isa_options("fastest", flags)
 
 
 def test_compiler_flags_from_the_environment_are_part_of_the_cache_key(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    opts = build.plan_build(cpu=True).options
+    opts = builder.plan_build(cpu=True).options
     monkeypatch.delenv("CFLAGS", raising=False)
-    k1 = build.cache_key("offline:x", opts, "g++ 12")
+    k1 = builder.cache_key("offline:x", opts, "g++ 12")
     monkeypatch.setenv("CFLAGS", "-march=x86-64-v3")
-    assert build.cache_key("offline:x", opts, "g++ 12") != k1
+    assert builder.cache_key("offline:x", opts, "g++ 12") != k1
 
 
 def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
@@ -297,7 +298,7 @@ def test_the_real_build_passed_its_smoke_test_on_this_cpu(cpu_manifest: dict,
                                                           demo_model: Path) -> None:
     assert cpu_manifest["smoke"]["status"] == "passed", cpu_manifest["smoke"]
     assert cpu_manifest["smoke"]["tokens"] > 0
-    assert cpu_manifest["cpu_isa"] in build.CPU_ISAS
+    assert cpu_manifest["cpu_isa"] in builder.CPU_ISAS
     kept = cpu_manifest["attempts"][-1]
     assert kept["cpu_isa"] == cpu_manifest["cpu_isa"] and kept["smoke"] == "passed"
     assert all(a["smoke"] == "crashed" for a in cpu_manifest["attempts"][:-1])
@@ -313,9 +314,9 @@ def test_the_tiny_smoke_model_runs_quantized_kernels(cpu_manifest: dict, tmp_pat
     """Without the demo model the build tries its binary on a tiny q8_0 model the project
     writes: it must pass on the kept build and crash every build that crashed on the demo
     model here (on a CPU with AMX, the native build does: the quantized matmul runs there)."""
-    from mtpwrap import gguf_writer, smoke
+    from mtpwrap.build import smoke, tiny_gguf
 
-    model = gguf_writer.write_tiny_random(tmp_path / "tiny-q8_0.gguf", arch="llama", mtp=False,
+    model = tiny_gguf.write_tiny_random(tmp_path / "tiny-q8_0.gguf", arch="llama", mtp=False,
                                           ftype="q8_0")
     kept = smoke.run(Path(cpu_manifest["binaries"]["llama-server"]["path"]), model)
     assert kept.passed and kept.tokens > 0, kept

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from mtpwrap import capabilities
-from mtpwrap.capabilities import Capabilities
+from mtpwrap.decide import capabilities
+from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 
 HELP = Path(__file__).parent / "data" / "help"

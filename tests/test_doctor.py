@@ -47,7 +47,8 @@ def test_doctor_sees_the_real_build(cpu_manifest: dict) -> None:
 
 
 def test_doctor_reports_a_recorded_rtx_4090() -> None:
-    from mtpwrap import doctor, hardware
+    from mtpwrap import doctor
+    from mtpwrap.decide import hardware
 
     snap = hardware.load_snapshot(Path(__file__).parent / "data" / "snapshots" / "rtx4090.json")
     checks = doctor.check_gpus(snap)
@@ -57,7 +58,8 @@ def test_doctor_reports_a_recorded_rtx_4090() -> None:
 
 
 def test_doctor_without_driver_warns_and_says_why() -> None:
-    from mtpwrap import doctor, hardware
+    from mtpwrap import doctor
+    from mtpwrap.decide import hardware
 
     snap = hardware.load_snapshot(Path(__file__).parent / "data" / "snapshots" / "none.json")
     (check,) = doctor.check_gpus(snap)

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap.child import free_loopback_port
+from mtpwrap.run.child import free_loopback_port
 from tests.conftest import REPO, cli_env, require_tool, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
@@ -44,8 +44,8 @@ def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
 
 def test_haproxy_check_reports_what_haproxy_rejects(tmp_path: Path) -> None:
     require_tool("haproxy", "haproxy")
-    from mtpwrap import fleet
     from mtpwrap.errors import ConfigError
+    from mtpwrap.serve import fleet
 
     text = fleet.render_haproxy(fleet.parse_nodes(["127.0.0.1:8081"]), fleet.HaproxyOptions())
     fleet.check_haproxy(text)

@@ -24,7 +24,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.proxy import ProxyConfig
+from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
 
@@ -325,7 +325,7 @@ class TestAgainstTheRealServer:
     @classmethod
     def inst(cls, tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
              demo_model: Path) -> Iterator[object]:
-        from mtpwrap.child import free_loopback_port
+        from mtpwrap.run.child import free_loopback_port
         from tests.test_up_real import Instance
 
         home = tmp_path_factory.mktemp("hostile")

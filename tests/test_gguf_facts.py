@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import gguf_writer
+from mtpwrap.build import tiny_gguf
+from mtpwrap.decide.gguf_facts import read_facts, read_header
 from mtpwrap.errors import ConfigError
-from mtpwrap.gguf_facts import read_facts, read_header
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
@@ -24,7 +24,7 @@ def q27(shape_27b: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_writer.write_tiny_random(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
+    return tiny_gguf.write_tiny_random(tmp_path_factory.mktemp("tiny") / "tiny.gguf",
                                          arch="llama")
 
 
@@ -56,14 +56,14 @@ def test_header_only_the_sparse_data_is_never_needed(q27: Path) -> None:
 
 
 def test_hybrid_moe_and_sliding_window_and_mla(tmp_path: Path) -> None:
-    moe = read_facts(gguf_writer.write_shape_only(tmp_path / "moe.gguf", "qwen3.6-35b-a3b"))
+    moe = read_facts(tiny_gguf.write_shape_only(tmp_path / "moe.gguf", "qwen3.6-35b-a3b"))
     assert moe.architecture == "qwen35moe" and moe.n_expert == 256
     assert moe.kv_layers == list(range(3, 40, 4)) and moe.n_layer_nextn == 1
-    gem = read_facts(gguf_writer.write_shape_only(tmp_path / "g.gguf", "gemma3-12b"))
+    gem = read_facts(tiny_gguf.write_shape_only(tmp_path / "g.gguf", "gemma3-12b"))
     assert gem.sliding_window == 1024
     # five sliding-window layers, then one global one
     assert [i for i in gem.kv_layers if i not in gem.swa_layers] == list(range(5, 48, 6))
-    ds = read_facts(gguf_writer.write_shape_only(tmp_path / "d.gguf", "deepseek2-lite"))
+    ds = read_facts(tiny_gguf.write_shape_only(tmp_path / "d.gguf", "deepseek2-lite"))
     assert ds.is_mla and ds.kv_row_values(0) == (576, 0)
 
 
@@ -100,9 +100,9 @@ def test_non_gguf_file(tmp_path: Path) -> None:
 
 
 def test_unknown_architecture_is_a_marked_generic_estimate(tmp_path: Path) -> None:
-    spec = gguf_writer.tiny_spec("llama")
+    spec = tiny_gguf.tiny_spec("llama")
     spec.arch = "mysterynet"
-    path = gguf_writer.write_spec_shape_only(spec, tmp_path / "m.gguf")
+    path = tiny_gguf.write_spec_shape_only(spec, tmp_path / "m.gguf")
     f = read_facts(path)
     assert f.generic and f.architecture == "mysterynet"
     assert any("mysterynet" in w and "estimate" in w for w in f.warnings)
@@ -120,14 +120,14 @@ def test_cli_plan_bad_file_is_one_sentence_and_exit_78(tmp_path: Path) -> None:
 def test_split_models_count_every_shard(tmp_path: Path) -> None:
     from gguf import GGUFWriter
 
-    whole = read_facts(gguf_writer.write_tiny_random(tmp_path / "whole.gguf", arch="llama"))
-    spec = gguf_writer.tiny_spec("llama")
+    whole = read_facts(tiny_gguf.write_tiny_random(tmp_path / "whole.gguf", arch="llama"))
+    spec = tiny_gguf.tiny_spec("llama")
     first = tmp_path / "m-00001-of-00002.gguf"
     # the writer names shards STEM-0000i-of-0000n.gguf
     w = GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=len(spec.tensors) // 2 + 1)
-    gguf_writer._add_meta(w, "llama", spec.meta)
-    gguf_writer._add_tokenizer(w, spec.vocab, None)
-    for name, (arr, raw_dtype) in gguf_writer._random_tensors(spec, 0):
+    tiny_gguf._add_meta(w, "llama", spec.meta)
+    tiny_gguf._add_tokenizer(w, spec.vocab, None)
+    for name, (arr, raw_dtype) in tiny_gguf._random_tensors(spec, 0):
         w.add_tensor(name, arr, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

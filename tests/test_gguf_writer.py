@@ -7,18 +7,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap import gguf_writer
-from mtpwrap.calibrate import parse_allocations, run_fit_params
-from mtpwrap.gguf_facts import read_facts, read_header
+from mtpwrap.build import tiny_gguf
+from mtpwrap.build.calibrate import parse_allocations, run_fit_params
+from mtpwrap.decide.gguf_facts import read_facts, read_header
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
 
 MiB = 1024 * 1024
 
 
-@pytest.mark.parametrize("model", sorted(gguf_writer.SHAPES))
+@pytest.mark.parametrize("model", sorted(tiny_gguf.SHAPES))
 def test_shape_only_files_are_sparse_and_complete(model: str, tmp_path: Path) -> None:
-    path = gguf_writer.write_shape_only(tmp_path / f"{model}.gguf", model)
+    path = tiny_gguf.write_shape_only(tmp_path / f"{model}.gguf", model)
     st = path.stat()
     meta, infos, data_offset, size = read_header(path)
     assert size == st.st_size
@@ -33,23 +33,23 @@ def test_shape_only_files_are_sparse_and_complete(model: str, tmp_path: Path) ->
 
 
 def test_q4_k_m_recipe_gives_more_bits_to_some_layers(tmp_path: Path) -> None:
-    spec = gguf_writer.SHAPES["llama3-8b"]("q4_k_m")
+    spec = tiny_gguf.SHAPES["llama3-8b"]("q4_k_m")
     types = {t.name: t.qtype for t in spec.tensors}
     assert types["output.weight"] == "q6_k" and types["token_embd.weight"] == "q4_k"
     assert types["blk.0.ffn_down.weight"] == "q6_k" and types["blk.4.ffn_down.weight"] == "q4_k"
     assert types["blk.0.attn_norm.weight"] == "f32"
-    q8 = gguf_writer.SHAPES["llama3-8b"]("q8_0")
+    q8 = tiny_gguf.SHAPES["llama3-8b"]("q8_0")
     assert {t.qtype for t in q8.tensors} == {"q8_0", "f32"}
 
 
 def test_tiny_random_models_have_real_data_and_an_mtp_block(tmp_path: Path) -> None:
-    path = gguf_writer.write_tiny_random(tmp_path / "t.gguf", arch="qwen35", mtp=True)
+    path = tiny_gguf.write_tiny_random(tmp_path / "t.gguf", arch="qwen35", mtp=True)
     f = read_facts(path)
     assert (f.architecture, f.n_layer_nextn, f.n_layer) == ("qwen35", 1, 4)
     assert f.kv_layers == [3] and f.recurrent_layers == [0, 1, 2]
     st = path.stat()
     assert st.st_blocks * 512 >= f.tensor_bytes  # really written, not a hole
-    plain = read_facts(gguf_writer.write_tiny_random(tmp_path / "p.gguf", mtp=False))
+    plain = read_facts(tiny_gguf.write_tiny_random(tmp_path / "p.gguf", mtp=False))
     assert plain.n_layer_nextn == 0 and plain.mtp_bytes == 0
 
 
@@ -57,10 +57,10 @@ def test_tiny_random_models_have_real_data_and_an_mtp_block(tmp_path: Path) -> N
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("model", sorted(gguf_writer.SHAPES))
+@pytest.mark.parametrize("model", sorted(tiny_gguf.SHAPES))
 def test_llama_cpp_loads_every_shape_model(model: str, fit_params_bin: Path, tmp_path: Path
                                            ) -> None:
-    path = gguf_writer.write_shape_only(tmp_path / f"{model}.gguf", model)
+    path = tiny_gguf.write_shape_only(tmp_path / f"{model}.gguf", model)
     try:
         log = run_fit_params(fit_params_bin, path, ["-c", "4096", "-fa", "on", "-np", "1"])
         got = parse_allocations(log)
@@ -74,9 +74,9 @@ def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, fre
                                                      tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mtpwrap.child import running_server
+    from mtpwrap.run.child import running_server
 
-    model = gguf_writer.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
+    model = tiny_gguf.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
     base = f"http://127.0.0.1:{free_port}"
     argv = [str(llama_server_bin), "-m", str(model), "--host", "127.0.0.1", "--port",
             str(free_port), "-c", "2048", "-np", "1", "--spec-type", "draft-mtp",

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from mtpwrap import hardware
-from mtpwrap.hardware import GpuInfo, HardwareSnapshot, RecordedNvml
+from mtpwrap.decide import hardware
+from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot, RecordedNvml
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 MiB = 1024 * 1024

@@ -68,7 +68,7 @@ def test_kubernetes_validate_catches_a_wrong_field() -> None:
 
 
 def test_selectors_ports_and_profiles_point_at_what_exists() -> None:
-    from mtpwrap import profiles
+    from mtpwrap.decide import profiles
 
     docs = documents()
     service, monitor, pdb = docs["Service"], docs["ServiceMonitor"], docs["PodDisruptionBudget"]
@@ -98,7 +98,7 @@ def test_selectors_ports_and_profiles_point_at_what_exists() -> None:
 
 def _settings(tmp_path: Path) -> Any:
     from mtpwrap import settings
-    from mtpwrap.proxy_policy import ProxyConfig
+    from mtpwrap.serve.policy import ProxyConfig
 
     data = yaml.safe_load(documents()["ConfigMap"]["data"]["mtpwrap.yaml"])
     keys = tmp_path / "api-keys"
@@ -119,7 +119,7 @@ def test_probes_and_grace_period_match_the_config(tmp_path: Path) -> None:
 
 
 def check_pod(pod: dict[str, Any], s: Any, proxy: Any) -> None:
-    from mtpwrap.proxy_policy import derive_allowed_hosts
+    from mtpwrap.serve.policy import derive_allowed_hosts
 
     (c,) = pod["containers"]
     assert c["ports"][0]["containerPort"] == s.port

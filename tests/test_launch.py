@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mtpwrap import hardware, launch, profiles
-from mtpwrap.capabilities import Capabilities
+from mtpwrap.decide import hardware, launch, profiles
+from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.errors import ConfigError
 
 DATA = Path(__file__).parent / "data"
@@ -285,7 +285,7 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
     import httpx
     import openai
 
-    from mtpwrap import capabilities
+    from mtpwrap.decide import capabilities
 
     caps = capabilities.probe(llama_server_bin)
     key = "internal-" + os.urandom(8).hex()
@@ -452,7 +452,7 @@ def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_
     model drafting for itself (FACTS.md §2 saw acceptance 1.0 this way)."""
     import httpx
 
-    from mtpwrap import capabilities
+    from mtpwrap.decide import capabilities
 
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
     spec = launch.build_command(prof, capabilities.probe(llama_server_bin), None,

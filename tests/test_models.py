@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import models
+from mtpwrap.decide import models
 from mtpwrap.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 

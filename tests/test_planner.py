@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import gguf_writer
-from mtpwrap.errors import ConfigError
-from mtpwrap.gguf_facts import ModelFacts, read_facts
-from mtpwrap.planner import (
+from mtpwrap.build import tiny_gguf
+from mtpwrap.decide.gguf_facts import ModelFacts, read_facts
+from mtpwrap.decide.planner import (
     GiB,
     MiB,
     PlanConfig,
@@ -21,6 +20,7 @@ from mtpwrap.planner import (
     plan,
     plan_with_limits,
 )
+from mtpwrap.errors import ConfigError
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
@@ -140,13 +140,13 @@ def test_bad_inputs_are_config_errors(q27: ModelFacts, tmp_path: Path) -> None:
         plan(q27, cfg262k("tbq4_0"), RTX4090)
     with pytest.raises(ConfigError, match="spec kind"):
         PlanConfig(spec="eagle")
-    dense = read_facts(gguf_writer.write_shape_only(tmp_path / "l.gguf", "llama3-8b"))
+    dense = read_facts(tiny_gguf.write_shape_only(tmp_path / "l.gguf", "llama3-8b"))
     with pytest.raises(ConfigError, match="no MTP"):
         plan(dense, PlanConfig(spec="mtp"), RTX4090)
 
 
 def test_dense_llama_kv_counts_every_layer(tmp_path: Path) -> None:
-    f = read_facts(gguf_writer.write_shape_only(tmp_path / "l.gguf", "llama3-8b"))
+    f = read_facts(tiny_gguf.write_shape_only(tmp_path / "l.gguf", "llama3-8b"))
     p = plan(f, PlanConfig(n_ctx=8192), None)
     # Llama-3-8B: 32 layers × 8 KV heads × 128 × 2 (K, V) × 2 bytes = 128 KiB per token
     assert p.row("main KV").bytes == 8192 * 128 * 1024
@@ -154,7 +154,7 @@ def test_dense_llama_kv_counts_every_layer(tmp_path: Path) -> None:
 
 
 def test_gemma_sliding_window_layers_hold_only_the_window(tmp_path: Path) -> None:
-    f = read_facts(gguf_writer.write_shape_only(tmp_path / "g.gguf", "gemma3-12b"))
+    f = read_facts(tiny_gguf.write_shape_only(tmp_path / "g.gguf", "gemma3-12b"))
     p = plan(f, PlanConfig(n_ctx=131072, ubatch=512), None)
     per_layer_tok = 8 * 256 * 2 * 2  # KV heads × head dim × (K, V) × f16
     glob = 8 * 131072 * per_layer_tok

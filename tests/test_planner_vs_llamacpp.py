@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import gguf_writer
-from mtpwrap.calibrate import (
+from mtpwrap.build import tiny_gguf
+from mtpwrap.build.calibrate import (
     accepted_cache_types,
     kv_type_sizes,
     measure_config,
     measure_server,
 )
-from mtpwrap.gguf_facts import read_facts
-from mtpwrap.planner import BUILTIN_KV_TYPES, MemoryPlan, PlanConfig, plan
+from mtpwrap.decide.gguf_facts import read_facts
+from mtpwrap.decide.planner import BUILTIN_KV_TYPES, MemoryPlan, PlanConfig, plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("drop_gguf_files")]
 
@@ -36,7 +36,7 @@ def weights(p: MemoryPlan) -> int:
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     tmp = tmp_path_factory.mktemp("shapes")
-    paths = {m: gguf_writer.write_shape_only(tmp / f"{m}.gguf", m)
+    paths = {m: tiny_gguf.write_shape_only(tmp / f"{m}.gguf", m)
              for m in ("qwen3.6-27b", "llama3-8b", "gemma3-12b")}
     yield paths
     for p in paths.values():
@@ -76,7 +76,7 @@ def test_plan_matches_fit_params(model: str, kw: dict, shapes: dict[str, Path],
 
 def test_mtp_rows_match_llama_server(llama_server_bin: Path, free_port: int,
                                      tmp_path: Path) -> None:
-    model = gguf_writer.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
+    model = tiny_gguf.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
     facts = read_facts(model)
     cfg = PlanConfig(backend="cpu", n_ctx=32768, type_k="q8_0", type_v="q8_0", spec="mtp",
                      draft_depth=3, type_k_draft="f16", type_v_draft="f16", cpu_repack=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import hardware, profiles
+from mtpwrap.decide import hardware, profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError
 from tests.conftest import cli_env, run_cli
 

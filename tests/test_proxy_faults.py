@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.child import free_loopback_port as free_port
-from mtpwrap.proxy import ProxyConfig
+from mtpwrap.run.child import free_loopback_port as free_port
+from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream, sse_events
 from tests.fakes.front_harness import State, Upstream, serve_front
 
@@ -303,7 +303,7 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
     """Recorded NVML answers of an H200 go through hardware.gpu_metrics into both pages."""
-    from mtpwrap import hardware
+    from mtpwrap.decide import hardware
     from tests.test_hardware import RecordedNvml, load
 
     real = hardware.gpu_metrics
@@ -321,7 +321,7 @@ def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
 
 
 def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
-    from mtpwrap import hardware
+    from mtpwrap.decide import hardware
 
     def boom():
         raise RuntimeError("NVML driver not loaded")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mtpwrap.errors import ConfigError
-from mtpwrap.proxy_policy import (
+from mtpwrap.serve.policy import (
     ProxyConfig,
     classify,
     derive_allowed_hosts,

@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import gguf_writer, hardware, runner, settings
+from mtpwrap import settings
+from mtpwrap.build import tiny_gguf
+from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError
+from mtpwrap.run import service
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -27,11 +30,11 @@ def fork_binary(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return gguf_writer.write_shape_only(tmp_path_factory.mktemp("m") / "qwen3.6-27b.gguf")
+    return tiny_gguf.write_shape_only(tmp_path_factory.mktemp("m") / "qwen3.6-27b.gguf")
 
 
 def resolve(monkeypatch: pytest.MonkeyPatch, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None) -> runner.Launch:
+            free_gib: float | None = None) -> service.Launch:
     snap = hardware.load_snapshot(DATA / "snapshots" / "rtx4090.json")
     if free_gib is not None:
         gpu = dataclasses.replace(snap.gpus[0], memory_free=int(free_gib * 2**30))
@@ -39,7 +42,7 @@ def resolve(monkeypatch: pytest.MonkeyPatch, profile: str, model: Path, binary: 
     monkeypatch.setattr(hardware, "snapshot", lambda *a, **k: snap)
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary)},
                                env={})
-    return runner.resolve_launch(s)
+    return service.resolve_launch(s)
 
 
 def test_plan_on_a_4090_fits_and_argv_carries_the_profile(monkeypatch: pytest.MonkeyPatch,
@@ -75,7 +78,7 @@ def test_unknown_kv_size_plans_nothing_but_still_launches(monkeypatch: pytest.Mo
 
 def test_cpu_profile_defers_the_plan(monkeypatch: pytest.MonkeyPatch, fork_binary: Path,
                                     tmp_path: Path) -> None:
-    tiny = gguf_writer.write_tiny_random(tmp_path / "tiny.gguf", arch="llama", mtp=False)
+    tiny = tiny_gguf.write_tiny_random(tmp_path / "tiny.gguf", arch="llama", mtp=False)
     launch = resolve(monkeypatch, "cpu-demo", tiny, fork_binary)
     assert launch.info["memory_plan"] is None and launch.deferred is not None
     launch.deferred()

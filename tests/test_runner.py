@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap.child import ChildSpec
-from mtpwrap.runner import step_down
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.service import step_down
 from tests.conftest import REPO, cli_env
 
 
@@ -182,7 +182,7 @@ def test_step_down_sequence() -> None:
 def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> None:
     """mtpwrap SIGKILLed: the child dies with it, its orphaned grandchild is killed by the
     next start (it could hold the GPU memory that start needs)."""
-    from mtpwrap import instance
+    from mtpwrap.run import instance
 
     fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
     script = (f"import subprocess, sys, time\n"

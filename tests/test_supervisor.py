@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mtpwrap.child import ChildSpec
-from mtpwrap.supervisor import State, Supervisor, SupervisorConfig
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.supervisor import State, Supervisor, SupervisorConfig
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "fake_llama_server.py"
 

@@ -12,9 +12,9 @@ def server_binary(explicit: str | None) -> Path:
     """--server-bin, `MTPWRAP_LLAMA_SERVER`, or the installed build's llama-server."""
     if explicit and not Path(explicit).expanduser().is_file():
         raise ConfigError(f"--server-bin {explicit}: no such file; pass a llama-server binary.")
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    return Path(build.find_binary("llama-server", explicit))
+    return Path(builder.find_binary("llama-server", explicit))
 
 
 def model_path(explicit: str | None) -> Path:
@@ -22,13 +22,13 @@ def model_path(explicit: str | None) -> Path:
         p = Path(explicit).expanduser()
         if p.is_file():
             return p
-        from mtpwrap import models
+        from mtpwrap.decide import models
 
         return Path(models.resolve_model(explicit))
     env = os.environ.get("MTPWRAP_DEMO_MODEL")
     if env and Path(env).is_file():
         return Path(env)
-    from mtpwrap import models
+    from mtpwrap.decide import models
 
     return Path(models.ensure_demo_model())
 

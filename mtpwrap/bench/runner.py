@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from mtpwrap.bench import stats, tokenclass
-from mtpwrap.child import free_loopback_port as _free_port
 from mtpwrap.errors import ConfigError, RuntimeFailure
+from mtpwrap.run.child import free_loopback_port as _free_port
 
 #: profile spec kind -> llama-server --spec-type (upstream names, FACTS.md §2).
 SPEC_TYPES = {"none": None, "draft": "draft-simple", "ngram": "ngram-simple", "mtp": "draft-mtp"}
@@ -100,7 +100,7 @@ def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int,
     `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
-    from mtpwrap.child import start_server
+    from mtpwrap.run.child import start_server
 
     port = port or _free_port(host)
     argv = server_argv(binary, model, cfg, host=host, port=port, ctx_size=ctx_size,

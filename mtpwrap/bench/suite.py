@@ -95,7 +95,7 @@ def hardware_snapshot() -> dict:
     except Exception:  # psutil missing is not worth failing a benchmark over
         pass
     try:
-        from mtpwrap import hardware
+        from mtpwrap.decide import hardware
 
         snap["nvml"] = hardware.snapshot().to_dict()
     except Exception as exc:  # NVML missing or broken: the rest of the snapshot stands
@@ -117,9 +117,9 @@ def hardware_snapshot() -> dict:
 def build_provenance(binary: Path | None) -> dict:
     prov: dict = {"binary": str(binary) if binary else None}
     try:
-        from mtpwrap import build
+        from mtpwrap.build import builder
 
-        manifest = build.load_manifest()
+        manifest = builder.load_manifest()
         if manifest is not None and (binary is None
                                      or Path(manifest.binary("llama-server")) == Path(binary)):
             prov["manifest"] = manifest.to_dict()
@@ -148,7 +148,7 @@ def profile_provenance(name: str | None) -> dict | None:
     if not name:
         return None
     try:
-        from mtpwrap import profiles
+        from mtpwrap.decide import profiles
 
         return dict(profiles.load_profile(name).to_dict())
     except Exception as exc:

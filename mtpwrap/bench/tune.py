@@ -130,7 +130,7 @@ def override_path(profile: str) -> Path:
 def _base_profile(name: str) -> dict:
     """The profile as a plain mapping of its YAML keys (None values and empty sections left
     out), so that the override reads like a hand-written profile."""
-    from mtpwrap import profiles
+    from mtpwrap.decide import profiles
 
     d = profiles.load_profile(name).to_dict()
     out = {k: v for k, v in d.items()
@@ -139,7 +139,7 @@ def _base_profile(name: str) -> dict:
 
 
 def _validate(data: dict, path: Path, name: str) -> None:
-    from mtpwrap import profiles
+    from mtpwrap.decide import profiles
 
     profiles.validate(data, where=str(path), expected_name=name)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from mtpwrap import capabilities, console, hardware, launch, profiles
+from mtpwrap import console
+from mtpwrap.decide import capabilities, hardware, launch, profiles
 from mtpwrap.errors import ConfigError, MissingToolError
 
 
@@ -19,9 +20,9 @@ def find_server(explicit: Path | None) -> tuple[Path, dict[str, Any] | None]:
         if not (explicit.is_file() and os.access(explicit, os.X_OK)):
             raise ConfigError(f"--binary {explicit}: not an executable file.")
         return explicit, None
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    manifest = build.load_manifest()
+    manifest = builder.load_manifest()
     if manifest is None:
         raise MissingToolError("no built llama-server found.",
                                hint="Run `mtpwrap build`, or pass --binary PATH "
@@ -31,7 +32,7 @@ def find_server(explicit: Path | None) -> tuple[Path, dict[str, Any] | None]:
 
 def resolve_model(name: str) -> tuple[str, str | None]:
     """(path or name, warning). A missing model is a warning here: `args` only shows."""
-    from mtpwrap import models
+    from mtpwrap.decide import models
 
     if name in models.DEMO_ALIASES:
         # resolve_model would fetch the demo model; a preview must not download anything.

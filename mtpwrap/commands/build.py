@@ -82,7 +82,8 @@ def command(
     manifest.json recording the source, commit, options, compiler, binary sha256, --version
     and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
-    from mtpwrap import build, console
+    from mtpwrap import console
+    from mtpwrap.build import builder
     from mtpwrap.errors import BuildError, ConfigError
 
     if sum(map(bool, (configure_only, pack, prebuilt))) > 1:
@@ -92,7 +93,7 @@ def command(
         _configure_only(source_spec, cpu, cuda_arch, cpu_isa, allow_unpinned, as_json)
         return
     if prebuilt:
-        installed = build.install_prebuilt(prebuilt)
+        installed = builder.install_prebuilt(prebuilt)
         if as_json:
             console.print_json(installed.to_dict())
         else:
@@ -101,7 +102,7 @@ def command(
         return
     with _reporter(log_objects) as rep:
         try:
-            manifest, reused, why = build.build(
+            manifest, reused, why = builder.build(
                 source_spec,
                 cpu=cpu,
                 cuda_arch=cuda_arch,
@@ -122,7 +123,7 @@ def command(
     if pack:
         from pathlib import Path
 
-        packed = build.pack_prebuilt(manifest, Path(pack))
+        packed = builder.pack_prebuilt(manifest, Path(pack))
         console.info(f"packed {manifest.variant} into {packed} "
                      f"({packed.stat().st_size / 2**20:.0f} MiB)")
 
@@ -138,7 +139,7 @@ def command(
     console.info(f"smoke test: {smoke.get('status')} — {smoke.get('detail')}")
     for name, info in manifest.binaries.items():
         console.info(f"{name}: {info['path']}")
-    console.info(f"manifest: {build.paths.build_root() / manifest.variant / build.MANIFEST}")
+    console.info(f"manifest: {builder.paths.build_root() / manifest.variant / builder.MANIFEST}")
     console.info(kv_note)
     if reused:
         console.info("nothing changed since the last build; reused it.")
@@ -149,11 +150,12 @@ def command(
 def _configure_only(source_spec: str | None, cpu: bool, cuda_arch: str | None,
                     cpu_isa: str | None, allow_unpinned: bool, as_json: bool) -> None:
     """`--configure-only`: CMake's configure step, then the options it took, one per line."""
-    from mtpwrap import build, console
+    from mtpwrap import console
+    from mtpwrap.build import builder
     from mtpwrap.errors import BuildError
 
     try:
-        result = build.configure_only(source_spec, cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa,
+        result = builder.configure_only(source_spec, cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa,
                                       allow_unpinned=allow_unpinned)
     except BuildError as exc:
         for line in exc.tail:
@@ -248,7 +250,7 @@ def _reporter(objects: bool = False) -> _Reporter:
 
 def _calibrate(variant: str) -> str:
     """Size each KV cache type from what this binary allocates (fork types have no standard)."""
-    from mtpwrap import calibrate
+    from mtpwrap.build import calibrate
     from mtpwrap.errors import MtpwrapError
 
     try:

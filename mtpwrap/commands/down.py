@@ -12,7 +12,8 @@ import click
               help="SIGKILL mtpwrap if it has not stopped within the timeout.")
 def command(timeout: float | None, force: bool) -> None:
     """Send SIGTERM to the running instance and wait until it has exited."""
-    from mtpwrap import console, instance
+    from mtpwrap import console
+    from mtpwrap.run import instance
 
     pid = instance.stop_instance(timeout=timeout, force=force)
     if pid is None:

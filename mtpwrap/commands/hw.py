@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from mtpwrap import console, hardware
+from mtpwrap import console
+from mtpwrap.decide import hardware
 
 
 @click.command("hw")

@@ -13,7 +13,7 @@ def command() -> None:
 @command.command("demo")
 def demo() -> None:
     """Download the demo model (SmolLM2-135M-Instruct Q4_1, 98 MB), verify it, print its path."""
-    from mtpwrap import models
+    from mtpwrap.decide import models
 
     click.echo(str(models.ensure_demo_model()))
 
@@ -22,7 +22,8 @@ def demo() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def list_cmd(as_json: bool) -> None:
     """List the GGUF files in the models directory."""
-    from mtpwrap import console, models, paths
+    from mtpwrap import console, paths
+    from mtpwrap.decide import models
 
     rows = models.list_models()
     if as_json:

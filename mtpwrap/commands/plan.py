@@ -37,7 +37,7 @@ def gpu_memory(name: str) -> tuple[str, int, str]:
 
 def _detect_gpu() -> tuple[str, int, str]:
     """The first GPU's free memory, from the hardware snapshot (NVML)."""
-    from mtpwrap import hardware
+    from mtpwrap.decide import hardware
 
     snap = hardware.snapshot()
     gpus = [g for g in snap.gpus if g.memory_free or g.memory_total]
@@ -62,10 +62,10 @@ def _gpu_for_profile(gpu_name: str | None) -> str:
 
 def _kv_sizes() -> dict[str, Any] | None:
     try:
-        from mtpwrap import build
-        from mtpwrap.calibrate import load_kv_sizes
+        from mtpwrap.build import builder
+        from mtpwrap.build.calibrate import load_kv_sizes
 
-        return load_kv_sizes(build.load_manifest())
+        return load_kv_sizes(builder.load_manifest())
     except (ImportError, MissingToolError, OSError, ValueError):
         return None
 
@@ -75,8 +75,8 @@ def _fmt(n: int) -> str:
 
 
 def _from_profile(name: str, kv_sizes: dict[str, Any] | None) -> dict[str, Any]:
-    from mtpwrap import profiles
-    from mtpwrap.planner import profile_settings
+    from mtpwrap.decide import profiles
+    from mtpwrap.decide.planner import profile_settings
 
     prof = profiles.load_profile(name)
     settings = profile_settings(prof, kv_sizes)
@@ -116,8 +116,13 @@ def command(model: str | None, profile: str | None, gpu: str | None, context: in
             as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
-    from mtpwrap.gguf_facts import read_facts
-    from mtpwrap.planner import PlanConfig, largest_context, plan_with_limits, supported_kv_types
+    from mtpwrap.decide.gguf_facts import read_facts
+    from mtpwrap.decide.planner import (
+        PlanConfig,
+        largest_context,
+        plan_with_limits,
+        supported_kv_types,
+    )
 
     kv_sizes = _kv_sizes()
     base: dict[str, Any] = _from_profile(profile, kv_sizes) if profile else {}
@@ -129,7 +134,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, context: in
          **base, **{k: v for k, v in flags.items() if v is not None}}
     if not s.get("model"):
         raise ConfigError("--model or --profile is required: which GGUF should be planned?")
-    from mtpwrap.models import resolve_model
+    from mtpwrap.decide.models import resolve_model
 
     path = resolve_model(s["model"]) if profile and not model else Path(s["model"])
     facts = read_facts(path)

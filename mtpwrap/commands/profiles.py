@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from mtpwrap import console, profiles
+from mtpwrap import console
+from mtpwrap.decide import profiles
 
 
 @click.group("profiles")

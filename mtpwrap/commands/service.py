@@ -11,7 +11,7 @@ import click
 
 def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
              drain_s: float, drain_grace_s: float, stop_grace_s: float) -> object:
-    from mtpwrap import systemd
+    from mtpwrap.run import systemd
 
     return systemd.UnitOptions(
         exec_start=systemd.default_exec_start(config, profile), user=user, group=user,
@@ -54,7 +54,8 @@ def command() -> None:
 @_common
 def print_(**kw: object) -> None:
     """Print the unit file to stdout."""
-    from mtpwrap import console, systemd
+    from mtpwrap import console
+    from mtpwrap.run import systemd
 
     console.out.print(systemd.render_unit(_options(**kw)), markup=False, end="")  # type: ignore[arg-type]
 
@@ -69,7 +70,8 @@ def print_(**kw: object) -> None:
 @click.option("--no-user", is_flag=True, help="Do not create the system user.")
 def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
     """Write the unit and /etc/mtpwrap/env, create the user, reload systemd."""
-    from mtpwrap import console, systemd
+    from mtpwrap import console
+    from mtpwrap.run import systemd
 
     written = systemd.install(_options(**kw), unit_dir=unit_dir,  # type: ignore[arg-type]
                               etc_dir=etc_dir, create_user=not no_user)
@@ -86,7 +88,8 @@ def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
               envvar="MTPWRAP_UNIT_DIR", show_default=True)
 def uninstall(unit_dir: Path) -> None:
     """Stop and disable the service and remove the unit (config and user stay)."""
-    from mtpwrap import console, systemd
+    from mtpwrap import console
+    from mtpwrap.run import systemd
 
     removed = systemd.uninstall(unit_dir=unit_dir)
     console.info(f"removed {removed}" if removed else "no unit installed")

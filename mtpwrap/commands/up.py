@@ -33,9 +33,10 @@ def command(profile: str | None, model: str | None, host: str | None, port: str 
     0 after a clean stop, 78 for a configuration error, 1 for a runtime failure.
     Settings come from flags, then MTPWRAP_* variables, then the config file.
     """
-    from mtpwrap import runner, settings
+    from mtpwrap import settings
+    from mtpwrap.run import service
 
     cli = {"profile": profile, "model": model, "host": host, "port": port, "binary": binary,
            "api_key_file": api_key_file, "drain_s": drain_s}
     s = settings.load_settings(cli, config=config)
-    sys.exit(runner.run_up(s))
+    sys.exit(service.run_up(s))

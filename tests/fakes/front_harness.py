@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
-from mtpwrap.child import ServerProcess, free_loopback_port
-from mtpwrap.supervisor import State, SupervisorStatus, Upstream
+from mtpwrap.run.child import ServerProcess, free_loopback_port
+from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 
 
 class SupervisorDouble:
@@ -177,7 +177,7 @@ class LlamaChild:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> LlamaChild:
-        from mtpwrap.child import start_server
+        from mtpwrap.run.child import start_server
 
         argv = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
                 "--port", str(self.port), "-c", "4096", "-np", "2", "-t", "2",
@@ -203,7 +203,7 @@ class LlamaChild:
 def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = None,
                 state: State = State.READY, pid: int | None = None):  # noqa: ANN201
     """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
-    from mtpwrap.proxy import Front
+    from mtpwrap.serve.front import Front
 
     sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
     srv = FrontServer(lambda: Front(sup, config, info or {}), free_loopback_port(), sup).start()

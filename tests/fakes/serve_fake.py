@@ -1,4 +1,4 @@
-"""Run mtpwrap's `up` service loop (runner.serve) over the fake llama-server.
+"""Run mtpwrap's `up` service loop (service.serve) over the fake llama-server.
 
 Usage: python -m tests.fakes.serve_fake PORT   (faults from FAKE_LLAMA_FAULTS, settings from
 MTPWRAP_* variables). The profile machinery is bypassed on purpose: this exercises the
@@ -12,8 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from mtpwrap import runner, settings
-from mtpwrap.child import ChildSpec
+from mtpwrap import settings
+from mtpwrap.run import service
+from mtpwrap.run.child import ChildSpec
 
 FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 
@@ -25,11 +26,11 @@ def main() -> int:
         return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port", str(port)],
                          env={"LLAMA_API_KEY": api_key})
 
-    launch = runner.Launch(factory=factory, info={"profile": "fake", "model": "fake.gguf",
+    launch = service.Launch(factory=factory, info={"profile": "fake", "model": "fake.gguf",
                                                   "binary": str(FAKE)})
-    runner._configure_logging("info")
-    sock = runner.bind_public(s.host, s.port)
-    return asyncio.run(runner.serve(s, launch, sock))
+    service._configure_logging("info")
+    sock = service.bind_public(s.host, s.port)
+    return asyncio.run(service.serve(s, launch, sock))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ class SmokeResult:
 
 def smoke_model(work_dir: Path) -> Path:
     """The demo model when it is cached, else a tiny runnable model written into work_dir."""
-    from mtpwrap import gguf_writer, models
+    from mtpwrap.build import tiny_gguf
+    from mtpwrap.decide import models
 
     demo = models.cached_demo_model()
     if demo is not None:
@@ -63,7 +64,7 @@ def smoke_model(work_dir: Path) -> Path:
     # q8_0 matrices: the quantized kernels (where llama.cpp's AMX code runs) get exercised too
     tiny = work_dir / "smoke-tiny-llama-q8_0.gguf"
     if not tiny.is_file():
-        gguf_writer.write_tiny_random(tiny, arch="llama", mtp=False, ftype="q8_0")
+        tiny_gguf.write_tiny_random(tiny, arch="llama", mtp=False, ftype="q8_0")
     return tiny
 
 
@@ -74,7 +75,7 @@ def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
 
 
 async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeResult:
-    from mtpwrap import child
+    from mtpwrap.run import child
 
     key = secrets.token_hex(16)
     port = child.free_loopback_port()

@@ -37,15 +37,16 @@ def llama_source_dir() -> Path:
     if env:
         return Path(env)
     try:
-        from mtpwrap import build
+        from mtpwrap.build import builder
 
-        manifest = build.load_manifest()
+        manifest = builder.load_manifest()
         src = manifest.source.get("path") if manifest is not None else None
         if src and Path(str(src), "models").is_dir():
             return Path(str(src))
     except Exception:  # noqa: BLE001 - a broken manifest means "fall back", not "fail"
         pass
-    from mtpwrap import paths, source
+    from mtpwrap import paths
+    from mtpwrap.build import source
 
     for tree in sorted(paths.sources_dir().glob("*/vendor/llama.cpp")):
         if (tree / "models").is_dir():
@@ -66,7 +67,7 @@ _SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7:
 
 def read_tokenizer_kv(vocab_file: Path) -> list[tuple[str, Any, int, int | None]]:
     """Every `tokenizer.*` key of a GGUF with full arrays: (key, value, value type, item type)."""
-    from mtpwrap.gguf_facts import _Header
+    from mtpwrap.decide.gguf_facts import _Header
 
     data = Path(vocab_file).read_bytes()
     h = _Header(memoryview(data), Path(vocab_file))

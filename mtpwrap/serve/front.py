@@ -50,9 +50,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from mtpwrap import ops
-from mtpwrap.metrics import CONTENT_TYPE, FrontMetrics
-from mtpwrap.proxy_policy import (
+from mtpwrap.run.supervisor import SupervisorPort, state_name
+from mtpwrap.serve import ops
+from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
+from mtpwrap.serve.policy import (
     BadBody,
     ProxyConfig,
     check_fields,
@@ -64,8 +65,7 @@ from mtpwrap.proxy_policy import (
     parse_json_body,
     presented_key,
 )
-from mtpwrap.proxy_policy import Route as Verdict
-from mtpwrap.supervisor import SupervisorPort, state_name
+from mtpwrap.serve.policy import Route as Verdict
 
 __all__ = ["Front", "ProxyConfig"]
 
@@ -211,7 +211,7 @@ class Front:
 
     def server_config(self, **kwargs: Any) -> Any:
         """The uvicorn configuration that serves this front, with its connection limits."""
-        from mtpwrap.http_server import ConnectionLimits, uvicorn_config
+        from mtpwrap.serve.http_server import ConnectionLimits, uvicorn_config
 
         cfg = self.config
         limits = ConnectionLimits(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtpwrap.child import (
+from mtpwrap.run.child import (
     ChildProcess,
     ChildSpec,
     close_file_logger,

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.errors import ConfigError
-from mtpwrap.gguf_facts import ModelFacts
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
+from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
 from mtpwrap.errors import ConfigError
-from mtpwrap.hardware import GpuInfo, HardwareSnapshot
 
 SPEC_KINDS = ("mtp", "draft", "ngram", "none")
 FLASH_ATTN = ("on", "off", "auto")
@@ -422,7 +422,7 @@ def load_file(path: Path) -> Profile:
 
 
 def shipped_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent
     return [here / "profiles", paths.repo_root() / "profiles"]
 
 

@@ -169,14 +169,14 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
 def kv_type_sizes(binary: Path, model: Path | None = None,
                   types: list[str] | None = None) -> dict[str, dict[str, int]]:
     """{type: {"block": 256, "bytes": B}} for each cache type the binary accepts."""
-    from mtpwrap import gguf_writer
-    from mtpwrap.gguf_facts import read_facts
+    from mtpwrap.build import tiny_gguf
+    from mtpwrap.decide.gguf_facts import read_facts
 
     fit_bin = fit_params_binary(binary)
     types = types or accepted_cache_types(binary)
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         if model is None:
-            model = gguf_writer.write_tiny_random(Path(tmp) / "cal.gguf", arch="llama")
+            model = tiny_gguf.write_tiny_random(Path(tmp) / "cal.gguf", arch="llama")
         facts = read_facts(model)
         nk, _ = facts.kv_row_values(facts.kv_layers[0])
         sizes: dict[str, dict[str, int]] = {}
@@ -190,12 +190,12 @@ def kv_type_sizes(binary: Path, model: Path | None = None,
 
 def store_in_manifest(sizes: dict[str, dict[str, int]], variant: str | None = None) -> bool:
     """Save sizes under `kv_type_sizes` in the build manifest; False when there is no build."""
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    manifest = build.load_manifest(variant)
+    manifest = builder.load_manifest(variant)
     if manifest is None:
         return False
-    build.update_manifest(manifest, kv_type_sizes=sizes)
+    builder.update_manifest(manifest, kv_type_sizes=sizes)
     return True
 
 
@@ -247,7 +247,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
-    from mtpwrap.child import running_server
+    from mtpwrap.run.child import running_server
 
     cmd = [str(server_bin), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--fit", "off", "--no-warmup", "-t", "2", "-lv", "4",
@@ -267,14 +267,14 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
 
 def calibrate_build(variant: str | None = None, force: bool = False) -> dict[str, dict[str, int]]:
     """Measure the installed build's cache types once and keep them in its manifest."""
-    from mtpwrap import build
+    from mtpwrap.build import builder
 
-    manifest = build.load_manifest(variant)
+    manifest = builder.load_manifest(variant)
     if manifest is None:
         raise MissingToolError("no built llama-server to calibrate.", hint="Run `mtpwrap build`.")
     cached = load_kv_sizes(manifest)
     if cached and not force:
         return cached
     sizes = kv_type_sizes(manifest.binary("llama-server"))
-    build.update_manifest(manifest, kv_type_sizes=sizes)
+    builder.update_manifest(manifest, kv_type_sizes=sizes)
     return sizes

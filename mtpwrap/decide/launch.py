@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap.capabilities import Capabilities
+from mtpwrap.decide.capabilities import Capabilities
+from mtpwrap.decide.hardware import HardwareSnapshot
+from mtpwrap.decide.profiles import KvTypes, Profile
 from mtpwrap.errors import ConfigError
-from mtpwrap.hardware import HardwareSnapshot
-from mtpwrap.profiles import KvTypes, Profile
 
 #: logical option → spellings in order of preference (the recipe's spellings first).
 SPELLINGS: dict[str, tuple[str, ...]] = {

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import instance, paths
-from mtpwrap.child import ChildSpec
+from mtpwrap import paths
 from mtpwrap.errors import ConfigError
+from mtpwrap.run import instance
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
+from mtpwrap.run.systemd import Notifier
 from mtpwrap.settings import SUPERVISOR, Settings, convert
-from mtpwrap.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
-from mtpwrap.systemd import Notifier
 
 log = logging.getLogger("mtpwrap.runner")
 
@@ -53,15 +54,16 @@ class Launch:
 
 def resolve_launch(settings: Settings) -> Launch:
     """The one place that asks hardware, profiles, the planner and the launch builder."""
-    from mtpwrap import build, models
+    from mtpwrap.build import builder
+    from mtpwrap.decide import models
 
-    binary = build.find_binary(explicit=settings.binary)
-    manifest = build.load_manifest()
+    binary = builder.find_binary(explicit=settings.binary)
+    manifest = builder.load_manifest()
     built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
     if built != str(binary):
         manifest = None  # another binary (--binary, MTPWRAP_LLAMA_SERVER): its own facts count
     commit = manifest.commit if manifest is not None else None
-    from mtpwrap import capabilities, hardware, launch, profiles
+    from mtpwrap.decide import capabilities, hardware, launch, profiles
 
     snap = hardware.snapshot()
     if settings.profile == "auto":
@@ -124,7 +126,7 @@ def resolve_launch(settings: Settings) -> Launch:
 
 def _kv_sizes(manifest: Any) -> dict[str, Any] | None:
     """KV type sizes measured from the built binary (fork types such as tbq4_0 included)."""
-    from mtpwrap.calibrate import load_kv_sizes
+    from mtpwrap.build.calibrate import load_kv_sizes
 
     return load_kv_sizes(manifest)
 
@@ -134,7 +136,7 @@ def _memory_plan(prof: Any, model: Path, snap: Any, chosen: dict[str, str | None
     """The memory plan for this profile, model and GPU, with the KV types the launch chose;
     (None, why not) when it cannot be made. A plan that does not fit is a ConfigError with
     the numbers (nothing starts)."""
-    from mtpwrap import gguf_facts, planner
+    from mtpwrap.decide import gguf_facts, planner
 
     gpus = list(getattr(snap, "gpus", None) or [])
     on_gpu = bool(gpus) and prof.hardware.requires_gpu
@@ -284,7 +286,7 @@ def public_url(host: str, port: int) -> str:
 def proxy_config(settings: Settings, launch: Launch) -> Any:
     """The front's configuration, checked before anything starts. ProxyConfig lives in a
     light module (no ASGI imports), so checking it early costs nothing."""
-    from mtpwrap.proxy_policy import ProxyConfig
+    from mtpwrap.serve.policy import ProxyConfig
 
     for where, section in ((f"profile {launch.info.get('profile')}", launch.proxy),
                            (settings.proxy_source, settings.proxy)):
@@ -299,7 +301,7 @@ def proxy_config(settings: Settings, launch: Launch) -> Any:
 
 
 def make_front(supervisor: Supervisor, launch: Launch, config: Any) -> Any:
-    from mtpwrap.proxy import Front
+    from mtpwrap.serve.front import Front
 
     return Front(supervisor, config, launch.info)
 

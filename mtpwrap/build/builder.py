@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import hashing, paths, source, toolchain
+from mtpwrap import hashing, paths
+from mtpwrap.build import source, toolchain
 from mtpwrap.errors import BuildError, ConfigError, MissingToolError
 
 TARGETS = ("llama-server", "llama-fit-params")
@@ -179,7 +180,7 @@ def present_gpu_archs(snap: Any | None = None) -> list[str]:
     """The compute capabilities of the GPUs NVML sees ("89", "90"), each once; [] when none."""
     if snap is None:
         try:
-            from mtpwrap import hardware
+            from mtpwrap.decide import hardware
 
             snap = hardware.snapshot()
         except Exception:  # noqa: BLE001 - no driver is a normal answer here
@@ -397,7 +398,7 @@ def _version_output(binary: Path) -> str:
 
 
 def _capabilities(binary: Path) -> dict[str, Any] | None:
-    from mtpwrap import capabilities
+    from mtpwrap.decide import capabilities
 
     try:
         return capabilities.probe(binary).to_dict()
@@ -441,7 +442,7 @@ def _attempt_summary(m: Manifest) -> dict[str, Any]:
 
 def _smoke_test(server: Path, variant: str, work_dir: Path,
                 archs: list[str] | None = None) -> dict[str, Any]:
-    from mtpwrap import smoke
+    from mtpwrap.build import smoke
 
     gpu = variant.startswith("cuda")
     present = present_gpu_archs() if gpu else []
@@ -919,7 +920,7 @@ def uncovered_gpus(manifest: Manifest, snap: Any | None = None) -> list[tuple[st
         return []
     if snap is None:
         try:
-            from mtpwrap import hardware
+            from mtpwrap.decide import hardware
 
             snap = hardware.snapshot()
         except Exception:  # noqa: BLE001 - no driver: nothing to compare against

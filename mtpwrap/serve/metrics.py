@@ -28,13 +28,13 @@ STATES = ("starting", "ready", "draining", "stopping", "backoff", "failed", "sto
 
 
 def gpu_samples() -> list[dict[str, Any]]:
-    """GPU readings through `mtpwrap.hardware.gpu_metrics()`, or [] when that is unavailable.
+    """GPU readings through `mtpwrap.decide.hardware.gpu_metrics()`, or [] when that is unavailable.
 
     The hardware module owns NVML; this is the one place the front calls it, guarded so that a
     missing function, no driver or no GPU never breaks a scrape. Each reading becomes a dict.
     """
     try:
-        from mtpwrap import hardware  # noqa: PLC0415 - optional, and only hardware imports NVML
+        from mtpwrap.decide import hardware
 
         fn = getattr(hardware, "gpu_metrics", None)
         if fn is None:

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.metrics import gpu_samples
-from mtpwrap.supervisor import state_name
+from mtpwrap.run.supervisor import state_name
+from mtpwrap.serve.metrics import gpu_samples
 
 if TYPE_CHECKING:
-    from mtpwrap.proxy import Front
+    from mtpwrap.serve.front import Front
 
 
 async def livez(_request: Request) -> Response:

@@ -1,0 +1,1 @@
+"""Build: the llama.cpp source, the toolchain, the CMake build, its smoke test and calibration."""

@@ -1,0 +1,1 @@
+"""Serve: the HTTP front, its request policy, ops endpoints, metrics and fleet configuration."""
