@@ -23,14 +23,33 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from mtpwrap.bench.runner import BenchConfig, server_argv  # noqa: E402
+from mtpwrap.bench.runner import BenchConfig, cell_launch  # noqa: E402
+from mtpwrap.decide import launch, profiles  # noqa: E402
+from mtpwrap.decide.capabilities import Capabilities, probe  # noqa: E402
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 CONTEXTS = (1024, 8192, 32768)
 MTP_DEPTH = 3
 #: GPU offload. The default micro-batch is kept: the recipe's `-ub 32` saves memory at 262K
 #: but makes prefill crawl, and this check measures prefill speed.
-GPU_EXTRA = ["-ngl", "99", "--no-repack"]
+GPU_EXTRA = ["--no-repack"]
+#: the profile every cell derives from (all layers on the GPU)
+BASE_PROFILE = "h200-262k"
+#: without a binary (--dry-run on a machine that has none): the pinned source's recorded --help
+RECORDED_HELP = REPO / "tests" / "data" / "help" / "upstream-0c1e570.txt"
+
+
+def server_caps(server_bin: Path) -> Capabilities:
+    """The binary's own --help; the recorded one of the pinned source when it cannot answer
+    here (a dry run, or a CUDA build on a machine without the GPU's libraries)."""
+    from mtpwrap.errors import MtpwrapError
+
+    if server_bin.is_file():
+        try:
+            return probe(server_bin)
+        except MtpwrapError:
+            pass
+    return Capabilities.from_help(RECORDED_HELP.read_text(), binary=str(server_bin))
 
 
 def configs() -> list[BenchConfig]:
@@ -44,10 +63,15 @@ def command_lines(server_bin: Path, model: Path, contexts: tuple[int, ...] = CON
                   n_predict: int = 64) -> list[dict]:
     """The llama-server command line of every cell (ports are chosen at launch)."""
     ctx_size = launch_context(contexts, n_predict)
-    return [{"config": c.to_dict(),
-             "argv": server_argv(server_bin, model, c, host="127.0.0.1", port=0,
-                                 ctx_size=ctx_size, extra=GPU_EXTRA)}
-            for c in configs()]
+    caps = server_caps(server_bin)
+    base = profiles.load_profile(BASE_PROFILE)
+    out = []
+    for c in configs():
+        cfg, _ = cell_launch(c, binary=server_bin, model=model, ctx_size=ctx_size,
+                             profile=base, caps=caps)
+        argv = launch.render(cfg, caps, binary=server_bin, port=0, extra=GPU_EXTRA).argv
+        out.append({"config": c.to_dict(), "argv": argv})
+    return out
 
 
 _BUF = re.compile(r"(\w+)\s*:\s*(\S+) (model|KV|RS|compute) buffer size =\s*([\d.]+) MiB")
@@ -74,14 +98,21 @@ def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[d
     """`mtpwrap plan --json` for every cell and context: the prediction to set beside what
     CUDA allocated (the `allocations` of the same cell)."""
     out = []
+    env = dict(os.environ)
+    if not Path(env.get("MTPWRAP_BINARY", "")).is_file():
+        env.pop("MTPWRAP_BINARY", None)  # a dry run without a binary: the built one, if any
     for cfg in configs():
         for ctx in contexts:
-            cmd = [sys.executable, "-m", "mtpwrap", "plan", "-m", str(model), "--gpu", gpu,
-                   "-c", str(ctx), "--kv", cfg.kv, "--spec", cfg.spec, "--depth",
-                   str(cfg.depth), "--json"]
+            # the cell's own profile: what it launches with is what is planned
+            cmd = [sys.executable, "-m", "mtpwrap", "plan", "--profile", BASE_PROFILE,
+                   "-m", str(model), "--gpu", gpu, "-c", str(ctx), "--kv", str(cfg.kv),
+                   "--spec", cfg.spec, "--json"]
+            if cfg.spec != "none":
+                cmd += ["--depth", str(cfg.depth)]
             rec: dict = {"config": cfg.name, "context": ctx}
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
+                                   env=env)
             except subprocess.TimeoutExpired:
                 rec["error"] = "timed out"
                 out.append(rec)
@@ -157,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = suite.Plan(configs=configs(), contexts=list(contexts), langs=["en"], n_predict=64,
                       concurrency=[1], quality_tokens=16, binary=args.server_bin, model=model,
-                      server_extra=GPU_EXTRA, launch_timeout=600.0)
+                      server_extra=GPU_EXTRA, launch_timeout=600.0, profile=BASE_PROFILE)
     speed_dir = args.work / "speed"
     try:
         res = suite.run(plan, speed_dir)

@@ -9,7 +9,7 @@
 #
 # usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
 #   --dry-run            CPU-side parts only: folder, model file, command lines; no build, no GPU
-#   MTPWRAP_LLAMA_SERVER a llama-server to use instead of building
+#   MTPWRAP_BINARY a llama-server to use instead of building
 #   GPU_CHECK_PREBUILT   a carried build (`mtpwrap build --cuda-arch 90 --pack FILE`) to install
 #                        instead of building; default: the newest .prebuilt/*.tar.xz. Refused (and
 #                        built instead) when its manifest is not of the source pin or lacks the
@@ -61,7 +61,7 @@ if (( ! dry_run )); then
         >>"$log" 2>&1 || { say "no NVIDIA GPU visible (nvidia-smi failed)"; exit 69; }
 fi
 
-server="${MTPWRAP_LLAMA_SERVER:-}"
+server="${MTPWRAP_BINARY:-}"
 prebuilt="${GPU_CHECK_PREBUILT:-$(ls -t "$repo"/.prebuilt/*.tar.xz 2>/dev/null | head -n 1 || true)}"
 if [[ -z "$server" && -n "$prebuilt" ]]; then
     say "installing the carried build $prebuilt (checked against the source pin and this GPU)"

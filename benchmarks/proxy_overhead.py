@@ -19,7 +19,7 @@ asyncio httpx client in this process.
 
     python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N] [--json OUT]
 
-The llama-server binary and model come from MTPWRAP_LLAMA_SERVER / MTPWRAP_DEMO_MODEL, else from
+The llama-server binary and model come from MTPWRAP_BINARY / MTPWRAP_DEMO_MODEL, else from
 mtpwrap's build and models modules.
 """
 
@@ -403,7 +403,7 @@ def start_paths(upstream_port: int, concurrency: int, work: Path, procs: list) -
 
 
 def llama_paths() -> tuple[Path, Path]:
-    binary = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    binary = os.environ.get("MTPWRAP_BINARY")
     model = os.environ.get("MTPWRAP_DEMO_MODEL")
     if not binary:
         from mtpwrap.build import builder

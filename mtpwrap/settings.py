@@ -45,6 +45,8 @@ TOP: dict[str, Key] = {
     "host": Key("str", "127.0.0.1"),
     "port": Key("int", 8080, _port, "an integer 1..65535"),
     "binary": Key("str", None),
+    # a recorded hardware snapshot (`mtpwrap hw --record`) instead of this machine's NVML
+    "hw_replay": Key("str", None),
     "api_key_file": Key("str", None),
     "drain_s": Key("float", 30.0, _nonneg, "a number of seconds >= 0"),
     # before draining: /readyz says 503 while requests are still taken, so a load balancer's
@@ -83,6 +85,7 @@ class Settings:
     host: str
     port: int
     binary: str | None
+    hw_replay: str | None
     api_key_file: str | None
     drain_s: float
     drain_grace_s: float
@@ -255,7 +258,8 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
     return Settings(
         profile=values["profile"], model=values["model"], host=values["host"],
-        port=values["port"], binary=values["binary"], api_key_file=keys_file,
+        port=values["port"], binary=values["binary"], hw_replay=values["hw_replay"],
+        api_key_file=keys_file,
         drain_s=values["drain_s"], drain_grace_s=values["drain_grace_s"],
         ready_timeout_s=values["ready_timeout_s"],
         log_level=values["log_level"], supervisor=supervisor, proxy=proxy,

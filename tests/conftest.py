@@ -34,8 +34,8 @@ def cpu_manifest() -> dict:
 
 @pytest.fixture(scope="session")
 def llama_server_bin(request: pytest.FixtureRequest) -> Path:
-    # MTPWRAP_LLAMA_SERVER points the tests at another build (a CUDA one, say).
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    # MTPWRAP_BINARY points the tests at another build (a CUDA one, say).
+    env = os.environ.get("MTPWRAP_BINARY")
     if env:
         return Path(env)
     manifest = request.getfixturevalue("cpu_manifest")
@@ -44,7 +44,7 @@ def llama_server_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def fit_params_bin(request: pytest.FixtureRequest) -> Path:
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    env = os.environ.get("MTPWRAP_BINARY")
     if env:
         return Path(env).with_name("llama-fit-params")
     manifest = request.getfixturevalue("cpu_manifest")

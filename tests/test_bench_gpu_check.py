@@ -32,7 +32,7 @@ def test_command_lines_cover_kv_types_and_mtp() -> None:
     for name, argv in by.items():
         joined = " ".join(argv)
         assert argv[0] == "/opt/llama-server" and "-m /m/27b.gguf" in joined
-        assert "-ngl 99" in joined and "--metrics" in joined and "-fa on" in joined
+        assert "-ngl 99" in joined and "--metrics" in joined and "--flash-attn on" in joined
         kv = name.rsplit("-", 1)[-1]
         assert f"-ctk {kv} -ctv {kv}" in joined
         # Context covers the longest prompt plus generation, rounded to 256.
@@ -71,7 +71,7 @@ def test_summary_puts_prediction_beside_allocation() -> None:
 def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server", GPU_CHECK_CONTEXTS="32768",
+               MTPWRAP_BINARY="/opt/llama-server", GPU_CHECK_CONTEXTS="32768",
                GPU_CHECK_PLAN_GPU="rtx4090")
     env.pop("OUT", None)
     p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
@@ -96,7 +96,7 @@ def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
 
 def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server", OUT=str(tmp_path / "from-env"),
+               MTPWRAP_BINARY="/opt/llama-server", OUT=str(tmp_path / "from-env"),
                GPU_CHECK_CONTEXTS="1024", GPU_CHECK_PLAN_GPU="rtx4090")
     subprocess.run([str(SCRIPT), "--dry-run"], capture_output=True, text=True, env=env,
                    timeout=300)
@@ -120,7 +120,7 @@ def test_dry_run_from_a_bare_python_with_the_wheelhouse(tmp_path: Path, repo_roo
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OUT")}
     env.update(PYTHON=str(py), GPU_CHECK_WHEELHOUSE=str(wheels),
                GPU_CHECK_SITE=str(tmp_path / "site"), GPU_CHECK_WORK=str(tmp_path / "work"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server", GPU_CHECK_CONTEXTS="1024",
+               MTPWRAP_BINARY="/opt/llama-server", GPU_CHECK_CONTEXTS="1024",
                GPU_CHECK_PLAN_GPU="rtx4090")
     p = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True,
                        env=env, timeout=600)
@@ -138,7 +138,7 @@ def test_a_bare_python_without_wheelhouse_is_told_what_to_do(tmp_path: Path) -> 
                    timeout=300)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "OUT")}
     env.update(PYTHON=str(bare / "bin" / "python"), GPU_CHECK_WHEELHOUSE=str(tmp_path / "none"),
-               MTPWRAP_LLAMA_SERVER="/opt/llama-server")
+               MTPWRAP_BINARY="/opt/llama-server")
     p = subprocess.run([str(SCRIPT), "--dry-run", str(tmp_path / "r")], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 69
@@ -156,7 +156,7 @@ def test_a_carried_prebuilt_is_used_only_when_it_is_of_the_pin(tmp_path: Path,
     made = _packable(tmp_path, identity=None if pinned else "offline:an-older-release")
     archive = builder.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
     out = tmp_path / "results"
-    env = {k: v for k, v in os.environ.items() if k not in ("MTPWRAP_LLAMA_SERVER", "OUT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MTPWRAP_BINARY", "OUT")}
     env.update(PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
                GPU_CHECK_PREBUILT=str(archive), MTPWRAP_BUILD_DIR=str(tmp_path / "build"),
                GPU_CHECK_CONTEXTS="1024", GPU_CHECK_PLAN_GPU="rtx4090")

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def server_bin(request: pytest.FixtureRequest) -> Path:
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    env = os.environ.get("MTPWRAP_BINARY")
     return Path(env) if env else request.getfixturevalue("llama_server_bin")
 
 
@@ -118,7 +118,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: Path) -> None:
     out = tmp_path / "report"
-    env = cli_env(MTPWRAP_LLAMA_SERVER=str(server_bin), MTPWRAP_DEMO_MODEL=str(model))
+    env = cli_env(MTPWRAP_BINARY=str(server_bin), MTPWRAP_DEMO_MODEL=str(model))
     p = run_cli("bench", "--quick", "--contexts", "64,192", "--concurrency", "1,2",
                 "--n-predict", "24", "--out", str(out), env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

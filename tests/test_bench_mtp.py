@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def server_bin(request: pytest.FixtureRequest) -> Path:
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    env = os.environ.get("MTPWRAP_BINARY")
     return Path(env) if env else request.getfixturevalue("llama_server_bin")
 
 

@@ -304,7 +304,7 @@ def test_a_build_without_the_gpus_arch_is_refused_with_the_build_that_has_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(tmp_path))
-    monkeypatch.delenv("MTPWRAP_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv("MTPWRAP_BINARY", raising=False)
     _install(tmp_path, "cuda-sm89", ["89"])
     h100 = hardware.load_snapshot(SNAPSHOTS / "h100.json")
     rtx4090 = hardware.load_snapshot(SNAPSHOTS / "rtx4090.json")

@@ -9,17 +9,16 @@ with the argv built for cpu-demo.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from mtpwrap.decide import hardware, launch, profiles
 from mtpwrap.decide.capabilities import Capabilities
+from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.errors import ConfigError
+from mtpwrap.run.child import running_server
 
 DATA = Path(__file__).parent / "data"
 SNAPSHOT_NAMES = ["rtx4090", "rtx3090", "rtx5090", "h100", "h200", "two-rtx3090", "none"]
@@ -111,9 +110,19 @@ for _p in SHIPPED.values():
 CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAMES]
 
 
-def build(profile: str, caps: str, snap: str | None, **kw: object) -> launch.LaunchSpec:
-    return launch.build_command(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None,
-                                model=MODEL, listen_port=PORT, binary=EXE, **kw)  # type: ignore
+def spec_of(prof: profiles.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
+            model: str | Path = MODEL, port: int | None = None, api_key: str | None = None,
+            extra: list[str] | None = None, draft_model: str | Path | None = None,
+            binary: str | None = None) -> launch.LaunchSpec:
+    """choose() then render(): what `up` does for a profile before any plan."""
+    cfg = launch.choose(prof, caps, snap, model=model, draft_model=draft_model)
+    return launch.render(cfg, caps, binary=binary, port=port, api_key=api_key,
+                         extra=extra or [])
+
+
+def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.LaunchSpec:
+    return spec_of(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None, port=PORT,
+                   binary=EXE, **kw)
 
 
 def test_every_pair_is_pinned() -> None:
@@ -187,7 +196,7 @@ def test_mtp_forces_one_slot_and_quantized_v_forces_flash_attention(tmp_path: Pa
     path = tmp_path / "t.yaml"
     path.write_text(doc)
     prof = profiles.load_file(path)
-    spec = launch.build_command(prof, CAPS["upstream"], SNAPS["rtx4090"], model=MODEL)
+    spec = spec_of(prof, CAPS["upstream"], SNAPS["rtx4090"])
     argv = spec.argv
     assert argv[argv.index("-np") + 1] == "1"
     assert argv[argv.index("--flash-attn") + 1] == "on"
@@ -205,16 +214,14 @@ def test_api_key_goes_to_environment_never_argv() -> None:
     assert shown["env"] == {"LLAMA_API_KEY": "***"} and secret not in str(shown)
 
 
-def test_context_max_uses_the_plan(tmp_path: Path) -> None:
+def test_context_max_without_a_plan_is_the_trained_length(tmp_path: Path) -> None:
     path = tmp_path / "m.yaml"
     path.write_text((profiles.shipped_dirs()[1] / "h200-262k.yaml").read_text()
                     .replace("context: 262144", "context: max"))
     prof = profiles.load_file(path)
-    planned = launch.build_command(prof, CAPS["fork"], SNAPS["h200"], model=MODEL,
-                                   plan=SimpleNamespace(context=180224))
-    assert planned.argv[planned.argv.index("-c") + 1] == "180224"
-    unplanned = launch.build_command(prof, CAPS["fork"], SNAPS["h200"], model=MODEL)
+    unplanned = spec_of(prof, CAPS["fork"], SNAPS["h200"])
     assert unplanned.argv[unplanned.argv.index("-c") + 1] == "0"
+    assert "no memory plan" in next(d.reason for d in unplanned.decisions if d.flag == "-c")
 
 
 def test_missing_flag_names_flag_and_binary() -> None:
@@ -229,7 +236,7 @@ def test_missing_flag_names_flag_and_binary() -> None:
                                  (DATA / "help" / "upstream-0c1e570.version.txt").read_text(),
                                  binary="/srv/old/llama-server")
     with pytest.raises(ConfigError) as info:
-        launch.build_command(SHIPPED["4090-262k"], old, SNAPS["rtx4090"], model=MODEL)
+        spec_of(SHIPPED["4090-262k"], old, SNAPS["rtx4090"])
     msg = str(info.value)
     assert msg.startswith("--spec-type: /srv/old/llama-server (version 0.5.0-dev, commit 0c1e570)")
     assert "does not accept it" in msg
@@ -241,8 +248,7 @@ def test_no_acceptable_kv_type_is_an_error(tmp_path: Path) -> None:
                     .replace("k: [tbq4_0, q4_0]", "k: [tbq4_0, tbq3_0]"))
     with pytest.raises(ConfigError, match=r"-ctk: .* offers none of the profile's K KV types "
                                           r"\(tbq4_0, tbq3_0\)"):
-        launch.build_command(profiles.load_file(path), CAPS["upstream"], SNAPS["rtx4090"],
-                             model=MODEL)
+        spec_of(profiles.load_file(path), CAPS["upstream"], SNAPS["rtx4090"])
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -264,21 +270,6 @@ def test_extra_args_pass_through_when_known() -> None:
 # ---------------------------------------------------------------- real llama-server
 
 
-def _wait_ready(base: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
-    import httpx
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"llama-server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("llama-server did not become ready in time")
-
-
 @pytest.mark.integration
 def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_model: Path,
                                                 free_port: int, tmp_path: Path) -> None:
@@ -289,15 +280,13 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
 
     caps = capabilities.probe(llama_server_bin)
     key = "internal-" + os.urandom(8).hex()
-    spec = launch.build_command(SHIPPED["cpu-demo"], caps, SNAPS["none"], model=demo_model,
-                                listen_port=free_port, api_key=key)
+    spec = spec_of(SHIPPED["cpu-demo"], caps, SNAPS["none"], model=demo_model, port=free_port,
+                   api_key=key)
     assert spec.argv[0] == str(llama_server_bin)
-    log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{free_port}"
-    try:
-        _wait_ready(base, proc, time.monotonic() + 120)
+    with running_server(spec.argv, base_url=base, env=spec.env, log_path=tmp_path / "server.log",
+                        timeout=120) as srv:
+        proc = srv.proc
         # the key is not in the process list
         cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
         assert key not in cmdline
@@ -318,14 +307,6 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
         assert props.get("total_slots") == 2
         metrics = httpx.get(f"{base}/metrics", timeout=10, headers=auth)
         assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
 
 
 # ---------------------------------------------------------------- `mtpwrap args`
@@ -429,8 +410,7 @@ def _profile(tmp_path: Path, name: str, text: str) -> profiles.Profile:
 
 def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
-    spec = launch.build_command(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
-                                draft_model="/models/D.gguf")
+    spec = spec_of(prof, CAPS["upstream"], SNAPS["none"], draft_model="/models/D.gguf")
     argv = spec.argv
     tail = argv[argv.index("--spec-type"):]
     assert tail == ["--spec-type", "draft-simple", "--spec-draft-n-max", "3",
@@ -439,8 +419,9 @@ def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
     ngram = _profile(tmp_path, "ngram-demo", DRAFT_DEMO.replace("kind: draft", "kind: ngram")
                      .replace("  draft_model: demo\n", "").replace(
                          "  draft_kv: {k: [q8_0], v: [q8_0]}\n", ""))
-    argv = launch.build_command(ngram, CAPS["fork"], SNAPS["none"], model=MODEL).argv
-    assert argv[argv.index("--spec-type"):] == ["--spec-type", "ngram-mod",
+    argv = spec_of(ngram, CAPS["fork"], SNAPS["none"]).argv
+    assert argv[argv.index("--spec-type"):] == ["--spec-type", "ngram-simple",
+                                                "--spec-ngram-simple-size-m", "3",
                                                 "--spec-draft-p-min", "0.5", "--metrics",
                                                 "--no-webui"]
 
@@ -455,14 +436,11 @@ def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_
     from mtpwrap.decide import capabilities
 
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
-    spec = launch.build_command(prof, capabilities.probe(llama_server_bin), None,
-                                model=demo_model, draft_model=demo_model, listen_port=free_port)
-    log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    spec = spec_of(prof, capabilities.probe(llama_server_bin), None, model=demo_model,
+                   draft_model=demo_model, port=free_port)
     base = f"http://127.0.0.1:{free_port}"
-    try:
-        _wait_ready(base, proc, time.monotonic() + 120)
+    with running_server(spec.argv, base_url=base, env=spec.env, log_path=tmp_path / "server.log",
+                        timeout=120):
         # short: on a loaded 2-core machine this model can drop below 1 token/s
         r = httpx.post(f"{base}/completion", timeout=300, json={
             "prompt": "Count from one to twenty: one, two, three,", "n_predict": 8,
@@ -471,11 +449,48 @@ def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_
         timings = r.json()["timings"]
         assert timings.get("draft_n", 0) > 0, timings
         assert timings.get("draft_n_accepted", 0) > 0, timings
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+
+
+# ---------------------------------------------------------------- step-down ladder
+
+#: bytes per 256 values, as `mtpwrap build` measures them from the fork (4.125 and 3.125 bits)
+FORK_SIZES = {"tbq4_0": {"block": 256, "bytes": 132}, "tbq3_0": {"block": 256, "bytes": 100}}
+
+
+def _rungs(prof: profiles.Profile, caps: str, sizes: dict[str, Any] | None = None
+           ) -> list[launch.LaunchConfig]:
+    cfg = launch.choose(prof, CAPS[caps], SNAPS["rtx4090"], model=MODEL)
+    return launch.ladder(cfg, CAPS[caps], sizes)
+
+
+def test_step_down_never_picks_a_bigger_kv_type() -> None:
+    """tbq4_0 is 4.125 bits per value and q4_0 4.5: stepping from one to the other costs
+    memory. With the fork's measured sizes the only smaller rung is tbq3_0."""
+    rungs = _rungs(SHIPPED["4090-262k"], "fork", FORK_SIZES)
+    notes = [r.note for r in rungs]
+    assert notes[0] == "step-down 1: draft depth 1"
+    assert notes[1] == "step-down 2: draft depth 1, no speculation"
+    assert rungs[2].cache_k == rungs[2].cache_v == "tbq3_0"
+    assert all(r.cache_k != "q4_0" for r in rungs)
+    assert [r.context for r in rungs[3:]] == [131072, 65536, 32768, 16384, 8192, 4096]
+    for a, b in zip(rungs, rungs[1:], strict=False):  # every rung saves something
+        assert a != b
+    # without measured sizes a fork type cannot be shown to shrink: no KV rung at all
+    unsized = _rungs(SHIPPED["4090-262k"], "fork")
+    assert all(r.cache_k == "tbq4_0" for r in unsized)
+
+
+def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> None:
+    prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
+    cfg = launch.choose(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
+                        draft_model="/models/D.gguf")
+    off = next(r for r in launch.ladder(cfg, CAPS["upstream"]) if r.spec == "none")
+    argv = launch.render(off, CAPS["upstream"], port=PORT).argv
+    for flag in ("--spec-type", "-md", "-ctkd", "-ctvd", "--spec-draft-n-max",
+                 "--spec-draft-p-min"):
+        assert flag not in argv
+    # f16 steps down through q8_0 to q4_0 on upstream (no fork types offered)
+    kv = [r.cache_k for r in launch.ladder(cfg, CAPS["upstream"]) if r.spec == "none"]
+    assert kv == ["f16", "q8_0", "q4_0"]  # context 2048 is below the floor: no halving
+    assert launch.step_down(cfg, 0) is cfg
+    assert launch.step_down(cfg, 99) is None

@@ -38,7 +38,7 @@ HTTP = httpx.Client(timeout=300)
 
 @pytest.fixture(scope="module")
 def server_bin(request) -> Path:
-    env = os.environ.get("MTPWRAP_LLAMA_SERVER")
+    env = os.environ.get("MTPWRAP_BINARY")
     return Path(env) if env else request.getfixturevalue("llama_server_bin")
 
 

@@ -18,8 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap.run.child import ChildSpec
-from mtpwrap.run.service import step_down
 from tests.conftest import REPO, cli_env
 
 
@@ -157,26 +155,6 @@ def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
     assert states["failed"] == 1.0 and states["ready"] == 0.0
     served.proc.send_signal(signal.SIGTERM)
     assert served.proc.wait(20) == 1  # stopped while failed: systemd records a failure
-
-
-def test_step_down_sequence() -> None:
-    spec = ChildSpec(["srv", "-c", "262144", "--spec-type", "mtp", "--spec-draft-n-max", "3",
-                      "-ctk", "tbq4_0", "-ctv", "tbq4_0", "-ctkd", "f16", "-ctvd", "f16"],
-                     env={"K": "v"})
-    one = step_down(spec, 1)
-    assert one is not None and one.argv[1:3] == ["-c", "131072"] and "--spec-type" in one.argv
-    two = step_down(spec, 2)
-    assert two is not None and "--spec-type" not in two.argv and "-ctkd" not in two.argv
-    assert two.argv[1:3] == ["-c", "131072"] and two.env == {"K": "v"}
-    three = step_down(spec, 3)
-    assert three is not None and three.argv[-4:] == ["-ctk", "q4_0", "-ctv", "q4_0"]
-    assert three.note == "step-down 3: context 131072, no speculation, KV q4_0"
-    assert step_down(spec, 4) is None
-    small = ChildSpec(["srv", "-c", "4096", "-ctk", "f16", "-ctv", "f16"])
-    only = step_down(small, 1)
-    assert only is not None and only.note == "step-down 1: KV q4_0"  # inapplicable steps skipped
-    assert step_down(small, 2) is None
-    assert step_down(spec, 0) is spec
 
 
 def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> None:

@@ -10,16 +10,24 @@ import pytest
 import yaml
 
 from mtpwrap.bench import stats, tune
+from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from tests.conftest import cli_env, run_cli
 
 
 def _point(name: str, spec: str, depth: int, p_min: float | None, tps: float,
-           accepted: int = 0, steps: int = 0, drafted: int = 0) -> dict:
+           accepted: int = 0, steps: int = 0, drafted: int = 0,
+           draft_model: str | None = None) -> dict:
     per = [float(steps)] * depth if spec != "none" else []
     c = stats.Counters(drafted=drafted, accepted=accepted, steps=steps, per_pos=per)
-    return {"config": {"name": name, "spec": spec, "depth": depth, "p_min": p_min},
+    return {"config": {"name": name, "spec": spec, "depth": depth, "p_min": p_min,
+                       "kv": None, "draft_model": draft_model},
             "tokens_per_s": tps, "counters": c.to_dict()}
+
+
+def _plan(**kw: object) -> tune.TunePlan:
+    return tune.TunePlan(binary=Path("/x"), model=Path("/m/model.gguf"),
+                         profile=profiles.load_profile("cpu-demo"), **kw)  # type: ignore[arg-type]
 
 
 def test_analyse_fits_cost_and_picks_measured_best() -> None:
@@ -47,7 +55,7 @@ def test_analyse_needs_baseline() -> None:
 
 
 def test_ngram_sweep_ignores_p_min() -> None:
-    plan = tune.TunePlan(binary=Path("/x"), model=Path("/m"), kind="ngram", depths=[4, 8])
+    plan = _plan(kind="ngram", depths=[4, 8])
     names = [c.name for c in plan.configs()]
     assert names == ["baseline", "ngram-k4", "ngram-k8"]
 
@@ -56,24 +64,27 @@ def test_write_override_copies_profile_and_sets_spec(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     pts = [_point("baseline", "none", 3, None, 100.0),
-           _point("draft-k2-p0.5", "draft", 2, 0.5, 150.0, 15, 10, 20)]
-    path = tune.write_override(tune.analyse(pts), "cpu-demo", draft_model="/m/drafter.gguf")
+           _point("draft-k2-p0.5", "draft", 2, 0.5, 150.0, 15, 10, 20, "/m/drafter.gguf")]
+    path = tune.write_override(tune.analyse(pts), _plan())
     assert path == tmp_path / "mtpwrap" / "profiles" / "cpu-demo.yaml"
     data = yaml.safe_load(path.read_text())
     assert data["name"] == "cpu-demo"
     assert data["spec"]["kind"] == "draft" and data["spec"]["depth"] == 2
     assert data["spec"]["p_min"] == 0.5 and data["spec"]["draft_model"] == "/m/drafter.gguf"
     assert "150.0 t/s" in data["description"]
+    # the rest is the profile it was measured on, read back as the same profile
+    assert data["model"] == "/m/model.gguf" and data["slots"] == 2 and data["context"] == 4096
+    assert profiles.validate(data, where="t", expected_name="cpu-demo").spec.depth == 2
 
 
 @pytest.mark.integration
 def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
                                              request: pytest.FixtureRequest) -> None:
-    server = os.environ.get("MTPWRAP_LLAMA_SERVER") or str(
+    server = os.environ.get("MTPWRAP_BINARY") or str(
         request.getfixturevalue("llama_server_bin"))
     model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
     out = tmp_path / "tune"
-    env = cli_env(MTPWRAP_LLAMA_SERVER=server, MTPWRAP_DEMO_MODEL=model,
+    env = cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
                   XDG_CONFIG_HOME=str(tmp_path / "config"))
     # One thread: the self-draft is then bit-exact (acceptance 1.0), see the bench tests.
     p = run_cli("tune", "--depths", "1,3", "--p-min", "0", "--context", "128", "--n-predict",
@@ -98,10 +109,16 @@ def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
     shown = run_cli("profiles", "show", "cpu-demo", env=env)
     assert shown.returncode == 0, shown.stderr
     assert str(override) in shown.stdout or "Tuned by mtpwrap tune" in shown.stdout
+    # `up` runs exactly what was measured: `args` on the override gives the measured argv.
+    measured = best["argv"]
+    port = measured[measured.index("--port") + 1]
+    shown_args = run_cli("args", "--profile", "cpu-demo", "--port", port, "--json", env=env)
+    assert shown_args.returncode == 0, shown_args.stderr
+    assert json.loads(shown_args.stdout)["argv"] == measured
 
 
 def test_tune_rejects_bad_depths(tmp_path: Path) -> None:
-    env = cli_env(MTPWRAP_LLAMA_SERVER="/bin/true", MTPWRAP_DEMO_MODEL=str(tmp_path / "m"))
+    env = cli_env(MTPWRAP_BINARY="/bin/true", MTPWRAP_DEMO_MODEL=str(tmp_path / "m"))
     (tmp_path / "m").write_bytes(b"GGUF")
     p = run_cli("tune", "--depths", "one", env=env)
     assert p.returncode == 78 and "--depths must be comma-separated integers" in p.stderr

@@ -8,13 +8,13 @@ from pathlib import Path
 from mtpwrap.errors import ConfigError
 
 
-def server_binary(explicit: str | None) -> Path:
-    """--server-bin, `MTPWRAP_LLAMA_SERVER`, or the installed build's llama-server."""
-    if explicit and not Path(explicit).expanduser().is_file():
-        raise ConfigError(f"--server-bin {explicit}: no such file; pass a llama-server binary.")
-    from mtpwrap.build import builder
+def server_binary(explicit: str | Path | None) -> Path:
+    """--binary, `MTPWRAP_BINARY`, or the installed build's llama-server."""
+    from mtpwrap.decide.resolve import find_server
 
-    return Path(builder.find_binary("llama-server", explicit))
+    binary, _caps, _manifest = find_server(explicit)
+    assert binary is not None
+    return binary
 
 
 def model_path(explicit: str | None) -> Path:
@@ -54,13 +54,10 @@ def float_list(value: str, what: str) -> list[float]:
 
 
 def model_context(model: Path) -> int | None:
-    """The training context from the GGUF metadata (contexts above it are clipped)."""
-    try:
-        from gguf import GGUFReader
+    """The training context from the GGUF header (contexts above it are clipped)."""
+    from mtpwrap.decide.gguf_facts import read_facts
 
-        fields = GGUFReader(str(model)).fields
-        arch = fields["general.architecture"].contents()
-        f = fields.get(f"{arch}.context_length")
-        return int(f.contents()) if f is not None else None
-    except Exception:
+    try:
+        return read_facts(Path(model)).n_ctx_train or None
+    except ConfigError:
         return None

@@ -1,8 +1,8 @@
 """Drive llama-server over HTTP for the benchmark, or launch one configuration of it.
 
 The bench is a client: every figure comes from a real server's HTTP API (`/completion` streamed
-for timing, `/tokenize`, `/metrics`, `/props`). `launch_config` is the one place that starts a
-server; it builds the argv itself so the same binary runs every cell of the matrix.
+for timing, `/tokenize`, `/metrics`, `/props`). `launch_config` starts one cell of the matrix: the
+benchmark's profile with the cell's overrides, resolved and rendered as `up` would.
 """
 
 from __future__ import annotations
@@ -15,36 +15,44 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.decide.launch import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.run.child import free_loopback_port as _free_port
 
-#: profile spec kind -> llama-server --spec-type (upstream names, FACTS.md §2).
-SPEC_TYPES = {"none": None, "draft": "draft-simple", "ngram": "ngram-simple", "mtp": "draft-mtp"}
-KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+if TYPE_CHECKING:
+    from mtpwrap.decide.capabilities import Capabilities
+    from mtpwrap.decide.launch import LaunchConfig
+    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.run.child import ServerProcess
+
+#: the n-gram lookup length of ngram cells (short: the bench's prompts repeat little)
+NGRAM_LOOKUP = 3
 
 
 @dataclass
 class BenchConfig:
-    """One cell of the matrix: a separate launch of the same binary."""
+    """One cell of the matrix: the knobs the benchmark varies, applied to a profile as overrides
+    (see `cell_profile`), so each cell is a launch `up` could run."""
 
     name: str
     spec: str = "none"  # none | draft | ngram | mtp
     depth: int = 3  # draft tokens per step (ngram: the m-gram length)
     p_min: float | None = None  # minimum draft probability (draft/mtp kinds)
-    kv: str = "f16"  # -ctk/-ctv
+    kv: str | None = "f16"  # -ctk/-ctv; None: the profile's own
     draft_model: str | None = None  # draft kind: the drafter GGUF (default: the model itself)
 
     def __post_init__(self) -> None:
-        if self.spec not in SPEC_TYPES:
+        if self.spec not in SPEC_KINDS:
             raise ConfigError(
                 f"Unknown speculation kind {self.spec!r} in configuration {self.name!r};"
-                f" expected one of {', '.join(SPEC_TYPES)}."
+                f" expected one of {', '.join(SPEC_KINDS)}."
             )
-        if self.kv not in KV_TYPES:
+        if self.kv is not None and self.kv not in KV_TYPES:
             raise ConfigError(
                 f"Unknown KV cache type {self.kv!r} in configuration {self.name!r};"
                 f" expected one of {', '.join(KV_TYPES)}."
@@ -59,60 +67,98 @@ class BenchConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
-
-def server_argv(binary: Path, model: Path, cfg: BenchConfig, *, host: str, port: int,
-                ctx_size: int, parallel: int = 1, threads: int | None = None,
-                extra: list[str] | None = None) -> list[str]:
-    """The llama-server command line for one configuration. Never emits removed flags
-    (`--draft*`), which make current llama-server abort."""
-    argv = [str(binary), "-m", str(model), "--host", host, "--port", str(port),
-            "-c", str(ctx_size), "-np", str(parallel), "--metrics", "--no-warmup",
-            # Verbosity 4 is where llama.cpp logs its buffer sizes (the KV actually allocated).
-            "-lv", "4",
-            "-ctk", cfg.kv, "-ctv", cfg.kv]
-    # A quantized V cache needs flash attention; keep it on for every cell so cells compare.
-    argv += ["-fa", "on"]
-    if threads:
-        argv += ["-t", str(threads)]
-    spec_type = SPEC_TYPES[cfg.spec]
-    if spec_type:
-        argv += ["--spec-type", spec_type]
-        if cfg.spec == "ngram":
-            argv += ["--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m",
-                     str(cfg.depth)]
-        else:
-            argv += ["--spec-draft-n-max", str(cfg.depth)]
-            if cfg.p_min is not None:
-                argv += ["--spec-draft-p-min", f"{cfg.p_min:g}"]
-        if cfg.spec == "draft":
-            argv += ["-md", str(cfg.draft_model or model)]
-    argv += list(extra or [])
-    return argv
+    def overrides(self, model: str | Path) -> dict[str, Any]:
+        """This cell as profile keys."""
+        spec: dict[str, Any] = {"kind": self.spec}
+        if self.spec != "none":
+            spec["depth"] = self.depth
+            if self.p_min is not None and self.spec != "ngram":
+                spec["p_min"] = self.p_min
+            if self.spec == "draft":
+                spec["draft_model"] = str(self.draft_model or model)
+            if self.spec == "ngram":
+                spec["ngram_n"] = NGRAM_LOOKUP
+        out: dict[str, Any] = {"spec": spec}
+        if self.kv is not None:
+            out["kv"] = {"k": [self.kv], "v": [self.kv]}
+        return out
 
 
-def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int,
-                  parallel: int = 1, log_path: Path | None = None, host: str = "127.0.0.1",
-                  port: int | None = None, threads: int | None = None,
+def cell_profile(cfg: BenchConfig, base: Profile, *, model: str | Path,
+                 **keys: Any) -> Profile:
+    """`base` with the cell's knobs and any other profile `keys` (context, slots, threads, ...)
+    replaced; None values leave the profile's own."""
+    from mtpwrap.decide import profiles
+
+    if "model_key" in keys:  # the profile's `model` key itself (a tuned profile records it)
+        keys["model"] = keys.pop("model_key")
+    changes = {**cfg.overrides(model), **{k: v for k, v in keys.items() if v is not None}}
+    return profiles.with_overrides(base, changes, where=f"benchmark configuration {cfg.name!r}")
+
+
+def default_profile() -> Profile:
+    """The profile a benchmark derives its cells from when none is named: the one `up` would
+    choose on this machine."""
+    from mtpwrap.decide import profiles, resolve
+
+    return profiles.select_profile(resolve.load_snapshot(None))[0]
+
+
+def cell_launch(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
+                parallel: int | None = 1, threads: int | None = None,
+                profile: Profile | None = None, caps: Capabilities | None = None,
+                bench: bool = True) -> tuple[LaunchConfig, Capabilities]:
+    """The launch of one cell: resolved like `up` resolves a profile. bench=True adds what the
+    benchmark reads besides the API: flash attention on in every cell (so cells compare), no
+    warm-up, and log verbosity 4 (where llama.cpp logs the KV cache it allocated)."""
+    from mtpwrap.decide import capabilities, resolve
+
+    caps = caps or capabilities.probe(binary)
+    extra: dict[str, Any] = {"flash_attn": "on", "no_warmup": True} if bench else {}
+    prof = cell_profile(cfg, profile or default_profile(), model=model, context=ctx_size,
+                        slots=parallel, threads=threads, **extra)
+    r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
+    cfg_launch = r.launch
+    if bench:
+        cfg_launch = cfg_launch.replace(verbosity=4, why={"verbosity": "the benchmark reads "
+                                                          "the KV allocation from the log"})
+    return cfg_launch, caps
+
+
+def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
+                  parallel: int | None = 1, log_path: Path | None = None,
+                  host: str = "127.0.0.1", port: int | None = None, threads: int | None = None,
                   extra: list[str] | None = None, timeout: float = 300.0,
+                  profile: Profile | None = None, bench: bool = True,
                   ) -> tuple[str, Callable[[], int | None]]:
     """Start llama-server for `cfg`, wait until /health says ok, return (base_url, stop).
 
     `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
-    from mtpwrap.run.child import start_server
-
-    port = port or _free_port(host)
-    argv = server_argv(binary, model, cfg, host=host, port=port, ctx_size=ctx_size,
-                       parallel=parallel, threads=threads, extra=extra)
-    # The build ships its shared libraries next to the binary.
-    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    srv = start_server(argv, base_url=f"http://{host}:{port}", env=env,
-                       log_path=Path(log_path) if log_path else None, timeout=timeout,
-                       what=f"llama-server for configuration {cfg.name!r}")
+    srv = start_cell(cfg, binary=binary, model=model, ctx_size=ctx_size, parallel=parallel,
+                     log_path=log_path, host=host, port=port, threads=threads, extra=extra,
+                     timeout=timeout, profile=profile, bench=bench)
     return srv.base_url, srv.stop
 
 
+def start_cell(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
+               parallel: int | None = 1, log_path: Path | None = None,
+               host: str = "127.0.0.1", port: int | None = None, threads: int | None = None,
+               extra: list[str] | None = None, timeout: float = 300.0,
+               profile: Profile | None = None, bench: bool = True) -> ServerProcess:
+    from mtpwrap.decide import launch
+    from mtpwrap.run.child import start_server
+
+    port = port or _free_port(host)
+    cl, caps = cell_launch(cfg, binary=binary, model=model, ctx_size=ctx_size,
+                           parallel=parallel, threads=threads, profile=profile, bench=bench)
+    spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])
+    # The build ships its shared libraries next to the binary.
+    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return start_server(spec.argv, base_url=f"http://{host}:{port}", env=env,
+                        log_path=Path(log_path) if log_path else None, timeout=timeout,
+                        what=f"llama-server for configuration {cfg.name!r}")
 
 
 # --------------------------------------------------------------------------------------------

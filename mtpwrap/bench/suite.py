@@ -49,7 +49,7 @@ class Plan:
     url: str | None = None  # a running server instead of launching the matrix
     api_key: str | None = None
     threads: int | None = None
-    profile: str | None = None
+    profile: str | None = None  # the profile every cell derives from (default: this machine's)
     server_extra: list[str] = field(default_factory=list)  # e.g. -ngl 99 on a GPU
     launch_timeout: float = 300.0
 
@@ -232,6 +232,13 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
     parallel = max(plan.concurrency + [1])
     # Without a unified KV each slot gets n_ctx / slots, so every slot must fit the longest.
     ctx_size = (need_ctx + 64 + 255) // 256 * 256 * parallel
+    base = None
+    if not plan.url:
+        from mtpwrap.bench.runner import default_profile
+        from mtpwrap.decide import profiles
+
+        # every cell is this profile with the cell's overrides: a launch `up` could run
+        base = profiles.load_profile(plan.profile) if plan.profile else default_profile()
     for cfg in plan.configs:
         log_path = workdir / f"server-{cfg.name}.log"
         stop: Callable[[], int | None]
@@ -243,7 +250,7 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
                                            ctx_size=ctx_size, parallel=parallel,
                                            log_path=log_path, threads=plan.threads,
                                            extra=plan.server_extra,
-                                           timeout=plan.launch_timeout)
+                                           timeout=plan.launch_timeout, profile=base)
         client = Client(base_url, plan.api_key)
         try:
             _run_config(plan, cfg, client, base_url, corp, results, progress)
@@ -317,27 +324,13 @@ def _model_provenance(model: Path | None) -> dict | None:
 
 
 def kv_geometry(model: Path) -> dict | None:
-    """KV heads and head sizes from the GGUF metadata, to turn logged KV MiB into bytes/value."""
+    """KV heads and head sizes from the GGUF header, to turn logged KV MiB into bytes/value."""
+    from mtpwrap.decide.gguf_facts import read_facts
+
     try:
-        from gguf import GGUFReader
-
-        fields = GGUFReader(str(model)).fields
-
-        def get(key: str) -> object:
-            f = fields.get(key)
-            return f.contents() if f is not None else None
-
-        arch = get("general.architecture")
-        n_head = get(f"{arch}.attention.head_count")
-        n_kv = get(f"{arch}.attention.head_count_kv") or n_head
-        emb = get(f"{arch}.embedding_length")
-        if isinstance(n_kv, list):  # per-layer arrays: hybrid models use the attention layers'
-            n_kv = max(n_kv)
-        if isinstance(n_head, list):
-            n_head = max(n_head)
-        assert isinstance(emb, int) and isinstance(n_head, int) and isinstance(n_kv, int)
-        k_len = get(f"{arch}.attention.key_length") or emb // n_head
-        v_len = get(f"{arch}.attention.value_length") or emb // n_head
-        return {"arch": arch, "n_head_kv": n_kv, "key_length": k_len, "value_length": v_len}
-    except Exception:  # a file gguf cannot read: bytes/value is left out, the rest stands
+        facts = read_facts(Path(model))
+    except ConfigError:  # a file the reader cannot read: bytes/value is left out
         return None
+    heads = [facts.n_head_kv[i] for i in facts.kv_layers] or facts.n_head_kv
+    return {"arch": facts.architecture, "n_head_kv": max(heads),
+            "key_length": facts.head_dim_k, "value_length": facts.head_dim_v}

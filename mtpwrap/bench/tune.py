@@ -15,24 +15,29 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mtpwrap import paths
 from mtpwrap.bench import corpora, stats
-from mtpwrap.bench.runner import BenchConfig, Client, launch_config
+from mtpwrap.bench.runner import BenchConfig, Client, cell_profile
 from mtpwrap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mtpwrap.decide.profiles import Profile
 
 
 @dataclass
 class TunePlan:
     binary: Path
     model: Path
+    profile: Profile  #: every setting is this profile with its spec (and kv, threads) replaced
     kind: str = "draft"
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 5])
     p_mins: list[float] = field(default_factory=lambda: [0.0, 0.75])
     context: int = 512
     n_predict: int = 64
     langs: list[str] = field(default_factory=lambda: ["ko", "en"])
-    kv: str = "f16"
+    kv: str | None = None  #: None: the profile's own KV types
     draft_model: Path | None = None
     threads: int | None = None
 
@@ -64,19 +69,41 @@ def _measure(client: Client, prompts: list[list[int]], n_predict: int) -> dict:
             "counters": (after - before).to_dict()}
 
 
+def setting_profile(plan: TunePlan, cfg: BenchConfig) -> Profile:
+    """The profile one setting runs: what `tune --write` saves for the best one, so `up` runs
+    exactly what was measured."""
+    return cell_profile(cfg, plan.profile, model=plan.model, threads=plan.threads,
+                        model_key=str(plan.model))
+
+
 def run(plan: TunePlan, workdir: Path,
         progress: Callable[[str], None] | None = None) -> dict:
+    from mtpwrap.decide import launch
+    from mtpwrap.decide.capabilities import probe
+    from mtpwrap.decide.resolve import resolve
+    from mtpwrap.run.child import free_loopback_port, start_server
+
     workdir.mkdir(parents=True, exist_ok=True)
     corp = [corpora.load(lang) for lang in plan.langs]
-    ctx_size = (plan.context + plan.n_predict + 64 + 255) // 256 * 256
+    caps = probe(plan.binary)
     points: list[dict] = []
     for cfg in plan.configs():
         if progress:
             progress(cfg.name)
-        base_url, stop = launch_config(cfg, binary=plan.binary, model=plan.model,
-                                       ctx_size=ctx_size, log_path=workdir / f"{cfg.name}.log",
-                                       threads=plan.threads)
-        client = Client(base_url)
+        r = resolve(setting_profile(plan, cfg), snapshot=None, caps=caps, model=plan.model,
+                    binary=plan.binary, plan=False)
+        need = plan.context + plan.n_predict + 64
+        if 0 < r.launch.context < need * r.launch.slots:
+            raise ConfigError(f"profile {plan.profile.name}: context {r.launch.context} over "
+                              f"{r.launch.slots} slot(s) is too small for --context "
+                              f"{plan.context} plus {plan.n_predict} tokens; lower --context.")
+        port = free_loopback_port()
+        spec = launch.render(r.launch, caps, binary=plan.binary, port=port)
+        srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}",
+                           log_path=workdir / f"{cfg.name}.log",
+                           what=f"llama-server for setting {cfg.name!r}")
+        client = Client(srv.base_url)
+        stop = srv.stop
         try:
             prompts = [corpora.build_prompt(c, plan.context, client.tokenize).tokens
                        for c in corp]
@@ -85,6 +112,7 @@ def run(plan: TunePlan, workdir: Path,
             client.close()
             stop()
         m["config"] = cfg.to_dict()
+        m["argv"] = spec.argv
         points.append(m)
     return analyse(points)
 
@@ -100,7 +128,8 @@ def analyse(points: list[dict]) -> dict:
         cfg = p["config"]
         row = {"name": cfg["name"], "kind": cfg["spec"], "depth": cfg["depth"],
                "p_min": cfg["p_min"], "tokens_per_s": p["tokens_per_s"],
-               "measured_speedup": (p["tokens_per_s"] or 0.0) / base["tokens_per_s"]}
+               "measured_speedup": (p["tokens_per_s"] or 0.0) / base["tokens_per_s"],
+               "argv": p.get("argv")}
         if cfg["spec"] != "none":
             c = stats.Counters(**p["counters"])
             k = len(c.per_pos) or cfg["depth"]
@@ -127,45 +156,25 @@ def override_path(profile: str) -> Path:
     return paths.user_config_dir() / "profiles" / f"{profile}.yaml"
 
 
-def _base_profile(name: str) -> dict:
-    """The profile as a plain mapping of its YAML keys (None values and empty sections left
-    out), so that the override reads like a hand-written profile."""
-    from mtpwrap.decide import profiles
-
-    d = profiles.load_profile(name).to_dict()
-    out = {k: v for k, v in d.items()
-           if k in profiles.TOP_KEYS and v is not None and v != {} and v != []}
-    return out
-
-
-def _validate(data: dict, path: Path, name: str) -> None:
-    from mtpwrap.decide import profiles
-
-    profiles.validate(data, where=str(path), expected_name=name)
-
-
-def write_override(result: dict, profile: str, *, draft_model: str | None = None) -> Path:
-    """Save the best measured setting as a user profile override: the base profile with its
-    spec keys replaced, validated as a profile before it is written (atomically)."""
+def write_override(result: dict, plan: TunePlan) -> Path:
+    """Save the best measured setting as a user profile override: the very profile it was
+    measured with (validated), written atomically."""
     import yaml
 
+    from mtpwrap.decide import profiles
+
     best = result["best"]
-    data = _base_profile(profile)
-    data["name"] = profile
-    spec: dict = {"kind": best["kind"]}
-    if best["kind"] != "none":
-        spec["depth"] = best["depth"]
-        if best["kind"] != "ngram":
-            spec["p_min"] = best["p_min"] if best["p_min"] is not None else 0.0
-        if best["kind"] == "draft":
-            spec["draft_model"] = draft_model or str(data.get("model", ""))
-    data["spec"] = spec
+    c = best["config"] if "config" in best else next(
+        p["config"] for p in result["raw"] if p["config"]["name"] == best["name"])
+    cfg = BenchConfig(**c)
+    data = profiles.to_yaml(setting_profile(plan, cfg))
     data["description"] = (
         f"Tuned by mtpwrap tune on {result['created']}: {best['name']} measured "
         f"{best['tokens_per_s']:.1f} t/s ({best['measured_speedup']:.2f}x baseline)."
     )
-    path = override_path(profile)
-    _validate(data, path, profile)
+    name = plan.profile.name
+    path = override_path(name)
+    profiles.validate(data, where=str(path), expected_name=name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))

@@ -16,9 +16,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 @click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
               help="Benchmark this running server (base URL) instead of launching a matrix.")
 @click.option("--api-key", envvar="MTPWRAP_API_KEY", default=None, help="Key for --url.")
-@click.option("--model", envvar="MTPWRAP_BENCH_MODEL", default=None,
+@click.option("--model", envvar="MTPWRAP_MODEL", default=None,
               help="GGUF model (default: the demo model).")
-@click.option("--server-bin", envvar="MTPWRAP_BENCH_SERVER_BIN", default=None,
+@click.option("--binary", "binary_opt", envvar="MTPWRAP_BINARY", default=None,
               help="llama-server binary (default: the newest `mtpwrap build`).")
 @click.option("--spec", "specs", multiple=True, envvar="MTPWRAP_BENCH_SPEC",
               type=click.Choice(["draft", "ngram", "mtp"]),
@@ -40,12 +40,13 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               envvar="MTPWRAP_BENCH_THREADS",
               help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
 @click.option("--profile", default=None, envvar="MTPWRAP_PROFILE",
-              help="Profile name recorded in the report's provenance.")
+              help="Profile every configuration derives from (its overrides: speculation, KV, "
+                   "context, threads); default: the one `up` would choose here.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_BENCH_OUT",
               help="Report folder (default ./bench-results/TIMESTAMP).")
 def command(quick: bool, url: str | None, api_key: str | None, model: str | None,
-            server_bin: str | None, specs: tuple[str, ...], depth: int, kv_type: str,
+            binary_opt: str | None, specs: tuple[str, ...], depth: int, kv_type: str,
             contexts: str | None, langs: str, n_predict: int | None, concurrency: str,
             gap_ms: float, threads: int | None, profile: str | None,
             out_dir: Path | None) -> None:
@@ -66,7 +67,7 @@ def command(quick: bool, url: str | None, api_key: str | None, model: str | None
         binary = mpath = None
         cfgs = [BenchConfig("running")]
     else:
-        binary = resolve.server_binary(server_bin)
+        binary = resolve.server_binary(binary_opt)
         mpath = resolve.model_path(model)
         limit = resolve.model_context(mpath)
         npred = n_predict or 64

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from mtpwrap.errors import ConfigError, MissingToolError
+from mtpwrap.errors import ConfigError
 
 MiB = 1024 * 1024
 
@@ -23,81 +23,92 @@ _ALIASES = {"4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090", "h100-80gb"
             "h200-141gb": "h200"}
 
 
-def gpu_memory(name: str) -> tuple[str, int, str]:
-    """(description, bytes usable, backend) for a known GPU name, `auto` or `cpu`."""
+def gpu_snapshot(name: str) -> Any:
+    """A hardware snapshot holding one known GPU with all of its usable memory free."""
+    from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
+
     key = name.lower().replace(" ", "").replace("_", "").replace("geforce", "")
     key = _ALIASES.get(key, key)
-    if key == "auto":
-        return _detect_gpu()
-    if key in KNOWN_GPUS:
-        desc, mib = KNOWN_GPUS[key]
-        return desc, mib * MiB, "cuda"
-    raise ConfigError(f"--gpu {name}: unknown GPU; use one of {', '.join(KNOWN_GPUS)} or auto.")
+    if key not in KNOWN_GPUS:
+        raise ConfigError(f"--gpu {name}: unknown GPU; use one of {', '.join(KNOWN_GPUS)}, "
+                          "auto or cpu.")
+    desc, mib = KNOWN_GPUS[key]
+    gpu = GpuInfo(index=0, name=desc, memory_total=mib * MiB, memory_free=mib * MiB)
+    return HardwareSnapshot(gpus=(gpu,), source=f"--gpu {name}")
 
 
-def _detect_gpu() -> tuple[str, int, str]:
-    """The first GPU's free memory, from the hardware snapshot (NVML)."""
-    from mtpwrap.decide import hardware
-
-    snap = hardware.snapshot()
-    gpus = [g for g in snap.gpus if g.memory_free or g.memory_total]
-    if not gpus:
-        why = f" ({snap.error})" if snap.error else ""
-        raise ConfigError(f"--gpu auto: no NVIDIA GPU found{why}; name one with --gpu "
-                          f"({', '.join(KNOWN_GPUS)}).")
-    g = gpus[0]
-    return g.name or f"GPU {g.index}", int(g.memory_free or g.memory_total or 0), "cuda"
-
-
-def _gpu_for_profile(gpu_name: str | None) -> str:
-    """A KNOWN_GPUS key whose description matches a profile's GPU pattern, else 'auto'."""
+def _gpu_for_profile(prof: Any) -> str:
+    """The known GPU a profile names (its hardware.gpu_name pattern), else "auto"; "cpu" for a
+    profile that needs no GPU."""
     import re
 
-    if gpu_name:
+    if not prof.hardware.requires_gpu:
+        return "cpu"
+    if prof.hardware.gpu_name:
         for key, (desc, _) in KNOWN_GPUS.items():
-            if re.search(gpu_name, desc, re.IGNORECASE):
+            if re.search(prof.hardware.gpu_name, desc, re.IGNORECASE):
                 return key
     return "auto"
-
-
-def _kv_sizes() -> dict[str, Any] | None:
-    try:
-        from mtpwrap.build import builder
-        from mtpwrap.build.calibrate import load_kv_sizes
-
-        return load_kv_sizes(builder.load_manifest())
-    except (ImportError, MissingToolError, OSError, ValueError):
-        return None
 
 
 def _fmt(n: int) -> str:
     return f"{n / MiB:,.0f}"
 
 
-def _from_profile(name: str, kv_sizes: dict[str, Any] | None) -> dict[str, Any]:
-    from mtpwrap.decide import profiles
-    from mtpwrap.decide.planner import profile_settings
-
-    prof = profiles.load_profile(name)
-    settings = profile_settings(prof, kv_sizes)
-    settings["gpu"] = (_gpu_for_profile(prof.hardware.gpu_name)
-                       if prof.hardware.requires_gpu else "cpu")
-    return settings
+def _overrides(model: str | None, context: int | None, kv: str | None, spec: str | None,
+               depth: int | None, kv_draft: str | None, slots: int | None, ubatch: int | None,
+               flash_attn: bool | None, base_spec: dict[str, Any]) -> dict[str, Any]:
+    """The flags as profile keys: `plan` plans a profile with these keys replaced."""
+    out: dict[str, Any] = {}
+    if model:
+        out["model"] = model
+    if context:
+        out["context"] = context
+    if kv:
+        out["kv"] = {"k": [kv], "v": [kv]}
+    if slots:
+        out["slots"] = slots
+    if ubatch:
+        out["ubatch"] = ubatch
+    if flash_attn is not None:
+        out["flash_attn"] = "on" if flash_attn else "off"
+    if spec or depth or kv_draft:
+        same = not spec or spec == base_spec.get("kind")
+        s: dict[str, Any] = dict(base_spec) if same else {"kind": spec}
+        kind = s.get("kind", "none")
+        if kind == "none" and (depth or kv_draft):
+            raise ConfigError("--depth and --kv-draft need speculation: add --spec mtp or "
+                              "--spec draft.")
+        if kind in ("mtp", "draft"):
+            s["depth"] = depth or s.get("depth") or 3
+        if kind == "draft" and not s.get("draft_model"):
+            s["draft_model"] = model or "demo"  # self-draft unless the profile names one
+        if kv_draft:
+            s["draft_kv"] = {"k": [kv_draft], "v": [kv_draft]}
+        out["spec"] = s
+    return out
 
 
 @click.command("plan")
 @click.option("--model", "-m", "model", envvar="MTPWRAP_MODEL",
               help="GGUF model file (only its header is read); default: the profile's model.")
 @click.option("--profile", "-p", "profile", envvar="MTPWRAP_PROFILE",
-              help="Take model, GPU, context, KV and speculation from this profile.")
+              help="Plan this profile (the flags below replace its keys).")
 @click.option("--gpu", default=None, envvar="MTPWRAP_GPU",
-              help=f"GPU to plan for: {', '.join(KNOWN_GPUS)}, auto, or cpu (default: auto).")
+              help=f"GPU to plan for: {', '.join(KNOWN_GPUS)}, auto (this machine, or "
+                   "--hw-replay), or cpu (default: auto).")
+@click.option("--hw-replay", "replay", type=click.Path(exists=True, dir_okay=False,
+                                                       path_type=Path),
+              envvar="MTPWRAP_HW_REPLAY", help="Hardware recording to plan for (--gpu auto).")
+@click.option("--binary", type=click.Path(path_type=Path), envvar="MTPWRAP_BINARY",
+              help="llama-server whose KV and speculation types count (default: the built one, "
+                   "if any).")
 @click.option("--context", "-c", "context", type=int, envvar="MTPWRAP_CONTEXT",
               help="Context length (default: the profile's, else the model's trained context).")
 @click.option("--kv", "kv", default=None, envvar="MTPWRAP_KV",
-              help="KV cache type for K and V (default: f16).")
+              help="KV cache type for K and V (default: the profile's, else f16).")
 @click.option("--spec", type=click.Choice(["mtp", "draft", "ngram", "none"]), default=None,
-              envvar="MTPWRAP_SPEC", help="Speculative decoding kind (default: none).")
+              envvar="MTPWRAP_SPEC", help="Speculative decoding kind (default: the profile's).")
 @click.option("--depth", type=int, default=None, envvar="MTPWRAP_SPEC_DEPTH",
               help="Draft depth (MTP keeps this many recurrent-state snapshots; default 3).")
 @click.option("--kv-draft", default=None, envvar="MTPWRAP_KV_DRAFT",
@@ -107,70 +118,63 @@ def _from_profile(name: str, kv_sizes: dict[str, Any] | None) -> dict[str, Any]:
 @click.option("--ubatch", type=int, default=None, envvar="MTPWRAP_UBATCH",
               help="Micro-batch size (-ub; default 512).")
 @click.option("--flash-attn/--no-flash-attn", default=None, envvar="MTPWRAP_FLASH_ATTN",
-              help="Flash attention (default on).")
+              help="Flash attention (default: the profile's, else auto).")
 @click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON",
               help="Print the plan as JSON.")
-def command(model: str | None, profile: str | None, gpu: str | None, context: int | None,
-            kv: str | None, spec: str | None, depth: int | None, kv_draft: str | None,
-            slots: int | None, ubatch: int | None, flash_attn: bool | None,
-            as_json: bool) -> None:
+def command(model: str | None, profile: str | None, gpu: str | None, replay: Path | None,
+            binary: Path | None, context: int | None, kv: str | None, spec: str | None,
+            depth: int | None, kv_draft: str | None, slots: int | None, ubatch: int | None,
+            flash_attn: bool | None, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
-    from mtpwrap.decide.gguf_facts import read_facts
-    from mtpwrap.decide.planner import (
-        PlanConfig,
-        largest_context,
-        plan_with_limits,
-        supported_kv_types,
-    )
+    from mtpwrap.decide import profiles, resolve
 
-    kv_sizes = _kv_sizes()
-    base: dict[str, Any] = _from_profile(profile, kv_sizes) if profile else {}
-    flags = {"model": model, "gpu": gpu, "context": context, "kv": kv, "spec": spec,
-             "depth": depth, "kv_draft": kv_draft, "slots": slots, "ubatch": ubatch,
-             "flash_attn": flash_attn}
-    s = {**{"gpu": "auto", "kv": "f16", "spec": "none", "depth": 3, "kv_draft": "f16",
-            "slots": 1, "ubatch": 512, "batch": 2048, "flash_attn": True, "ngl": 999},
-         **base, **{k: v for k, v in flags.items() if v is not None}}
-    if not s.get("model"):
+    if not (model or profile):
         raise ConfigError("--model or --profile is required: which GGUF should be planned?")
-    from mtpwrap.decide.models import resolve_model
+    base = profiles.load_profile(profile) if profile else None
+    gpu_name = (gpu or ("auto" if replay or base is None else _gpu_for_profile(base))).lower()
+    snap = (resolve.load_snapshot(replay) if gpu_name in ("auto", "cpu")
+            else gpu_snapshot(gpu_name))
+    if base is None:
+        base = profiles.validate({"name": "plan", "description": "mtpwrap plan --model",
+                                  "model": model, "context": 4096,
+                                  "hardware": {"requires_gpu": gpu_name != "cpu"}},
+                                 where="mtpwrap plan")
+    changes = _overrides(model, context, kv, spec, depth, kv_draft, slots, ubatch, flash_attn,
+                         profiles.to_yaml(base).get("spec", {}))
+    if gpu_name == "cpu":
+        changes["hardware"] = {"requires_gpu": False}
+        changes["gpu_layers"] = 0
+    prof = profiles.with_overrides(base, changes, where="mtpwrap plan flags")
+    inp = resolve.gather(prof, model=model, binary=binary, snapshot=snap, need_binary=False)
+    if base.name == "plan" and not context:
+        # no profile and no --context: the model's own trained length
+        from mtpwrap.decide.gguf_facts import read_facts
 
-    path = resolve_model(s["model"]) if profile and not model else Path(s["model"])
-    facts = read_facts(path)
-    if str(s["gpu"]).lower() == "cpu":
-        desc, device, backend = "CPU (host memory)", None, "cpu"
-    else:
-        desc, device, backend = gpu_memory(str(s["gpu"]))
-    want_max = s.get("context") == "max"
-    n_ctx = facts.n_ctx_train or 4096 if want_max or not s.get("context") else int(s["context"])
-    cfg = PlanConfig(n_ctx=n_ctx, type_k=s["kv"], type_v=s["kv"], n_slots=s["slots"],
-                     kv_unified=True, spec=s["spec"], draft_depth=s["depth"],
-                     type_k_draft=s["kv_draft"], type_v_draft=s["kv_draft"],
-                     ubatch=s["ubatch"], batch=s["batch"], flash_attn=s["flash_attn"],
-                     n_gpu_layers=s["ngl"], backend=backend)
-    if want_max and device is not None:
-        # a profile's `context: max`: the largest context that fits this device
-        from dataclasses import replace
-
-        best = largest_context(facts, cfg, device, kv_sizes)
-        cfg = replace(cfg, n_ctx=best or 256)
-    types = list(kv_sizes) if kv_sizes else supported_kv_types()
-    types = [t for t in types if t not in ("f32", "bf16")]
-    p = plan_with_limits(facts, cfg, device, kv_sizes, kv_types=types)
+        trained = read_facts(Path(inp.model)).n_ctx_train or 4096
+        inp.profile = profiles.with_overrides(prof, {"context": max(256, trained)},
+                                              where="mtpwrap plan")
+    r = resolve.resolve_inputs(inp, plan=True, kv_limits=resolve.limit_types(inp.kv_sizes),
+                               refuse=False)
+    if r.plan is None:
+        raise ConfigError(f"{inp.model}: {r.plan_text}")
+    p = r.plan
+    device = resolve.device_bytes(inp.profile, snap)
+    desc = (snap.gpus[0].name or "GPU 0") if device is not None else "CPU (host memory)"
     if as_json:
         d = p.to_dict()
         d["device"] = desc
+        d["profile"] = inp.profile.name
         console.print_json(d)
         return
-    for w in p.warnings:
+    for w in [*inp.warnings, *r.launch.warnings, *p.warnings]:
         console.warn(w)
-    title = (f"{path.name}: {facts.architecture}"
-             f"{' (generic estimate)' if facts.generic else ''}, context {p.context:,}, "
-             f"KV {cfg.type_k}"
+    cfg = p.config
+    title = (f"{Path(inp.model).name}: {p.architecture}"
+             f"{' (generic estimate)' if p.generic else ''}, context {p.context:,}, KV {cfg.type_k}"
              f"{', MTP depth ' + str(cfg.draft_depth) if cfg.spec == 'mtp' else ''}, {desc}")
-    rows = [[r.name, r.where, _fmt(r.bytes), r.note] for r in p.rows]
-    rows.append(["total on device", "gpu" if backend == "cuda" else "host", _fmt(p.total), ""])
+    rows = [[row.name, row.where, _fmt(row.bytes), row.note] for row in p.rows]
+    rows.append(["total on device", "gpu" if device is not None else "host", _fmt(p.total), ""])
     console.table(title, ["buffer", "where", "MiB", "detail"], rows)
     if device is None:
         console.out.print(f"host memory needed: {_fmt(p.total + p.host_total)} MiB")

@@ -20,36 +20,43 @@ import click
               envvar="MTPWRAP_TUNE_N_PREDICT", show_default=True)
 @click.option("--langs", default="ko,en", envvar="MTPWRAP_TUNE_LANGS", show_default=True,
               help="Corpora of the workload: ko and/or en.")
-@click.option("--kv", "kv_type", default="f16", envvar="MTPWRAP_TUNE_KV", show_default=True)
-@click.option("--model", envvar="MTPWRAP_BENCH_MODEL", default=None)
+@click.option("--kv", "kv_type", default=None, envvar="MTPWRAP_TUNE_KV",
+              help="KV cache type of every setting (default: the profile's).")
+@click.option("--model", envvar="MTPWRAP_MODEL", default=None,
+              help="Model path or name (default: the profile's).")
 @click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
               help="Drafter GGUF for --kind draft (default: the model itself).")
-@click.option("--server-bin", envvar="MTPWRAP_BENCH_SERVER_BIN", default=None)
+@click.option("--binary", envvar="MTPWRAP_BINARY", default=None,
+              help="llama-server to use (default: the one `mtpwrap build` made).")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               envvar="MTPWRAP_BENCH_THREADS", help="llama-server threads (default: its own).")
-@click.option("--profile", default="cpu-demo", envvar="MTPWRAP_PROFILE", show_default=True,
-              help="Profile the override is written for.")
+@click.option("--profile", default="auto", envvar="MTPWRAP_PROFILE", show_default=True,
+              help="Profile whose speculation is tuned (every setting is this profile with its "
+                   "spec replaced); --write saves the best as its override.")
 @click.option("--write", "write_", is_flag=True, envvar="MTPWRAP_TUNE_WRITE",
               help="Save the best setting as a user profile override.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_TUNE_OUT")
 def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, langs: str,
-            kv_type: str,
-            model: str | None, draft_model: str | None, server_bin: str | None,
+            kv_type: str | None,
+            model: str | None, draft_model: str | None, binary: str | None,
             threads: int | None, profile: str, write_: bool, out_dir: Path | None) -> None:
     """Sweep speculation settings on a short workload and recommend the fastest measured one."""
     from mtpwrap import console
     from mtpwrap.bench import resolve, tune
+    from mtpwrap.decide.resolve import gather
     from mtpwrap.errors import ConfigError
 
     lang_list = [g for g in langs.replace(" ", "").split(",") if g]
     if not lang_list or any(g not in ("ko", "en") for g in lang_list):
         raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
 
-    plan = tune.TunePlan(binary=resolve.server_binary(server_bin),
-                         model=resolve.model_path(model), kind=kind,
-                         depths=resolve.int_list(depths, "--depths"),
-                         p_mins=resolve.float_list(p_mins, "--p-min"), context=context,
+    depth_list = resolve.int_list(depths, "--depths")
+    p_min_list = resolve.float_list(p_mins, "--p-min")
+    inp = gather(profile, model=model, binary=binary)
+    assert inp.binary is not None
+    plan = tune.TunePlan(binary=inp.binary, model=Path(inp.model), profile=inp.profile,
+                         kind=kind, depths=depth_list, p_mins=p_min_list, context=context,
                          n_predict=n_predict, kv=kv_type, langs=lang_list,
                          draft_model=Path(draft_model) if draft_model else None,
                          threads=threads)
@@ -75,6 +82,5 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     console.info(f"best measured: {best['name']} {best['tokens_per_s']:.1f} t/s; "
                  f"report {files['md']}")
     if write_:
-        drafter = plan.draft_model or plan.model
-        path = tune.write_override(result, profile, draft_model=str(drafter))
+        path = tune.write_override(result, plan)
         console.info(f"wrote profile override {path}")

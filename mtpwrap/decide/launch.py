@@ -1,4 +1,9 @@
-"""Profile + capabilities (+ memory plan) → the llama-server command line, each choice explained.
+"""The one launch: a typed, frozen `LaunchConfig` chosen from profile + capabilities + hardware,
+and rendered once into llama-server's argv and environment.
+
+This module is the only home of llama-server's flag spellings and of the KV and speculation
+vocabularies. `choose` decides (each choice with its reason), `render` spells, `step_down` makes
+cheaper variants after out-of-memory starts — all on `LaunchConfig`, never on argv strings.
 
 Only flags the built binary lists are emitted; a flag it lacks is a ConfigError naming the flag
 and the binary. Flags llama.cpp has removed (`--draft`, `--draft-n`, `--draft-max`,
@@ -11,54 +16,82 @@ environment variable the binary names for `--api-key` (`LLAMA_API_KEY`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide.capabilities import Capabilities
-from mtpwrap.decide.hardware import HardwareSnapshot
-from mtpwrap.decide.profiles import KvTypes, Profile
 from mtpwrap.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mtpwrap.decide.capabilities import Capabilities
+    from mtpwrap.decide.hardware import HardwareSnapshot
+    from mtpwrap.decide.profiles import KvTypes, Profile
+
+#: KV cache types known to upstream llama.cpp and to the MTP + TurboQuant fork. A profile may
+#: name any of them; `choose` then keeps only what the built binary offers.
+KV_TYPES = (
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+    "tbq3_0", "tbq4_0", "tbqp3_0", "tbqp4_0", "planar3_0", "iso3_0", "planar4_0", "iso4_0",
+)
+FULL_PRECISION_KV = frozenset({"f32", "f16", "bf16"})
+SPEC_KINDS = ("mtp", "draft", "ngram", "none")
+FLASH_ATTN = ("on", "off", "auto")
+#: spec types per speculation kind, in order of preference. ngram-simple first: its lookup
+#: length is set per profile (spec.ngram_n), and it drafts on short prompts where ngram-mod's
+#: 24-token lookup finds nothing.
+SPEC_TYPES: dict[str, tuple[str, ...]] = {
+    "mtp": ("mtp", "draft-mtp"),
+    "draft": ("draft-simple", "draft"),
+    "ngram": ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache"),
+}
 
 #: logical option → spellings in order of preference (the recipe's spellings first).
 SPELLINGS: dict[str, tuple[str, ...]] = {
     "model": ("-m", "--model"),
     "host": ("--host",),
     "port": ("--port",),
-    "ctx": ("-c", "--ctx-size"),
-    "ngl": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
-    "parallel": ("-np", "--parallel"),
+    "context": ("-c", "--ctx-size"),
+    "gpu_layers": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
+    "slots": ("-np", "--parallel"),
     "batch": ("-b", "--batch-size"),
     "ubatch": ("-ub", "--ubatch-size"),
     "threads": ("-t", "--threads"),
-    "ctk": ("-ctk", "--cache-type-k"),
-    "ctv": ("-ctv", "--cache-type-v"),
+    "cache_k": ("-ctk", "--cache-type-k"),
+    "cache_v": ("-ctv", "--cache-type-v"),
     "flash_attn": ("--flash-attn", "-fa"),
     "spec_type": ("--spec-type",),
-    "draft_n_max": ("--spec-draft-n-max",),
-    "draft_p_min": ("--spec-draft-p-min", "--draft-p-min"),
+    "p_min": ("--spec-draft-p-min", "--draft-p-min"),
     "draft_model": ("-md", "--spec-draft-model", "--model-draft"),
-    "ctkd": ("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft"),
-    "ctvd": ("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft"),
+    "draft_k": ("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft"),
+    "draft_v": ("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft"),
     "mlock": ("--mlock",),
     "no_warmup": ("--no-warmup",),
+    "verbosity": ("-lv", "--verbosity", "--log-verbosity"),
     "metrics": ("--metrics",),
     "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
+}
+#: the draft depth's flag and the ngram lookup length's flag, per spec type.
+DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
+    "mtp": ("--spec-draft-n-max",), "draft-mtp": ("--spec-draft-n-max",),
+    "draft-simple": ("--spec-draft-n-max",), "draft": ("--spec-draft-n-max",),
+    "ngram-simple": ("--spec-ngram-simple-size-m",), "ngram-mod": ("--spec-ngram-mod-n-max",),
+    "ngram-map-k": ("--spec-ngram-map-k-size-m",),
+}
+NGRAM_N_FLAGS: dict[str, tuple[str, ...]] = {
+    "ngram-simple": ("--spec-ngram-simple-size-n",), "ngram-map-k": ("--spec-ngram-map-k-size-n",),
 }
 #: flags mtpwrap owns: extra args may not set them (the child must stay on loopback, keyed).
 RESERVED = frozenset({
     "-m", "--model", "--host", "--port", "--api-key", "--api-key-file", "--path",
     "--ssl-key-file", "--ssl-cert-file",
 })
-#: spec types per profile kind, in order of preference.
-SPEC_TYPES: dict[str, tuple[str, ...]] = {
-    "mtp": ("mtp", "draft-mtp"),
-    "draft": ("draft-simple", "draft"),
-    "ngram": ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-cache"),
-}
-FULL_PRECISION_KV = frozenset({"f32", "f16", "bf16"})
+#: KV types a step-down moves through (each taken only when it is smaller per value).
+STEP_KV_TYPES = ("q8_0", "tbq4_0", "q4_0", "tbq3_0")
+#: the smallest context a step-down halves to.
+CONTEXT_FLOOR = 4096
 
 
 @dataclass(frozen=True)
@@ -71,8 +104,57 @@ class Decision:
         return {"flag": self.flag, "value": self.value, "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What llama-server is asked to do, independent of how one binary spells it."""
+
+    profile: str
+    model: str
+    context: int  #: tokens; 0 = the model's trained length
+    cache_k: str
+    cache_v: str
+    slots: int = 1
+    spec: str = "none"  #: kind: mtp | draft | ngram | none
+    spec_type: str | None = None  #: the binary's name for that kind
+    depth: int | None = None
+    p_min: float | None = None
+    ngram_n: int | None = None
+    draft_model: str | None = None
+    draft_k: str | None = None
+    draft_v: str | None = None
+    gpu_layers: int | str | None = None
+    threads: int | None = None
+    batch: int | None = None
+    ubatch: int | None = None
+    flash_attn: str = "auto"
+    mlock: bool = False
+    no_warmup: bool = False
+    verbosity: int | None = None
+    extra_args: tuple[str, ...] = ()
+    #: field name → why it has its value (shown by `mtpwrap args`)
+    why: tuple[tuple[str, str], ...] = ()
+    warnings: tuple[str, ...] = ()
+    note: str | None = None  #: set by step_down
+
+    def reason(self, name: str) -> str:
+        return next((r for k, r in reversed(self.why) if k == name), "")
+
+    def replace(self, why: Mapping[str, str] | None = None, **changes: Any) -> LaunchConfig:
+        """A copy with `changes`, each with its reason in `why`."""
+        return dataclasses.replace(self, **changes, why=self.why + tuple((why or {}).items()))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["why"] = dict(self.why)
+        d["extra_args"] = list(self.extra_args)
+        d["warnings"] = list(self.warnings)
+        return d
+
+
 @dataclass
 class LaunchSpec:
+    """A LaunchConfig rendered for one binary, host and port."""
+
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     decisions: list[Decision] = field(default_factory=list)
@@ -93,187 +175,195 @@ class LaunchSpec:
         }
 
 
-class _Builder:
-    def __init__(self, caps: Capabilities) -> None:
-        self.caps = caps
-        self.args: list[str] = []
-        self.decisions: list[Decision] = []
-        self.warnings: list[str] = []
-
-    def flag(self, logical: str, *, why_needed: str) -> str:
-        spelled = self.caps.first_of(SPELLINGS[logical])
-        if spelled is None:
-            removed = [s for s in SPELLINGS[logical] if self.caps.is_removed(s)]
-            what = "lists it as removed" if removed else "does not accept it"
-            raise ConfigError(
-                f"{SPELLINGS[logical][0]}: {self.caps.describe()} {what}, but {why_needed}.",
-                hint="Build a newer llama-server (`mtpwrap build`) or choose another profile.")
-        return spelled
-
-    def add(self, logical: str, value: Any, reason: str, *, why_needed: str | None = None) -> None:
-        spelled = self.flag(logical, why_needed=why_needed or reason)
-        self.args.append(spelled)
-        text = None if value is None else str(value)
-        if text is not None:
-            self.args.append(text)
-        self.decisions.append(Decision(spelled, text, reason))
-
-    def warn(self, message: str) -> None:
-        self.warnings.append(message)
+# --------------------------------------------------------------------------- choosing
 
 
-def _pick_kv(b: _Builder, logical: str, wanted: Sequence[str], what: str) -> str:
-    flag = b.flag(logical, why_needed=f"the profile sets the {what} KV type")
-    allowed = b.caps.allowed(flag)
+def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapshot | None, *,
+           model: Path | str, draft_model: Path | str | None = None,
+           sized_types: Collection[str] | None = None) -> LaunchConfig:
+    """The launch a profile asks for on this binary (`caps`) and machine.
+
+    Without a binary (`caps` None: planning for a machine that is not this one), each KV list
+    gives its first type with a known size (`sized_types`), and speculation its first spec type.
+    A profile's `context: max` gives 0 here; the memory plan sets it (see `resolve`).
+    """
+    why: dict[str, str] = {}
+    warnings: list[str] = []
+    _check_hardware(profile, snapshot, warnings)
+
+    why["model"] = f"model of profile {profile.name} ({profile.model})"
+    if profile.context == "max":
+        context = 0
+        why["context"] = ("context: max and no memory plan given; 0 = the model's trained "
+                          "length, and llama.cpp's --fit will not shrink it")
+    else:
+        assert isinstance(profile.context, int)
+        context = profile.context
+        why["context"] = "context from the profile"
+
+    ngl = profile.gpu_layers
+    if ngl is not None:
+        why["gpu_layers"] = "GPU layers from the profile"
+        if snapshot is not None and not snapshot.has_gpu and ngl not in (0, "auto"):
+            warnings.append(f"gpu_layers {ngl} but no GPU here ({snapshot.error}); using 0")
+            ngl = 0
+            why["gpu_layers"] = "no GPU: everything stays on the CPU"
+
+    slots = profile.slots
+    why["slots"] = "slots from the profile"
+    if profile.spec.kind == "mtp":
+        if slots != 1:
+            warnings.append(f"profile asks for {slots} slots, but MTP speculation serves one; "
+                            "using 1")
+        slots = 1
+        why["slots"] = "MTP speculation drafts for a single sequence, so one slot"
+    for name, what in (("batch", "logical batch from the profile"),
+                       ("ubatch", "physical batch from the profile; small at long context "
+                                  "keeps the compute buffer small"),
+                       ("threads", "threads from the profile")):
+        if getattr(profile, name) is not None:
+            why[name] = what
+
+    k = _pick_kv(caps, "cache_k", profile.kv.k, "K", sized_types, warnings)
+    v = _pick_kv(caps, "cache_v", profile.kv.v, "V", sized_types, warnings)
+    why["cache_k"] = "K cache type: first of the profile's list this binary offers"
+    why["cache_v"] = "V cache type: first of the profile's list this binary offers"
+
+    fa = profile.flash_attn
+    why["flash_attn"] = "flash attention from the profile"
+    if v not in FULL_PRECISION_KV:
+        if fa == "off":
+            warnings.append(f"profile turns flash attention off, but a quantized V cache ({v}) "
+                            "needs it; turning it on")
+        why["flash_attn"] = (f"flash attention from the profile; the quantized V cache ({v}) "
+                             "needs it too" if fa == "on"
+                             else f"quantized V cache ({v}) needs flash attention")
+        fa = "on"
+    if caps is not None:
+        fa_flag = _flag(caps, "flash_attn", "the profile sets flash attention")
+        allowed_fa = caps.allowed(fa_flag)
+        if allowed_fa is not None and fa not in allowed_fa:
+            raise ConfigError(f"{fa_flag}: {caps.describe()} does not accept {fa!r} "
+                              f"(allows {', '.join(allowed_fa)}).")
+
+    cfg = LaunchConfig(
+        profile=profile.name, model=str(model), context=context, cache_k=k, cache_v=v,
+        slots=slots, gpu_layers=ngl, threads=profile.threads, batch=profile.batch,
+        ubatch=profile.ubatch, flash_attn=fa, mlock=profile.mlock, no_warmup=profile.no_warmup,
+        extra_args=tuple(profile.extra_args))
+    if profile.mlock:
+        why["mlock"] = "keep the weights in RAM (profile: mlock)"
+    if profile.no_warmup:
+        why["no_warmup"] = "skip the empty warm-up run (profile: no_warmup)"
+    if profile.extra_args:
+        why["extra_args"] = "profile extra_args, passed through"
+    cfg = _speculation(cfg, profile, caps, draft_model, sized_types, why, warnings)
+    if caps is not None:
+        check_extra(caps, "profile extra_args", cfg.extra_args)
+    return dataclasses.replace(cfg, why=tuple(why.items()), warnings=tuple(warnings))
+
+
+def _flag(caps: Capabilities, logical: str, why_needed: str) -> str:
+    spelled = caps.first_of(SPELLINGS[logical])
+    if spelled is None:
+        removed = [s for s in SPELLINGS[logical] if caps.is_removed(s)]
+        what = "lists it as removed" if removed else "does not accept it"
+        raise ConfigError(
+            f"{SPELLINGS[logical][0]}: {caps.describe()} {what}, but {why_needed}.",
+            hint="Build a newer llama-server (`mtpwrap build`) or choose another profile.")
+    return spelled
+
+
+def _pick_kv(caps: Capabilities | None, logical: str, wanted: Sequence[str], what: str,
+             sized_types: Collection[str] | None, warnings: list[str]) -> str:
+    if caps is None:
+        if sized_types is None:
+            return wanted[0]
+        for i, t in enumerate(wanted):
+            if t in sized_types:
+                if i > 0:
+                    warnings.append(f"{what} KV type {', '.join(wanted[:i])} has no known size "
+                                    f"without a built binary; planning {t}")
+                return t
+        raise ConfigError(f"{what} KV types {', '.join(wanted)}: none has a known size; run "
+                          "`mtpwrap build` (it measures the binary's types) or edit the profile.")
+    flag = _flag(caps, logical, f"the profile sets the {what} KV type")
+    allowed = caps.allowed(flag)
     if allowed is None:
-        b.warn(f"{flag}: {b.caps.describe()} lists no allowed values; using {wanted[0]} unchecked")
+        warnings.append(f"{flag}: {caps.describe()} lists no allowed values; using "
+                        f"{wanted[0]} unchecked")
         return wanted[0]
     for i, t in enumerate(wanted):
         if t in allowed:
             if i > 0:
-                missing = ", ".join(wanted[:i])
-                b.warn(f"{what} KV type {missing} is not offered by this llama-server "
-                       f"({flag} allows {', '.join(allowed)}); falling back to {t}")
+                warnings.append(f"{what} KV type {', '.join(wanted[:i])} is not offered by this "
+                                f"llama-server ({flag} allows {', '.join(allowed)}); falling "
+                                f"back to {t}")
             return t
     raise ConfigError(
-        f"{flag}: {b.caps.describe()} offers none of the profile's {what} KV types "
+        f"{flag}: {caps.describe()} offers none of the profile's {what} KV types "
         f"({', '.join(wanted)}); it allows {', '.join(allowed)}.",
         hint="Add one of those to the profile's list, or build the fork.")
 
 
-def _kv_pair(b: _Builder, kv: KvTypes, ctk: str, ctv: str, label: str) -> tuple[str, str]:
-    k = _pick_kv(b, ctk, kv.k, f"{label}K")
-    v = _pick_kv(b, ctv, kv.v, f"{label}V")
-    return k, v
-
-
-def build_command(
-    profile: Profile,
-    caps: Capabilities,
-    snapshot: HardwareSnapshot | None,
-    *,
-    model: Path | str,
-    listen_host: str = "127.0.0.1",
-    listen_port: int | None = None,
-    api_key: str | None = None,
-    plan: Any = None,
-    extra: Sequence[str] = (),
-    binary: Path | str | None = None,
-    draft_model: Path | str | None = None,
-) -> LaunchSpec:
-    """The llama-server argv for `profile` on this binary and machine, with reasons."""
-    b = _Builder(caps)
-    env: dict[str, str] = {}
-    secret: set[str] = set()
-    exe = str(binary or caps.binary or "llama-server")
-
-    _check_hardware(b, profile, snapshot)
-
-    b.add("model", str(model), f"model of profile {profile.name} ({profile.model})")
-    b.add("host", listen_host, "llama-server is never exposed; the proxy is the public side")
-    if listen_port is not None:
-        b.add("port", listen_port, "internal port chosen by the supervisor")
-
-    # Context
-    if profile.context == "max":
-        planned = getattr(plan, "context", None) if plan is not None else None
-        if isinstance(planned, int) and planned > 0:
-            b.add("ctx", planned, "context: max; the memory plan's largest context that fits")
-        else:
-            b.add("ctx", 0, "context: max and no memory plan given; 0 = the model's trained "
-                            "length, and llama.cpp's --fit will not shrink it")
+def _speculation(cfg: LaunchConfig, profile: Profile, caps: Capabilities | None,
+                 draft_model: Path | str | None, sized_types: Collection[str] | None,
+                 why: dict[str, str], warnings: list[str]) -> LaunchConfig:
+    spec = profile.spec
+    if spec.kind == "none":
+        return cfg
+    wanted = SPEC_TYPES[spec.kind]
+    if caps is None:
+        chosen = wanted[0]
+        why["spec_type"] = f"{spec.kind} speculation from the profile"
     else:
-        b.add("ctx", profile.context, "context from the profile")
-
-    # GPU layers
-    if profile.gpu_layers is not None:
-        ngl = profile.gpu_layers
-        if snapshot is not None and not snapshot.has_gpu and ngl not in (0, "auto"):
-            b.warn(f"gpu_layers {ngl} but no GPU here ({snapshot.error}); using 0")
-            ngl = 0
-        b.add("ngl", ngl, "GPU layers from the profile"
-              if ngl == profile.gpu_layers else "no GPU: everything stays on the CPU")
-
-    # Slots: MTP drafts for one sequence only
-    slots = profile.slots
-    reason = "slots from the profile"
-    if profile.spec.kind == "mtp":
-        if slots != 1:
-            b.warn(f"profile asks for {slots} slots, but MTP speculation serves one; using 1")
-        slots = 1
-        reason = "MTP speculation drafts for a single sequence, so one slot"
-    b.add("parallel", slots, reason)
-
-    if profile.batch is not None:
-        b.add("batch", profile.batch, "logical batch from the profile")
-    if profile.ubatch is not None:
-        b.add("ubatch", profile.ubatch, "physical batch from the profile; small at long "
-                                        "context keeps the compute buffer small")
-    if profile.threads is not None:
-        b.add("threads", profile.threads, "threads from the profile")
-
-    # KV cache
-    k, v = _kv_pair(b, profile.kv, "ctk", "ctv", "")
-    b.add("ctk", k, "K cache type: first of the profile's list this binary offers")
-    b.add("ctv", v, "V cache type: first of the profile's list this binary offers")
-
-    # Flash attention: quantized V needs it
-    fa = profile.flash_attn
-    fa_reason = "flash attention from the profile"
-    if v not in FULL_PRECISION_KV:
-        if fa == "off":
-            b.warn(f"profile turns flash attention off, but a quantized V cache ({v}) "
-                   "needs it; turning it on")
-        fa_reason = (f"{fa_reason}; the quantized V cache ({v}) needs it too" if fa == "on"
-                     else f"quantized V cache ({v}) needs flash attention")
-        fa = "on"
-    fa_flag = b.flag("flash_attn", why_needed="the profile sets flash attention")
-    allowed_fa = caps.allowed(fa_flag)
-    if allowed_fa is not None and fa not in allowed_fa:
-        raise ConfigError(f"{fa_flag}: {caps.describe()} does not accept {fa!r} "
-                          f"(allows {', '.join(allowed_fa)}).")
-    b.add("flash_attn", fa, fa_reason)
-
-    _speculation(b, profile, draft_model)
-
-    if profile.mlock:
-        if caps.has("--mlock"):
-            deprecated = caps.option("--mlock").deprecated  # type: ignore[union-attr]
-            b.add("mlock", None, "keep the weights in RAM (profile: mlock)"
-                  + ("; deprecated in this build but still accepted" if deprecated else ""))
-        elif "mlock" in (caps.allowed("--load-mode") or ()):
-            b.args += ["--load-mode", "mlock"]
-            b.decisions.append(Decision("--load-mode", "mlock",
-                                        "profile: mlock; this build spells it --load-mode"))
+        type_flag = _flag(caps, "spec_type", f"the profile asks for {spec.kind} speculation")
+        allowed = caps.allowed(type_flag) or ()
+        found = next((t for t in wanted if t in allowed), None)
+        if found is None:
+            raise ConfigError(
+                f"{type_flag}: {caps.describe()} offers none of {', '.join(wanted)} "
+                f"(it allows {', '.join(allowed) or 'nothing'}), but profile {profile.name} asks "
+                f"for {spec.kind} speculation.",
+                hint="Build the MTP fork (`mtpwrap build`) or choose a profile without "
+                     "speculation.")
+        chosen = found
+        if chosen != wanted[0]:
+            warnings.append(f"speculation: this llama-server has no {wanted[0]!r} spec type; "
+                            f"using its {chosen!r} instead")
+            why["spec_type"] = f"{spec.kind} speculation; this build names it {chosen}"
         else:
-            b.add("mlock", None, "profile: mlock")
-    if profile.no_warmup:
-        b.add("no_warmup", None, "skip the empty warm-up run (profile: no_warmup)")
-    b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
-    if caps.first_of(SPELLINGS["no_webui"]):
-        b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
-
-    if api_key is not None:
-        flag = b.flag("api_key", why_needed="the proxy authenticates to llama-server with a key")
-        name = caps.env_for(flag)
-        if not name:
-            raise ConfigError(f"{flag}: {caps.describe()} names no environment variable for it, "
-                              "and the key must not appear in the process list.")
-        env[name] = api_key
-        secret.add(name)
-        b.decisions.append(Decision(flag, None, f"internal key passed in ${name}, not in argv"))
-
-    for source, args in (("profile extra_args", profile.extra_args), ("extra arguments", extra)):
-        _check_extra(b, source, list(args))
-        b.args += list(args)
-        if args:
-            b.decisions.append(Decision(" ".join(args), None, f"{source}, passed through"))
-
-    return LaunchSpec(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=b.warnings,
-                      profile=profile.name, secret_env=frozenset(secret))
+            why["spec_type"] = f"{spec.kind} speculation from the profile"
+    changes: dict[str, Any] = {"spec": spec.kind, "spec_type": chosen}
+    if spec.depth is not None and (chosen in DEPTH_FLAGS):
+        changes["depth"] = spec.depth
+        why["depth"] = ("draft length of the n-gram matches, from the profile (spec.depth)"
+                        if spec.kind == "ngram" else "draft depth from the profile")
+    if spec.ngram_n is not None and chosen in NGRAM_N_FLAGS:
+        changes["ngram_n"] = spec.ngram_n
+        why["ngram_n"] = "n-gram lookup length from the profile"
+    if spec.p_min is not None:
+        changes["p_min"] = spec.p_min
+        why["p_min"] = "minimum draft probability from the profile"
+    if spec.kind == "draft":
+        changes["draft_model"] = str(draft_model or spec.draft_model)
+        why["draft_model"] = "draft model from the profile"
+    if spec.draft_kv is not None:
+        changes["draft_k"], changes["draft_v"] = _draft_kv(caps, spec.draft_kv, sized_types,
+                                                           warnings)
+        why["draft_k"] = "draft/MTP context K cache type (llama.cpp's default is f16)"
+        why["draft_v"] = "draft/MTP context V cache type (llama.cpp's default is f16)"
+    return dataclasses.replace(cfg, **changes)
 
 
-def _check_hardware(b: _Builder, profile: Profile, snapshot: HardwareSnapshot | None) -> None:
+def _draft_kv(caps: Capabilities | None, kv: KvTypes, sized_types: Collection[str] | None,
+              warnings: list[str]) -> tuple[str, str]:
+    return (_pick_kv(caps, "draft_k", kv.k, "draft K", sized_types, warnings),
+            _pick_kv(caps, "draft_v", kv.v, "draft V", sized_types, warnings))
+
+
+def _check_hardware(profile: Profile, snapshot: HardwareSnapshot | None,
+                    warnings: list[str]) -> None:
     if snapshot is None or not profile.hardware.requires_gpu:
         return
     if not snapshot.has_gpu:
@@ -282,45 +372,12 @@ def _check_hardware(b: _Builder, profile: Profile, snapshot: HardwareSnapshot | 
                           hint="Use --profile cpu-demo, or run on the machine with the GPU.")
     if not any(profile.hardware.matches(g) for g in snapshot.gpus):
         have = ", ".join(f"{g.name} ({g.memory_total_gib or 0:.1f} GiB)" for g in snapshot.gpus)
-        b.warn(f"profile {profile.name} is meant for {profile.hardware.describe()}; "
-               f"this machine has {have}")
+        warnings.append(f"profile {profile.name} is meant for {profile.hardware.describe()}; "
+                        f"this machine has {have}")
 
 
-def _speculation(b: _Builder, profile: Profile, draft_model: Path | str | None) -> None:
-    spec = profile.spec
-    if spec.kind == "none":
-        return
-    type_flag = b.flag("spec_type", why_needed=f"the profile asks for {spec.kind} speculation")
-    allowed = b.caps.allowed(type_flag) or ()
-    wanted = SPEC_TYPES[spec.kind]
-    chosen = next((t for t in wanted if t in allowed), None)
-    if chosen is None:
-        raise ConfigError(
-            f"{type_flag}: {b.caps.describe()} offers none of {', '.join(wanted)} "
-            f"(it allows {', '.join(allowed) or 'nothing'}), but profile {profile.name} asks "
-            f"for {spec.kind} speculation.",
-            hint="Build the MTP fork (`mtpwrap build`) or choose a profile without speculation.")
-    if chosen != wanted[0]:
-        b.warn(f"speculation: this llama-server has no {wanted[0]!r} spec type; using its "
-               f"{chosen!r} instead")
-        reason = f"{spec.kind} speculation; this build names it {chosen}"
-    else:
-        reason = f"{spec.kind} speculation from the profile"
-    b.add("spec_type", chosen, reason)
-
-    if spec.depth is not None and spec.kind in ("mtp", "draft"):
-        b.add("draft_n_max", spec.depth, "draft depth from the profile")
-    if spec.p_min is not None:
-        b.add("draft_p_min", f"{spec.p_min:g}", "minimum draft probability from the profile")
-    if spec.kind == "draft":
-        b.add("draft_model", str(draft_model or spec.draft_model), "draft model from the profile")
-    if spec.draft_kv is not None:
-        dk, dv = _kv_pair(b, spec.draft_kv, "ctkd", "ctvd", "draft ")
-        b.add("ctkd", dk, "draft/MTP context K cache type (llama.cpp's default is f16)")
-        b.add("ctvd", dv, "draft/MTP context V cache type (llama.cpp's default is f16)")
-
-
-def _check_extra(b: _Builder, source: str, args: list[str]) -> None:
+def check_extra(caps: Capabilities, source: str, args: Sequence[str]) -> None:
+    """Extra arguments may not take over what mtpwrap owns, nor use removed or unknown flags."""
     for a in args:
         if not a.startswith("-") or len(a) < 2 or a[1].isdigit():
             continue  # a value, or a negative number
@@ -328,8 +385,194 @@ def _check_extra(b: _Builder, source: str, args: list[str]) -> None:
         if flag in RESERVED:
             raise ConfigError(f"{source}: {flag} is set by mtpwrap (the child listens on "
                               "loopback with an internal key); remove it.")
-        if b.caps.is_removed(flag):
+        if caps.is_removed(flag):
             raise ConfigError(f"{source}: {flag} has been removed from llama.cpp and aborts "
-                              f"{b.caps.describe()}; see its --help for the replacement.")
-        if not b.caps.has(flag):
-            raise ConfigError(f"{source}: {b.caps.describe()} does not accept {flag}.")
+                              f"{caps.describe()}; see its --help for the replacement.")
+        if not caps.has(flag):
+            raise ConfigError(f"{source}: {caps.describe()} does not accept {flag}.")
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+class _Argv:
+    def __init__(self, caps: Capabilities) -> None:
+        self.caps = caps
+        self.args: list[str] = []
+        self.decisions: list[Decision] = []
+
+    def add(self, logical: str, value: Any, reason: str, *, spellings: tuple[str, ...] = ()
+            ) -> None:
+        if spellings:
+            spelled = self.caps.first_of(spellings)
+            if spelled is None:
+                raise ConfigError(f"{spellings[0]}: {self.caps.describe()} does not accept it, "
+                                  f"but {reason}.",
+                                  hint="Build a newer llama-server (`mtpwrap build`) or choose "
+                                       "another profile.")
+        else:
+            spelled = _flag(self.caps, logical, reason)
+        self.args.append(spelled)
+        text = None if value is None else str(value)
+        if text is not None:
+            self.args.append(text)
+        self.decisions.append(Decision(spelled, text, reason))
+
+
+def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
+           host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
+           extra: Sequence[str] = ()) -> LaunchSpec:
+    """The argv and environment of `cfg` for this binary; the one place flags are spelled."""
+    b = _Argv(caps)
+    r = cfg.reason
+    b.add("model", cfg.model, r("model"))
+    b.add("host", host, "llama-server is never exposed; the proxy is the public side")
+    if port is not None:
+        b.add("port", port, "internal port chosen by the supervisor")
+    b.add("context", cfg.context, r("context"))
+    if cfg.gpu_layers is not None:
+        b.add("gpu_layers", cfg.gpu_layers, r("gpu_layers"))
+    b.add("slots", cfg.slots, r("slots"))
+    for name in ("batch", "ubatch", "threads"):
+        if getattr(cfg, name) is not None:
+            b.add(name, getattr(cfg, name), r(name))
+    b.add("cache_k", cfg.cache_k, r("cache_k"))
+    b.add("cache_v", cfg.cache_v, r("cache_v"))
+    b.add("flash_attn", cfg.flash_attn, r("flash_attn"))
+    if cfg.spec_type is not None:
+        b.add("spec_type", cfg.spec_type, r("spec_type"))
+        if cfg.depth is not None and cfg.spec_type in DEPTH_FLAGS:
+            b.add("depth", cfg.depth, r("depth"), spellings=DEPTH_FLAGS[cfg.spec_type])
+        if cfg.ngram_n is not None and cfg.spec_type in NGRAM_N_FLAGS:
+            b.add("ngram_n", cfg.ngram_n, r("ngram_n"), spellings=NGRAM_N_FLAGS[cfg.spec_type])
+        if cfg.p_min is not None:
+            b.add("p_min", f"{cfg.p_min:g}", r("p_min"))
+        if cfg.draft_model is not None:
+            b.add("draft_model", cfg.draft_model, r("draft_model"))
+        if cfg.draft_k is not None and cfg.draft_v is not None:
+            b.add("draft_k", cfg.draft_k, r("draft_k"))
+            b.add("draft_v", cfg.draft_v, r("draft_v"))
+    if cfg.mlock:
+        option = caps.option("--mlock")
+        if option is not None:
+            b.add("mlock", None, r("mlock") + ("; deprecated in this build but still accepted"
+                                               if option.deprecated else ""))
+        elif "mlock" in (caps.allowed("--load-mode") or ()):
+            b.args += ["--load-mode", "mlock"]
+            b.decisions.append(Decision("--load-mode", "mlock",
+                                        "profile: mlock; this build spells it --load-mode"))
+        else:
+            b.add("mlock", None, r("mlock"))
+    if cfg.no_warmup:
+        b.add("no_warmup", None, r("no_warmup"))
+    if cfg.verbosity is not None:
+        b.add("verbosity", cfg.verbosity, r("verbosity") or "log verbosity")
+    b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
+    if caps.first_of(SPELLINGS["no_webui"]):
+        b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
+
+    env: dict[str, str] = {}
+    secret: set[str] = set()
+    if api_key is not None:
+        flag = _flag(caps, "api_key", "the proxy authenticates to llama-server with a key")
+        env_name = caps.env_for(flag)
+        if not env_name:
+            raise ConfigError(f"{flag}: {caps.describe()} names no environment variable for it, "
+                              "and the key must not appear in the process list.")
+        name = env_name
+        env[name] = api_key
+        secret.add(name)
+        b.decisions.append(Decision(flag, None, f"internal key passed in ${name}, not in argv"))
+
+    for source, args in (("profile extra_args", cfg.extra_args), ("extra arguments", extra)):
+        check_extra(caps, source, args)
+        b.args += list(args)
+        if args:
+            b.decisions.append(Decision(" ".join(args), None, f"{source}, passed through"))
+
+    exe = str(binary or caps.binary or "llama-server")
+    warnings = list(cfg.warnings) + ([cfg.note] if cfg.note else [])
+    return LaunchSpec(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
+                      profile=cfg.profile, secret_env=frozenset(secret))
+
+
+# --------------------------------------------------------------------------- stepping down
+
+
+def bits_per_value(t: str, kv_sizes: Mapping[str, Any] | None = None) -> float:
+    from mtpwrap.decide.planner import type_size
+
+    block, size = type_size(t, dict(kv_sizes) if kv_sizes else None)
+    return 8.0 * size / block
+
+
+def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,
+           kv_sizes: Mapping[str, Any] | None = None) -> list[LaunchConfig]:
+    """The cheaper variants tried after out-of-memory starts, each cumulative: draft depth down
+    to 1, speculation off, a KV type that is smaller per value (among those the binary offers),
+    then the context halved down to CONTEXT_FLOOR. A step that changes nothing is left out."""
+    steps: list[LaunchConfig] = []
+    done: list[str] = []
+
+    def step(c: LaunchConfig, note: str) -> LaunchConfig:
+        done.append(note)
+        nxt = dataclasses.replace(c, note="step-down " + f"{len(done)}: " + ", ".join(done))
+        steps.append(nxt)
+        return nxt
+
+    cur = cfg
+    if cur.spec in ("mtp", "draft") and cur.depth is not None and cur.depth > 1:
+        cur = step(cur.replace(depth=1, why={"depth": "step-down after out-of-memory"}),
+                   "draft depth 1")
+    if cur.spec != "none":
+        cur = step(cur.replace(spec="none", spec_type=None, depth=None, p_min=None,
+                               ngram_n=None, draft_model=None, draft_k=None, draft_v=None,
+                               why={"spec_type": "step-down after out-of-memory"}),
+                   "no speculation")
+    while (smaller := _smaller_kv(cur, caps, kv_sizes)) is not None:
+        cur = step(cur.replace(cache_k=smaller, cache_v=smaller, flash_attn="on",
+                               why={"cache_k": "step-down after out-of-memory",
+                                    "cache_v": "step-down after out-of-memory",
+                                    "flash_attn": f"quantized V cache ({smaller}) needs it"}),
+                   f"KV {smaller}")
+    ctx = cur.context
+    while ctx > CONTEXT_FLOOR:
+        ctx = max(CONTEXT_FLOOR, ctx // 2)
+        cur = step(cur.replace(context=ctx, why={"context": "step-down after out-of-memory"}),
+                   f"context {ctx}")
+    return steps
+
+
+def _smaller_kv(cfg: LaunchConfig, caps: Capabilities | None,
+                kv_sizes: Mapping[str, Any] | None) -> str | None:
+    """The next smaller rung of STEP_KV_TYPES that the binary offers: the one with the most bits
+    per value (measured sizes win) below both of cfg's types."""
+    from mtpwrap.errors import ConfigError as _Unknown
+
+    offered: Sequence[str] = STEP_KV_TYPES
+    if caps is not None:
+        flag = caps.first_of(SPELLINGS["cache_k"])
+        allowed = (caps.allowed(flag) if flag else None) or KV_TYPES
+        offered = [t for t in STEP_KV_TYPES if t in allowed]
+    try:
+        now = max(bits_per_value(cfg.cache_k, kv_sizes), bits_per_value(cfg.cache_v, kv_sizes))
+    except _Unknown:
+        return None
+    best: tuple[float, str] | None = None
+    for t in offered:
+        try:
+            bits = bits_per_value(t, kv_sizes)
+        except _Unknown:
+            continue  # a type without a known size cannot be shown to save anything
+        if bits < now and (best is None or bits > best[0]):
+            best = (bits, t)
+    return best[1] if best else None
+
+
+def step_down(cfg: LaunchConfig, step: int, caps: Capabilities | None = None,
+              kv_sizes: Mapping[str, Any] | None = None) -> LaunchConfig | None:
+    """`cfg` itself for step 0, the `step`-th rung of the ladder, or None past its end."""
+    if step <= 0:
+        return cfg
+    steps = ladder(cfg, caps, kv_sizes)
+    return steps[step - 1] if step <= len(steps) else None

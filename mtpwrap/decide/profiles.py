@@ -22,16 +22,9 @@ from typing import Any
 
 from mtpwrap import paths
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
+from mtpwrap.decide.launch import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError
 
-SPEC_KINDS = ("mtp", "draft", "ngram", "none")
-FLASH_ATTN = ("on", "off", "auto")
-#: KV cache types known to upstream llama.cpp and to the MTP + TurboQuant fork. A profile may
-#: name any of them; `launch` then keeps only what the built binary offers.
-KV_TYPES = (
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
-    "tbq3_0", "tbq4_0", "tbqp3_0", "tbqp4_0", "planar3_0", "iso3_0", "planar4_0", "iso4_0",
-)
 MAX_CONTEXT = 1 << 24
 MAX_DEPTH = 8
 #: sections other modules own and validate; here they only have to be mappings.
@@ -78,6 +71,7 @@ class Speculation:
     p_min: float | None = None
     draft_model: str | None = None
     draft_kv: KvTypes | None = None
+    ngram_n: int | None = None  #: ngram kind: length of the lookup n-gram
 
 
 @dataclass(frozen=True)
@@ -119,7 +113,8 @@ class Profile:
             "spec": {"kind": self.spec.kind, "depth": self.spec.depth, "p_min": self.spec.p_min,
                      "draft_model": self.spec.draft_model,
                      "draft_kv": None if self.spec.draft_kv is None else
-                     {"k": list(self.spec.draft_kv.k), "v": list(self.spec.draft_kv.v)}},
+                     {"k": list(self.spec.draft_kv.k), "v": list(self.spec.draft_kv.v)},
+                     "ngram_n": self.spec.ngram_n},
             "gpu_layers": self.gpu_layers,
             "threads": self.threads,
             "batch": self.batch,
@@ -358,7 +353,7 @@ def _speculation(c: _Checker, raw: Any) -> Speculation:
     if raw is None:
         return Speculation()
     s = c.mapping(raw, "spec")
-    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv"))
+    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv", "ngram_n"))
     if "kind" not in s:
         raise c.fail("spec.kind", f"missing; one of {', '.join(SPEC_KINDS)}")
     kind = c.choice(s["kind"], "spec.kind", SPEC_KINDS)
@@ -383,8 +378,40 @@ def _speculation(c: _Checker, raw: Any) -> Speculation:
     draft_kv = c.kv(s["draft_kv"], "spec.draft_kv") if s.get("draft_kv") is not None else None
     if draft_kv is not None and kind == "ngram":
         raise c.fail("spec.draft_kv", "ngram speculation has no draft KV cache")
+    ngram_n = None
+    if s.get("ngram_n") is not None:
+        if kind != "ngram":
+            raise c.fail("spec.ngram_n", f"only applies to spec.kind ngram, not {kind}")
+        ngram_n = c.integer(s["ngram_n"], "spec.ngram_n", 1, 64)
     return Speculation(kind=kind, depth=depth, p_min=p_min, draft_model=draft_model,
-                       draft_kv=draft_kv)
+                       draft_kv=draft_kv, ngram_n=ngram_n)
+
+
+def to_yaml(profile: Profile) -> dict[str, Any]:
+    """The profile as the mapping of YAML keys a hand-written file would have (unset keys and
+    empty sections left out); `validate` reads it back to the same profile."""
+    def clean(d: Mapping[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                v = clean(v)
+            if v is None or v == {} or v == []:
+                continue
+            out[k] = v
+        return out
+
+    d = profile.to_dict()
+    data = clean({k: v for k, v in d.items() if k in TOP_KEYS})
+    if profile.spec.kind == "none":
+        data["spec"] = {"kind": "none"}
+    return data
+
+
+def with_overrides(profile: Profile, changes: Mapping[str, Any], *, where: str) -> Profile:
+    """`profile` with some YAML keys replaced (`spec` and `kv` as whole sections), validated as
+    a profile: how a benchmark cell or a tuned setting derives from a shipped profile."""
+    data = {**to_yaml(profile), **changes, "name": profile.name}
+    return validate(data, where=where)
 
 
 # --------------------------------------------------------------------------- files

@@ -19,7 +19,6 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
@@ -47,190 +46,54 @@ class Launch:
     slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
     #: work that only informs (the summary), run once llama-server is starting
     deferred: Callable[[], None] | None = None
+    resolved: Any = None  #: the decide.resolve.Resolved this launch renders
 
 
 # --------------------------------------------------------------------------- resolving
 
 
 def resolve_launch(settings: Settings) -> Launch:
-    """The one place that asks hardware, profiles, the planner and the launch builder."""
-    from mtpwrap.build import builder
-    from mtpwrap.decide import models
+    """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
+    and the factory the supervisor calls for each start (port, key, step-down rung)."""
+    from mtpwrap.decide import launch as launching
+    from mtpwrap.decide import resolve
 
-    binary = builder.find_binary(explicit=settings.binary)
-    manifest = builder.load_manifest()
-    built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
-    if built != str(binary):
-        manifest = None  # another binary (--binary, MTPWRAP_LLAMA_SERVER): its own facts count
-    commit = manifest.commit if manifest is not None else None
-    from mtpwrap.decide import capabilities, hardware, launch, profiles
-
-    snap = hardware.snapshot()
-    if settings.profile == "auto":
-        prof, why = profiles.select_profile(snap)
-    else:
-        prof, why = profiles.load_profile(settings.profile), "chosen with --profile"
-    what = "--model" if settings.model else f"profile {prof.name}: model"
-    model = models.resolve_model(settings.model or prof.model, what=what)
-    caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
-            if manifest is not None and manifest.capabilities
-            else capabilities.probe(binary))
-    # The flags that do not depend on the plan (KV types the binary offers, speculation):
-    # building them first also makes a bad profile or a missing capability fail right here.
-    first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
-                                 listen_port=0, api_key="x", plan=None, binary=binary)
-    chosen = {d.flag: d.value for d in first.decisions}
-    kv_sizes = _kv_sizes(manifest)
-    gpus = list(getattr(snap, "gpus", None) or [])
-    if prof.context == "max" or (gpus and prof.hardware.requires_gpu):
-        plan, plan_text = _memory_plan(prof, model, snap, chosen, kv_sizes)
-        if plan is not None:
-            first = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
-                                         listen_port=0, api_key="x", plan=plan, binary=binary)
-    else:
-        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
-        # made after llama-server has started, for the summary only (it costs the `gguf`
-        # package's import, a few hundred milliseconds of time to ready).
-        plan, plan_text = None, None
+    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
+                         replay=settings.hw_replay)
+    r = resolve.resolve_inputs(inp)
+    cfg = r.launch
+    first = r.render(port=0, api_key="x")  # spells every flag now: a bad one fails here
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        spec = launch.build_command(prof, caps, snap, model=model, listen_host="127.0.0.1",
-                                    listen_port=port, api_key=api_key, plan=plan, binary=binary)
-        return step_down(ChildSpec(argv=spec.argv, env=spec.env), step)
+        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes)
+        if rung is None:
+            return None
+        spec = r.render(port=port, api_key=api_key, cfg=rung)
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
 
-    values = {d.flag: d.value for d in first.decisions}
-    slots = values.get("-np") or values.get("--parallel") or 1
     info = {
-        "profile": prof.name, "profile_reason": why, "binary": str(binary),
-        "commit": commit or getattr(caps, "commit", None),
-        "model": str(model), "context": values.get("-c") or values.get("--ctx-size"),
-        "kv": f"{values.get('-ctk') or values.get('--cache-type-k')} / "
-              f"{values.get('-ctv') or values.get('--cache-type-v')}",
-        "speculation": values.get("--spec-type") or "none", "memory_plan": plan_text,
+        "profile": inp.profile.name, "profile_reason": inp.profile_reason,
+        "binary": str(inp.binary), "commit": inp.commit, "model": cfg.model,
+        "context": cfg.context, "kv": f"{cfg.cache_k} / {cfg.cache_v}",
+        "speculation": cfg.spec_type or "none", "memory_plan": r.plan_text,
     }
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
-                    warnings=list(first.warnings), supervisor=dict(prof.supervisor),
-                    proxy=dict(prof.proxy), slots=int(slots))
-    if plan_text is None:
+                    warnings=[*inp.warnings, *first.warnings],
+                    supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
+                    slots=cfg.slots, resolved=r)
+    if not r.planned:
+        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
+        # made after llama-server has started, for the summary only.
         def plan_later() -> None:
             try:
-                info["memory_plan"] = _memory_plan(prof, model, snap, chosen, kv_sizes)[1]
+                info["memory_plan"] = resolve.ensure_plan(r).plan_text
             except Exception as exc:  # informational only: never stop serving over it
                 info["memory_plan"] = f"not planned ({exc})"
 
         result.deferred = plan_later
     return result
-
-
-def _kv_sizes(manifest: Any) -> dict[str, Any] | None:
-    """KV type sizes measured from the built binary (fork types such as tbq4_0 included)."""
-    from mtpwrap.build.calibrate import load_kv_sizes
-
-    return load_kv_sizes(manifest)
-
-
-def _memory_plan(prof: Any, model: Path, snap: Any, chosen: dict[str, str | None],
-                 kv_sizes: dict[str, Any] | None) -> tuple[Any, str]:
-    """The memory plan for this profile, model and GPU, with the KV types the launch chose;
-    (None, why not) when it cannot be made. A plan that does not fit is a ConfigError with
-    the numbers (nothing starts)."""
-    from mtpwrap.decide import gguf_facts, planner
-
-    gpus = list(getattr(snap, "gpus", None) or [])
-    on_gpu = bool(gpus) and prof.hardware.requires_gpu
-    device = getattr(gpus[0], "memory_free", None) if on_gpu else None
-    spec = prof.spec
-
-    def pick(*flags: str, default: str) -> str:
-        return next((v for f in flags if (v := chosen.get(f))), default)
-
-    try:
-        facts = gguf_facts.read_facts(model)
-        n_ctx = prof.context if isinstance(prof.context, int) else 0
-        cfg = planner.PlanConfig(
-            n_ctx=n_ctx or int(getattr(facts, "n_ctx_train", 0) or 4096),
-            type_k=pick("-ctk", "--cache-type-k", default=prof.kv.k[0]),
-            type_v=pick("-ctv", "--cache-type-v", default=prof.kv.v[0]),
-            n_slots=1 if spec.kind == "mtp" else prof.slots, spec=spec.kind,
-            draft_depth=spec.depth or 3,
-            type_k_draft=pick("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft",
-                              default="f16"),
-            type_v_draft=pick("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft",
-                              default="f16"),
-            ubatch=prof.ubatch or 512, batch=prof.batch or 2048,
-            backend="cuda" if on_gpu else "cpu")
-        if prof.context == "max" and device:
-            n = planner.largest_context(facts, cfg, device, kv_sizes)
-            if n > 0:
-                from dataclasses import replace
-
-                cfg = replace(cfg, n_ctx=n)
-        p = planner.plan(facts, cfg, device, kv_sizes)
-    except ConfigError as exc:
-        # e.g. a KV type the planner has no size for yet: plan nothing rather than refuse.
-        return None, f"not planned ({exc})"
-    planner.check_fits(p)
-    gib = 2**30
-    where = "GPU" if on_gpu else "host"
-    text = f"{p.total / gib:.2f} GiB on the {where} at context {p.context:,}"
-    if p.headroom is not None:
-        text += f", headroom {p.headroom / gib:.2f} GiB"
-    return p, text
-
-
-def step_down(spec: ChildSpec, step: int) -> ChildSpec | None:
-    """The `step`-th cheaper variant of a command after out-of-memory starts: half the
-    context, then no speculation, then q4_0 KV (steps that do not apply are skipped).
-    None when there is no such step."""
-    if step <= 0:
-        return spec
-
-    def at(argv: list[str], *flags: str) -> int | None:
-        return next((i + 1 for i, a in enumerate(argv[:-1]) if a in flags), None)
-
-    def halve_context(argv: list[str]) -> str | None:
-        i = at(argv, "-c", "--ctx-size")
-        if i is None or not argv[i].isdigit() or int(argv[i]) <= 4096:
-            return None
-        argv[i] = str(max(4096, int(argv[i]) // 2))
-        return f"context {argv[i]}"
-
-    def no_speculation(argv: list[str]) -> str | None:
-        if at(argv, "--spec-type") is None:
-            return None
-        for flag in ("--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "-ctkd",
-                     "-ctvd"):
-            i = at(argv, flag)
-            if i is not None:
-                del argv[i - 1:i + 1]
-        return "no speculation"
-
-    def cheaper_kv(argv: list[str]) -> str | None:
-        changed = False
-        for flags in (("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")):
-            i = at(argv, *flags)
-            if i is not None and argv[i] != "q4_0":
-                argv[i], changed = "q4_0", True
-        return "KV q4_0" if changed else None
-
-    argv = list(spec.argv)
-    notes = [n for n in (t(argv) for t in (halve_context, no_speculation, cheaper_kv)) if n]
-    if step > len(notes):
-        return None
-    # Re-apply only the first `step` applicable changes.
-    argv = list(spec.argv)
-    done: list[str] = []
-    for t in (halve_context, no_speculation, cheaper_kv):
-        if len(done) == step:
-            break
-        trial = list(argv)
-        note = t(trial)
-        if note:
-            argv = trial
-            done.append(note)
-    return ChildSpec(argv=argv, env=spec.env, note=f"step-down {step}: " + ", ".join(done))
 
 
 def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
