@@ -62,14 +62,14 @@ class RestartingSupervisor:
         self.changed.set()
         self.changed = asyncio.Event()
 
-    def status(self):  # noqa: ANN201
+    def status(self):
         up = (self.ns(base_url=f"http://127.0.0.1:{self.port}", api_key=INTERNAL_KEY,
                       generation=self.generation) if self.state == "ready" else None)
         return self.ns(state=self.state, reason=self.reason, restarts=self.restarts,
                        started_at=self.t0, child_started_at=self.child_t0, ready_since=None,
                        last_exit=None, pid=self.proc.pid if self.proc else None, upstream=up)
 
-    async def wait_ready(self, timeout: float):  # noqa: ANN201
+    async def wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout
         while self.state != "ready":
             if self.state in ("failed", "stopped"):
@@ -86,7 +86,7 @@ class RestartingSupervisor:
     def report_stall(self, generation: int, reason: str) -> None:
         print(f"stall: {reason}", file=sys.stderr)
 
-    def add_listener(self, cb) -> None:  # noqa: ANN001
+    def add_listener(self, cb) -> None:
         pass
 
     async def run(self) -> None:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtpwrap.build import tiny_gguf  # noqa: E402
-from mtpwrap.build.calibrate import measure_config, measure_server  # noqa: E402
-from mtpwrap.decide.gguf_facts import read_facts  # noqa: E402
-from mtpwrap.decide.planner import MiB, PlanConfig, plan  # noqa: E402
+from mtpwrap.build import tiny_gguf
+from mtpwrap.build.calibrate import measure_config, measure_server
+from mtpwrap.decide.gguf_facts import read_facts
+from mtpwrap.decide.planner import MiB, PlanConfig, plan
 from mtpwrap.run.child import free_loopback_port as _free_port
 
 

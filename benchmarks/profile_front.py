@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import proxy_overhead as po  # noqa: E402
+import proxy_overhead as po
 
 
 def profile_level(upstream: str, concurrency: int, requests: int, top: int,

@@ -123,20 +123,20 @@ class StaticSupervisor:
         self.up = SimpleNamespace(base_url=base_url, api_key=api_key, generation=1)
         self.t0 = time.time()
 
-    def status(self):  # noqa: ANN201
+    def status(self):
         from types import SimpleNamespace
 
         return SimpleNamespace(state="ready", reason=None, restarts=0, started_at=self.t0,
                                child_started_at=self.t0, ready_since=self.t0, last_exit=None,
                                pid=None, upstream=self.up)
 
-    async def wait_ready(self, timeout: float):  # noqa: ANN201
+    async def wait_ready(self, timeout: float):
         return self.up
 
     def report_stall(self, generation: int, reason: str) -> None:
         print(f"stall reported: {reason}", file=sys.stderr)
 
-    def add_listener(self, cb) -> None:  # noqa: ANN001
+    def add_listener(self, cb) -> None:
         pass
 
 
@@ -418,15 +418,16 @@ def llama_paths() -> tuple[Path, Path]:
 
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> subprocess.Popen:
+    from mtpwrap.decide import capabilities, launch
     from mtpwrap.run.child import start_server
 
     binary, model = llama_paths()
-    env = {"LLAMA_API_KEY": INTERNAL_KEY,
-           "LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    srv = start_server([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port",
-                        str(port), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-                        "--metrics", "--no-webui", *(extra or [])],
-                       base_url=f"http://127.0.0.1:{port}", env=env, timeout=180)
+    env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, why="benchmark upstream")
+    spec = launch.render(cfg, capabilities.probe(binary), binary=binary, port=port,
+                         api_key=INTERNAL_KEY, extra=extra or [])
+    srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env={**env, **spec.env},
+                       timeout=180)
     return srv.proc
 
 

@@ -35,7 +35,6 @@ import httpx
 from mtpwrap.run.child import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_ARGS = ["-c", "4096", "-np", "2", "--metrics", "--no-webui"]
 POLL = 0.01
 
 
@@ -63,23 +62,27 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def direct(binary: Path, model: Path) -> tuple[float, float]:
+    """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
+    from mtpwrap.decide import profiles, resolve
+    from mtpwrap.run.child import start_server
+
     port, key = free_port(), secrets.token_urlsafe(16)
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            *DEMO_ARGS]
+    r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
+                        caps=resolve.find_server(binary)[1], model=model, binary=binary,
+                        plan=False)
+    spec = r.render(port=port, api_key=key)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env={**os.environ, "LLAMA_API_KEY": key},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env=spec.env,
+                       timeout=120, poll_s=POLL)
     try:
-        t_health = poll(f"http://127.0.0.1:{port}/health", t0 + 120)
-        if t_health is None:
-            raise SystemExit("llama-server never answered /health")
-        r = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=60,
-                       headers={"Authorization": f"Bearer {key}"},
-                       json={"prompt": "Hello", "n_predict": 1, "cache_prompt": False})
-        r.raise_for_status()
+        t_health = time.monotonic()
+        r2 = httpx.post(f"http://127.0.0.1:{port}/completion", timeout=60,
+                        headers={"Authorization": f"Bearer {key}"},
+                        json={"prompt": "Hello", "n_predict": 1, "cache_prompt": False})
+        r2.raise_for_status()
         t_token = time.monotonic()
     finally:
-        stop(proc)
+        srv.stop()
     return t_health - t0, t_token - t0
 
 

@@ -21,7 +21,7 @@ DEFAULT_CONFIG = Path("/etc/mtpwrap/mtpwrap.yaml")
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # "str" | "int" | "float" | "bool"
+    kind: str  # "str" | "int" | "float" | "bool" | "list"
     default: Any
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # how to describe a valid value in an error
@@ -102,11 +102,22 @@ class Settings:
         return str(self.config_file) if self.config_file else "settings"
 
 
-def convert(raw: Any, key: Key, where: str, name: str) -> Any:
-    """Turn a YAML value or an environment string into the key's type, or say what is wrong."""
+def convert(raw: Any, key: Key, where: str, name: str, *, strict: bool = False) -> Any:
+    """Turn a YAML value or an environment string into the key's type, or say what is wrong.
+    The one config coercer: settings, their `supervisor:` section, the profile's sections and
+    the front's `proxy:` section. strict: a YAML value must already have the key's type (no
+    "3" for 3); kind "list": a list of strings, or one comma-separated string."""
     value: Any = raw
     bad = False
-    if key.kind == "bool":
+    if strict and key.kind != "list" and isinstance(raw, str) != (key.kind == "str"):
+        bad = True  # a YAML value of another type ("3" for 3, 5 for a host name)
+    elif key.kind == "list":
+        items = [v.strip() for v in raw.split(",") if v.strip()] if isinstance(raw, str) else raw
+        if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
+            value = tuple(items)
+        else:
+            bad = True
+    elif key.kind == "bool":
         if isinstance(raw, str):
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
@@ -147,7 +158,7 @@ def convert(raw: Any, key: Key, where: str, name: str) -> Any:
         else:
             bad = True
     expect = key.expect or {"bool": "true or false", "int": "an integer", "float": "a number",
-                            "str": "a string"}[key.kind]
+                            "str": "a string", "list": "a list of strings"}[key.kind]
     if bad or (key.check is not None and not key.check(value)):
         raise ConfigError(f"{where}: {name}: expected {expect}, got {raw!r}.",
                           hint=f"Fix {name} in {where}.")

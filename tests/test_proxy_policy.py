@@ -27,17 +27,17 @@ def test_from_mapping_reads_every_kind_of_value():
 
 @pytest.mark.parametrize("data,needle", [
     ({"queue_sise": 3}, "proxy.queue_sise: unknown key"),
-    ({"queue_size": "3"}, "proxy.queue_size: must be an integer"),
-    ({"queue_size": True}, "proxy.queue_size: must be an integer"),
+    ({"queue_size": "3"}, "proxy.queue_size: expected an integer"),
+    ({"queue_size": True}, "proxy.queue_size: expected an integer"),
     ({"queue_size": -1}, "proxy.queue_size: must be 0 or more"),
     ({"max_concurrency": 0}, "proxy.max_concurrency: must be greater than 0"),
-    ({"stream_stall_s": "fast"}, "proxy.stream_stall_s: must be a number"),
-    ({"metrics_public": "yes"}, "proxy.metrics_public: must be true or false"),
+    ({"stream_stall_s": "fast"}, "proxy.stream_stall_s: expected a number"),
+    ({"metrics_public": "yes"}, "proxy.metrics_public: expected true or false"),
     ({"enable_paths": ["slots", "shell"]}, "unknown feature 'shell'"),
-    ({"enable_paths": [1]}, "must be a list of strings"),
+    ({"enable_paths": [1]}, "expected a list of strings"),
     ({"api_keys": ["short"]}, "at least 8 characters"),
     ({"cors_origins": ["*"]}, "'*' is not allowed"),
-    ({"listen_host": 5}, "must be a string"),
+    ({"listen_host": 5}, "proxy.listen_host: expected a string"),
 ])
 def test_from_mapping_names_the_file_and_key(data, needle):
     with pytest.raises(ConfigError) as info:

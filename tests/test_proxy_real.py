@@ -74,7 +74,7 @@ def llama_spec(server_bin, model, tmp_path_factory):
     child.kill()
 
 
-def _front_over(child: LlamaChild):  # noqa: ANN202
+def _front_over(child: LlamaChild):
     cfg = ProxyConfig(api_keys=(KEY,), enable_paths=("slots",), stream_stall_s=120,
                       prefill_stall_s=300)
     info = {"profile": "cpu-demo", "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "context": 8192,

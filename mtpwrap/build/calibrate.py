@@ -8,6 +8,7 @@ fraction of a second). The result is stored in the build manifest under `kv_type
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -33,7 +34,6 @@ _BREAKDOWN = re.compile(r"memory_breakdown_print: \|\s+- (.+?)\s*\|[^|=]*?(\d+) 
 _MODEL_BUF = re.compile(r"load_tensors:\s+(\S+) model buffer size =\s+([\d.]+) MiB")
 _COMPUTE_BUF = re.compile(r"sched_reserve:\s+(\S+) compute buffer size =\s+([\d.]+) MiB")
 _OUTPUT_BUF = re.compile(r"llama_context:\s+(\S+)\s+output buffer size =\s+([\d.]+) MiB")
-_ALLOWED = re.compile(r"allowed values:\s*([^\n]+)")
 
 
 @dataclass
@@ -126,17 +126,17 @@ def fit_params_binary(binary: Path) -> Path:
 
 def accepted_cache_types(binary: Path, timeout: float = 30) -> list[str]:
     """The `-ctk` values the binary lists in --help ("allowed values: f32, f16, ...")."""
-    out = subprocess.run([str(binary), "--help"], capture_output=True, text=True,
-                         timeout=timeout, check=False)
-    text = out.stdout + out.stderr
-    idx = text.find("--cache-type-k")
-    if idx < 0:
+    from mtpwrap.decide import capabilities
+
+    caps = capabilities.probe(binary, timeout=timeout)
+    flag = caps.first_of(("-ctk", "--cache-type-k"))
+    if flag is None:
         raise RuntimeFailure(f"{binary}: --help does not list --cache-type-k; is this a "
                              "llama.cpp server binary?")
-    m = _ALLOWED.search(text, idx)
-    if not m:
+    allowed = caps.allowed(flag)
+    if not allowed:
         raise RuntimeFailure(f"{binary}: --help lists no allowed values for --cache-type-k.")
-    return [t.strip() for t in m.group(1).split(",") if t.strip()]
+    return list(allowed)
 
 
 def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float = 300) -> str:
@@ -152,12 +152,24 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
     return log
 
 
-def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int
-                    ) -> int:
+def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
+    """The flags of a launch as llama-fit-params takes them (after its -m MODEL)."""
+    from mtpwrap.decide import capabilities, launch
+
+    spec = launch.render(cl, capabilities.probe(fit_bin), binary=fit_bin, serve=False)
+    return spec.argv[3:]
+
+
+def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int,
+                    args: list[str] | None = None) -> int:
     """Bytes per CAL_BLOCK values of cache_type, from the K buffer llama.cpp reports."""
-    log = run_fit_params(fit_bin, model, ["-c", str(_CAL_CELLS), "-ctk", cache_type,
-                                          "-ctv", cache_type, "-fa", "on", "-np", "1",
-                                          "-ngl", "0"])
+    from mtpwrap.decide import launch
+
+    if args is None:
+        args = fit_params_args(fit_bin, launch.plain(model, context=_CAL_CELLS, cache=cache_type,
+                                                     flash_attn="on", gpu_layers=0,
+                                                     why="KV type calibration"))
+    log = run_fit_params(fit_bin, model, args)
     details = parse_allocations(log).kv_detail
     if not details:
         raise RuntimeFailure(f"{fit_bin.name}: no KV cache line for type {cache_type}.")
@@ -208,33 +220,35 @@ def load_kv_sizes(manifest: Any) -> dict[str, dict[str, int]] | None:
     return sizes or None
 
 
-def llama_args(cfg: Any, server: bool = False) -> list[str]:
-    """The llama.cpp flags that reproduce a planner.PlanConfig (CPU backend).
+def plan_launch(model: Path, cfg: Any, *, server: bool) -> Any:
+    """The launch that reproduces a planner.PlanConfig on the CPU, to measure what llama.cpp
+    allocates for it.
 
     llama-fit-params has no -kvu/-no-kvu: it always uses per-slot streams (llama.cpp's default
     when -np is given), so a unified multi-slot config can be measured only with llama-server.
     """
-    args = ["-c", str(cfg.n_ctx), "-ctk", cfg.type_k, "-ctv", cfg.type_v,
-            "-fa", "on" if cfg.flash_attn else "off", "-np", str(cfg.n_slots),
-            "-ub", str(cfg.ubatch), "-b", str(cfg.batch)]
-    if cfg.n_slots > 1:
-        if server:
-            args.append("-kvu" if cfg.kv_unified else "-no-kvu")
-        elif cfg.kv_unified:
-            raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
-    if not getattr(cfg, "cpu_repack", True):
-        args.append("--no-repack")
+    from mtpwrap.decide import launch
+
+    if cfg.n_slots > 1 and not server and cfg.kv_unified:
+        raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
+    spec: dict[str, Any] = {}
     if cfg.spec == "mtp":
-        args += ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(cfg.draft_depth),
-                 "-ctkd", cfg.type_k_draft, "-ctvd", cfg.type_v_draft]
-    return args
+        spec = {"spec": "mtp", "spec_type": "draft-mtp", "depth": cfg.draft_depth,
+                "draft_k": cfg.type_k_draft, "draft_v": cfg.type_v_draft}
+    return dataclasses.replace(
+        launch.plain(model, context=cfg.n_ctx, slots=cfg.n_slots, why="planner check",
+                     flash_attn="on" if cfg.flash_attn else "off", ubatch=cfg.ubatch,
+                     batch=cfg.batch,
+                     kv_unified=(cfg.kv_unified if server and cfg.n_slots > 1 else None),
+                     repack=None if getattr(cfg, "cpu_repack", True) else False, **spec),
+        cache_k=cfg.type_k, cache_v=cfg.type_v)
 
 
 def measure_config(fit_bin: Path, model: Path, cfg: Any, timeout: float = 300
                    ) -> Allocations:
     """What llama.cpp itself would allocate for cfg on the CPU (llama-fit-params, no allocation)."""
-    return parse_allocations(run_fit_params(Path(fit_bin), Path(model), llama_args(cfg),
-                                            timeout=timeout))
+    args = fit_params_args(fit_bin, plan_launch(Path(model), cfg, server=False))
+    return parse_allocations(run_fit_params(Path(fit_bin), Path(model), args, timeout=timeout))
 
 
 def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: float = 300
@@ -247,11 +261,13 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
+    from mtpwrap.decide import capabilities, launch
     from mtpwrap.run.child import running_server
 
-    cmd = [str(server_bin), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--fit", "off", "--no-warmup", "-t", "2", "-lv", "4",
-           *llama_args(cfg, server=True)]
+    caps = capabilities.probe(server_bin)
+    cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
+                             no_warmup=True, threads=2, verbosity=4)
+    cmd = launch.render(cl, caps, binary=server_bin, port=port).argv
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         try:
             with running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",

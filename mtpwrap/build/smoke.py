@@ -70,8 +70,10 @@ def smoke_model(work_dir: Path) -> Path:
 
 def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     """The smallest launch that loads the model and computes: one slot, a short context."""
-    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", "512", "-np", "1", "-ngl", "99" if gpu else "0"]
+    from mtpwrap.decide import capabilities, launch
+
+    cfg = launch.plain(model, context=512, gpu_layers=99 if gpu else 0, why="smoke test")
+    return launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
 
 
 async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeResult:
@@ -122,9 +124,11 @@ async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeRes
 def run(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.0) -> SmokeResult:
     """Start `binary` on `model`, ask for a few tokens, stop it; never raises for the binary's
     own failures (they are the result)."""
+    from mtpwrap.errors import MtpwrapError
+
     try:
         return asyncio.run(_run(Path(binary), Path(model), gpu, timeout))
-    except OSError as exc:
+    except (OSError, MtpwrapError) as exc:
         return SmokeResult("failed", f"could not start {binary}: {exc}", model=str(model))
 
 

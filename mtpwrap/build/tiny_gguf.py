@@ -43,7 +43,7 @@ def llama_source_dir() -> Path:
         src = manifest.source.get("path") if manifest is not None else None
         if src and Path(str(src), "models").is_dir():
             return Path(str(src))
-    except Exception:  # noqa: BLE001 - a broken manifest means "fall back", not "fail"
+    except Exception:
         pass
     from mtpwrap import paths
     from mtpwrap.build import source

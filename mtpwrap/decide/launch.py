@@ -69,6 +69,10 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "mlock": ("--mlock",),
     "no_warmup": ("--no-warmup",),
     "verbosity": ("-lv", "--verbosity", "--log-verbosity"),
+    "kv_unified": ("-kvu", "--kv-unified"),
+    "no_kv_unified": ("-no-kvu", "--no-kv-unified"),
+    "no_repack": ("--no-repack", "-nr"),
+    "fit": ("--fit", "-fit"),
     "metrics": ("--metrics",),
     "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
@@ -130,6 +134,9 @@ class LaunchConfig:
     mlock: bool = False
     no_warmup: bool = False
     verbosity: int | None = None
+    kv_unified: bool | None = None  #: None: llama.cpp's default (unified when slots > 1)
+    repack: bool | None = None  #: CPU weight repacking; None: llama.cpp's default (on)
+    fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
     extra_args: tuple[str, ...] = ()
     #: field name → why it has its value (shown by `mtpwrap args`)
     why: tuple[tuple[str, str], ...] = ()
@@ -392,6 +399,13 @@ def check_extra(caps: Capabilities, source: str, args: Sequence[str]) -> None:
             raise ConfigError(f"{source}: {caps.describe()} does not accept {flag}.")
 
 
+def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16",
+          why: str, **fields: Any) -> LaunchConfig:
+    """A launch that is no profile's (a smoke test, a measurement): `why` says what it is for."""
+    return LaunchConfig(profile=why, model=str(model), context=context, cache_k=cache,
+                        cache_v=cache, slots=slots, **fields)
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -421,14 +435,16 @@ class _Argv:
 
 def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-           extra: Sequence[str] = ()) -> LaunchSpec:
-    """The argv and environment of `cfg` for this binary; the one place flags are spelled."""
+           extra: Sequence[str] = (), serve: bool = True) -> LaunchSpec:
+    """The argv and environment of `cfg` for this binary; the one place flags are spelled.
+    serve=False: only the model and memory flags (llama-fit-params serves nothing)."""
     b = _Argv(caps)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
-    b.add("host", host, "llama-server is never exposed; the proxy is the public side")
-    if port is not None:
-        b.add("port", port, "internal port chosen by the supervisor")
+    if serve:
+        b.add("host", host, "llama-server is never exposed; the proxy is the public side")
+        if port is not None:
+            b.add("port", port, "internal port chosen by the supervisor")
     b.add("context", cfg.context, r("context"))
     if cfg.gpu_layers is not None:
         b.add("gpu_layers", cfg.gpu_layers, r("gpu_layers"))
@@ -467,13 +483,21 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("no_warmup", None, r("no_warmup"))
     if cfg.verbosity is not None:
         b.add("verbosity", cfg.verbosity, r("verbosity") or "log verbosity")
-    b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
-    if caps.first_of(SPELLINGS["no_webui"]):
-        b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
+    if cfg.kv_unified is not None:
+        b.add("kv_unified" if cfg.kv_unified else "no_kv_unified", None,
+              r("kv_unified") or "one KV pool for all slots, or one per slot")
+    if cfg.repack is False:
+        b.add("no_repack", None, r("repack") or "no CPU weight repacking")
+    if cfg.fit is not None:
+        b.add("fit", cfg.fit, r("fit") or "llama.cpp's own fitting to device memory")
+    if serve:
+        b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
+        if caps.first_of(SPELLINGS["no_webui"]):
+            b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
 
     env: dict[str, str] = {}
     secret: set[str] = set()
-    if api_key is not None:
+    if api_key is not None and serve:
         flag = _flag(caps, "api_key", "the proxy authenticates to llama-server with a key")
         env_name = caps.env_for(flag)
         if not env_name:

@@ -397,7 +397,7 @@ class ServerProcess:
 def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] | None = None,
                  log_path: Path | None = None, ready: str = "health",
                  headers: Mapping[str, str] | None = None, timeout: float = 300.0,
-                 what: str = "llama-server") -> ServerProcess:
+                 what: str = "llama-server", poll_s: float = 0.1) -> ServerProcess:
     """Start llama-server (or a stand-in) in its own process group and wait until it is ready:
     `ready="health"` waits for GET /health 200, `"listening"` for its "listening on" line
     (enough when nothing will be asked of it). A server that exits or is not ready in time is
@@ -436,7 +436,7 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"{what} was not ready after {timeout:.0f} s "
                                          f"({srv.last_line()}; log {log_path}).")
-                time.sleep(0.1)
+                time.sleep(poll_s)
     except BaseException:
         srv.stop(grace=5.0)
         raise

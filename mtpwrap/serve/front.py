@@ -669,7 +669,7 @@ class Front:
             try:
                 self.supervisor.report_stall(
                     ex.generation, f"no progress on {ex.label} for {budget:g} s")
-            except Exception as err:  # noqa: BLE001 - reporting must not break the answer
+            except Exception as err:
                 log.warning("could not report a stall: %s", err)
         if not ex.started:
             await self._answer(send, 504, message, ex.label, ex.t0)
@@ -728,7 +728,7 @@ class _Guard:
             return
         try:
             await self.app(scope, receive, send)
-        except Exception as exc:  # noqa: BLE001 - the last line of defence: never a traceback
+        except Exception as exc:
             log.error("internal error on %s %s: %s: %s", scope["method"], path,
                       type(exc).__name__, exc)
             log.debug("internal error details", exc_info=exc)

@@ -40,7 +40,7 @@ def gpu_samples() -> list[dict[str, Any]]:
         if fn is None:
             return []
         readings = fn() or []
-    except Exception as err:  # noqa: BLE001 - GPU telemetry is best effort
+    except Exception as err:
         log.debug("GPU metrics unavailable: %s", err)
         return []
     out: list[dict[str, Any]] = []
@@ -241,7 +241,7 @@ class FrontMetrics:
         try:
             self.live.backend_families = parse_backend(text)
             self.live.backend_up = 1.0
-        except Exception as err:  # noqa: BLE001 - a malformed page must not break our own
+        except Exception as err:
             log.warning("could not parse the child's /metrics page: %s", err)
             self.live.backend_up, self.live.backend_families = 0.0, []
 

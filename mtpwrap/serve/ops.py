@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -37,7 +38,7 @@ def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     return True, {"status": "ready", "generation": st.upstream.generation}
 
 
-def make_readyz(front: Front):  # noqa: ANN201 - a starlette endpoint
+def make_readyz(front: Front) -> Callable[[Request], Awaitable[Response]]:
     async def readyz(_request: Request) -> Response:
         ok, body = readiness(front)
         headers = {} if ok else {"Retry-After": str(front.config.retry_after_s)}
@@ -89,7 +90,7 @@ def health_document(front: Front) -> dict[str, Any]:
     }
 
 
-def make_healthz(front: Front):  # noqa: ANN201 - a starlette endpoint
+def make_healthz(front: Front) -> Callable[[Request], Awaitable[Response]]:
     async def healthz(_request: Request) -> Response:
         return JSONResponse(health_document(front))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap.errors import ConfigError
+from mtpwrap.settings import Key, convert
 
 MiB = 1024 * 1024
 
@@ -104,6 +105,19 @@ class Route:
     message: str = ""
     slot: bool = False   # the request occupies one of llama-server's slots
     json_body: bool = False  # llama-server parses the body as JSON, whatever its Content-Type
+
+
+def _key_for(default: Any) -> Key:
+    """How a `proxy:` key is read, from its default's type."""
+    if isinstance(default, tuple):
+        return Key("list", default)
+    if isinstance(default, bool):
+        return Key("bool", default)
+    if isinstance(default, int):
+        return Key("int", default)
+    if isinstance(default, float):
+        return Key("float", default)
+    return Key("str", default)
 
 
 def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
@@ -371,32 +385,8 @@ class ProxyConfig:
                 raise ConfigError(
                     f"{source}: proxy.{key}: unknown key; known keys: {', '.join(sorted(known))}"
                 )
-            default = known[key].default
-            if isinstance(default, tuple):
-                if isinstance(value, str):
-                    value = [v.strip() for v in value.split(",") if v.strip()]
-                if not isinstance(value, (list, tuple)) or not all(
-                    isinstance(v, str) for v in value
-                ):
-                    raise ConfigError(f"{source}: proxy.{key}: must be a list of strings")
-                kwargs[key] = tuple(value)
-            elif isinstance(default, bool):
-                if not isinstance(value, bool):
-                    raise ConfigError(
-                        f"{source}: proxy.{key}: must be true or false, got {value!r}")
-                kwargs[key] = value
-            elif isinstance(default, int):
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ConfigError(f"{source}: proxy.{key}: must be an integer, got {value!r}")
-                kwargs[key] = value
-            elif isinstance(default, float):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise ConfigError(f"{source}: proxy.{key}: must be a number, got {value!r}")
-                kwargs[key] = float(value)
-            else:
-                if not isinstance(value, str):
-                    raise ConfigError(f"{source}: proxy.{key}: must be a string, got {value!r}")
-                kwargs[key] = value
+            kwargs[key] = convert(value, _key_for(known[key].default), source, f"proxy.{key}",
+                                  strict=True)
         if file_keys:
             kwargs["api_keys"] = tuple(kwargs.get("api_keys", ())) + file_keys
         cfg = object.__new__(cls)
@@ -452,7 +442,7 @@ def derive_allowed_hosts(cfg: ProxyConfig) -> frozenset[str] | None:
                 for a in addrs:
                     if a.family in (socket.AF_INET, socket.AF_INET6):
                         hosts.add(a.address.split("%")[0].lower())
-        except Exception:  # noqa: BLE001 - an unreadable interface list only narrows the set
+        except Exception:
             pass
     else:
         hosts.add(listen)

@@ -82,7 +82,7 @@ class Handler(BaseHTTPRequestHandler):
     st: State
     api_key: str | None
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def log_message(self, format: str, *args: Any) -> None:
         if self.path.split("?")[0] in ("/health", "/v1/health", "/metrics"):
             return  # like llama-server: polling endpoints are not logged
         status = args[1] if len(args) > 1 else ""
@@ -107,7 +107,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     # --- routes --------------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+    def do_GET(self) -> None:
         path = self.path.split("?")[0]
         if path in ("/health", "/v1/health"):
             if not self.st.loaded:
@@ -143,7 +143,7 @@ class Handler(BaseHTTPRequestHandler):
             self._json(404, {"error": {"message": "File Not Found", "type": "not_found_error",
                                        "code": 404}})
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib naming
+    def do_POST(self) -> None:
         path = self.path.split("?")[0]
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b"{}"

@@ -177,11 +177,12 @@ class LlamaChild:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> LlamaChild:
+        from mtpwrap.decide import capabilities, launch
         from mtpwrap.run.child import start_server
 
-        argv = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-                "--port", str(self.port), "-c", "4096", "-np", "2", "-t", "2",
-                "--metrics", "--no-webui", *self.extra]
+        cfg = launch.plain(self.model, context=4096, slots=2, threads=2, why="test upstream")
+        argv = launch.render(cfg, capabilities.probe(self.binary), binary=self.binary,
+                             port=self.port, extra=self.extra).argv
         # the key travels in the environment, not argv
         self.server = start_server(argv, base_url=self.base_url, timeout=timeout,
                                    env={"LLAMA_API_KEY": self.api_key}, log_path=self.log_path)
@@ -201,7 +202,7 @@ class LlamaChild:
 
 @contextlib.contextmanager
 def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = None,
-                state: State = State.READY, pid: int | None = None):  # noqa: ANN201
+                state: State = State.READY, pid: int | None = None):
     """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
     from mtpwrap.serve.front import Front
 
