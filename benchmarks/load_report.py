@@ -47,10 +47,8 @@ class RestartingSupervisor:
     """One llama-server child, restarted whenever it exits (the contract's methods only)."""
 
     def __init__(self, port: int, slots: int) -> None:
-        from types import SimpleNamespace
 
         self.port, self.slots = port, slots
-        self.ns = SimpleNamespace
         self.state, self.reason, self.restarts, self.generation = "starting", None, 0, 0
         self.t0 = time.time()
         self.child_t0: float | None = None
@@ -63,11 +61,14 @@ class RestartingSupervisor:
         self.changed = asyncio.Event()
 
     def status(self):
-        up = (self.ns(base_url=f"http://127.0.0.1:{self.port}", api_key=INTERNAL_KEY,
-                      generation=self.generation) if self.state == "ready" else None)
-        return self.ns(state=self.state, reason=self.reason, restarts=self.restarts,
-                       started_at=self.t0, child_started_at=self.child_t0, ready_since=None,
-                       last_exit=None, pid=self.proc.pid if self.proc else None, upstream=up)
+        from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
+
+        up = (Upstream(f"http://127.0.0.1:{self.port}", INTERNAL_KEY, self.generation)
+              if self.state == "ready" else None)
+        return SupervisorStatus(state=State(self.state), reason=self.reason,
+                                restarts=self.restarts, started_at=self.t0,
+                                child_started_at=self.child_t0, ready_since=None, last_exit=None,
+                                pid=self.proc.pid if self.proc else None, upstream=up)
 
     async def wait_ready(self, timeout: float):
         deadline = time.monotonic() + timeout

@@ -118,17 +118,17 @@ class StaticSupervisor:
     """A child that is always ready at one address (the contract's Supervisor methods)."""
 
     def __init__(self, base_url: str, api_key: str) -> None:
-        from types import SimpleNamespace
+        from mtpwrap.run.supervisor import Upstream
 
-        self.up = SimpleNamespace(base_url=base_url, api_key=api_key, generation=1)
+        self.up = Upstream(base_url, api_key, 1)
         self.t0 = time.time()
 
     def status(self):
-        from types import SimpleNamespace
+        from mtpwrap.run.supervisor import State, SupervisorStatus
 
-        return SimpleNamespace(state="ready", reason=None, restarts=0, started_at=self.t0,
-                               child_started_at=self.t0, ready_since=self.t0, last_exit=None,
-                               pid=None, upstream=self.up)
+        return SupervisorStatus(state=State.READY, reason=None, restarts=0, started_at=self.t0,
+                                child_started_at=self.t0, ready_since=self.t0, last_exit=None,
+                                pid=None, upstream=self.up)
 
     async def wait_ready(self, timeout: float):
         return self.up

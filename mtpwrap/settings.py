@@ -21,7 +21,7 @@ DEFAULT_CONFIG = Path("/etc/mtpwrap/mtpwrap.yaml")
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # "str" | "int" | "float" | "bool" | "list"
+    kind: str  # "str" | "int" | "float" | "bool" | "tristate" (bool or "auto") | "list"
     default: Any
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # how to describe a valid value in an error
@@ -47,6 +47,9 @@ TOP: dict[str, Key] = {
     "binary": Key("str", None),
     # a recorded hardware snapshot (`mtpwrap hw --record`) instead of this machine's NVML
     "hw_replay": Key("str", None),
+    # the memory plan that gates a GPU launch: auto (refuse what does not fit or cannot be
+    # planned), skip (launch unchecked; `up --no-plan`)
+    "plan": Key("str", "auto", lambda v: v in ("auto", "skip"), "auto or skip"),
     "api_key_file": Key("str", None),
     "drain_s": Key("float", 30.0, _nonneg, "a number of seconds >= 0"),
     # before draining: /readyz says 503 while requests are still taken, so a load balancer's
@@ -66,7 +69,9 @@ SUPERVISOR: dict[str, Key] = {
     "max_failures": Key("int", 5, _pos, "an integer >= 1"),
     "failure_window_s": Key("float", 300.0, _pos, "a number of seconds > 0"),
     "oom_max_retries": Key("int", 8, _pos, "an integer >= 1"),
-    "oom_step_down": Key("bool", False),
+    # step down to cheaper launches after out-of-memory starts: true, false, or auto (on when
+    # the memory plan leaves the GPU near its edge)
+    "oom_step_down": Key("tristate", "auto"),
     "stop_grace_s": Key("float", 10.0, _nonneg, "a number of seconds >= 0"),
     "wedge_s": Key("float", 60.0, _nonneg, "a number of seconds >= 0 (0: off)"),
     "rss_limit_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: off)"),
@@ -86,6 +91,7 @@ class Settings:
     port: int
     binary: str | None
     hw_replay: str | None
+    plan: str
     api_key_file: str | None
     drain_s: float
     drain_grace_s: float
@@ -111,6 +117,16 @@ def convert(raw: Any, key: Key, where: str, name: str, *, strict: bool = False) 
     bad = False
     if strict and key.kind != "list" and isinstance(raw, str) != (key.kind == "str"):
         bad = True  # a YAML value of another type ("3" for 3, 5 for a host name)
+    elif key.kind == "tristate":
+        low = raw.strip().lower() if isinstance(raw, str) else raw
+        if low == "auto":
+            value = "auto"
+        elif isinstance(low, bool):
+            value = low
+        elif low in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            value = low in ("1", "true", "yes", "on")
+        else:
+            bad = True
     elif key.kind == "list":
         items = [v.strip() for v in raw.split(",") if v.strip()] if isinstance(raw, str) else raw
         if isinstance(items, (list, tuple)) and all(isinstance(v, str) for v in items):
@@ -158,7 +174,8 @@ def convert(raw: Any, key: Key, where: str, name: str, *, strict: bool = False) 
         else:
             bad = True
     expect = key.expect or {"bool": "true or false", "int": "an integer", "float": "a number",
-                            "str": "a string", "list": "a list of strings"}[key.kind]
+                            "str": "a string", "list": "a list of strings",
+                            "tristate": "true, false or auto"}[key.kind]
     if bad or (key.check is not None and not key.check(value)):
         raise ConfigError(f"{where}: {name}: expected {expect}, got {raw!r}.",
                           hint=f"Fix {name} in {where}.")
@@ -270,6 +287,7 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     return Settings(
         profile=values["profile"], model=values["model"], host=values["host"],
         port=values["port"], binary=values["binary"], hw_replay=values["hw_replay"],
+        plan=values["plan"],
         api_key_file=keys_file,
         drain_s=values["drain_s"], drain_grace_s=values["drain_grace_s"],
         ready_timeout_s=values["ready_timeout_s"],

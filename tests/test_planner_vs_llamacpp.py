@@ -51,6 +51,10 @@ CASES = [
     ("llama3-8b", dict(n_ctx=16384, type_k="q8_0", type_v="q8_0", n_slots=4,
                        kv_unified=False)),
     ("gemma3-12b", dict(n_ctx=131072, type_k="f16", type_v="f16")),
+    # sliding-window layers with four slots: one stream per slot, as llama.cpp keeps them when
+    # -np is given (the launch's plan_config says so, see test_resolve)
+    ("gemma3-12b", dict(n_ctx=32768, type_k="f16", type_v="f16", n_slots=4,
+                        kv_unified=False)),
 ]
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from mtpwrap import settings
 from mtpwrap.build import tiny_gguf
+from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import service
 
@@ -43,9 +44,10 @@ def replay(tmp_path: Path, free_gib: float | None = None) -> Path:
 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None) -> service.Launch:
+            free_gib: float | None = None, plan: str | None = None) -> service.Launch:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
-                                "hw_replay": str(replay(tmp_path, free_gib))}, env={})
+                                "hw_replay": str(replay(tmp_path, free_gib)), "plan": plan},
+                               env={})
     return service.resolve_launch(s)
 
 
@@ -70,14 +72,42 @@ def test_plan_that_does_not_fit_stops_before_the_start(tmp_path: Path,
         resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=8)
 
 
-def test_unknown_kv_size_plans_nothing_but_still_launches(tmp_path: Path,
-                                                        fork_binary: Path,
-                                                        model_27b: Path) -> None:
-    # tbq4_0 is sized by measuring the built fork; without that measurement nothing is refused.
-    launch = resolve(tmp_path, "4090-262k", model_27b, fork_binary)
-    assert launch.info["memory_plan"].startswith("not planned (KV cache type 'tbq4_0'")
+def test_a_gpu_launch_that_cannot_be_planned_is_refused_unless_told(tmp_path: Path,
+                                                                   fork_binary: Path,
+                                                                   model_27b: Path) -> None:
+    # tbq4_0 is sized by measuring the built fork; without that measurement the plan cannot be
+    # made, and the flagship profile is not launched unchecked.
+    with pytest.raises(ConfigError) as info:
+        resolve(tmp_path, "4090-262k", model_27b, fork_binary)
+    assert "the memory plan could not be made (KV cache type 'tbq4_0'" in str(info.value)
+    assert "--no-plan" in str(info.value)
+    launch = resolve(tmp_path, "4090-262k", model_27b, fork_binary, plan="skip")
+    assert launch.info["memory_plan"] == "skipped (--no-plan)"
+    assert any("not checked against the GPU's free memory" in w for w in launch.warnings)
     spec = launch.factory(1, "k" * 20, 0)
     assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbq4_0"]
+
+
+def test_a_plan_that_does_not_fit_names_the_contexts_that_do(tmp_path: Path,
+                                                            fork_binary: Path,
+                                                            model_27b: Path) -> None:
+    """20 GiB free and 4090-128k-q8: 128K does not fit, but smaller contexts do, for q8_0 and
+    for the profile's fallback types."""
+    with pytest.raises(ConfigError) as info:
+        resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=20)
+    msg = str(info.value)
+    assert "short by" in msg and "No context fits" not in msg
+    listed = dict(part.split(": ") for part in
+                  msg.split("Largest context that fits per KV type — ")[1].rstrip(".").split(", "))
+    assert "q8_0" in listed
+    fits_q8 = int(listed["q8_0"].replace(",", ""))
+    assert 0 < fits_q8 < 131072
+    # and that context really fits: the same profile at that context is planned and launched
+    shipped = profiles.shipped_dirs()[1] / "4090-128k-q8.yaml"
+    smaller = tmp_path / "4090-128k-q8.yaml"
+    smaller.write_text(shipped.read_text().replace("context: 131072", f"context: {fits_q8}"))
+    launch = resolve(tmp_path, str(smaller), model_27b, fork_binary, free_gib=20)
+    assert f"at context {fits_q8:,}" in launch.info["memory_plan"]
 
 
 def test_cpu_profile_defers_the_plan(tmp_path: Path, fork_binary: Path) -> None:
@@ -86,3 +116,57 @@ def test_cpu_profile_defers_the_plan(tmp_path: Path, fork_binary: Path) -> None:
     assert launch.info["memory_plan"] is None and launch.deferred is not None
     launch.deferred()
     assert "GiB on the host at context 4,096" in launch.info["memory_plan"]
+
+
+def test_multi_slot_plans_one_kv_stream_per_slot(tmp_path: Path) -> None:
+    """llama-server keeps one KV stream per slot when -np is given (a unified pool only when
+    -np is "auto"): sliding-window caches are then per slot, window + ubatch each."""
+    from mtpwrap.decide import gguf_facts, launch, resolve
+
+    model = tiny_gguf.write_shape_only(tmp_path / "gemma3-12b.gguf", "gemma3-12b")
+    facts = gguf_facts.read_facts(model)
+    cfg = launch.plain(model, context=32768, slots=4, why="test")
+    pc = resolve.plan_config(cfg, facts, backend="cpu")
+    assert pc.kv_unified is False
+    assert resolve.plan_config(cfg.replace(kv_unified=True), facts, backend="cpu").kv_unified
+    from mtpwrap.decide.planner import plan
+
+    p = plan(facts, pc, None)
+    unified = plan(facts, resolve.plan_config(cfg.replace(kv_unified=True), facts,
+                                              backend="cpu"), None)
+    # per slot: window + ubatch cells in every SWA layer, so more than one shared window
+    assert p.row("main KV").bytes > unified.row("main KV").bytes
+
+
+def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Path,
+                                                                    fork_binary: Path,
+                                                                    model_27b: Path) -> None:
+    """128K with q8_0 KV on a 4090: the plan fits with little to spare, so `auto` turns
+    step-down on; each rung of the ladder plans fewer bytes than the one before."""
+    roomy = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=80)
+    assert roomy.info["near_edge"] is False
+    s = settings.load_settings({}, env={})
+    assert service.supervisor_config(s, roomy).oom_step_down is False
+    tight = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)  # 23.5 GiB free
+    assert tight.info["near_edge"] is True
+    assert service.supervisor_config(s, tight).oom_step_down is True
+    off = settings.load_settings({}, env={"MTPWRAP_SUPERVISOR_OOM_STEP_DOWN": "false"})
+    assert service.supervisor_config(off, tight).oom_step_down is False
+
+    cost = tight.resolved.cost()
+    assert cost is not None
+    rungs = []
+    step = 1
+    while (spec := tight.factory(4321, "k" * 20, step)) is not None:
+        rungs.append(spec)
+        step += 1
+    assert rungs and rungs[-1].note.startswith(f"step-down {len(rungs)}: ")
+    from mtpwrap.decide import launch
+
+    cfgs = launch.ladder(tight.resolved.launch, tight.resolved.inputs.caps,
+                         tight.resolved.inputs.kv_sizes, cost)
+    assert [c.note for c in cfgs] == [r.note for r in rungs]
+    totals = [cost(tight.resolved.launch)] + [cost(c) for c in cfgs]
+    assert all(a > b for a, b in zip(totals, totals[1:], strict=False)), totals
+    # MTP depth 3 → 1 saves least (a few recurrent snapshots), so it comes first
+    assert "draft depth 1" in cfgs[0].note

@@ -389,6 +389,9 @@ def test_oom_steps_down_then_fails_when_nothing_fits(tmp_path: Path, caplog: Any
         assert await sup.wait_ready(20) is None
         st = sup.status()
         assert st.state is State.FAILED and "out of GPU memory at load 5 times" in (st.reason or "")
+        # the rung it stopped at is reported (status, /healthz, metric, state file)
+        assert (st.step, st.step_note) == (2, "step 2")
+        assert st.to_dict()["step_down"] == 2
         await sup.stop(1)
 
     with caplog.at_level(logging.WARNING, logger="mtpwrap.supervisor"):
@@ -434,3 +437,25 @@ def test_child_output_goes_to_a_file_and_rate_limited_to_the_log(tmp_path: Path,
     assert in_file > 100 and in_log < 40
     assert "lines not shown; see" in caplog.text
     assert "llama-server[" in caplog.text
+
+
+def test_out_of_memory_while_serving_is_a_crash_not_a_load_failure(tmp_path: Path) -> None:
+    """An out-of-memory line from a child that was READY (a long request) does not step the
+    launch down: only a start that runs out of memory while loading does."""
+    steps: list[int] = []
+
+    async def scenario() -> None:
+        sup, events = make({"oom_after_s": 0.3}, tmp_path, oom_step_down=True,
+                           oom_step_after=1, max_failures=2, steps=steps)
+        await sup.start()
+        assert await sup.wait_ready(10) is not None
+        deadline = time.monotonic() + 20
+        while sup.status().state is not State.FAILED and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        st = sup.status()
+        assert st.state is State.FAILED and "failed 2 times" in (st.reason or ""), st.reason
+        assert st.step == 0
+        await sup.stop(1)
+
+    run(scenario())
+    assert steps and set(steps) == {0}

@@ -21,27 +21,31 @@ import click
               help="Hardware recording to use instead of this machine (see `mtpwrap hw`).")
 @click.option("--port", type=int, envvar="MTPWRAP_UPSTREAM_PORT",
               help="Internal port to show in the command line.")
+@click.option("--no-plan", "no_plan", is_flag=True,
+              help="As `up --no-plan`: no memory plan, so nothing is refused for memory.")
 @click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
 def command(profile_name: str, model: str | None, binary: Path | None, replay: Path | None,
-            port: int | None, as_json: bool) -> None:
+            port: int | None, no_plan: bool, as_json: bool) -> None:
     """Print the llama-server command line for a profile, and why each flag is there."""
     from mtpwrap import console
     from mtpwrap.decide import resolve
 
     inp = resolve.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
-    r = resolve.resolve_inputs(inp)
+    # a model that is not here cannot be planned: the preview shows the argv without a plan
+    here = Path(inp.model).is_file()
+    r = resolve.resolve_inputs(inp, plan=False if no_plan or not here else None)
     spec = r.render(port=port)
     warnings = inp.warnings + spec.warnings
     assert inp.caps is not None
     if as_json:
         console.print_json({**spec.to_dict(), "profile_reason": inp.profile_reason,
                             "warnings": warnings, "binary": inp.caps.describe(),
-                            "memory_plan": r.plan_text})
+                            "memory_plan": r.memory_text})
         return
     console.out.print(f"# profile {inp.profile.name}: {inp.profile_reason}", markup=False)
     console.out.print(f"# binary {inp.caps.describe()}", markup=False)
-    if r.plan_text:
-        console.out.print(f"# memory plan {r.plan_text}", markup=False)
+    if r.memory_text:
+        console.out.print(f"# memory plan {r.memory_text}", markup=False)
     console.out.print(shlex.join(spec.argv), markup=False)
     console.out.print("")
     width = max((len(d.flag) for d in spec.decisions), default=0)

@@ -119,12 +119,15 @@ def _overrides(model: str | None, context: int | None, kv: str | None, spec: str
               help="Micro-batch size (-ub; default 512).")
 @click.option("--flash-attn/--no-flash-attn", default=None, envvar="MTPWRAP_FLASH_ATTN",
               help="Flash attention (default: the profile's, else auto).")
+@click.option("--measure/--no-measure", default=True, envvar="MTPWRAP_PLAN_MEASURE",
+              show_default=True,
+              help="Also ask the built binary (llama-fit-params with the same flags).")
 @click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON",
               help="Print the plan as JSON.")
 def command(model: str | None, profile: str | None, gpu: str | None, replay: Path | None,
             binary: Path | None, context: int | None, kv: str | None, spec: str | None,
             depth: int | None, kv_draft: str | None, slots: int | None, ubatch: int | None,
-            flash_attn: bool | None, as_json: bool) -> None:
+            flash_attn: bool | None, measure: bool, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
     from mtpwrap.decide import profiles, resolve
@@ -158,6 +161,8 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
                                refuse=False)
     if r.plan is None:
         raise ConfigError(f"{inp.model}: {r.plan_text}")
+    if measure and inp.caps is not None and r.measured_text is None:
+        resolve.measure(r, refuse=False)
     p = r.plan
     device = resolve.device_bytes(inp.profile, snap)
     desc = (snap.gpus[0].name or "GPU 0") if device is not None else "CPU (host memory)"
@@ -165,6 +170,8 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         d = p.to_dict()
         d["device"] = desc
         d["profile"] = inp.profile.name
+        d["measured"] = r.measured
+        d["measured_text"] = r.measured_text
         console.print_json(d)
         return
     for w in [*inp.warnings, *r.launch.warnings, *p.warnings]:
@@ -176,12 +183,31 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
     rows = [[row.name, row.where, _fmt(row.bytes), row.note] for row in p.rows]
     rows.append(["total on device", "gpu" if device is not None else "host", _fmt(p.total), ""])
     console.table(title, ["buffer", "where", "MiB", "detail"], rows)
+    # on the CPU every row is host memory: the device total is the host total
+    host_needed = p.total if device is None else p.total + p.host_total
+    if r.measured:
+        m = r.measured
+        console.out.print(
+            f"llama.cpp's own figures (llama-fit-params, same flags): weights "
+            f"{_fmt(m['weights'])}, KV {_fmt(m['kv'])}, recurrent {_fmt(m['recurrent'])}, "
+            f"compute {_fmt(m['compute'])}, output {_fmt(m['output'])}; total "
+            f"{_fmt(m['total'])} MiB (plan: {_fmt(host_needed)} MiB)")
+    elif r.measured_text:
+        console.out.print(f"llama.cpp's own figures: {r.measured_text}")
     if device is None:
-        console.out.print(f"host memory needed: {_fmt(p.total + p.host_total)} MiB")
+        console.out.print(f"host memory needed: {_fmt(host_needed)} MiB")
         return
-    verdict = "FITS" if p.fits else "DOES NOT FIT"
     assert p.headroom is not None
-    console.out.print(f"{verdict}: {_fmt(p.total)} MiB + {_fmt(cfg.margin)} MiB margin of "
-                      f"{_fmt(device)} MiB; headroom {_fmt(p.headroom)} MiB")
+    if r.measured:
+        # llama.cpp's own figures decide; the plan's stand beside them
+        total = r.measured["total"]
+        verdict = "FITS" if total + cfg.margin <= device else "DOES NOT FIT"
+        console.out.print(f"{verdict} (llama.cpp's own figures): {_fmt(total)} MiB + "
+                          f"{_fmt(cfg.margin)} MiB margin of {_fmt(device)} MiB; headroom "
+                          f"{_fmt(device - total - cfg.margin)} MiB (plan: {_fmt(p.total)} MiB)")
+    else:
+        verdict = "FITS" if p.fits else "DOES NOT FIT"
+        console.out.print(f"{verdict}: {_fmt(p.total)} MiB + {_fmt(cfg.margin)} MiB margin of "
+                          f"{_fmt(device)} MiB; headroom {_fmt(p.headroom)} MiB")
     largest = ", ".join(f"{t} {n:,}" for t, n in p.largest_context.items())
     console.out.print(f"largest context that fits: {largest}")

@@ -21,12 +21,15 @@ import click
               "[env: MTPWRAP_API_KEY_FILE; keys also from MTPWRAP_API_KEYS]")
 @click.option("--drain-s", help="Seconds in-flight requests get on shutdown. "
               "[env: MTPWRAP_DRAIN_S; default: 30]")
+@click.option("--no-plan", "no_plan", is_flag=True, default=None,
+              help="Launch a GPU profile without the memory plan's check (say so in the "
+                   "summary). [env: MTPWRAP_PLAN=skip]")
 @click.option("--config", "config", type=click.Path(path_type=Path), envvar="MTPWRAP_CONFIG",
               help="YAML config file. [env: MTPWRAP_CONFIG; default: /etc/mtpwrap/mtpwrap.yaml "
                    "when present]")
 def command(profile: str | None, model: str | None, host: str | None, port: str | None,
             binary: str | None, api_key_file: str | None, drain_s: str | None,
-            config: Path | None) -> None:
+            no_plan: bool | None, config: Path | None) -> None:
     """Serve a profile: start llama-server on loopback, keep it running, front it over HTTP.
 
     Runs in the foreground until SIGTERM or Ctrl-C, then drains and stops cleanly. Exit codes:
@@ -37,6 +40,7 @@ def command(profile: str | None, model: str | None, host: str | None, port: str 
     from mtpwrap.run import service
 
     cli = {"profile": profile, "model": model, "host": host, "port": port, "binary": binary,
-           "api_key_file": api_key_file, "drain_s": drain_s}
+           "api_key_file": api_key_file, "drain_s": drain_s,
+           "plan": "skip" if no_plan else None}
     s = settings.load_settings(cli, config=config)
     sys.exit(service.run_up(s))

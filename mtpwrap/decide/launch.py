@@ -17,7 +17,7 @@ environment variable the binary names for `--api-key` (`LLAMA_API_KEY`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -531,39 +531,71 @@ def bits_per_value(t: str, kv_sizes: Mapping[str, Any] | None = None) -> float:
 
 
 def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,
-           kv_sizes: Mapping[str, Any] | None = None) -> list[LaunchConfig]:
-    """The cheaper variants tried after out-of-memory starts, each cumulative: draft depth down
-    to 1, speculation off, a KV type that is smaller per value (among those the binary offers),
-    then the context halved down to CONTEXT_FLOOR. A step that changes nothing is left out."""
+           kv_sizes: Mapping[str, Any] | None = None,
+           cost: Callable[[LaunchConfig], int] | None = None) -> list[LaunchConfig]:
+    """The cheaper launches tried after out-of-memory starts, each cumulative: draft depth
+    down to 1, speculation off, each smaller KV type per value (among those the binary offers),
+    the context halved down to CONTEXT_FLOOR. With `cost` (planned bytes of a launch) the
+    groups go in the order of the bytes their first step saves, least first, and a step that
+    saves nothing is left out; without it, in that fixed order, leaving out steps that change
+    nothing."""
+    def depth(c: LaunchConfig) -> LaunchConfig | None:
+        if c.spec in ("mtp", "draft") and c.depth is not None and c.depth > 1:
+            return c.replace(depth=1, why={"depth": "step-down after out-of-memory"},
+                             note="draft depth 1")
+        return None
+
+    def no_spec(c: LaunchConfig) -> LaunchConfig | None:
+        if c.spec == "none":
+            return None
+        return c.replace(spec="none", spec_type=None, depth=None, p_min=None, ngram_n=None,
+                         draft_model=None, draft_k=None, draft_v=None,
+                         why={"spec_type": "step-down after out-of-memory"},
+                         note="no speculation")
+
+    def kv(c: LaunchConfig) -> LaunchConfig | None:
+        smaller = _smaller_kv(c, caps, kv_sizes)
+        if smaller is None:
+            return None
+        return c.replace(cache_k=smaller, cache_v=smaller, flash_attn="on",
+                         why={"cache_k": "step-down after out-of-memory",
+                              "cache_v": "step-down after out-of-memory",
+                              "flash_attn": f"quantized V cache ({smaller}) needs it"},
+                         note=f"KV {smaller}")
+
+    def context(c: LaunchConfig) -> LaunchConfig | None:
+        if c.context <= CONTEXT_FLOOR:
+            return None
+        n = max(CONTEXT_FLOOR, c.context // 2)
+        return c.replace(context=n, why={"context": "step-down after out-of-memory"},
+                         note=f"context {n}")
+
+    groups: list[tuple[Callable[[LaunchConfig], LaunchConfig | None], bool]] = [
+        (depth, False), (no_spec, False), (kv, True), (context, True)]  # (step, repeats)
+    if cost is not None:
+        base = cost(cfg)
+
+        def saved(step: Callable[[LaunchConfig], LaunchConfig | None]) -> int:
+            nxt = step(cfg)
+            return 0 if nxt is None else base - cost(nxt)
+
+        ranked = [(saved(g[0]), i, g) for i, g in enumerate(groups)]
+        groups = [g for s, _, g in sorted(ranked) if s > 0 or g[0] is context]
     steps: list[LaunchConfig] = []
-    done: list[str] = []
-
-    def step(c: LaunchConfig, note: str) -> LaunchConfig:
-        done.append(note)
-        nxt = dataclasses.replace(c, note="step-down " + f"{len(done)}: " + ", ".join(done))
-        steps.append(nxt)
-        return nxt
-
-    cur = cfg
-    if cur.spec in ("mtp", "draft") and cur.depth is not None and cur.depth > 1:
-        cur = step(cur.replace(depth=1, why={"depth": "step-down after out-of-memory"}),
-                   "draft depth 1")
-    if cur.spec != "none":
-        cur = step(cur.replace(spec="none", spec_type=None, depth=None, p_min=None,
-                               ngram_n=None, draft_model=None, draft_k=None, draft_v=None,
-                               why={"spec_type": "step-down after out-of-memory"}),
-                   "no speculation")
-    while (smaller := _smaller_kv(cur, caps, kv_sizes)) is not None:
-        cur = step(cur.replace(cache_k=smaller, cache_v=smaller, flash_attn="on",
-                               why={"cache_k": "step-down after out-of-memory",
-                                    "cache_v": "step-down after out-of-memory",
-                                    "flash_attn": f"quantized V cache ({smaller}) needs it"}),
-                   f"KV {smaller}")
-    ctx = cur.context
-    while ctx > CONTEXT_FLOOR:
-        ctx = max(CONTEXT_FLOOR, ctx // 2)
-        cur = step(cur.replace(context=ctx, why={"context": "step-down after out-of-memory"}),
-                   f"context {ctx}")
+    notes: list[str] = []
+    cur, cur_cost = cfg, cost(cfg) if cost is not None else 0
+    for step, repeats in groups:
+        while (nxt := step(cur)) is not None:
+            if cost is not None:
+                c = cost(nxt)
+                if c >= cur_cost:
+                    break  # saves nothing more
+                cur_cost = c
+            notes.append(nxt.note or "")
+            cur = dataclasses.replace(nxt, note=f"step-down {len(notes)}: " + ", ".join(notes))
+            steps.append(cur)
+            if not repeats:
+                break
     return steps
 
 
@@ -594,9 +626,10 @@ def _smaller_kv(cfg: LaunchConfig, caps: Capabilities | None,
 
 
 def step_down(cfg: LaunchConfig, step: int, caps: Capabilities | None = None,
-              kv_sizes: Mapping[str, Any] | None = None) -> LaunchConfig | None:
+              kv_sizes: Mapping[str, Any] | None = None,
+              cost: Callable[[LaunchConfig], int] | None = None) -> LaunchConfig | None:
     """`cfg` itself for step 0, the `step`-th rung of the ladder, or None past its end."""
     if step <= 0:
         return cfg
-    steps = ladder(cfg, caps, kv_sizes)
+    steps = ladder(cfg, caps, kv_sizes, cost)
     return steps[step - 1] if step <= len(steps) else None

@@ -67,6 +67,8 @@ class PlanConfig:
     #: logits rows reserved per ubatch; None: what llama-server reserves (slots × (1 + depth)).
     #: llama-fit-params reserves a whole ubatch.
     n_outputs: int | None = None
+    #: spec "draft": the draft model's tensor bytes (on the device with the target)
+    draft_weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -129,8 +131,10 @@ def type_size(t: str, kv_sizes: dict[str, Any] | None = None) -> tuple[int, int]
 
 
 def row_bytes(t: str, n_values: int, kv_sizes: dict[str, Any] | None = None) -> int:
+    """Bytes of one row of n_values. Measured sizes are per 256 values (every ggml block size
+    divides 256), so a row is n_values/256 of that, not a whole 256-value block."""
     block, size = type_size(t, kv_sizes)
-    return -(-n_values // block) * size
+    return -(-n_values * size // block)
 
 
 def _pad(x: int, n: int) -> int:
@@ -295,6 +299,9 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         f"V {cfg.type_v_draft} (-ctkd/-ctvd)"))
         rows.append(Row("MTP compute", compute_bytes(facts, n_ctx, cfg, mtp_context=True), gpu,
                         "estimate"))
+    if cfg.spec == "draft" and cfg.draft_weight_bytes:
+        rows.append(Row("draft model weights", cfg.draft_weight_bytes, gpu,
+                        "the draft model (-md), all layers with the target's"))
     rows.append(Row("compute", compute_bytes(facts, n_ctx, cfg), gpu,
                     f"estimate, ubatch {cfg.ubatch}, flash attention "
                     f"{'on' if cfg.flash_attn else 'off'}"))

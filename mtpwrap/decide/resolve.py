@@ -10,7 +10,8 @@ capabilities, the snapshot or a recording of one, the profile, the model).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,39 @@ class Resolved:
     launch: LaunchConfig
     plan: MemoryPlan | None = None
     plan_text: str | None = None
+    #: what llama.cpp itself would allocate for this launch (llama-fit-params), when measured
+    measured: dict[str, int] | None = None
+    measured_text: str | None = None
+    facts: ModelFacts | None = None  #: the model's header, once planned
+
+    @property
+    def near_edge(self) -> bool:
+        """The planned (or measured) launch leaves less than a tenth of the device, or under
+        2 GiB, free: out-of-memory starts are then likely enough to step down by default."""
+        device = device_bytes(self.profile, self.inputs.snapshot)
+        if device is None or self.plan is None:
+            return False
+        used = (self.measured or {}).get("total") or self.plan.total
+        return device - used - self.plan.config.margin < max(device // 10, 2 * GiB)
+
+    def cost(self) -> Callable[[LaunchConfig], int] | None:
+        """Planned device bytes of a launch derived from this one (the step-down ladder orders
+        and checks its steps with it); None when there is no plan to ask."""
+        if self.plan is None or self.facts is None:
+            return None
+        from mtpwrap.decide import planner
+
+        facts, pc0, kv_sizes = self.facts, self.plan.config, self.inputs.kv_sizes
+        device = self.plan.device_bytes
+
+        def cost(c: LaunchConfig) -> int:
+            pc = plan_config(c, facts, backend=pc0.backend,
+                             draft_weight_bytes=pc0.draft_weight_bytes)
+            try:
+                return planner.plan(facts, pc, device, kv_sizes).total
+            except ConfigError:
+                return 1 << 62  # cannot be sized: never counted as a saving
+        return cost
 
     @property
     def profile(self) -> Profile:
@@ -60,6 +94,13 @@ class Resolved:
     @property
     def planned(self) -> bool:
         return self.plan_text is not None
+
+    @property
+    def memory_text(self) -> str | None:
+        """The plan in a line, with llama.cpp's own figures when they were measured."""
+        if self.plan_text is None:
+            return None
+        return self.plan_text + (f"; {self.measured_text}" if self.measured_text else "")
 
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, cfg: LaunchConfig | None = None
@@ -88,18 +129,24 @@ def device_bytes(profile: Profile, snapshot: HardwareSnapshot | None) -> int | N
     return g.memory_free if g.memory_free is not None else g.memory_total
 
 
-def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str) -> PlanConfig:
-    """The planner's view of a launch: llama.cpp's defaults where the launch leaves one open."""
+def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
+                draft_weight_bytes: int = 0) -> PlanConfig:
+    """The planner's view of a launch: llama.cpp's defaults where the launch leaves one open.
+    llama-server with an explicit -np keeps one KV stream per slot unless -kvu is given (its
+    unified pool is the default only when -np is left to "auto")."""
     from mtpwrap.decide.planner import PlanConfig
 
     ngl = cfg.gpu_layers
     return PlanConfig(
         n_ctx=cfg.context or int(facts.n_ctx_train or 4096),
-        type_k=cfg.cache_k, type_v=cfg.cache_v, n_slots=cfg.slots, spec=cfg.spec,
+        type_k=cfg.cache_k, type_v=cfg.cache_v, n_slots=cfg.slots,
+        kv_unified=bool(cfg.kv_unified) or cfg.slots == 1, spec=cfg.spec,
+        draft_weight_bytes=draft_weight_bytes,
         draft_depth=cfg.depth or 3, type_k_draft=cfg.draft_k or "f16",
         type_v_draft=cfg.draft_v or "f16", ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
         flash_attn=cfg.flash_attn != "off",
-        n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend)
+        n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
+        cpu_repack=cfg.repack is not False)
 
 
 def limit_types(kv_sizes: dict[str, Any] | None) -> list[str]:
@@ -137,6 +184,16 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
     must = profile.context == "max" or on_device(profile, snapshot)
     if plan or (plan is None and must):
         ensure_plan(r, facts=facts, kv_limits=kv_limits, refuse=refuse)
+        if refuse and r.plan is None and on_device(profile, snapshot):
+            why = (r.plan_text or "").removeprefix("not planned (").removesuffix(")")
+            raise ConfigError(
+                f"profile {profile.name}: the memory plan could not be made ({why}), and a "
+                "GPU launch is not started unchecked.",
+                hint="Run `mtpwrap build` (it measures the binary's KV types), choose KV types "
+                     "the planner knows, or pass --no-plan (MTPWRAP_PLAN=skip) to launch "
+                     "unchecked.")
+        if refuse and r.plan is not None and on_device(profile, snapshot):
+            measure(r)  # llama.cpp's own figures decide where the binary can give them
     return r
 
 
@@ -153,7 +210,9 @@ def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
     backend = "cuda" if on_device(prof, inp.snapshot) else "cpu"
     try:
         facts = facts or gguf_facts.read_facts(Path(r.launch.model))
-        pc = plan_config(r.launch, facts, backend=backend)
+        draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
+                 if r.launch.spec == "draft" and r.launch.draft_model else 0)
+        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft)
         if prof.context == "max" and device:
             n = planner.largest_context(facts, pc, device, inp.kv_sizes)
             if n > 0:
@@ -169,7 +228,16 @@ def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
         # e.g. a KV type the planner has no size for yet: plan nothing rather than refuse.
         r.plan, r.plan_text = None, f"not planned ({exc})"
         return r
-    if device is not None and refuse:
+    r.facts = facts
+    if device is not None and refuse and not p.fits:
+        # the largest context that does fit, for the chosen KV type and each of the profile's
+        # fallbacks (it is the context, not everything, that no longer fits)
+        for t in dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]):
+            try:
+                p.largest_context[t] = planner.largest_context(facts, pc, device, inp.kv_sizes,
+                                                               kv_type=t)
+            except ConfigError:
+                continue  # a type without a known size
         planner.check_fits(p)
     r.plan = p
     where = "GPU" if device is not None else "host"
@@ -177,6 +245,46 @@ def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
     if p.headroom is not None:
         text += f", headroom {p.headroom / GiB:.2f} GiB"
     r.plan_text = text
+    return r
+
+
+def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Resolved:
+    """Ask the built binary: llama-fit-params with this launch's exact flags reads the model's
+    header and prints the buffers llama.cpp would allocate (nothing is allocated). The figures
+    go next to the plan's (`measured`); where there is a device, the verdict uses them: a
+    launch llama.cpp itself sizes beyond the free memory is refused. Without the binary or the
+    model file, `measured_text` says why nothing was measured."""
+    from mtpwrap.build import calibrate
+    from mtpwrap.errors import MtpwrapError
+
+    inp = r.inputs
+    if inp.binary is None or not Path(r.launch.model).is_file():
+        r.measured_text = "not measured (no built binary or no model file here)"
+        return r
+    try:
+        fit = calibrate.fit_params_binary(inp.binary)
+        args = calibrate.fit_params_args(fit, r.launch)
+        a = calibrate.parse_allocations(calibrate.run_fit_params(fit, Path(r.launch.model),
+                                                                 args, timeout=timeout))
+    except (MtpwrapError, OSError, subprocess.SubprocessError) as exc:
+        r.measured_text = f"not measured ({exc})"
+        return r
+    r.measured = {"weights": a.model_total, "kv": a.kv_total, "recurrent": a.recurrent_total,
+                  "compute": sum(a.compute_per_context) or a.compute_total,
+                  "output": a.output}
+    total = sum(r.measured.values())
+    r.measured["total"] = total
+    r.measured_text = f"{total / GiB:.2f} GiB measured by llama-fit-params"
+    device = device_bytes(r.profile, inp.snapshot)
+    if (refuse and device is not None and r.plan is not None
+            and total + r.plan.config.margin > device):
+        raise ConfigError(
+            f"{r.launch.model}: llama.cpp itself sizes this launch (context "
+            f"{r.launch.context:,}, KV {r.launch.cache_k}/{r.launch.cache_v}) at "
+            f"{total / GiB:.2f} GiB plus a {r.plan.config.margin / GiB:.2f} GiB margin, but the "
+            f"device has {device / GiB:.2f} GiB free (the analytic plan said "
+            f"{r.plan.total / GiB:.2f} GiB).",
+            hint="Lower the context or choose a smaller KV type in the profile.")
     return r
 
 

@@ -60,12 +60,20 @@ def resolve_launch(settings: Settings) -> Launch:
 
     inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
                          replay=settings.hw_replay)
-    r = resolve.resolve_inputs(inp)
+    skip = settings.plan == "skip"
+    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    gpu = resolve.on_device(inp.profile, inp.snapshot)
+    warnings = list(inp.warnings)
+    if skip:
+        r.plan_text = "skipped (--no-plan)"
+        if gpu:
+            warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
+                            "checked against the GPU's free memory")
     cfg = r.launch
     first = r.render(port=0, api_key="x")  # spells every flag now: a bad one fails here
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes)
+        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes, cost=r.cost())
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung)
@@ -75,20 +83,21 @@ def resolve_launch(settings: Settings) -> Launch:
         "profile": inp.profile.name, "profile_reason": inp.profile_reason,
         "binary": str(inp.binary), "commit": inp.commit, "model": cfg.model,
         "context": cfg.context, "kv": f"{cfg.cache_k} / {cfg.cache_v}",
-        "speculation": cfg.spec_type or "none", "memory_plan": r.plan_text,
+        "speculation": cfg.spec_type or "none", "near_edge": r.near_edge,
+        "memory_plan": r.memory_text,
     }
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
-                    warnings=[*inp.warnings, *first.warnings],
+                    warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
                     slots=cfg.slots, resolved=r)
-    if not r.planned:
+    if not r.planned and not skip:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only.
         def plan_later() -> None:
             try:
-                info["memory_plan"] = resolve.ensure_plan(r).plan_text
+                info["memory_plan"] = resolve.ensure_plan(r).memory_text
             except Exception as exc:  # informational only: never stop serving over it
                 info["memory_plan"] = f"not planned ({exc})"
 
@@ -108,6 +117,9 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
                                    f"supervisor.{key}")
     rss = int(values.pop("rss_limit_mb")) * 2**20
     values.pop("exit_on_failed")
+    if values["oom_step_down"] == "auto":
+        # on when the plan leaves the GPU near its edge, where an out-of-memory start is likely
+        values["oom_step_down"] = bool(launch.info.get("near_edge"))
     return SupervisorConfig(rss_limit_bytes=rss,
                             log_file=paths.log_dir() / "llama-server.log", **values)
 

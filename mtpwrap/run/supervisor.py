@@ -70,6 +70,9 @@ class SupervisorStatus:
     last_exit: str | None
     pid: int | None
     upstream: Upstream | None
+    #: the step-down rung running now (0: the configured launch) and what it changed
+    step: int = 0
+    step_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
@@ -84,6 +87,7 @@ class SupervisorStatus:
             "pid": self.pid,
             "upstream": None if self.upstream is None else {
                 "base_url": self.upstream.base_url, "generation": self.upstream.generation},
+            "step_down": self.step, "step_down_note": self.step_note,
         }
 
 
@@ -131,7 +135,7 @@ class SupervisorConfig:
     failure_window_s: float = _D["failure_window_s"]
     #: out-of-memory starts within the window before FAILED
     oom_max_retries: int = _D["oom_max_retries"]
-    oom_step_down: bool = _D["oom_step_down"]
+    oom_step_down: bool = False  # `up` turns "auto" into on or off from the memory plan
     oom_step_after: int = 2  # consecutive OOM starts before stepping down
     stop_grace_s: float = _D["stop_grace_s"]
     #: no decode progress while requests are processing → restart (0: off)
@@ -172,6 +176,7 @@ class Supervisor:
         self._failures: collections.deque[tuple[float, str]] = collections.deque()
         self._consecutive_oom = 0
         self._step = 0
+        self._step_note: str | None = None
         self._stall_report: tuple[int, str] | None = None
         self._stop_grace = self.config.stop_grace_s
         self._file_logger = make_file_logger(self.config.log_file, self.config.log_max_bytes,
@@ -186,6 +191,7 @@ class Supervisor:
             child_started_at=child.started_at if child else None,
             ready_since=self._ready_since, last_exit=self._last_exit,
             pid=child.pid if child else None, upstream=self._upstream,
+            step=self._step, step_note=self._step_note,
         )
 
     @property
@@ -361,8 +367,16 @@ class Supervisor:
             log.warning("out of memory again, and there is no cheaper configuration left")
             return
         self._step += 1
+        self._step_note = probe.note or "cheaper configuration"
         log.warning("out of memory at load; stepping down (step %d): %s", self._step,
-                    probe.note or "cheaper configuration")
+                    self._step_note)
+
+    def _reset_step_down(self, why: str) -> None:
+        """Back to the configured launch: a clean run means the memory pressure has gone (or
+        the operator changed something), so the next start tries the real thing again."""
+        if self._step:
+            log.info("step-down reset after %s: the next start uses the configured launch", why)
+        self._step, self._step_note = 0, None
 
     async def _one_child(self) -> _Outcome:
         cfg = self.config
@@ -386,17 +400,22 @@ class Supervisor:
         self._child = child
         self._upstream = Upstream(base_url, key, gen)
         log.info("llama-server started: pid %d, %s (generation %d)", child.pid, base_url, gen)
+        loaded = False
         try:
             outcome = await self._bring_up(child)
             if outcome is None:
+                loaded = True
                 outcome = await self._watch(child)
         finally:
             if not self._stop_requested:
                 rc = await child.terminate(cfg.stop_grace_s)
                 self._last_exit = describe_returncode(rc)
                 self._child, self._upstream = None, None
-        if outcome.kind == "exit" and child.saw_oom:
+        if outcome.kind == "exit" and child.saw_oom and not loaded:
+            # out of memory while loading; the same line from a served request is a crash
             outcome = _Outcome("oom", outcome.detail)
+        elif loaded and outcome.kind in ("recycle", "stop"):
+            self._reset_step_down(f"a clean run ({outcome.kind})")
         return outcome
 
     def _exit_outcome(self, child: ChildProcess, when: str) -> _Outcome:

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpwrap.run.supervisor import SupervisorStatus, state_name
+
 log = logging.getLogger("mtpwrap.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -66,7 +68,8 @@ def _first(d: dict[str, Any], *keys: str) -> float | None:
 class _LiveCollector:
     """Values read at scrape time: supervisor status, backend page, GPU."""
 
-    def __init__(self, status: Callable[[], Any], front_stats: Callable[[], dict[str, float]]):
+    def __init__(self, status: Callable[[], SupervisorStatus],
+                 front_stats: Callable[[], dict[str, float]]):
         self._status = status
         self._front_stats = front_stats
         self.backend_families: list[Metric] = []
@@ -74,16 +77,20 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Metric]:
         st = self._status()
-        state = str(getattr(getattr(st, "state", None), "value", getattr(st, "state", "")))
+        state = state_name(st)
         g = GaugeMetricFamily("mtpwrap_supervisor_state", "1 for the supervisor's current state",
                               labels=["state"])
         for s in STATES:
             g.add_metric([s], 1.0 if state == s else 0.0)
         yield g
         c = CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start")
-        c.add_metric([], float(getattr(st, "restarts", 0) or 0))
+        c.add_metric([], float(st.restarts))
         yield c
-        up = getattr(st, "upstream", None)
+        g = GaugeMetricFamily("mtpwrap_step_down", "Step-down rung of the running launch after "
+                              "out-of-memory starts (0: the configured launch)")
+        g.add_metric([], float(st.step))
+        yield g
+        up = st.upstream
         g = GaugeMetricFamily("mtpwrap_child_generation", "Generation of the running child")
         g.add_metric([], float(up.generation) if up is not None else 0.0)
         yield g
@@ -202,7 +209,8 @@ def parse_backend(text: str) -> list[Metric]:
 class FrontMetrics:
     """The front's instruments, all on one private registry."""
 
-    def __init__(self, status: Callable[[], Any], front_stats: Callable[[], dict[str, float]]):
+    def __init__(self, status: Callable[[], SupervisorStatus],
+                 front_stats: Callable[[], dict[str, float]]):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("mtpwrap_requests", "Requests answered, by route and status",

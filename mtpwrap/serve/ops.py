@@ -75,6 +75,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "child_uptime_s": round(now - st.child_started_at, 1) if st.child_started_at else None,
         "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
         "restarts": st.restarts,
+        "step_down": {"step": st.step, "note": st.step_note},
         "last_error": st.last_exit or (st.reason if state_name(st) in ("failed", "backoff")
                                        else None),
         "child_pid": st.pid,

@@ -313,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(min(progress_s, load_s))
     st.loaded = True
     log("main: model loaded")
+    oom_after = st.num("oom_after_s", 0.0)
+    if oom_after:  # out of memory while serving (a long request), not while loading
+        time.sleep(oom_after)
+        log("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: "
+            "cudaMalloc failed: out of memory")
+        return 1
 
     grow = st.num("grow_mb_per_s", 0.0)
     while not stop.is_set():
