@@ -21,7 +21,7 @@ DEFAULT_CONFIG = Path("/etc/mtpwrap/mtpwrap.yaml")
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # "str" | "int" | "float" | "bool"
+    kind: str  # "str" | "int" | "float" | "bool" | "auto-bool" (a bool, or the string "auto")
     default: Any
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # how to describe a valid value in an error
@@ -70,7 +70,10 @@ SUPERVISOR: dict[str, Key] = {
     "rss_limit_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: off)"),
     "memory_interval_s": Key("float", 5.0, _pos, "a number of seconds > 0"),
     "recycle_drain_s": Key("float", 60.0, _nonneg, "a number of seconds >= 0"),
-    "exit_on_failed": Key("bool", False),
+    # after a crash loop (max_failures in failure_window_s): exit 1 instead of staying failed;
+    # auto: exit when started by systemd (NOTIFY_SOCKET set), so its Restart= and start limits
+    # take over
+    "exit_on_failed": Key("auto-bool", "auto"),
 }
 
 SECTIONS = {"supervisor": SUPERVISOR, "proxy": None}  # None: free-form, checked by its owner
@@ -103,7 +106,9 @@ def convert(raw: Any, key: Key, where: str, name: str) -> Any:
     """Turn a YAML value or an environment string into the key's type, or say what is wrong."""
     value: Any = raw
     bad = False
-    if key.kind == "bool":
+    if key.kind == "auto-bool" and isinstance(raw, str) and raw.strip().lower() == "auto":
+        value = "auto"
+    elif key.kind in ("bool", "auto-bool"):
         if isinstance(raw, str):
             low = raw.strip().lower()
             if low in ("1", "true", "yes", "on"):
@@ -143,8 +148,8 @@ def convert(raw: Any, key: Key, where: str, name: str) -> Any:
             value = str(raw)
         else:
             bad = True
-    expect = key.expect or {"bool": "true or false", "int": "an integer", "float": "a number",
-                            "str": "a string"}[key.kind]
+    expect = key.expect or {"bool": "true or false", "auto-bool": "auto, true or false",
+                            "int": "an integer", "float": "a number", "str": "a string"}[key.kind]
     if bad or (key.check is not None and not key.check(value)):
         raise ConfigError(f"{where}: {name}: expected {expect}, got {raw!r}.",
                           hint=f"Fix {name} in {where}.")
