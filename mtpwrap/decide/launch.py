@@ -265,6 +265,7 @@ def build_command(
 
     for source, args in (("profile extra_args", profile.extra_args), ("extra arguments", extra)):
         _check_extra(b, source, list(args))
+        _check_exposure(b, profile, source, list(args))
         b.args += list(args)
         if args:
             b.decisions.append(Decision(" ".join(args), None, f"{source}, passed through"))
@@ -318,6 +319,40 @@ def _speculation(b: _Builder, profile: Profile, draft_model: Path | str | None) 
         dk, dv = _kv_pair(b, spec.draft_kv, "ctkd", "ctvd", "draft ")
         b.add("ctkd", dk, "draft/MTP context K cache type (llama.cpp's default is f16)")
         b.add("ctvd", dv, "draft/MTP context V cache type (llama.cpp's default is f16)")
+
+
+#: llama-server's default log verbosity (3, info): above it, prompts and answers are logged
+DEFAULT_VERBOSITY = 3
+VERBOSE = frozenset({"-v", "--verbose", "--log-verbose"})
+VERBOSITY = frozenset({"-lv", "--verbosity", "--log-verbosity"})
+
+
+def _check_exposure(b: _Builder, profile: Profile, source: str, args: list[str]) -> None:
+    """Extra arguments that log what users send, or open an unauthenticated remote backend,
+    only where the profile says so (log_prompts, allow_rpc)."""
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if flag in VERBOSE or (flag in VERBOSITY and not (
+                value.isdigit() and int(value) <= DEFAULT_VERBOSITY)):
+            if not profile.log_prompts:
+                raise ConfigError(
+                    f"{source}: {a} raises llama-server's log verbosity above its default "
+                    f"({DEFAULT_VERBOSITY}), which writes prompts and answers to the logs.",
+                    hint="Remove it, or set log_prompts: true in the profile if these logs may "
+                         "hold what users send.")
+            b.warn(f"prompts and answers are logged ({source}: {a}; the profile sets "
+                   "log_prompts: true)")
+        elif flag == "--rpc":
+            if not profile.allow_rpc:
+                raise ConfigError(
+                    f"{source}: --rpc sends work to llama.cpp RPC servers, which have no "
+                    "authentication and have had remote-code-execution bugs.",
+                    hint="Remove it, or set allow_rpc: true in the profile once the RPC "
+                         "servers sit on a network only this machine can reach.")
+            b.warn(f"--rpc {value}: llama.cpp's RPC servers accept anyone who reaches them; "
+                   "keep them on a private network (the profile sets allow_rpc: true)")
 
 
 def _check_extra(b: _Builder, source: str, args: list[str]) -> None:
