@@ -101,6 +101,13 @@ def test_required_scope_per_route(method, path, scope):
     assert required_scope(method, path) == scope
 
 
+def test_every_allow_list_feature_has_a_scope():
+    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES, FEATURES, SCOPES
+
+    assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
+    assert set(FEATURE_SCOPES.values()) <= set(SCOPES)
+
+
 def test_scoped_key_file(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# ops\nops-key-0123456789   metrics\nadm-key-0123456789 admin, inference\n"

@@ -197,6 +197,7 @@ def key_table(entries: tuple[str, ...], where: str) -> KeyTable:
         table[secret] = scopes
     return tuple((k.encode("utf-8", "surrogateescape"), v) for k, v in table.items())
 
+
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key a client sent as `Authorization: Bearer K` or `X-Api-Key: K` (nothing else)."""
     auth = headers.get("authorization")
