@@ -77,7 +77,10 @@ SUPERVISOR: dict[str, Key] = {
     "rss_limit_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: off)"),
     "memory_interval_s": Key("float", 5.0, _pos, "a number of seconds > 0"),
     "recycle_drain_s": Key("float", 60.0, _nonneg, "a number of seconds >= 0"),
-    "exit_on_failed": Key("bool", False),
+    # after a crash loop (max_failures in failure_window_s): exit 1 instead of staying failed;
+    # auto: exit when started by systemd (NOTIFY_SOCKET set), so its Restart= and start limits
+    # take over
+    "exit_on_failed": Key("tristate", "auto"),
 }
 
 SECTIONS = {"supervisor": SUPERVISOR, "proxy": None}  # None: free-form, checked by its owner

@@ -8,6 +8,7 @@ with the argv built for cpu-demo.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -263,8 +264,43 @@ def test_extra_args_are_checked(extra: list[str], match: str) -> None:
 
 
 def test_extra_args_pass_through_when_known() -> None:
-    spec = build("cpu-demo", "upstream", "none", extra=["--ctx-checkpoints", "0", "-lv", "4"])
-    assert spec.argv[-4:] == ["--ctx-checkpoints", "0", "-lv", "4"]
+    spec = build("cpu-demo", "upstream", "none", extra=["--ctx-checkpoints", "0", "-lv", "2"])
+    assert spec.argv[-4:] == ["--ctx-checkpoints", "0", "-lv", "2"]
+    assert not spec.warnings
+
+
+@pytest.mark.parametrize("extra", [["-v"], ["--verbose"], ["--log-verbose"], ["-lv", "4"],
+                                   ["--verbosity=5"], ["--log-verbosity", "99"]])
+def test_verbose_logging_needs_log_prompts(extra: list[str]) -> None:
+    with pytest.raises(ConfigError, match="writes prompts and answers to the logs") as err:
+        build("cpu-demo", "upstream", "none", extra=extra)
+    assert "log_prompts: true" in (err.value.hint or "")
+    prof = dataclasses.replace(SHIPPED["cpu-demo"], log_prompts=True)
+    spec = spec_of(prof, CAPS["upstream"], None, extra=extra)
+    assert spec.argv[-len(extra):] == extra
+    assert any("prompts and answers are logged" in w for w in spec.warnings)
+
+
+def test_rpc_needs_allow_rpc_and_warns() -> None:
+    with pytest.raises(ConfigError, match="--rpc .* no authentication") as err:
+        build("cpu-demo", "upstream", "none", extra=["--rpc", "10.0.0.5:50052"])
+    assert "allow_rpc: true" in (err.value.hint or "")
+    prof = dataclasses.replace(SHIPPED["cpu-demo"], allow_rpc=True,
+                               extra_args=("--rpc", "10.0.0.5:50052"))
+    spec = spec_of(prof, CAPS["upstream"], None)
+    assert spec.argv[-2:] == ["--rpc", "10.0.0.5:50052"]
+    assert any("--rpc 10.0.0.5:50052" in w and "private network" in w for w in spec.warnings)
+
+
+def test_profile_opt_ins_are_validated(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    base = (profiles.shipped_dirs()[1] / "cpu-demo.yaml").read_text()
+    path.write_text(base + "log_prompts: yes please\n")
+    with pytest.raises(ConfigError, match="log_prompts: expected true or false"):
+        profiles.load_file(path)
+    path.write_text(base + "allow_rpc: true\nlog_prompts: true\n")
+    prof = profiles.load_file(path)
+    assert prof.allow_rpc and prof.log_prompts
 
 
 # ---------------------------------------------------------------- real llama-server

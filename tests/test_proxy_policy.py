@@ -10,8 +10,11 @@ from mtpwrap.serve.policy import (
     classify,
     derive_allowed_hosts,
     host_of,
-    key_matches,
+    key_scopes,
+    key_table,
     presented_key,
+    read_keys_file,
+    required_scope,
 )
 
 
@@ -79,9 +82,48 @@ def test_presented_key():
     assert presented_key({"x-api-key": "abc"}) == "abc"
     assert presented_key({"authorization": "Basic abc", "x-api-key": "abc"}) is None
     assert presented_key({"api-key": "abc"}) is None
-    assert not key_matches(None, (b"abc",))
-    assert key_matches("abc", (b"zzz", b"abc"))
-    assert not key_matches("ab", (b"abc",))
+    table = key_table(("zzz", "abc inference"), "t")
+    assert key_scopes(None, table) is None
+    assert key_scopes("abc", table) == frozenset({"inference"})
+    assert key_scopes("zzz", table) == frozenset({"inference", "admin", "metrics"})
+    assert key_scopes("ab", table) is None
+
+
+@pytest.mark.parametrize("method,path,scope", [
+    ("POST", "/v1/chat/completions", "inference"), ("GET", "/v1/models", "inference"),
+    ("GET", "/props", "inference"), ("HEAD", "/health", "inference"),
+    ("POST", "/props", "admin"), ("GET", "/slots", "admin"), ("POST", "/slots/3", "admin"),
+    ("GET", "/lora-adapters", "admin"), ("POST", "/lora-adapters", "admin"),
+    ("GET", "/metrics", "metrics"), ("GET", "/healthz", "metrics"),
+    ("GET", "/backend/metrics", "metrics"), ("GET", "/no/such/path", "inference"),
+])
+def test_required_scope_per_route(method, path, scope):
+    assert required_scope(method, path) == scope
+
+
+def test_every_allow_list_feature_has_a_scope():
+    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES, FEATURES, SCOPES
+
+    assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
+    assert set(FEATURE_SCOPES.values()) <= set(SCOPES)
+
+
+def test_scoped_key_file(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# ops\nops-key-0123456789   metrics\nadm-key-0123456789 admin, inference\n"
+                 "old-key-0123456789\n")
+    entries = read_keys_file(str(f), "--api-key-file")
+    table = dict(key_table(entries, "t"))
+    assert table[b"ops-key-0123456789"] == frozenset({"metrics"})
+    assert table[b"adm-key-0123456789"] == frozenset({"admin", "inference"})
+    assert table[b"old-key-0123456789"] == frozenset({"inference", "admin", "metrics"})
+    f.write_text("good-key-0123456789\nsecret-key-0123456789 inference,root\n")
+    with pytest.raises(ConfigError) as err:
+        read_keys_file(str(f), "--api-key-file")
+    assert f"--api-key-file: {f} line 2: unknown scope 'root'" in str(err.value)
+    assert "secret-key" not in str(err.value)  # the message never repeats a key
+    with pytest.raises(ConfigError, match="listed twice with different scopes"):
+        ProxyConfig(api_keys=("same-key-0123456789 admin", "same-key-0123456789"))
 
 
 def test_hosts():

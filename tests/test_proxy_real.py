@@ -247,13 +247,30 @@ def test_disconnect_mid_stream_frees_the_slot(llama, front):
     assert took is not None and took < 2.0, took
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "llama-server 0c1e570 with draft-simple speculation frees a cancelled slot only after "
-    "about 4 s, also when the client talks to it directly; the front closes its connection "
-    "at once (see the fake-upstream test)"))
-def test_disconnect_mid_stream_frees_the_slot_with_speculation(llama_spec, front_spec):
-    took = _leave_mid_stream(llama_spec, front_spec.url)
-    assert took is not None and took < 1.5, took
+def test_disconnect_mid_stream_closes_the_upstream_request_with_speculation(llama_spec,
+                                                                            front_spec):
+    """With draft-simple speculation llama-server 0c1e570 frees a cancelled slot only after
+    about 4 s, also for a client that talks to it directly; what the front guarantees is that
+    its connection to the child closes at once, which is llama-server's cancel signal."""
+    body = {"messages": [{"role": "user", "content": "Write a very long story."}],
+            "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    before = 0
+    with httpx.Client(timeout=120) as c, c.stream(
+            "POST", front_spec.url + "/v1/chat/completions", json=body,
+            headers=front_headers()) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                got += 1
+                if got == 3:
+                    before = _open_conns_to(llama_spec)
+                    break
+    left = time.monotonic()
+    assert before >= 1, "the stream's connection to the child was not seen"
+    while _open_conns_to(llama_spec) >= before and time.monotonic() - left < 5:
+        time.sleep(0.02)
+    took = time.monotonic() - left
+    assert took < 1.0, f"the front kept the child's connection open for {took:.1f} s"
 
 
 def _open_conns_to(child: LlamaChild) -> int:
@@ -292,20 +309,14 @@ def _leave_during_prefill(child: LlamaChild, front_port: int) -> tuple[float, in
 
 
 def test_disconnect_before_first_token_closes_the_upstream_request(llama, front):
+    # What the front guarantees. When the slot frees is llama-server's business: 0c1e570
+    # notices a closed connection during prompt processing late (57 s for a client talking
+    # to it directly on a loaded 2-core machine), so that is not timed here.
     left, before = _leave_during_prefill(llama, front.port)
     while _open_conns_to(llama) >= before and time.monotonic() - left < 5:
         time.sleep(0.02)
     took = time.monotonic() - left
     assert took < 1.0, f"the front kept the child's connection open for {took:.1f} s"
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "llama-server 0c1e570 notices a closed connection during prompt processing late: "
-    "57 s for a client talking to it directly on a loaded 2-core machine"))
-def test_disconnect_before_first_token_frees_the_slot(llama, front):
-    left, _ = _leave_during_prefill(llama, front.port)
-    took = wait_slots_free(llama, 10)
-    assert took is not None and took < 2.0, (took, time.monotonic() - left)
 
 
 # --------------------------------------------------------------------------- 1: child dies

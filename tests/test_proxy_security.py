@@ -303,3 +303,60 @@ def test_internal_key_never_goes_back_to_the_client(fake, front):
     assert fake.api_key.encode() not in r.content
     h = HTTP.get(front.url + "/healthz", headers={"x-api-key": KEY1})
     assert fake.api_key not in h.text
+
+
+# --------------------------------------------------------------------------- scoped keys
+
+INFER, ADMIN, OPS, ALL = ("infer-key-0123456789", "admin-key-0123456789",
+                          "ops-key-0123456789ab", "full-key-0123456789a")
+
+
+@pytest.fixture
+def scoped(fake):
+    cfg = ProxyConfig(api_keys=(f"{INFER} inference", f"{ADMIN} admin", f"{OPS} metrics", ALL),
+                      enable_paths=("slots", "slot-actions", "props-write", "lora-adapters",
+                                    "backend-metrics"))
+    with serve_front(fake.base_url, fake.api_key, cfg) as (srv, _):
+        yield srv
+
+
+SCOPED_ROUTES = [
+    ("POST", "/v1/chat/completions", "inference"), ("POST", "/completion", "inference"),
+    ("GET", "/v1/models", "inference"), ("GET", "/props", "inference"),
+    ("POST", "/props", "admin"), ("GET", "/slots", "admin"),
+    ("POST", "/slots/0?action=save", "admin"), ("POST", "/slots/0?action=erase", "admin"),
+    ("GET", "/lora-adapters", "admin"), ("POST", "/lora-adapters", "admin"),
+    ("GET", "/metrics", "metrics"), ("GET", "/healthz", "metrics"),
+    ("GET", "/backend/metrics", "metrics"),
+]
+
+
+@pytest.mark.parametrize("method,path,needs", SCOPED_ROUTES,
+                         ids=[f"{m} {p}" for m, p, _ in SCOPED_ROUTES])
+def test_each_scope_opens_its_own_paths_only(fake, scoped, method, path, needs):
+    ops_page = path in ("/metrics", "/healthz")
+    for key, scope in ((INFER, "inference"), (ADMIN, "admin"), (OPS, "metrics"), (ALL, None)):
+        before = len(fake.seen)
+        r = HTTP.request(method, scoped.url + path, json={}, headers={"x-api-key": key})
+        if scope is None or scope == needs:
+            assert r.status_code not in (401, 403), (key, r.text)
+            assert ops_page or len(fake.seen) == before + 1  # it reached the child
+        else:
+            assert r.status_code == 403, (key, r.status_code)
+            assert f"needs a key with the {needs} scope" in r.json()["error"]["message"]
+            assert len(fake.seen) == before  # a refused request never reaches the child
+    assert HTTP.request(method, scoped.url + path, json={}).status_code == 401
+    for probe in ("/livez", "/readyz"):  # probes stay open whatever the keys
+        assert HTTP.get(scoped.url + probe).status_code == 200
+
+
+def test_scoped_keys_come_from_the_key_file_and_a_bad_scope_stops_up(tmp_path):
+    from tests.conftest import cli_env, run_cli
+
+    keys = tmp_path / "keys"
+    keys.write_text(f"{INFER} inference\n{OPS} metrics,dashboards\n")
+    r = run_cli("up", "--profile", "cpu-demo", "--api-key-file", str(keys), "--port", "1",
+                env=cli_env(MTPWRAP_HOME=str(tmp_path / "h")))
+    assert r.returncode == 78, r.stderr
+    assert f"{keys} line 2: unknown scope 'dashboards'" in r.stderr
+    assert OPS not in r.stderr + r.stdout and "Traceback" not in r.stderr

@@ -43,6 +43,8 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
     ("port: eighty\n", "port: expected an integer 1..65535, got 'eighty'"),
     ("supervisor:\n  oom_step_down: maybe\n",
      "supervisor.oom_step_down: expected true, false or auto"),
+    ("supervisor:\n  exit_on_failed: sometimes\n",
+     "supervisor.exit_on_failed: expected true, false or auto, got 'sometimes'"),
     ("supervisor: 5\n", "supervisor: expected a mapping, got int"),
     ("- a\n- b\n", "expected a mapping of keys at the top, got list"),
     ("port: [1\n", "not valid YAML"),
@@ -55,6 +57,14 @@ def test_bad_config_file_names_file_and_key(tmp_path: Path, text: str, fragment:
     assert fragment in str(err.value)
     assert str(cfg) in str(err.value)
     assert err.value.exit_code == EXIT_CONFIG
+
+
+def test_exit_on_failed_is_auto_unless_set(tmp_path: Path) -> None:
+    assert load_settings({}, env={}).supervisor["exit_on_failed"] == "auto"
+    cfg = write(tmp_path, "supervisor:\n  exit_on_failed: true\n")
+    assert load_settings({}, env={}, config=cfg).supervisor["exit_on_failed"] is True
+    env = {"MTPWRAP_SUPERVISOR_EXIT_ON_FAILED": "Auto"}
+    assert load_settings({}, env=env, config=cfg).supervisor["exit_on_failed"] == "auto"
 
 
 def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:

@@ -204,3 +204,114 @@ def test_service_install_command_writes_where_told(tmp_path: Path) -> None:
     assert r.returncode == 0 and not (units / "mtpwrap.service").exists()
     r = run_cli("service", "install", "--unit-dir", str(tmp_path / "none"), "--no-user")
     assert r.returncode == 78 and "no such directory" in r.stderr
+
+
+class _Service:
+    """`up`'s serve loop over the fake llama-server, with a NOTIFY_SOCKET reader we own."""
+
+    def __init__(self, tmp_path: Path, faults: str, **env: str) -> None:
+        self.sock, address = _listen(tmp_path, abstract=True)
+        self.sock.settimeout(0.2)
+        self.env = cli_env(NOTIFY_SOCKET=address, MTPWRAP_HOME=str(tmp_path / "h"),
+                           FAKE_LLAMA_FAULTS=faults, MTPWRAP_DRAIN_S="2", **env)
+        self.t0 = time.monotonic()
+        self.log = tmp_path / "up.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fakes.serve_fake", str(_free_port())], env=self.env,
+            cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT, text=True)
+        self.got: list[tuple[float, str]] = []
+
+    def pump(self, until: float, stop_when: str | None = None) -> None:
+        """Read datagrams until the monotonic time `until` (or one that contains stop_when);
+        returns early once mtpwrap has exited and nothing more arrives."""
+        while time.monotonic() < until:
+            try:
+                msg = self.sock.recv(4096).decode()
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    return
+                continue
+            self.got.append((time.monotonic() - self.t0, msg))
+            if stop_when and stop_when in msg:
+                return
+
+    def first(self, text: str) -> float:
+        return next(t for t, m in self.got if text in m)
+
+    def close(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.sock.close()
+        return self.log.read_text()
+
+
+# A child that dies of SIGSEGV on every start: three crashes within the window → failed.
+CRASH_LOOP = {"MTPWRAP_SUPERVISOR_MAX_FAILURES": "3", "MTPWRAP_SUPERVISOR_FAILURE_WINDOW_S": "60",
+              "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.3"}
+
+
+def test_crash_loop_under_systemd_stops_extending_and_exits_1(tmp_path: Path) -> None:
+    svc = _Service(tmp_path, "segv=1", **CRASH_LOOP)
+    try:
+        svc.pump(time.monotonic() + 30, "STATUS=failed")
+        failed_at = svc.first("STATUS=failed")
+        assert "signal 11" in next(m for _t, m in svc.got if "STATUS=failed" in m)
+        rc = svc.proc.wait(15)
+        exited_at = time.monotonic() - svc.t0
+        svc.pump(time.monotonic() + 1)
+    finally:
+        out = svc.close()
+    assert rc == 1, out
+    # within the crash-loop window (3 starts, 0.3 + 0.6 s of backoff) plus a margin
+    assert failed_at < 20 and exited_at - failed_at < 8, (failed_at, exited_at)
+    after = [m for t, m in svc.got if t >= failed_at]
+    assert not any("EXTEND_TIMEOUT_USEC" in m for m in after), after
+    assert not any("READY=1" in m for _t, m in svc.got)
+    assert any("EXTEND_TIMEOUT_USEC" in m for t, m in svc.got if t < failed_at)  # it did load
+    assert "exiting 1" in out and "Traceback" not in out
+
+
+def test_failed_without_exit_stops_extending_the_start_timeout(tmp_path: Path) -> None:
+    """exit_on_failed: false keeps mtpwrap up and failed, but no longer extends systemd's
+    start timeout: TimeoutStartSec acts on a unit that can never become ready."""
+    svc = _Service(tmp_path, "segv=1", MTPWRAP_SUPERVISOR_EXIT_ON_FAILED="false", **CRASH_LOOP)
+    try:
+        svc.pump(time.monotonic() + 30, "STATUS=failed")
+        failed_at = svc.first("STATUS=failed")
+        svc.pump(time.monotonic() + 6.5)  # more than one extension period (5 s)
+        assert svc.proc.poll() is None  # told to stay
+        svc.proc.send_signal(signal.SIGTERM)
+        rc = svc.proc.wait(15)
+    finally:
+        out = svc.close()
+    after = [m for t, m in svc.got if t >= failed_at]
+    assert not any("EXTEND_TIMEOUT_USEC" in m for m in after), after
+    assert rc == 1, out  # it stopped while failed
+
+
+def test_ready_waits_for_a_generation_and_retries_are_not_logged_one_by_one(
+        tmp_path: Path) -> None:
+    """/health 200 but every completion fails: no READY=1, and the retries (several a second)
+    give one warning, then one summary line at most every PROBE_REPORT_S."""
+    from mtpwrap.run.supervisor import PROBE_REPORT_S
+
+    svc = _Service(tmp_path, "generate_fail=1", MTPWRAP_SUPERVISOR_LOAD_STALL_S="60")
+    watch = 2 * PROBE_REPORT_S + 1
+    try:
+        svc.pump(time.monotonic() + 30, "EXTEND_TIMEOUT_USEC")
+        start = time.monotonic()
+        svc.pump(start + watch)
+        assert svc.proc.poll() is None
+        svc.proc.send_signal(signal.SIGTERM)
+        svc.proc.wait(15)
+    finally:
+        out = svc.close()
+    assert not any("READY=1" in m for _t, m in svc.got), svc.got
+    first = [ln for ln in out.splitlines() if "readiness generation failed: HTTP 500" in ln]
+    summaries = [ln for ln in out.splitlines() if "readiness generation failed" in ln
+                 and "more times" in ln]
+    assert len(first) == 1, out
+    assert 1 <= len(summaries) <= watch // PROBE_REPORT_S + 1, summaries
+    retried = sum(int(ln.split("failed ")[1].split()[0]) for ln in summaries)
+    assert retried >= 10  # it did retry many times: the lines sum them up

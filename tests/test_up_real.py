@@ -50,7 +50,7 @@ def alive(pid: int) -> bool:
 
 class Instance:
     def __init__(self, home: Path, port: int, binary: Path, model: Path,
-                 log: Path | None = None, **more_env: str) -> None:
+                 log: Path | None = None, profile: str = "cpu-demo", **more_env: str) -> None:
         # With `log`, the output goes to that file: a pipe nobody reads would stall a node
         # that serves many requests.
         self.home, self.port, self.log = home, port, log
@@ -59,7 +59,7 @@ class Instance:
         extra.update(more_env)
         self.env = cli_env(**extra)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo", "--binary",
+            [sys.executable, "-m", "mtpwrap", "up", "--profile", profile, "--binary",
              str(binary), "--model", str(model), "--port", str(port)],
             env=self.env, cwd=REPO, stderr=subprocess.STDOUT, text=True,
             stdout=subprocess.PIPE if log is None else log.open("w"))
@@ -249,3 +249,64 @@ def test_sd_notify_sequence_with_the_real_server(tmp_path: Path, llama_server_bi
     assert any(m.startswith("STATUS=starting") for m in got[:first_ready])
     assert sum(m == "WATCHDOG=1" for m in got[first_ready:stopping]) >= 2
     assert got[-1] == "STATUS=stopped"
+
+
+CANARY = "OKAPI-CANARY-5d21"
+
+
+def _canary_logs(tmp_path: Path, binary: Path, model: Path, port: int,
+                 profile: str = "cpu-demo") -> tuple[str, str, list[str]]:
+    """Send the canary through every kind of request, stop, and return mtpwrap's own output
+    (with llama-server's lines forwarded into it), llama-server.log and the answers."""
+    log = tmp_path / f"{port}.log"
+    inst = Instance(tmp_path / f"home-{port}", port, binary, model, log=log, profile=profile)
+    answers = []
+    try:
+        inst.wait_ready()
+        answers.append(ask(inst.base, f"Repeat exactly: {CANARY}"))
+        with httpx.stream("POST", f"{inst.base}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": f"Spell {CANARY}"}],
+                "max_tokens": 8, "stream": True}) as r:
+            assert r.status_code == 200 and "".join(r.iter_text()).count("data: ") > 2
+        r = httpx.post(f"{inst.base}/completion", timeout=60,
+                       json={"prompt": f"{CANARY} is", "n_predict": 8, "temperature": 0})
+        answers.append(r.json()["content"])
+        assert httpx.post(f"{inst.base}/tokenize", json={"content": CANARY}).status_code == 200
+        bad = httpx.post(f"{inst.base}/completion", timeout=60,
+                         json={"prompt": CANARY, "n_predict": "many"})
+        assert bad.status_code == 400  # a refused request is logged without its prompt too
+        inst.proc.send_signal(signal.SIGTERM)
+        assert inst.proc.wait(30) == 0
+    finally:
+        inst.close()
+    child_log = (inst.home / "logs" / "llama-server.log").read_text()
+    return log.read_text(), child_log, [a.strip() for a in answers if len(a.strip()) > 8]
+
+
+def test_prompts_and_answers_stay_out_of_both_logs_at_default_verbosity(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path, free_port: int) -> None:
+    own, child, answers = _canary_logs(tmp_path, llama_server_bin, demo_model, free_port)
+    # llama-server's own output went both ways, its lines about these requests included
+    assert "llama-server[" in own and "verbosity = 3" in child
+    assert child.count("stop processing") >= 4  # the readiness probe and three requests
+    for text in (own, child):
+        assert CANARY not in text
+        for answer in answers:
+            assert answer not in text
+
+
+def test_verbose_llama_server_needs_log_prompts_and_then_logs_prompts(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path, free_port: int) -> None:
+    base = (REPO / "profiles" / "cpu-demo.yaml").read_text() + "extra_args: [-v]\n"
+    refused = tmp_path / "verbose.yaml"
+    refused.write_text(base)
+    r = run_cli("up", "--profile", str(refused), "--binary", str(llama_server_bin), "--model",
+                str(demo_model), "--port", str(free_port),
+                env=cli_env(MTPWRAP_HOME=str(tmp_path / "h")))
+    assert r.returncode == 78 and "log_prompts: true" in r.stderr, r.stderr
+    allowed = tmp_path / "verbose-ok.yaml"
+    allowed.write_text(base + "log_prompts: true\n")
+    own, child, _answers = _canary_logs(tmp_path, llama_server_bin, demo_model, free_port,
+                                        profile=str(allowed))
+    assert "warning: prompts and answers are logged" in own  # the summary says so
+    assert CANARY in child  # the check above would have seen a leak through this path

@@ -134,6 +134,8 @@ class LaunchConfig:
     mlock: bool = False
     no_warmup: bool = False
     verbosity: int | None = None
+    log_prompts: bool = False  #: the profile allows logging what users send (-v, -lv > 3)
+    allow_rpc: bool = False  #: the profile allows --rpc (unauthenticated remote backends)
     kv_unified: bool | None = None  #: None: llama.cpp's default (unified when slots > 1)
     repack: bool | None = None  #: CPU weight repacking; None: llama.cpp's default (on)
     fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
@@ -257,7 +259,8 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
         profile=profile.name, model=str(model), context=context, cache_k=k, cache_v=v,
         slots=slots, gpu_layers=ngl, threads=profile.threads, batch=profile.batch,
         ubatch=profile.ubatch, flash_attn=fa, mlock=profile.mlock, no_warmup=profile.no_warmup,
-        extra_args=tuple(profile.extra_args))
+        extra_args=tuple(profile.extra_args), log_prompts=profile.log_prompts,
+        allow_rpc=profile.allow_rpc)
     if profile.mlock:
         why["mlock"] = "keep the weights in RAM (profile: mlock)"
     if profile.no_warmup:
@@ -267,6 +270,8 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
     cfg = _speculation(cfg, profile, caps, draft_model, sized_types, why, warnings)
     if caps is not None:
         check_extra(caps, "profile extra_args", cfg.extra_args)
+    warnings += check_exposure("profile extra_args", cfg.extra_args,
+                               log_prompts=cfg.log_prompts, allow_rpc=cfg.allow_rpc)
     return dataclasses.replace(cfg, why=tuple(why.items()), warnings=tuple(warnings))
 
 
@@ -406,6 +411,46 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
                         cache_v=cache, slots=slots, **fields)
 
 
+#: llama-server's default log verbosity (3, info): above it, prompts and answers are logged
+DEFAULT_VERBOSITY = 3
+VERBOSE = frozenset({"-v", "--verbose", "--log-verbose"})
+VERBOSITY = frozenset(SPELLINGS["verbosity"])
+
+
+def check_exposure(source: str, args: Sequence[str], *, log_prompts: bool,
+                   allow_rpc: bool) -> list[str]:
+    """Extra arguments that log what users send, or open an unauthenticated remote backend,
+    only where the profile says so (log_prompts, allow_rpc); the warnings to show when it
+    does."""
+    warnings: list[str] = []
+    args = list(args)
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if flag in VERBOSE or (flag in VERBOSITY and not (
+                value.isdigit() and int(value) <= DEFAULT_VERBOSITY)):
+            if not log_prompts:
+                raise ConfigError(
+                    f"{source}: {a} raises llama-server's log verbosity above its default "
+                    f"({DEFAULT_VERBOSITY}), which writes prompts and answers to the logs.",
+                    hint="Remove it, or set log_prompts: true in the profile if these logs may "
+                         "hold what users send.")
+            warnings.append(f"prompts and answers are logged ({source}: {a}; the profile sets "
+                            "log_prompts: true)")
+        elif flag == "--rpc":
+            if not allow_rpc:
+                raise ConfigError(
+                    f"{source}: --rpc sends work to llama.cpp RPC servers, which have no "
+                    "authentication and have had remote-code-execution bugs.",
+                    hint="Remove it, or set allow_rpc: true in the profile once the RPC "
+                         "servers sit on a network only this machine can reach.")
+            warnings.append(f"--rpc {value}: llama.cpp's RPC servers accept anyone who reaches "
+                            "them; keep them on a private network (the profile sets "
+                            "allow_rpc: true)")
+    return warnings
+
+
 # --------------------------------------------------------------------------- rendering
 
 
@@ -508,14 +553,18 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         secret.add(name)
         b.decisions.append(Decision(flag, None, f"internal key passed in ${name}, not in argv"))
 
+    exposure: list[str] = []
     for source, args in (("profile extra_args", cfg.extra_args), ("extra arguments", extra)):
         check_extra(caps, source, args)
+        if args is extra:
+            exposure += check_exposure(source, args, log_prompts=cfg.log_prompts,
+                                       allow_rpc=cfg.allow_rpc)
         b.args += list(args)
         if args:
             b.decisions.append(Decision(" ".join(args), None, f"{source}, passed through"))
 
     exe = str(binary or caps.binary or "llama-server")
-    warnings = list(cfg.warnings) + ([cfg.note] if cfg.note else [])
+    warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
     return LaunchSpec(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
                       profile=cfg.profile, secret_env=frozenset(secret))
 

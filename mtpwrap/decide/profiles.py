@@ -92,6 +92,10 @@ class Profile:
     mlock: bool = False
     no_warmup: bool = False
     extra_args: tuple[str, ...] = ()
+    #: extra_args may raise llama-server's log verbosity, which logs prompts and answers
+    log_prompts: bool = False
+    #: extra_args may pass --rpc (llama.cpp's RPC protocol has no authentication)
+    allow_rpc: bool = False
     supervisor: Mapping[str, Any] = field(default_factory=dict)
     proxy: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
@@ -124,6 +128,8 @@ class Profile:
             "mlock": self.mlock,
             "no_warmup": self.no_warmup,
             "extra_args": list(self.extra_args),
+            "log_prompts": self.log_prompts,
+            "allow_rpc": self.allow_rpc,
             "supervisor": dict(self.supervisor),
             "proxy": dict(self.proxy),
             "source": self.source,
@@ -245,7 +251,7 @@ class _Checker:
 TOP_KEYS = (
     "name", "description", "hardware", "model", "context", "kv", "spec", "gpu_layers", "threads",
     "batch", "ubatch", "slots", "flash_attn", "mlock", "no_warmup", "extra_args",
-    *FREE_SECTIONS,
+    "log_prompts", "allow_rpc", *FREE_SECTIONS,
 )
 REQUIRED_KEYS = ("description", "model", "context")
 
@@ -329,6 +335,8 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
 
     mlock = c.boolean(data.get("mlock", False), "mlock")
     no_warmup = c.boolean(data.get("no_warmup", False), "no_warmup")
+    log_prompts = c.boolean(data.get("log_prompts", False), "log_prompts")
+    allow_rpc = c.boolean(data.get("allow_rpc", False), "allow_rpc")
 
     extra = data.get("extra_args", [])
     if not isinstance(extra, list):
@@ -345,6 +353,7 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
         threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
         mlock=mlock, no_warmup=no_warmup, extra_args=tuple(str(a) for a in extra),
+        log_prompts=log_prompts, allow_rpc=allow_rpc,
         supervisor=free["supervisor"], proxy=free["proxy"], source=where,
     )
 

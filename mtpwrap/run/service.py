@@ -218,6 +218,9 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     t0 = time.monotonic()
     first_ready = asyncio.Event()
     exit_code = 0
+    exit_on_failed = settings.supervisor.get("exit_on_failed", "auto")
+    if exit_on_failed == "auto":
+        exit_on_failed = notifier.enabled  # under systemd its restart policy decides
     base = {"pid": os.getpid(), "url": url, "host": settings.host, "port": settings.port,
             "profile": launch.info.get("profile"), "model": launch.info.get("model"),
             "binary": launch.info.get("binary"), "log_file": str(cfg.log_file),
@@ -240,7 +243,9 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             notifier.ready(f"ready: {launch.info.get('profile')} at {url}")
         else:
             notifier.status(f"{new.value}" + (f": {reason}" if reason else ""))
-        if new is State.FAILED and settings.supervisor.get("exit_on_failed"):
+        if new is State.FAILED and exit_on_failed:
+            log.error("failed: exiting 1 so that the service manager's restart policy takes "
+                      "over (supervisor.exit_on_failed)")
             stop.set()
 
     sup.add_listener(on_state)
@@ -280,9 +285,11 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             if interval:
                 notifier.watchdog()
             now = time.monotonic()
-            if not first_ready.is_set() and now >= next_extend:
+            if not first_ready.is_set() and sup.state is not State.FAILED \
+                    and now >= next_extend:
                 # The model may take minutes to load; each progress-bounded wait extends the
-                # start timeout (the supervisor's stall timer decides what is stuck).
+                # start timeout (the supervisor's stall timer decides what is stuck). Once
+                # failed, nothing is loading: TimeoutStartSec may act again.
                 notifier.extend_timeout(cfg.load_stall_s + 30)
                 next_extend = now + extend_every
             await asyncio.sleep(min(interval or 1.0, 1.0))

@@ -38,6 +38,9 @@ from mtpwrap.settings import SUPERVISOR
 
 log = logging.getLogger("mtpwrap.supervisor")
 
+#: a readiness generation that keeps failing is logged once, then summed up at most this often
+PROBE_REPORT_S = 5.0
+
 
 class State(str, enum.Enum):
     STARTING = "starting"
@@ -431,6 +434,7 @@ class Supervisor:
         cfg = self.config
         last_health: int | None = -1
         progress = time.monotonic()
+        probe_fails, reported_at = 0, 0.0  # failed readiness generations not yet logged
         while True:
             if self._stop_requested:
                 return _Outcome("stop", "stop requested")
@@ -449,7 +453,15 @@ class Supervisor:
                     return None
                 if child.returncode is not None or await child.wait(0.2) is not None:
                     return self._exit_outcome(child, "exited during the first generation")
-                log.warning("readiness generation failed: %s", why)
+                probe_fails += 1
+                now = time.monotonic()
+                if not reported_at or now - reported_at >= PROBE_REPORT_S:
+                    if reported_at:
+                        log.warning("readiness generation failed %d more times in the last "
+                                    "%.0fs; last: %s", probe_fails, now - reported_at, why)
+                    else:
+                        log.warning("readiness generation failed: %s (retrying)", why)
+                    probe_fails, reported_at = 0, now
                 if time.monotonic() - max(progress, child.last_output) > cfg.load_stall_s:
                     return _Outcome("probe", f"llama-server does not answer: {why}")
             stalled = time.monotonic() - max(progress, child.last_output)

@@ -124,6 +124,9 @@ Description={opts.description}
 Documentation=man:systemd.service(5)
 After=network-online.target nvidia-persistenced.service
 Wants=network-online.target
+# A llama-server that keeps crashing (supervisor.max_failures in failure_window_s) makes
+# mtpwrap exit 1 (supervisor.exit_on_failed: auto); Restart= starts it again, and after
+# StartLimitBurst starts within StartLimitIntervalSec the unit stays failed.
 StartLimitIntervalSec=600
 StartLimitBurst=5
 

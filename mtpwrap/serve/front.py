@@ -61,9 +61,11 @@ from mtpwrap.serve.policy import (
     derive_allowed_hosts,
     error_body,
     host_of,
-    key_matches,
+    key_scopes,
+    key_table,
     parse_json_body,
     presented_key,
+    required_scope,
 )
 from mtpwrap.serve.policy import Route as Verdict
 
@@ -144,7 +146,7 @@ class Front:
         self._workers: dict[_Exchange, asyncio.Task[None]] = {}
         self._active = 0
         self._gate = asyncio.Semaphore(config.max_concurrency)
-        self._keys = tuple(k.encode() for k in config.api_keys)
+        self._keys = key_table(config.api_keys, "proxy.api_keys")
         self._enabled = frozenset(config.enable_paths)
         self._hosts = derive_allowed_hosts(config)
         self._idle = asyncio.Event()
@@ -719,11 +721,18 @@ class _Guard:
             (path == "/metrics" and front.config.metrics_public)
             or (path == "/healthz" and front.config.healthz_public)
         )
-        if needs_key and not key_matches(presented_key(headers), front._keys):
+        scopes = key_scopes(presented_key(headers), front._keys) if needs_key else None
+        if needs_key and scopes is None:
             front.metrics.refused.labels("auth").inc()
             # Without a key nothing of the body is read: the connection closes after the 401.
             await front._answer(send, 401, "Invalid or missing API key.", "other", t0,
                                 extra=[(b"www-authenticate", b"Bearer")],
+                                close=_declares_body(scope), path=path)
+            return
+        if scopes is not None and (need := required_scope(scope["method"], path)) not in scopes:
+            front.metrics.refused.labels("scope").inc()
+            await front._answer(send, 403, f"This API key may not use {path}: that needs a key "
+                                f"with the {need} scope.", "other", t0,
                                 close=_declares_body(scope), path=path)
             return
         try:

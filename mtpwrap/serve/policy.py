@@ -120,6 +120,17 @@ def _key_for(default: Any) -> Key:
     return Key("str", default)
 
 
+def _feature(method: str, path: str) -> tuple[str | None, str]:
+    """The allow-list's feature for a request line ("" = always on, None = not listed) and
+    its metrics label."""
+    if method == "HEAD":
+        method = "GET"
+    feature = _EXACT.get((method, path))
+    if feature is None and method == "POST" and _SLOT_ACTION.match(path):
+        return "slot-actions", "/slots/{id}"
+    return feature, path
+
+
 def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
     try:
         path = raw_path.decode("ascii")
@@ -129,10 +140,7 @@ def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
         return Route(404, "other", message="Not found.")
     if method == "HEAD":
         method = "GET"
-    feature = _EXACT.get((method, path))
-    label = path
-    if feature is None and method == "POST" and _SLOT_ACTION.match(path):
-        feature, label = "slot-actions", "/slots/{id}"
+    feature, label = _feature(method, path)
     if feature is None:
         known = any(p == path for (_m, p) in _EXACT)
         if known:
@@ -149,8 +157,60 @@ def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
 
 
 # ---------------------------------------------------------------------------------------------
-# Keys
+# Keys and their scopes
 # ---------------------------------------------------------------------------------------------
+
+#: What a key may do: `inference` the model APIs, `admin` what changes the server or shows
+#: other users' data (slots, POST /props, LoRA adapters), `metrics` /metrics and /healthz.
+#: A key listed without scopes has all of them.
+SCOPES = ("inference", "admin", "metrics")
+
+#: The scope a request needs, by allow-list feature ("" = the model APIs) ...
+FEATURE_SCOPES: dict[str, str] = {
+    "": "inference", "webui": "inference", "control": "inference",
+    "resumable-streams": "inference", "slots": "admin", "slot-actions": "admin",
+    "props-write": "admin", "lora-adapters": "admin", "backend-metrics": "metrics",
+}
+#: ... and for the front's own pages (/livez and /readyz need no key at all).
+OPS_SCOPES = {"/metrics": "metrics", "/healthz": "metrics"}
+
+KeyTable = tuple[tuple[bytes, frozenset[str]], ...]
+
+
+def required_scope(method: str, path: str) -> str:
+    """The scope a key needs for this request line; paths the allow-list does not know need
+    `inference` (they are 404 anyway)."""
+    if path in OPS_SCOPES:
+        return OPS_SCOPES[path]
+    feature, _label = _feature(method, path)
+    return FEATURE_SCOPES[feature or ""]
+
+
+def parse_key(entry: str, where: str) -> tuple[str, frozenset[str]]:
+    """One key as written in a key file: `KEY` or `KEY SCOPE[,SCOPE...]`. The message of a
+    bad entry never repeats the key."""
+    secret, *rest = entry.split(None, 1) or [""]
+    if not rest:
+        return secret, frozenset(SCOPES)
+    scopes = rest[0].replace(",", " ").split()
+    for x in scopes:
+        if x not in SCOPES:
+            raise ConfigError(f"{where}: unknown scope {x!r}; known scopes: "
+                              f"{', '.join(SCOPES)} (a key without scopes has them all)")
+    return secret, frozenset(scopes)
+
+
+def key_table(entries: tuple[str, ...], where: str) -> KeyTable:
+    """Key entries → (key bytes, scopes) for `key_scopes`; the same key twice is refused."""
+    table: dict[str, frozenset[str]] = {}
+    for entry in entries:
+        secret, scopes = parse_key(entry, where)
+        if table.get(secret, scopes) != scopes:
+            raise ConfigError(f"{where}: one key is listed twice with different scopes; "
+                              "list each key once")
+        table[secret] = scopes
+    return tuple((k.encode("utf-8", "surrogateescape"), v) for k, v in table.items())
+
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
     """The key a client sent as `Authorization: Bearer K` or `X-Api-Key: K` (nothing else)."""
@@ -164,15 +224,17 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
     return key.strip() if key else None
 
 
-def key_matches(presented: str | None, keys: tuple[bytes, ...]) -> bool:
-    """Constant-time check against every configured key (no early exit on a match)."""
+def key_scopes(presented: str | None, keys: KeyTable) -> frozenset[str] | None:
+    """The scopes of the presented key; None when it is no configured key. Constant-time:
+    every configured key is compared (no early exit on a match)."""
     if presented is None:
-        return False
+        return None
     given = presented.encode("utf-8", "surrogateescape")
-    ok = False
-    for k in keys:
-        ok |= hmac.compare_digest(given, k)
-    return ok
+    found: frozenset[str] | None = None
+    for k, scopes in keys:
+        if hmac.compare_digest(given, k):
+            found = scopes
+    return found
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,9 +421,8 @@ class ProxyConfig:
         for name in self.enable_paths:
             if name not in FEATURES:
                 raise bad("enable_paths", f"unknown feature {name!r}; known: {', '.join(FEATURES)}")
-        for k in self.api_keys:
-            if not k or k != k.strip() or len(k) < 8:
-                raise bad("api_keys", "each key must be at least 8 characters without spaces")
+        if any(len(k) < 8 for k, _ in key_table(self.api_keys, f"{source}: proxy.api_keys")):
+            raise bad("api_keys", "each key must be at least 8 characters without spaces")
         for o in self.cors_origins:
             if o == "*":
                 raise bad("cors_origins", "'*' is not allowed; list the exact origins")
@@ -407,7 +468,8 @@ class ProxyConfig:
 
 
 def read_keys_file(path: Any, where: str) -> tuple[str, ...]:
-    """API keys from a file: one per line; blank lines and lines starting with # are skipped."""
+    """API keys from a file: one per line, optionally followed by its scopes (`KEY
+    inference,metrics`, see `parse_key`); blank lines and lines starting with # are skipped."""
     if not isinstance(path, str) or not path:
         raise ConfigError(f"{where}: must be a file path")
     try:
@@ -415,11 +477,14 @@ def read_keys_file(path: Any, where: str) -> tuple[str, ...]:
     except OSError as err:
         raise ConfigError(f"{where}: cannot read {path}: {err.strerror or err}; create it with "
                           "one key per line, readable only by the service user") from err
-    keys = tuple(ln.strip() for ln in text.splitlines()
-                 if ln.strip() and not ln.strip().startswith("#"))
+    keys = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip() and not line.strip().startswith("#"):
+            parse_key(line, f"{where}: {path} line {n}")
+            keys.append(" ".join(line.split()))
     if not keys:
         raise ConfigError(f"{where}: {path} holds no key; put one key per line")
-    return keys
+    return tuple(keys)
 
 
 def derive_allowed_hosts(cfg: ProxyConfig) -> frozenset[str] | None:

@@ -10,6 +10,9 @@ Same shape as the real server where the supervisor and the front look: `--host`,
 Faults come from `--fault KEY=VALUE` (repeatable) or `FAKE_LLAMA_FAULTS="KEY=VALUE,KEY=VALUE"`:
 
   exit=N               exit at once with code N (before binding the port)
+  segv=1               die of SIGSEGV at once, as a crashing binary does
+  generate_fail=1      /health says 200, but every completion answers 500 (a model that
+                       loads and cannot generate); these requests are not logged
   load_s=S             take S seconds to load (default 0), printing a progress line every
                        progress_s (default 0.2) unless silent_load=1
   silent_load=1        print nothing while loading (a load that looks stuck)
@@ -85,6 +88,8 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         if self.path.split("?")[0] in ("/health", "/v1/health", "/metrics"):
             return  # like llama-server: polling endpoints are not logged
+        if self.st.faults.get("generate_fail"):
+            return  # the supervisor's load-stall timer must not see progress in these
         status = args[1] if len(args) > 1 else ""
         log(f"srv  log_server_r: request: {self.command} {self.path} {status}")
 
@@ -160,6 +165,10 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._json(400, {"error": {"message": "invalid JSON", "type": "invalid_request_error",
                                        "code": 400}})
+            return
+        if self.st.faults.get("generate_fail"):
+            self._json(500, {"error": {"message": "fault: generation fails",
+                                       "type": "server_error", "code": 500}})
             return
         chat = path in ("/v1/chat/completions", "/chat/completions")
         if path not in ("/completion", "/completions", "/v1/completions") and not chat:
@@ -267,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
 
     st = State(faults)
     log(f"main: fake llama-server pid {os.getpid()} starting")
+    if faults.get("segv"):
+        log("main: fault: SIGSEGV")
+        os.kill(os.getpid(), signal.SIGSEGV)
     if "exit" in faults:
         log(f"main: fault: exiting with code {faults['exit']}")
         return int(faults["exit"])
