@@ -283,3 +283,23 @@ def test_wedged_stream_ends_in_an_error_and_the_child_is_replaced(tmp_path: Path
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
+
+
+def test_llama_arg_variables_never_reach_llama_server(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server reads LLAMA_ARG_* as flags: one in the service's environment would get past
+    the checked command line (verbose logging, --rpc). The child does not inherit them."""
+    from mtpwrap.run.child import running_server
+
+    monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "5")
+    monkeypatch.setenv("LLAMA_ARG_RPC", "10.0.0.5:50052")
+    monkeypatch.setenv("MTPWRAP_TEST_KEEP", "kept")
+    script = ("import os, sys, time\n"
+              "print(sorted(k for k in os.environ if k.startswith(('LLAMA_ARG_', 'MTPWRAP_TEST'))),"
+              " 'listening on', flush=True)\n"
+              "time.sleep(30)\n")
+    with running_server([sys.executable, "-c", script], base_url="http://127.0.0.1:9",
+                        ready="listening", timeout=30, env={"LLAMA_API_KEY": "k"},
+                        log_path=tmp_path / "child.log") as srv:
+        seen = srv.log_text()
+    assert "['MTPWRAP_TEST_KEEP'] listening on" in seen

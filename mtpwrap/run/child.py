@@ -31,6 +31,17 @@ child_log = logging.getLogger("mtpwrap.child")
 _ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
              "LISTEN_FDNAMES", "MTPWRAP_API_KEYS")
 
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a llama-server: this process's, less systemd's notification
+    variables, mtpwrap's client keys and every LLAMA_ARG_* (llama-server reads those as flags,
+    so one inherited from the service's environment would bypass the checked command line,
+    e.g. LLAMA_ARG_LOG_VERBOSITY or LLAMA_ARG_RPC); then `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _ENV_DROP and not k.startswith("LLAMA_ARG_")}
+    env.update(extra or {})
+    return env
+
 _OOM_PATTERNS = re.compile(
     r"out of memory|cudaMalloc failed|CUDA error: out of memory|failed to allocate .*buffer"
     r"|ErrorOutOfDeviceMemory|unable to allocate .*buffer",
@@ -148,8 +159,7 @@ class ChildProcess:
         if any(api_key in arg for arg in spec.argv):
             # Anything in argv is readable by every local user through /proc and `ps`.
             raise ValueError("the internal API key must be passed through the environment")
-        env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
-        env.update(spec.env)
+        env = child_env(spec.env)
         proc = await asyncio.create_subprocess_exec(
             *spec.argv,
             stdin=asyncio.subprocess.DEVNULL,
@@ -410,8 +420,7 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         os.close(fd)
         log_path = Path(name)
-    full_env = {k: v for k, v in os.environ.items() if k not in _ENV_DROP}
-    full_env.update(env or {})
+    full_env = child_env(env)
     with log_path.open("wb") as out:
         proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, env=full_env, start_new_session=True)

@@ -105,7 +105,9 @@ def resolve_launch(settings: Settings) -> Launch:
     return result
 
 
-def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
+def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
+    """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
+    else the default."""
     values = dict(settings.supervisor)
     # The profile's supervisor section fills in what no flag, variable or config file set.
     for key, raw in launch.supervisor.items():
@@ -115,6 +117,11 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
         if settings.sources.get(f"supervisor.{key}") == "default":
             values[key] = convert(raw, SUPERVISOR[key], f"profile {launch.info.get('profile')}",
                                    f"supervisor.{key}")
+    return values
+
+
+def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
+    values = supervisor_values(settings, launch)
     rss = int(values.pop("rss_limit_mb")) * 2**20
     values.pop("exit_on_failed")
     if values["oom_step_down"] == "auto":
@@ -218,7 +225,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     t0 = time.monotonic()
     first_ready = asyncio.Event()
     exit_code = 0
-    exit_on_failed = settings.supervisor.get("exit_on_failed", "auto")
+    exit_on_failed = supervisor_values(settings, launch)["exit_on_failed"]
     if exit_on_failed == "auto":
         exit_on_failed = notifier.enabled  # under systemd its restart policy decides
     base = {"pid": os.getpid(), "url": url, "host": settings.host, "port": settings.port,
