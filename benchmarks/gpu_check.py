@@ -155,7 +155,7 @@ def summary_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--server-bin", type=Path, required=True)
+    ap.add_argument("--binary", dest="server_bin", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get(
         "GPU_CHECK_WORK", "/tmp/mtpwrap-gpu-check")))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))

@@ -92,7 +92,7 @@ if [[ -z "$server" ]]; then
 fi
 say "llama-server: $server"
 
-args=("$out" --server-bin "$server" --contexts "$contexts")
+args=("$out" --binary "$server" --contexts "$contexts")
 (( dry_run )) && args+=(--dry-run)
 say "shape-real model, speed matrix, planner vs allocations"
 rc=0
@@ -103,7 +103,7 @@ if (( ! dry_run )); then
     left=$(( 600 - ($(date +%s) - start) ))
     if (( left > 60 )); then
         say "mtpwrap bench --quick on the demo model (${left}s left)"
-        timeout "$((left - 10))" "$py" -m mtpwrap bench --quick --server-bin "$server" \
+        timeout "$((left - 10))" "$py" -m mtpwrap bench --quick --binary "$server" \
             --out "$out/bench-quick" >>"$log" 2>&1 || say "bench --quick failed or timed out"
     else
         say "no time left for bench --quick"
