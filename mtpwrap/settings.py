@@ -76,7 +76,7 @@ SUPERVISOR: dict[str, Key] = {
 #: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
 PERSIST: dict[str, Key] = {
     "enabled": Key("bool", True),
-    "dir": Key("str", None),  # default: <state dir>/slots
+    "dir": Key("str", None),  # default: <MTPWRAP_HOME>/kv-snapshots
     "min_tokens": Key("int", 2048, _pos, "an integer number of tokens >= 1"),
     "max_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: a quarter of the "
                                      "free disk)"),

@@ -65,7 +65,7 @@ class Served:
         return json.loads((self.tmp / "home" / "state" / "instance.json").read_text())
 
     def snapshot_dir(self) -> Path:
-        return self.tmp / "home" / "state" / "slots"
+        return self.tmp / "home" / "kv-snapshots"
 
     def wait_ready(self, timeout: float = 120) -> None:
         end = time.monotonic() + timeout

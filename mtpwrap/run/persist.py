@@ -38,7 +38,9 @@ AUTO_SHARE = 0.25
 
 
 def default_dir() -> Path:
-    return paths.state_dir() / "slots"
+    """On disk beside the models and builds (under systemd /var/lib/mtpwrap), not in the state
+    directory, which systemd puts on a RAM-backed /run."""
+    return paths.home() / "kv-snapshots"
 
 
 @dataclass(frozen=True)
