@@ -81,6 +81,9 @@ PERSIST: dict[str, Key] = {
     "max_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: a quarter of the "
                                      "free disk)"),
     "checkpoints": Key("bool", False),
+    # a checkpoint is taken when llama-server has prefilled this many tokens since the last one
+    # and has been idle for a few seconds
+    "checkpoint_tokens": Key("int", 2048, _pos, "an integer number of tokens >= 1"),
 }
 
 # None: free-form, checked by its owner

@@ -282,3 +282,27 @@ def without(argv: list[str], *flags: str) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeServed) -> None:
+    s = make_served(persist={"checkpoints": True, "checkpoint_tokens": 1000})
+    s.wait_ready()
+    full = prompt_n(s.complete(LONG))
+    end = time.monotonic() + 60
+    while not (s.state().get("persist") or {}).get("checkpoint"):
+        assert time.monotonic() < end, "no checkpoint was taken"
+        time.sleep(0.2)
+    files = list(s.snapshot_dir().iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    child = s.state()["child_pid"]
+    os.kill(child, signal.SIGKILL)
+    end = time.monotonic() + 10
+    while s.state()["child_pid"] == child or s.state()["state"] != "ready":
+        assert time.monotonic() < end + 60, "never ready again"
+        time.sleep(0.1)
+    st = s.state()
+    assert st["last_exit"] == "signal 9 (SIGKILL)"
+    assert st["persist"]["restored"]["restored"] >= 1
+    again = s.complete(LONG + " Question: which item is due on day 3?")
+    assert prompt_n(again) < 0.05 * full, again.get("timings") or again["usage"]
+    assert list(s.snapshot_dir().iterdir()) == []

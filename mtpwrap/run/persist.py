@@ -1,5 +1,9 @@
 """KV snapshots: a long context survives a restart of llama-server.
 
+With `persist.checkpoints` a snapshot is also taken while serving (a checkpoint): once
+llama-server has prefilled `persist.checkpoint_tokens` tokens since the last one and has been
+idle for CHECKPOINT_IDLE_S; after a crash the last checkpoint is restored like a planned one.
+
 Before a planned restart (reload, restart, recycle) every slot of the old child is saved with
 llama-server's `POST /slots/{id}?action=save` into mtpwrap's own directory (`--slot-save-path`);
 slots holding fewer than `persist.min_tokens` tokens are dropped at once. After the new child has
@@ -33,6 +37,8 @@ log = logging.getLogger("mtpwrap.persist")
 
 PREFIX = "mtpwrap-slot"
 SUFFIX = ".bin"
+#: idle seconds before a checkpoint is taken
+CHECKPOINT_IDLE_S = 3.0
 #: share of the free disk the snapshots may take when persist.max_mb is 0 (auto)
 AUTO_SHARE = 0.25
 
@@ -50,6 +56,7 @@ class PersistConfig:
     min_tokens: int = 2048
     max_bytes: int = 0  # 0: AUTO_SHARE of the free disk, measured when the store opens
     checkpoints: bool = False
+    checkpoint_tokens: int = 2048
 
     @classmethod
     def from_settings(cls, values: Mapping[str, Any]) -> PersistConfig:
@@ -58,7 +65,8 @@ class PersistConfig:
                    directory=Path(raw_dir).expanduser() if raw_dir else default_dir(),
                    min_tokens=int(values.get("min_tokens", 2048)),
                    max_bytes=int(values.get("max_mb", 0)) * 2**20,
-                   checkpoints=bool(values.get("checkpoints", False)))
+                   checkpoints=bool(values.get("checkpoints", False)),
+                   checkpoint_tokens=int(values.get("checkpoint_tokens", 2048)))
 
 
 # --------------------------------------------------------------------------- compatibility

@@ -35,6 +35,7 @@ from mtpwrap.run.child import (
     make_file_logger,
 )
 from mtpwrap.run.persist import (
+    CHECKPOINT_IDLE_S,
     Carried,
     SnapshotStore,
     fingerprint,
@@ -186,6 +187,9 @@ class Supervisor:
         self._carried: Carried | None = None
         self._spec: ChildSpec | None = None
         self._was_ready = False
+        self._checkpoint: Carried | None = None  # the last one taken from the current child
+        self._checkpoint_mark = 0.0  # prompt tokens processed when it was taken
+        self._idle_since: float | None = None
         self.config = config or SupervisorConfig()
         self._state = State.STARTING
         self._reason: str | None = "not started yet"
@@ -342,13 +346,16 @@ class Supervisor:
                 if self._stop_requested or outcome.kind == "stop":
                     break
                 rl = self._reload
-                if outcome.kind == "reload" and rl is not None:
+                if outcome.kind in ("reload", "restart") and rl is not None:
                     rl.phase, rl.previous = "starting", self._factory
                     if rl.factory is not None:
                         self._factory, self._step = rl.factory, 0
                     continue
                 if outcome.kind in _PLANNED:
                     continue  # planned: no failure, no delay
+                if self._checkpoint is not None:
+                    # Unplanned: the last checkpoint goes into the next child.
+                    self._carried, self._checkpoint = self._checkpoint, None
                 if rl is not None and rl.phase == "starting" and not self._was_ready:
                     # The new command did not come up: back to the one that worked.
                     self._reload = None
@@ -442,6 +449,7 @@ class Supervisor:
         self._generation += 1
         gen = self._generation
         self._spec, self._was_ready = spec, False
+        self._checkpoint_mark, self._idle_since = 0.0, None
         base_url = f"http://{cfg.host}:{port}"
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
                         + (f", {spec.note}" if spec.note else ""))
@@ -581,6 +589,9 @@ class Supervisor:
                 if decode is not None:
                     last_decode = decode
 
+            if self.snapshots is not None and self.snapshots.config.checkpoints:
+                await self._maybe_checkpoint(child)
+
             if cfg.rss_limit_bytes and time.monotonic() >= next_memory:
                 next_memory = time.monotonic() + cfg.memory_interval_s
                 used = child.memory_bytes()
@@ -633,6 +644,7 @@ class Supervisor:
     async def _save(self, child: ChildProcess, factory: LaunchFactory | None) -> None:
         """Save the child's slots when the next command can take them back."""
         assert self.snapshots is not None and self._spec is not None
+        self._drop_checkpoint()  # the slots are saved afresh now
         nxt = (factory or self._factory)(0, "probe-key", self._step if factory is None else 0)
         why = None if nxt is None else incompatibility(fingerprint(self._spec.argv),
                                                        fingerprint(nxt.argv))
@@ -647,6 +659,44 @@ class Supervisor:
             return
         self._carried = carried if carried.snapshots else None
         self.persist_report = {"saved": carried.to_dict(), "at": time.time()}
+
+    async def _maybe_checkpoint(self, child: ChildProcess) -> None:
+        """Save the slots in the background once enough new prompt has been processed and
+        llama-server has been idle for a while; the new checkpoint replaces the last."""
+        assert self.snapshots is not None and self._spec is not None
+        m = await child.metrics()
+        if m is None:
+            return
+        now = time.monotonic()
+        busy = (m.get("requests_processing", 0) + m.get("requests_deferred", 0)
+                + (self.busy() if self.busy is not None else 0))
+        if busy > 0:
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = now
+        processed = m.get("prompt_tokens_total", 0.0)
+        if (now - self._idle_since < CHECKPOINT_IDLE_S
+                or processed - self._checkpoint_mark < self.snapshots.config.checkpoint_tokens):
+            return
+        self._checkpoint_mark = processed
+        try:
+            taken = await save_slots(child, self.snapshots, self._spec.argv)
+        except OSError as exc:
+            log.warning("checkpoint not taken: %s", exc)
+            return
+        old, self._checkpoint = self._checkpoint, taken if taken.snapshots else None
+        if old is not None:
+            for snap in old.snapshots:
+                self.snapshots.remove(snap.name)
+        self.persist_report = {**self.persist_report, "checkpoint": taken.to_dict(),
+                               "at": time.time()}
+
+    def _drop_checkpoint(self) -> None:
+        old, self._checkpoint = self._checkpoint, None
+        if old is not None and self.snapshots is not None:
+            for snap in old.snapshots:
+                self.snapshots.remove(snap.name)
 
     async def _restore(self, child: ChildProcess) -> None:
         carried, self._carried = self._carried, None
