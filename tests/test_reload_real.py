@@ -55,6 +55,8 @@ class Served:
                                      cwd=REPO, stdout=self.log.open("w"),
                                      stderr=subprocess.STDOUT, text=True)
         self.base = f"http://127.0.0.1:{port}"
+        key = env.get("MTPWRAP_API_KEYS")
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
 
     def set_profile(self, **changes: object) -> None:
         data = yaml.safe_load(DEMO_PROFILE.read_text())
@@ -80,7 +82,7 @@ class Served:
         pytest.fail("never ready:\n" + self.log.read_text())
 
     def complete(self, prompt: str, n: int = 4) -> dict:
-        r = httpx.post(f"{self.base}/v1/completions", timeout=120, json={
+        r = httpx.post(f"{self.base}/v1/completions", timeout=120, headers=self.auth, json={
             "model": "demo", "prompt": prompt, "max_tokens": n, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.json()
@@ -91,7 +93,7 @@ class Served:
     def metric(self, name: str, **labels: str) -> float:
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
+        text = httpx.get(f"{self.base}/metrics", timeout=10, headers=self.auth).text
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -112,8 +114,8 @@ def make_served(tmp_path: Path, llama_server_bin: Path, demo_model: Path,
                 free_port: int) -> Iterator[object]:
     started: list[Served] = []
 
-    def make(persist: dict | None = None) -> Served:
-        s = Served(tmp_path, free_port, llama_server_bin, demo_model, persist=persist)
+    def make(persist: dict | None = None, **env: str) -> Served:
+        s = Served(tmp_path, free_port, llama_server_bin, demo_model, persist=persist, **env)
         started.append(s)
         return s
 
@@ -285,7 +287,8 @@ def without(argv: list[str], *flags: str) -> list[str]:
 
 
 def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeServed) -> None:
-    s = make_served(persist={"checkpoints": True, "checkpoint_tokens": 1000})
+    s = make_served(persist={"checkpoints": True, "checkpoint_tokens": 1000},
+                    MTPWRAP_API_KEYS="client-key-0123")
     s.wait_ready()
     full = prompt_n(s.complete(LONG))
     end = time.monotonic() + 60
@@ -294,6 +297,15 @@ def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeSer
         time.sleep(0.2)
     files = list(s.snapshot_dir().iterdir())
     assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    # No client reaches the snapshots: /slots needs the key and stays off even with it, and
+    # naming a real snapshot file does not restore (or erase) it.
+    assert httpx.get(f"{s.base}/slots", timeout=10).status_code == 401
+    assert httpx.get(f"{s.base}/slots", timeout=10, headers=s.auth).status_code == 403
+    for action in ("restore", "erase", "save"):
+        r = httpx.post(f"{s.base}/slots/0?action={action}", headers=s.auth, timeout=10,
+                       json={"filename": files[0].name})
+        assert r.status_code == 403, r.text
+    assert sorted(s.snapshot_dir().iterdir()) == sorted(files)
     child = s.state()["child_pid"]
     os.kill(child, signal.SIGKILL)
     end = time.monotonic() + 10

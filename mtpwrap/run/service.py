@@ -520,6 +520,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             stop.set()
 
     sup.add_listener(on_state)
+    sup.on_persist = record
     record()
     # Start llama-server first and import the HTTP stack while it loads: the imports cost
     # a few hundred milliseconds that would otherwise add to the time to ready.

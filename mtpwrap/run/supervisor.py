@@ -10,6 +10,12 @@ from the child resets the load-stall timer) → READY, watched for exit, failing
 progress while requests are processing, and memory growth → on a crash BACKOFF with a capped
 exponential delay, FAILED after too many crashes in a window → on stop SIGTERM, bounded wait,
 SIGKILL of the process group.
+
+Planned restarts (`reload`: a new command or the same one again; a memory recycle) take the
+same path: readiness drops so new requests wait in the front's queue, in-flight ones finish
+within a budget, the slots are saved (persist.py) when the next command can take them, the old
+child stops and the new one starts; the slots are restored after its first token and before
+READY. A new command that does not start is replaced by the previous one.
 """
 
 from __future__ import annotations
@@ -181,8 +187,10 @@ class Supervisor:
         #: requests the front is forwarding now; a planned restart waits for 0 (None: ask the
         #: child's /metrics only)
         self.busy: Callable[[], int] | None = None
-        #: the last save and restore, for the state file and /healthz
+        #: the last save, restore and checkpoint, for the state file and /healthz
         self.persist_report: dict[str, Any] = {}
+        #: called after `persist_report` changed (the service rewrites its state file)
+        self.on_persist: Callable[[], None] | None = None
         self._reload: _Reload | None = None
         self._carried: Carried | None = None
         self._spec: ChildSpec | None = None
@@ -288,8 +296,9 @@ class Supervisor:
         if self._reload is not None:
             return False, "another reload is in progress"
         if self._state is not State.READY or self._task is None:
-            if factory is not None:
-                self._factory, self._step = factory, 0
+            if factory is None:
+                return False, f"llama-server is {self._state.value}: nothing to restart"
+            self._factory, self._step = factory, 0
             return True, (f"llama-server is {self._state.value}; the new configuration "
                           "applies to its next start")
         rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future())
@@ -355,6 +364,7 @@ class Supervisor:
                     continue  # planned: no failure, no delay
                 if self._checkpoint is not None:
                     # Unplanned: the last checkpoint goes into the next child.
+                    self._forget(self._carried)
                     self._carried, self._checkpoint = self._checkpoint, None
                 if rl is not None and rl.phase == "starting" and not self._was_ready:
                     # The new command did not come up: back to the one that worked.
@@ -650,15 +660,16 @@ class Supervisor:
                                                        fingerprint(nxt.argv))
         if why is not None:
             log.info("slots not saved: %s", why)
-            self.persist_report = {"saved": None, "skipped": why, "at": time.time()}
+            self._report({"saved": None, "skipped": why})
             return
         try:
             carried = await save_slots(child, self.snapshots, self._spec.argv)
         except OSError as exc:
             log.warning("slots not saved: %s", exc)
             return
+        self._forget(self._carried)
         self._carried = carried if carried.snapshots else None
-        self.persist_report = {"saved": carried.to_dict(), "at": time.time()}
+        self._report({"saved": carried.to_dict()})
 
     async def _maybe_checkpoint(self, child: ChildProcess) -> None:
         """Save the slots in the background once enough new prompt has been processed and
@@ -686,16 +697,25 @@ class Supervisor:
             log.warning("checkpoint not taken: %s", exc)
             return
         old, self._checkpoint = self._checkpoint, taken if taken.snapshots else None
-        if old is not None:
-            for snap in old.snapshots:
-                self.snapshots.remove(snap.name)
-        self.persist_report = {**self.persist_report, "checkpoint": taken.to_dict(),
-                               "at": time.time()}
+        self._forget(old)
+        self._report({**self.persist_report, "checkpoint": taken.to_dict()})
+
+    def _report(self, report: dict[str, Any]) -> None:
+        self.persist_report = {**report, "at": time.time()}
+        if self.on_persist is not None:
+            try:
+                self.on_persist()
+            except Exception:  # a broken listener must not take the owner down
+                log.exception("persist listener failed")
 
     def _drop_checkpoint(self) -> None:
         old, self._checkpoint = self._checkpoint, None
-        if old is not None and self.snapshots is not None:
-            for snap in old.snapshots:
+        self._forget(old)
+
+    def _forget(self, carried: Carried | None) -> None:
+        """Delete the files of snapshots that will not be restored."""
+        if carried is not None and self.snapshots is not None:
+            for snap in carried.snapshots:
                 self.snapshots.remove(snap.name)
 
     async def _restore(self, child: ChildProcess) -> None:
@@ -707,7 +727,7 @@ class Supervisor:
         except OSError as exc:
             log.warning("slots not restored: %s", exc)
             return
-        self.persist_report = {**self.persist_report, "restored": report, "at": time.time()}
+        self._report({**self.persist_report, "restored": report})
 
 
 async def _first(*aws: Any) -> None:
