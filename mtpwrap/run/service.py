@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -443,6 +444,7 @@ class ReloadResult:
     exit_code: int
     launch: Launch | None = None
     config: SupervisorConfig | None = None
+    settings: Settings | None = None
 
 
 async def apply_reload(kind: str, sup: Supervisor, store: SnapshotStore | None,
@@ -470,7 +472,7 @@ async def apply_reload(kind: str, sup: Supervisor, store: SnapshotStore | None,
     message = "; ".join([message, *notes])
     if not ok:
         return ReloadResult("failed", message, 1)
-    return ReloadResult("ok", message, 0, launch, cfg)
+    return ReloadResult("ok", message, 0, launch, cfg, new_settings)
 
 
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,
@@ -569,7 +571,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     requests: asyncio.Queue[str] = asyncio.Queue()
 
     async def reload_loop() -> None:
-        nonlocal launch
+        nonlocal launch, settings
         while True:
             kind = await requests.get()
             if stop.is_set():
@@ -585,9 +587,14 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             except Exception as exc:  # a reload must never take the service down
                 log.exception("%s failed", kind)
                 res = ReloadResult("failed", f"{kind} failed: {exc}", 1)
-            if res.launch is not None and res.config is not None:
+            if res.launch is not None and res.config is not None and res.settings is not None:
+                # The new drain budgets count from now on; the listen address and the front's
+                # settings stay until mtpwrap restarts (the message says so).
                 launch = res.launch
+                settings = dataclasses.replace(res.settings, host=settings.host,
+                                               port=settings.port)
                 sup.config = res.config
+                base.update(drain_s=settings.drain_s, stop_grace_s=res.config.stop_grace_s)
                 base.update(profile=launch.info.get("profile"), model=launch.info.get("model"),
                             binary=launch.info.get("binary"))
                 front.info.update(launch.info)
@@ -692,6 +699,7 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("memory plan", i.get("memory_plan")),
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(paths.log_dir() / "llama-server.log")),
+        ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
     ]
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
     out += [f"  warning: {w}" for w in launch.warnings]
