@@ -158,6 +158,9 @@ class ChildProcess:
             env=env,
             start_new_session=True,  # own process group: one killpg reaches grandchildren
             preexec_fn=_make_preexec(),
+            # What llama-server writes (KV snapshots hold the clients' prompts) is for the
+            # service user alone, from the moment it exists.
+            umask=0o077,
         )
         return cls(proc, base_url=base_url, api_key=api_key, file_logger=file_logger,
                    lines_per_s=lines_per_s, log_file=log_file)
