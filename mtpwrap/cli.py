@@ -31,6 +31,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
     "status": ("mtpwrap.commands.status", "Report on the running instance."),
     "down": ("mtpwrap.commands.down", "Stop the running instance cleanly."),
+    "reload": ("mtpwrap.commands.reload",
+               "Apply a changed configuration: swap llama-server behind the front."),
+    "restart": ("mtpwrap.commands.restart", "Restart llama-server behind the front."),
     "service": ("mtpwrap.commands.service", "Print, install or remove the systemd unit."),
 }
 

@@ -221,6 +221,30 @@ def check_model(model: str | None) -> Check:
     )
 
 
+def check_snapshots(directory: Path | None = None) -> Check:
+    """The KV snapshot directory holds the clients' prompts in another form: 0700, files 0600,
+    owned by the service user. Default: the running instance's, else persist.dir's default."""
+    import os
+
+    from mtpwrap.run import instance, persist
+
+    if directory is None:
+        data = instance.read_instance() or {}
+        recorded = data.get("persist_dir")
+        configured = os.environ.get("MTPWRAP_PERSIST_DIR")
+        directory = Path(recorded or configured or persist.default_dir())
+    if not directory.exists():
+        return Check("KV snapshots", OK, f"{directory} does not exist yet (created 0700 by "
+                     "`mtpwrap up`)")
+    problems = persist.directory_problems(directory)
+    if problems:
+        return Check("KV snapshots", WARNING, "; ".join(problems[:3]),
+                     f"chmod 700 {directory} && chmod 600 {directory}/* (as the service user), "
+                     "or remove it: `mtpwrap up` recreates it")
+    n = len(list(directory.iterdir()))
+    return Check("KV snapshots", OK, f"{directory}: mode 0700, {n} file(s), all 0600")
+
+
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
     if snap is None:
         from mtpwrap.decide import hardware
@@ -237,4 +261,5 @@ def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]
         check_binary(snap),
         check_cpu_isa(),
         check_model(model),
+        check_snapshots(),
     ]

@@ -83,7 +83,21 @@ SUPERVISOR: dict[str, Key] = {
     "exit_on_failed": Key("tristate", "auto"),
 }
 
-SECTIONS = {"supervisor": SUPERVISOR, "proxy": None}  # None: free-form, checked by its owner
+#: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
+PERSIST: dict[str, Key] = {
+    "enabled": Key("bool", True),
+    "dir": Key("str", None),  # default: <MTPWRAP_HOME>/kv-snapshots
+    "min_tokens": Key("int", 2048, _pos, "an integer number of tokens >= 1"),
+    "max_mb": Key("int", 0, _nonneg, "an integer number of MiB >= 0 (0: a quarter of the "
+                                     "free disk)"),
+    "checkpoints": Key("bool", False),
+    # a checkpoint is taken when llama-server has prefilled this many tokens since the last one
+    # and has been idle for a few seconds
+    "checkpoint_tokens": Key("int", 2048, _pos, "an integer number of tokens >= 1"),
+}
+
+# None: free-form, checked by its owner
+SECTIONS = {"supervisor": SUPERVISOR, "persist": PERSIST, "proxy": None}
 
 
 @dataclass(frozen=True)
@@ -105,6 +119,8 @@ class Settings:
     api_keys: tuple[str, ...]
     config_file: Path | None
     sources: dict[str, str] = field(default_factory=dict)  # key -> where its value came from
+    persist: dict[str, Any] = field(
+        default_factory=lambda: {k: key.default for k, key in PERSIST.items()})
 
     @property
     def proxy_source(self) -> str:
@@ -271,6 +287,15 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         resolve(f"supervisor.{name}", key, sup_file.get(name), name in sup_file)
         supervisor[name] = values.pop(f"supervisor.{name}")
 
+    persist_file = file_data.get("persist") or {}
+    for name in persist_file:
+        if name not in PERSIST:
+            raise _unknown(where_file, f"persist.{name}", list(PERSIST))
+    persist: dict[str, Any] = {}
+    for name, key in PERSIST.items():
+        resolve(f"persist.{name}", key, persist_file.get(name), name in persist_file)
+        persist[name] = values.pop(f"persist.{name}")
+
     proxy = dict(file_data.get("proxy") or {})
     keys_file = values["api_key_file"] or proxy.pop("api_keys_file", None)
     api_keys: list[str] = []
@@ -296,4 +321,5 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         ready_timeout_s=values["ready_timeout_s"],
         log_level=values["log_level"], supervisor=supervisor, proxy=proxy,
         api_keys=tuple(dict.fromkeys(api_keys)), config_file=config_path, sources=sources,
+        persist=persist,
     )

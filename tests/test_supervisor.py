@@ -459,3 +459,59 @@ def test_out_of_memory_while_serving_is_a_crash_not_a_load_failure(tmp_path: Pat
 
     run(scenario())
     assert steps and set(steps) == {0}
+
+
+def test_restart_swaps_the_child_after_in_flight_requests_finish(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup, events = make({"token_delay_s": 0.05}, tmp_path)
+        await sup.start()
+        up = await sup.wait_ready(10)
+        assert up is not None
+        old_pid = sup.status().pid
+        streaming = asyncio.create_task(chat(up.base_url, up.api_key, stream=True, n=20))
+        await asyncio.sleep(0.2)
+        ok, message = await sup.reload(None, drain_s=10)
+        assert ok and message == "llama-server restarted"
+        done = await streaming  # it was let finish on the old child
+        assert done.status_code == 200 and "[DONE]" in done.text
+        st = sup.status()
+        assert st.state is State.READY and st.pid != old_pid and not alive(old_pid or 0)
+        assert st.upstream is not None and st.upstream.generation == 2
+        assert State.BACKOFF not in [e[2] for e in events]
+        await sup.stop(3)
+
+    run(scenario())
+
+
+def test_a_reload_whose_child_does_not_start_goes_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup, events = make(None, tmp_path)
+        await sup.start()
+        assert await sup.wait_ready(10) is not None
+        ok, message = await sup.reload(fake_factory({"exit": 3}), drain_s=5)
+        assert not ok and "did not start" in message and "previous configuration" in message
+        up = await sup.wait_ready(10)
+        assert up is not None and up.generation == 3  # old, broken new, old again
+        # The previous command is back for good: a later restart uses it too.
+        ok, _ = await sup.reload(None, drain_s=5)
+        assert ok and sup.status().state is State.READY
+        assert State.FAILED not in [e[2] for e in events]
+        await sup.stop(3)
+
+    run(scenario())
+
+
+def test_a_reload_pending_at_stop_is_answered(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sup, _ = make({"load_s": 0.5}, tmp_path)
+        await sup.start()
+        ok, message = await sup.reload(fake_factory(None), drain_s=5)
+        assert ok and "applies to its next start" in message  # not ready yet: nothing to swap
+        assert await sup.wait_ready(10) is not None
+        pending = asyncio.create_task(sup.reload(None, drain_s=5))
+        await asyncio.sleep(0)
+        await sup.stop(3)
+        assert await asyncio.wait_for(pending, 5) == (False, "mtpwrap is shutting down")
+        assert sup.status().state is State.STOPPED
+
+    run(scenario())

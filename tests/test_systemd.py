@@ -55,6 +55,8 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert any(ln.startswith("ReadWritePaths=") for ln in lines)
     exec_start = next(ln for ln in lines if ln.startswith("ExecStart=")).split("=", 1)[1]
     assert exec_start.split()[:4] == [sys.executable, "-m", "mtpwrap", "up"]
+    reload = next(ln for ln in lines if ln.startswith("ExecReload=")).split("=", 1)[1]
+    assert reload.split() == [sys.executable, "-m", "mtpwrap", "reload"]
 
 
 def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:

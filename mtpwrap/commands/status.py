@@ -34,6 +34,11 @@ def command(as_json: bool) -> None:
                 ["mtpwrap pid", report["pid"]], ["llama-server pid", report["child_pid"] or "-"],
                 ["log", report["log_file"]],
             ]
+            rl = report.get("reload") or {}
+            if rl.get("generation"):
+                rows.append([f"last {rl.get('kind', 'reload')}",
+                             f"{rl.get('result')}: {rl.get('message') or '-'}"])
+            rows.append(["KV snapshots", report.get("persist_dir") or "off"])
             for k, v in rows:
                 console.out.print(f"{k:<17} {v}", markup=False)
     sys.exit(0 if report["running"] and report["state"] == "ready"

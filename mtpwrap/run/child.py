@@ -168,6 +168,9 @@ class ChildProcess:
             env=env,
             start_new_session=True,  # own process group: one killpg reaches grandchildren
             preexec_fn=_make_preexec(),
+            # What llama-server writes (KV snapshots hold the clients' prompts) is for the
+            # service user alone, from the moment it exists.
+            umask=0o077,
         )
         return cls(proc, base_url=base_url, api_key=api_key, file_logger=file_logger,
                    lines_per_s=lines_per_s, log_file=log_file)
@@ -284,6 +287,28 @@ class ChildProcess:
         except ValueError:  # a page that is not Prometheus text: no readings
             return None
         return out
+
+    async def slot_action(self, slot: int, action: str, filename: str | None = None,
+                          timeout: float = 600.0) -> tuple[bool, dict[str, Any]]:
+        """`POST /slots/{slot}?action=save|restore|erase`: (done, llama-server's answer, or
+        {"message": why not})."""
+        body = {"filename": filename} if filename is not None else {}
+        try:
+            r = await self._http.post(f"/slots/{slot}", params={"action": action}, json=body,
+                                      timeout=timeout)
+        except self._httpx.HTTPError as exc:
+            return False, {"message": f"{type(exc).__name__}: {exc}"}
+        try:
+            data = r.json()
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        if r.status_code != 200:
+            err = data.get("error")
+            msg = err.get("message") if isinstance(err, dict) else None
+            return False, {"message": f"HTTP {r.status_code}: {msg or r.text[:200]}"}
+        return True, data
 
     def memory_bytes(self) -> int:
         """RSS + swap of the child and everything it started."""

@@ -130,7 +130,8 @@ def instance_report() -> dict[str, Any]:
         "uptime_s": (time.time() - started) if started else None,
         "ready_since": data.get("ready_since"), "restarts": data.get("restarts", 0),
         "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),
-        "updated_at": data.get("updated_at"),
+        "updated_at": data.get("updated_at"), "reload": data.get("reload"),
+        "persist": data.get("persist"), "persist_dir": data.get("persist_dir"),
     }
 
 
@@ -163,3 +164,37 @@ def stop_instance(timeout: float | None = None, force: bool = False) -> int | No
         return pid
     raise RuntimeFailure(f"mtpwrap (pid {pid}) did not stop within {timeout:.0f}s.",
                          hint="Wait longer with --timeout, or use --force.")
+
+
+def request_reload(kind: str, timeout: float) -> dict[str, Any]:
+    """Ask the running instance to reload (SIGHUP) or restart llama-server (SIGUSR2) and wait
+    for the outcome it records in the state file: {"result": "ok"|"refused"|"failed",
+    "message": ..., "exit_code": ...}."""
+    from mtpwrap.errors import RuntimeFailure
+
+    data = read_instance()
+    if not instance_running(data):
+        raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
+                             f"{instance_path()}).", hint="Start one with `mtpwrap up`.")
+    assert data is not None
+    pid = int(data["pid"])
+    before = int((data.get("reload") or {}).get("generation") or 0)
+    try:
+        os.kill(pid, signal.SIGHUP if kind == "reload" else signal.SIGUSR2)
+    except ProcessLookupError:
+        raise RuntimeFailure(f"mtpwrap (pid {pid}) exited before the {kind}.") from None
+    except PermissionError as exc:
+        raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap {kind}` "
+                             "as the user that runs it (or use systemctl reload).") from exc
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        now = read_instance() or {}
+        state = now.get("reload") or {}
+        if int(state.get("generation") or 0) > before and state.get("result") not in (
+                None, "running"):
+            return dict(state)
+        if not pid_alive(pid):
+            raise RuntimeFailure(f"mtpwrap (pid {pid}) exited during the {kind}.")
+        time.sleep(0.1)
+    raise RuntimeFailure(f"the {kind} did not finish within {timeout:.0f}s; `mtpwrap status` "
+                         "shows how it ends.", hint="Wait longer with --timeout.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -19,12 +20,14 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.errors import ConfigError
+from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.persist import PersistConfig, SnapshotStore
 from mtpwrap.run.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
 from mtpwrap.run.systemd import Notifier
 from mtpwrap.settings import SUPERVISOR, Settings, convert
@@ -131,6 +134,77 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
                             log_file=paths.log_dir() / "llama-server.log", **values)
 
 
+# --------------------------------------------------------------------------- reload
+
+#: llama-server's directory for slot files: mtpwrap's snapshot directory, never a client's
+SLOT_SAVE_FLAG = "--slot-save-path"
+
+
+def persist_config(settings: Settings) -> PersistConfig | None:
+    """The snapshot settings (`persist:`); None when persistence is off."""
+    cfg = PersistConfig.from_settings(settings.persist)
+    return cfg if cfg.enabled else None
+
+
+def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactory:
+    """The factory whose commands also name mtpwrap's snapshot directory."""
+    def wrapped(port: int, api_key: str, step: int) -> ChildSpec | None:
+        spec = factory(port, api_key, step)
+        if spec is None:
+            return None
+        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
+                         note=spec.note)
+    return wrapped
+
+
+def check_reserved(launch: Launch) -> None:
+    """--slot-save-path belongs to mtpwrap: a profile's extra arguments may not set it."""
+    spec = launch.factory(0, "probe-key", 0)
+    if spec is not None and any(a == SLOT_SAVE_FLAG or a.startswith(SLOT_SAVE_FLAG + "=")
+                                for a in spec.argv):
+        raise ConfigError(f"profile {launch.info.get('profile')}: extra_args: {SLOT_SAVE_FLAG} "
+                          "is set by mtpwrap (its KV snapshot directory, persist.dir); "
+                          "remove it.")
+
+
+def reload_inputs(settings: Settings) -> dict[str, Any]:
+    """What `load_settings` needs to read the same settings again: the flags given, the
+    MTPWRAP_* variables that set a key, the config file. No secrets (API keys are read from
+    their file or variable again)."""
+    cli: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    for key, source in settings.sources.items():
+        if source.startswith("--") and "." not in key:
+            cli[key] = getattr(settings, key)
+        elif source.startswith("MTPWRAP_") and source in os.environ:
+            env[source] = os.environ[source]
+    return {"cli": cli, "env": env,
+            "config": str(settings.config_file) if settings.config_file else None}
+
+
+def reread_settings(inputs: dict[str, Any]) -> Settings:
+    from mtpwrap.settings import load_settings
+
+    env = {**os.environ, **dict(inputs.get("env") or {})}
+    return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
+
+
+def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, Any]:
+    """Every check `up` makes before starting anything, for a new configuration: the launch,
+    the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
+    launch = resolve_launch(settings)
+    check_reserved(launch)
+    cfg = supervisor_config(settings, launch)
+    front_config = proxy_config(settings, launch)
+    return launch, cfg, front_config
+
+
+def child_factory(launch: Launch, store: SnapshotStore | None) -> LaunchFactory:
+    if store is None:
+        return launch.factory
+    return with_slot_save_path(launch.factory, store.directory)
+
+
 # --------------------------------------------------------------------------- serving
 
 
@@ -177,6 +251,12 @@ def proxy_config(settings: Settings, launch: Launch) -> Any:
                 f"{where}: proxy.max_concurrency: the front sends llama-server at most as many "
                 f"requests as it has slots ({launch.slots} here); remove this key and set the "
                 "profile's slots instead.")
+    paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
+    if "slot-actions" in paths_on and settings.persist.get("enabled", True):
+        raise ConfigError(
+            f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
+            "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
+            "slot-actions, or turn snapshots off with persist.enabled: false.")
     mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
                "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
@@ -210,6 +290,74 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event,
             loop.remove_signal_handler(sig)
 
 
+@contextlib.contextmanager
+def _reload_signals(loop: asyncio.AbstractEventLoop,
+                    handler: Callable[[str], None]) -> Iterator[None]:
+    """SIGHUP: reload the configuration; SIGUSR2: restart llama-server as it is."""
+    kinds = {signal.SIGHUP: "reload", signal.SIGUSR2: "restart"}
+    for sig, kind in kinds.items():
+        loop.add_signal_handler(sig, handler, kind)
+    try:
+        yield
+    finally:
+        for sig in kinds:
+            loop.remove_signal_handler(sig)
+
+
+def open_snapshots(settings: Settings) -> SnapshotStore | None:
+    """The snapshot directory, created 0700 and emptied; None when persistence is off."""
+    pcfg = persist_config(settings)
+    if pcfg is None:
+        return None
+    store = SnapshotStore(pcfg)
+    try:
+        store.open()
+    except OSError as exc:
+        raise ConfigError(f"persist.dir: cannot use {pcfg.directory} for KV snapshots "
+                          f"({exc.strerror}).",
+                          hint="Point persist.dir at a directory the service user can create, "
+                               "or set persist.enabled: false.") from exc
+    return store
+
+
+@dataclass
+class ReloadResult:
+    outcome: str  # "ok" | "refused" | "failed"
+    message: str
+    exit_code: int
+    launch: Launch | None = None
+    config: SupervisorConfig | None = None
+    settings: Settings | None = None
+
+
+async def apply_reload(kind: str, sup: Supervisor, store: SnapshotStore | None,
+                       inputs: dict[str, Any], settings: Settings, front_config: Any
+                       ) -> ReloadResult:
+    """`restart`: the same command again. `reload`: re-read the settings and the profile,
+    check them like `up` does (a refusal leaves the running child untouched), then swap."""
+    if kind == "restart":
+        ok, message = await sup.reload(None, settings.drain_s)
+        return ReloadResult("ok" if ok else "failed", message, 0 if ok else 1)
+    try:
+        new_settings = await asyncio.to_thread(reread_settings, inputs)
+        launch, cfg, new_front = await asyncio.to_thread(prepare, new_settings)
+    except MtpwrapError as exc:
+        return ReloadResult("refused", f"not reloaded, llama-server left as it was: {exc}",
+                            exc.exit_code)
+    notes = []
+    if (new_settings.host, new_settings.port) != (settings.host, settings.port):
+        notes.append("the listen address changes only when mtpwrap restarts")
+    if new_front != front_config:
+        notes.append("proxy settings change only when mtpwrap restarts")
+    if persist_config(new_settings) != (store.config if store is not None else None):
+        notes.append("persist settings change only when mtpwrap restarts")
+    ok, message = await sup.reload(child_factory(launch, store), new_settings.drain_s)
+    message = "; ".join([message, *notes])
+    if not ok:
+        return ReloadResult("failed", message, 1)
+    return ReloadResult("ok", message, 0, launch, cfg, new_settings)
+
+
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,
                 notifier: Notifier | None = None, front_config: Any = None,
                 announce: Callable[[], None] | None = None) -> int:
@@ -220,7 +368,9 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
     cfg = supervisor_config(settings, launch)
-    sup = Supervisor(launch.factory, cfg)
+    inputs = reload_inputs(settings)
+    store = open_snapshots(settings)
+    sup = Supervisor(child_factory(launch, store), cfg, snapshots=store)
     url = public_url(settings.host, settings.port)
     t0 = time.monotonic()
     first_ready = asyncio.Event()
@@ -231,13 +381,17 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     base = {"pid": os.getpid(), "url": url, "host": settings.host, "port": settings.port,
             "profile": launch.info.get("profile"), "model": launch.info.get("model"),
             "binary": launch.info.get("binary"), "log_file": str(cfg.log_file),
-            "drain_s": settings.drain_s, "stop_grace_s": cfg.stop_grace_s}
+            "drain_s": settings.drain_s, "stop_grace_s": cfg.stop_grace_s,
+            "reload_inputs": inputs,
+            "persist_dir": str(store.directory) if store is not None else None}
+    reload_state: dict[str, Any] = {"generation": 0, "result": None, "message": None}
 
     def record() -> None:
         st = sup.status()
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **base, "child_pid": st.pid,
-                "child_pgid": st.pid, "updated_at": time.time()}
+                "child_pgid": st.pid, "updated_at": time.time(), "reload": reload_state,
+                "persist": sup.persist_report}
         with contextlib.suppress(OSError):
             instance.write_instance(data)
 
@@ -256,6 +410,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             stop.set()
 
     sup.add_listener(on_state)
+    sup.on_persist = record
     record()
     # Start llama-server first and import the HTTP stack while it loads: the imports cost
     # a few hundred milliseconds that would otherwise add to the time to ready.
@@ -271,6 +426,8 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
 
         front = make_front(sup, launch, front_config)
         server_config = front.server_config(timeout_graceful_shutdown=5)
+        sup.busy = lambda: front.forwarding
+        front.info["reload"] = reload_state
     except BaseException:
         await sup.stop()  # never leave a child behind a front that could not start
         raise
@@ -301,9 +458,53 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
                 next_extend = now + extend_every
             await asyncio.sleep(min(interval or 1.0, 1.0))
 
-    with _signals(loop, stop, force):
+    requests: asyncio.Queue[str] = asyncio.Queue()
+
+    async def reload_loop() -> None:
+        nonlocal launch, settings
+        while True:
+            kind = await requests.get()
+            if stop.is_set():
+                return
+            reload_state.update(generation=reload_state["generation"] + 1, kind=kind,
+                                result="running", message=None, exit_code=None,
+                                started_at=time.time(), finished_at=None)
+            record()
+            notifier.status(f"{kind}ing llama-server")
+            try:
+                res = await apply_reload(kind, sup, store, inputs, settings,
+                                         front_config)
+            except Exception as exc:  # a reload must never take the service down
+                log.exception("%s failed", kind)
+                res = ReloadResult("failed", f"{kind} failed: {exc}", 1)
+            if res.launch is not None and res.config is not None and res.settings is not None:
+                # The new drain budgets count from now on; the listen address and the front's
+                # settings stay until mtpwrap restarts (the message says so).
+                launch = res.launch
+                settings = dataclasses.replace(res.settings, host=settings.host,
+                                               port=settings.port)
+                sup.config = res.config
+                base.update(drain_s=settings.drain_s, stop_grace_s=res.config.stop_grace_s)
+                base.update(profile=launch.info.get("profile"), model=launch.info.get("model"),
+                            binary=launch.info.get("binary"))
+                front.info.update(launch.info)
+            reload_state.update(result=res.outcome, message=res.message,
+                                exit_code=res.exit_code, finished_at=time.time())
+            front.metrics.reloads.labels(res.outcome).inc()
+            (log.info if res.outcome == "ok" else log.warning)("%s %s: %s", kind, res.outcome,
+                                                               res.message)
+            notifier.status(f"{kind} {res.outcome}: {res.message}"[:200])
+            record()
+
+    def on_signal(kind: str) -> None:
+        if not stop.is_set():
+            log.info("%s requested", kind)
+            requests.put_nowait(kind)
+
+    with _signals(loop, stop, force), _reload_signals(loop, on_signal):
         server_task = asyncio.create_task(server.serve(sockets=[sock]), name="front")
         service = asyncio.create_task(service_loop(), name="service")
+        reloader = asyncio.create_task(reload_loop(), name="reload")
         waits = [asyncio.create_task(stop.wait()), server_task]
         if settings.ready_timeout_s > 0:
             async def ready_deadline() -> None:
@@ -337,7 +538,10 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         for t in (drain_task, force_task):
             t.cancel()
         notifier.status("stopping llama-server")
-        await sup.stop(0.0 if force.is_set() else cfg.stop_grace_s)
+        reloader.cancel()
+        await sup.stop(0.0 if force.is_set() else sup.config.stop_grace_s)
+        if store is not None:
+            store.clear()  # a clean stop: the snapshots (the clients' prompts) go
         server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(server_task, 10)
@@ -385,6 +589,7 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("memory plan", i.get("memory_plan")),
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(paths.log_dir() / "llama-server.log")),
+        ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
     ]
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
     out += [f"  warning: {w}" for w in launch.warnings]
@@ -402,9 +607,7 @@ def run_up(settings: Settings) -> int:
                           hint="Stop it with `mtpwrap down`, or set MTPWRAP_STATE_DIR to run "
                                "another one beside it.")
     instance.reap_leftovers(previous)
-    launch = resolve_launch(settings)
-    supervisor_config(settings, launch)  # validates the profile's supervisor section
-    front_config = proxy_config(settings, launch)
+    launch, _, front_config = prepare(settings)
     sock = bind_public(settings.host, settings.port)
 
     def announce() -> None:

@@ -10,6 +10,12 @@ from the child resets the load-stall timer) → READY, watched for exit, failing
 progress while requests are processing, and memory growth → on a crash BACKOFF with a capped
 exponential delay, FAILED after too many crashes in a window → on stop SIGTERM, bounded wait,
 SIGKILL of the process group.
+
+Planned restarts (`reload`: a new command or the same one again; a memory recycle) take the
+same path: readiness drops so new requests wait in the front's queue, in-flight ones finish
+within a budget, the slots are saved (persist.py) when the next command can take them, the old
+child stops and the new one starts; the slots are restored after its first token and before
+READY. A new command that does not start is replaced by the previous one.
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ from mtpwrap.run.child import (
     describe_returncode,
     free_loopback_port,
     make_file_logger,
+)
+from mtpwrap.run.persist import (
+    CHECKPOINT_IDLE_S,
+    Carried,
+    SnapshotStore,
+    fingerprint,
+    incompatibility,
+    restore_slots,
+    save_slots,
 )
 from mtpwrap.settings import SUPERVISOR
 
@@ -154,13 +169,49 @@ class SupervisorConfig:
 
 @dataclass
 class _Outcome:
-    kind: str  # "exit" | "oom" | "stall" | "probe" | "wedge" | "health" | "recycle" | "stop"
+    kind: str  # "exit" | "oom" | "stall" | "probe" | "wedge" | "health" | "stop"
+    #          # planned: "recycle" | "reload" | "restart"
     detail: str
 
 
+_PLANNED = ("recycle", "reload", "restart")
+
+
+@dataclass
+class _Reload:
+    """A requested swap of the child: `factory` None restarts with the current one."""
+
+    factory: LaunchFactory | None
+    drain_s: float
+    done: asyncio.Future[tuple[bool, str]]
+    phase: str = "pending"  # pending -> draining -> starting
+    previous: LaunchFactory | None = None
+
+    def finish(self, ok: bool, message: str) -> None:
+        if not self.done.done():
+            self.done.set_result((ok, message))
+
+
 class Supervisor:
-    def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None) -> None:
+    def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None,
+                 snapshots: SnapshotStore | None = None) -> None:
         self._factory = factory
+        #: where slots are saved across planned restarts (None: persistence off)
+        self.snapshots = snapshots
+        #: requests the front is forwarding now; a planned restart waits for 0 (None: ask the
+        #: child's /metrics only)
+        self.busy: Callable[[], int] | None = None
+        #: the last save, restore and checkpoint, for the state file and /healthz
+        self.persist_report: dict[str, Any] = {}
+        #: called after `persist_report` changed (the service rewrites its state file)
+        self.on_persist: Callable[[], None] | None = None
+        self._reload: _Reload | None = None
+        self._carried: Carried | None = None
+        self._spec: ChildSpec | None = None
+        self._was_ready = False
+        self._checkpoint: Carried | None = None  # the last one taken from the current child
+        self._checkpoint_mark = 0.0  # prompt tokens processed when it was taken
+        self._idle_since: float | None = None
         self.config = config or SupervisorConfig()
         self._state = State.STARTING
         self._reason: str | None = "not started yet"
@@ -251,6 +302,26 @@ class Supervisor:
         if self._state not in (State.STOPPING, State.STOPPED):
             self._set_state(State.DRAINING, "shutting down")
 
+    async def reload(self, factory: LaunchFactory | None, drain_s: float) -> tuple[bool, str]:
+        """Swap the child for one made by `factory` (None: the same command again): new
+        requests wait in the front's queue, in-flight ones finish (at most `drain_s`), slots are
+        saved, the old child stops and the new one starts. (True, what happened) once the new
+        child is READY; (False, why) when it did not start and the previous command is back."""
+        if self._shutdown:
+            return False, "mtpwrap is shutting down"
+        if self._reload is not None:
+            return False, "another reload is in progress"
+        if self._state is not State.READY or self._task is None:
+            if factory is None:
+                return False, f"llama-server is {self._state.value}: nothing to restart"
+            self._factory, self._step = factory, 0
+            return True, (f"llama-server is {self._state.value}; the new configuration "
+                          "applies to its next start")
+        rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future())
+        self._reload = rl
+        self._wake.set()
+        return await asyncio.shield(rl.done)
+
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.stop_grace_s if grace is None else grace
         self._shutdown = True
@@ -299,8 +370,26 @@ class Supervisor:
                 outcome = await self._one_child()
                 if self._stop_requested or outcome.kind == "stop":
                     break
-                if outcome.kind == "recycle":
+                rl = self._reload
+                if outcome.kind in ("reload", "restart") and rl is not None:
+                    rl.phase, rl.previous = "starting", self._factory
+                    if rl.factory is not None:
+                        self._factory, self._step = rl.factory, 0
+                    continue
+                if outcome.kind in _PLANNED:
                     continue  # planned: no failure, no delay
+                if self._checkpoint is not None:
+                    # Unplanned: the last checkpoint goes into the next child.
+                    self._forget(self._carried)
+                    self._carried, self._checkpoint = self._checkpoint, None
+                if rl is not None and rl.phase == "starting" and not self._was_ready:
+                    # The new command did not come up: back to the one that worked.
+                    self._reload = None
+                    if rl.previous is not None:
+                        self._factory, self._step = rl.previous, 0
+                    rl.finish(False, f"the new llama-server did not start ({outcome.detail}); "
+                                     "the previous configuration is starting again")
+                    continue
                 delay = self._record_failure(outcome)
                 if delay is None:
                     await self._wait_for_stop(None)  # FAILED: stay, report, wait for stop
@@ -312,6 +401,9 @@ class Supervisor:
             self._set_state(State.FAILED, f"internal error: {exc}")
             await self._wait_for_stop(None)
         finally:
+            if self._reload is not None:
+                self._reload.finish(False, "mtpwrap is shutting down")
+                self._reload = None
             child = self._child
             if child is not None and child.returncode is None:
                 rc = await child.terminate(self._stop_grace)
@@ -390,6 +482,8 @@ class Supervisor:
             raise RuntimeError("the launch factory returned no command for step 0")
         self._generation += 1
         gen = self._generation
+        self._spec, self._was_ready = spec, False
+        self._checkpoint_mark, self._idle_since = 0.0, None
         base_url = f"http://{cfg.host}:{port}"
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
                         + (f", {spec.note}" if spec.note else ""))
@@ -449,7 +543,14 @@ class Supervisor:
                 ok, why = await child.generate_one_token(cfg.probe_timeout_s)
                 if ok:
                     self._consecutive_oom = 0
+                    await self._restore(child)
+                    self._was_ready = True
                     self._set_state(State.READY, None)
+                    rl = self._reload
+                    if rl is not None and rl.phase == "starting":
+                        self._reload = None
+                        rl.finish(True, "llama-server restarted with the new configuration"
+                                  if rl.factory is not None else "llama-server restarted")
                     return None
                 if child.returncode is not None or await child.wait(0.2) is not None:
                     return self._exit_outcome(child, "exited during the first generation")
@@ -493,6 +594,12 @@ class Supervisor:
                 return _Outcome("stop", "stop requested")
             if exited:
                 return self._exit_outcome(child, "exited")
+            rl = self._reload
+            if rl is not None and rl.phase == "pending":
+                rl.phase = "draining"
+                kind = "reload" if rl.factory is not None else "restart"
+                return await self._planned(child, kind, f"{kind}ing llama-server", rl.drain_s,
+                                           rl.factory)
 
             if self._stall_report is not None:
                 _gen, why = self._stall_report
@@ -530,11 +637,17 @@ class Supervisor:
                 if decode is not None:
                     last_decode = decode
 
+            if self.snapshots is not None and self.snapshots.config.checkpoints:
+                await self._maybe_checkpoint(child)
+
             if cfg.rss_limit_bytes and time.monotonic() >= next_memory:
                 next_memory = time.monotonic() + cfg.memory_interval_s
                 used = child.memory_bytes()
                 if used > cfg.rss_limit_bytes:
-                    return await self._recycle(child, used)
+                    mib = 2**20
+                    return await self._planned(
+                        child, "recycle", f"recycling llama-server: memory {used // mib} MiB "
+                        f"> limit {cfg.rss_limit_bytes // mib} MiB", cfg.recycle_drain_s, None)
 
     async def _confirm_wedge(self, child: ChildProcess) -> bool:
         """A stalled stream means a wedged child only if the whole child stopped decoding."""
@@ -548,16 +661,14 @@ class Supervisor:
         return (second.get("requests_processing", 0) > 0
                 and second.get("n_decode_total") == first.get("n_decode_total"))
 
-    async def _recycle(self, child: ChildProcess, used: int) -> _Outcome:
-        """Memory grew past the limit: stop routing new work here, let in-flight requests
-        finish (bounded), then restart. New requests wait in the front's queue meanwhile."""
-        cfg = self.config
-        mib = 2**20
-        why = (f"recycling llama-server: memory {used // mib} MiB > limit "
-               f"{cfg.rss_limit_bytes // mib} MiB")
+    async def _planned(self, child: ChildProcess, kind: str, why: str, drain_s: float,
+                       factory: LaunchFactory | None) -> _Outcome:
+        """A planned restart: stop routing new work here (requests wait in the front's queue),
+        let in-flight requests finish (at most `drain_s`), then save the slots for the child
+        that `factory` (None: the current one) will start."""
         self._set_state(State.STARTING, why)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + cfg.recycle_drain_s
+        deadline = loop.time() + drain_s
         # A request the front picked up just before readiness dropped may not have reached
         # the child yet; settle briefly, then require two idle samples in a row.
         await asyncio.sleep(0.3)
@@ -567,9 +678,94 @@ class Supervisor:
             if child.returncode is not None:
                 break
             busy = (m or {}).get("requests_processing", 0) + (m or {}).get("requests_deferred", 0)
-            idle = idle + 1 if m is not None and busy == 0 else 0
+            forwarding = self.busy() if self.busy is not None else 0
+            idle = idle + 1 if m is not None and busy == 0 and forwarding == 0 else 0
             await asyncio.sleep(0.2)
-        return _Outcome("recycle", why)
+        if idle < 2 and not self._stop_requested:
+            log.warning("%s: drain budget (%gs) spent with requests still running", kind,
+                        drain_s)
+        if (self.snapshots is not None and child.returncode is None
+                and not self._stop_requested):
+            await self._save(child, factory)
+        return _Outcome(kind, why)
+
+    async def _save(self, child: ChildProcess, factory: LaunchFactory | None) -> None:
+        """Save the child's slots when the next command can take them back."""
+        assert self.snapshots is not None and self._spec is not None
+        self._drop_checkpoint()  # the slots are saved afresh now
+        nxt = (factory or self._factory)(0, "probe-key", self._step if factory is None else 0)
+        why = None if nxt is None else incompatibility(fingerprint(self._spec.argv),
+                                                       fingerprint(nxt.argv))
+        if why is not None:
+            log.info("slots not saved: %s", why)
+            self._report({"saved": None, "skipped": why})
+            return
+        try:
+            carried = await save_slots(child, self.snapshots, self._spec.argv)
+        except OSError as exc:
+            log.warning("slots not saved: %s", exc)
+            return
+        self._forget(self._carried)
+        self._carried = carried if carried.snapshots else None
+        self._report({"saved": carried.to_dict()})
+
+    async def _maybe_checkpoint(self, child: ChildProcess) -> None:
+        """Save the slots in the background once enough new prompt has been processed and
+        llama-server has been idle for a while; the new checkpoint replaces the last."""
+        assert self.snapshots is not None and self._spec is not None
+        m = await child.metrics()
+        if m is None:
+            return
+        now = time.monotonic()
+        busy = (m.get("requests_processing", 0) + m.get("requests_deferred", 0)
+                + (self.busy() if self.busy is not None else 0))
+        if busy > 0:
+            self._idle_since = None
+            return
+        if self._idle_since is None:
+            self._idle_since = now
+        processed = m.get("prompt_tokens_total", 0.0)
+        if (now - self._idle_since < CHECKPOINT_IDLE_S
+                or processed - self._checkpoint_mark < self.snapshots.config.checkpoint_tokens):
+            return
+        self._checkpoint_mark = processed
+        try:
+            taken = await save_slots(child, self.snapshots, self._spec.argv)
+        except OSError as exc:
+            log.warning("checkpoint not taken: %s", exc)
+            return
+        old, self._checkpoint = self._checkpoint, taken if taken.snapshots else None
+        self._forget(old)
+        self._report({**self.persist_report, "checkpoint": taken.to_dict()})
+
+    def _report(self, report: dict[str, Any]) -> None:
+        self.persist_report = {**report, "at": time.time()}
+        if self.on_persist is not None:
+            try:
+                self.on_persist()
+            except Exception:  # a broken listener must not take the owner down
+                log.exception("persist listener failed")
+
+    def _drop_checkpoint(self) -> None:
+        old, self._checkpoint = self._checkpoint, None
+        self._forget(old)
+
+    def _forget(self, carried: Carried | None) -> None:
+        """Delete the files of snapshots that will not be restored."""
+        if carried is not None and self.snapshots is not None:
+            for snap in carried.snapshots:
+                self.snapshots.remove(snap.name)
+
+    async def _restore(self, child: ChildProcess) -> None:
+        carried, self._carried = self._carried, None
+        if carried is None or self.snapshots is None or self._spec is None:
+            return
+        try:
+            report = await restore_slots(child, self.snapshots, carried, self._spec.argv)
+        except OSError as exc:
+            log.warning("slots not restored: %s", exc)
+            return
+        self._report({**self.persist_report, "restored": report})
 
 
 async def _first(*aws: Any) -> None:

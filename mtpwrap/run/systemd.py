@@ -112,6 +112,13 @@ def stop_timeout_s(opts: UnitOptions) -> int:
     return int(opts.drain_grace_s + opts.drain_s + opts.stop_grace_s + 15)
 
 
+def reload_command(exec_start: Sequence[str]) -> list[str]:
+    """`mtpwrap reload` run the way ExecStart runs `mtpwrap up`."""
+    argv = list(exec_start)
+    head = argv[:argv.index("up")] if "up" in argv else argv[:1]
+    return [*head, "reload"]
+
+
 def render_unit(opts: UnitOptions) -> str:
     env = {"MTPWRAP_HOME": opts.state_dir, "MTPWRAP_LOG_DIR": opts.log_dir,
            "MTPWRAP_STATE_DIR": "/run/mtpwrap", "PYTHONUNBUFFERED": "1", **opts.environment}
@@ -134,6 +141,9 @@ StartLimitBurst=5
 Type=notify
 NotifyAccess=main
 ExecStart={shlex.join(opts.exec_start)}
+# Re-reads the settings and the profile and swaps llama-server behind the front; an invalid
+# configuration is refused (exit {EXIT_CONFIG}) and the running one stays.
+ExecReload={shlex.join(reload_command(opts.exec_start))}
 EnvironmentFile=-{opts.environment_file}
 {env_lines}
 User={opts.user}

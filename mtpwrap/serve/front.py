@@ -225,6 +225,11 @@ class Front:
     async def aclose(self) -> None:
         await self.client.aclose()
 
+    @property
+    def forwarding(self) -> int:
+        """Requests sent to llama-server and not finished (queued ones not counted)."""
+        return self._active
+
     def _front_stats(self) -> dict[str, float]:
         return {"requests_in_flight": float(self.inflight), "queue_depth": float(self.queued),
                 "forwarding": float(self._active), "draining": 1.0 if self.draining else 0.0}
@@ -424,26 +429,33 @@ class Front:
                            "The model is not ready; retry later.")
         self.queued += 1
         t = time.perf_counter()
-        deadline = asyncio.get_running_loop().time() + cfg.queue_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.queue_timeout_s
         try:
-            up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
-            if up is None:
+            while True:
+                up = await self.supervisor.wait_ready(max(0.0, deadline - loop.time()))
+                if up is None:
+                    st = self.supervisor.status()
+                    state = state_name(st)
+                    reason = ("queue_timeout" if state in ("starting", "backoff")
+                              else "not_ready")
+                    self.metrics.shed.labels(reason).inc()
+                    raise _Refusal(503, reason,
+                                   f"The model is not ready ({state}); retry later.")
+                try:
+                    await asyncio.wait_for(self._gate.acquire(),
+                                           max(0.0, deadline - loop.time()))
+                except asyncio.TimeoutError:  # not the builtin before Python 3.11
+                    self.metrics.shed.labels("queue_timeout").inc()
+                    raise _Refusal(503, "queue_timeout",
+                                   "The server is busy; retry later.") from None
+                # The child may have restarted while we waited for a slot: ask again.
                 st = self.supervisor.status()
-                state = state_name(st)
-                reason = "queue_timeout" if state in ("starting", "backoff") else "not_ready"
-                self.metrics.shed.labels(reason).inc()
-                raise _Refusal(503, reason, f"The model is not ready ({state}); retry later.")
-            left = deadline - asyncio.get_running_loop().time()
-            try:
-                await asyncio.wait_for(self._gate.acquire(), max(0.0, left))
-            except asyncio.TimeoutError:  # not the builtin before Python 3.11
-                self.metrics.shed.labels("queue_timeout").inc()
-                raise _Refusal(503, "queue_timeout", "The server is busy; retry later.") from None
-            # The child may have restarted while we waited for a slot: ask again.
-            st = self.supervisor.status()
-            if state_name(st) == "ready" and st.upstream is not None:
-                up = st.upstream
-            return up
+                if state_name(st) == "ready" and st.upstream is not None:
+                    return st.upstream
+                # A restart (planned or not) began meanwhile: wait for the next child in
+                # the queue rather than send this request to the one that is going away.
+                self._gate.release()
         finally:
             self.queued -= 1
             self.metrics.queue_wait.observe(time.perf_counter() - t)

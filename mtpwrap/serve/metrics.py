@@ -234,11 +234,16 @@ class FrontMetrics:
                                        "Failures talking to the child", ["kind"], registry=r)
         self.refused = Counter("mtpwrap_refused", "Requests refused by policy", ["reason"],
                                registry=r)
+        self.reloads = Counter("mtpwrap_reloads", "Reloads and restarts of llama-server asked "
+                               "for by the operator, by outcome (ok, refused, failed)",
+                               ["outcome"], registry=r)
         self.live = _LiveCollector(status, front_stats)
         r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
         for reason in ("overload", "not_ready", "draining", "queue_timeout"):
             self.shed.labels(reason)
+        for outcome in ("ok", "refused", "failed"):
+            self.reloads.labels(outcome)
         for reason in ("client_disconnect", "slow_reader", "stall", "upstream_error"):
             self.cancelled.labels(reason)
 

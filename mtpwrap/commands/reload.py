@@ -1,0 +1,45 @@
+"""`mtpwrap reload` and `mtpwrap restart`: apply a changed configuration, or restart
+llama-server, behind the front without dropping a connection."""
+
+from __future__ import annotations
+
+import click
+
+
+def finish(kind: str, timeout: float) -> None:
+    from mtpwrap import console
+    from mtpwrap.errors import ConfigError, RuntimeFailure
+    from mtpwrap.run import instance
+
+    outcome = instance.request_reload(kind, timeout)
+    message = str(outcome.get("message") or "")
+    if outcome.get("result") == "ok":
+        console.info(f"{kind}: {message}")
+        return
+    if outcome.get("result") == "refused" and outcome.get("exit_code") == 78:
+        raise ConfigError(message)
+    raise RuntimeFailure(message or f"the {kind} failed.")
+
+
+@click.command("reload")
+@click.option("--timeout", type=float, default=900.0, envvar="MTPWRAP_RELOAD_TIMEOUT",
+              show_default=True, help="Seconds to wait for the outcome.")
+def command(timeout: float) -> None:
+    """Re-read settings and the profile and swap llama-server behind the front.
+
+    The new configuration is checked here first, then again by the running instance; an
+    invalid one (exit 78) leaves the running llama-server untouched. New requests wait in the
+    front's queue, in-flight ones finish, long contexts are carried over (persist.*). Exit 0
+    when the new llama-server is ready, 78 when refused, 1 when it did not start (the previous
+    configuration is back).
+    """
+    from mtpwrap.errors import RuntimeFailure
+    from mtpwrap.run import instance, service
+
+    data = instance.read_instance()
+    if not instance.instance_running(data):
+        raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
+                             f"{instance.instance_path()}).", hint="Start one with `mtpwrap up`.")
+    assert data is not None
+    service.prepare(service.reread_settings(data.get("reload_inputs") or {}))
+    finish("reload", timeout)

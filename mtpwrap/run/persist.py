@@ -1,0 +1,309 @@
+"""KV snapshots: a long context survives a restart of llama-server.
+
+With `persist.checkpoints` a snapshot is also taken while serving (a checkpoint): once
+llama-server has prefilled `persist.checkpoint_tokens` tokens since the last one and has been
+idle for CHECKPOINT_IDLE_S; after a crash the last checkpoint is restored like a planned one.
+
+Before a planned restart (reload, restart, recycle) every slot of the old child is saved with
+llama-server's `POST /slots/{id}?action=save` into mtpwrap's own directory (`--slot-save-path`);
+slots holding fewer than `persist.min_tokens` tokens are dropped at once. After the new child has
+answered its first token, and before it is READY, each snapshot is restored into the same slot
+when the new launch is compatible (same model file, same KV types, a per-slot context at least
+as large); with `cache_prompt` a request that starts with the restored tokens only processes
+the new suffix.
+
+A snapshot holds the prompt in another form, so it is treated like the client's documents: the
+directory is 0700, each file 0600, the names are mtpwrap's own (never a client's), the total
+size is bounded (oldest first out), and a file is deleted once restored and on a clean stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpwrap import paths
+
+log = logging.getLogger("mtpwrap.persist")
+
+PREFIX = "mtpwrap-slot"
+SUFFIX = ".bin"
+#: idle seconds before a checkpoint is taken
+CHECKPOINT_IDLE_S = 3.0
+#: share of the free disk the snapshots may take when persist.max_mb is 0 (auto)
+AUTO_SHARE = 0.25
+
+
+def default_dir() -> Path:
+    """On disk beside the models and builds (under systemd /var/lib/mtpwrap), not in the state
+    directory, which systemd puts on a RAM-backed /run."""
+    return paths.home() / "kv-snapshots"
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    enabled: bool = True
+    directory: Path = field(default_factory=default_dir)
+    min_tokens: int = 2048
+    max_bytes: int = 0  # 0: AUTO_SHARE of the free disk, measured when the store opens
+    checkpoints: bool = False
+    checkpoint_tokens: int = 2048
+
+    @classmethod
+    def from_settings(cls, values: Mapping[str, Any]) -> PersistConfig:
+        raw_dir = values.get("dir")
+        return cls(enabled=bool(values.get("enabled", True)),
+                   directory=Path(raw_dir).expanduser() if raw_dir else default_dir(),
+                   min_tokens=int(values.get("min_tokens", 2048)),
+                   max_bytes=int(values.get("max_mb", 0)) * 2**20,
+                   checkpoints=bool(values.get("checkpoints", False)),
+                   checkpoint_tokens=int(values.get("checkpoint_tokens", 2048)))
+
+
+# --------------------------------------------------------------------------- compatibility
+
+
+def _flag(argv: Sequence[str], *flags: str) -> str | None:
+    for i, a in enumerate(argv):
+        for f in flags:
+            if a == f and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(f + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def fingerprint(argv: Sequence[str]) -> dict[str, Any]:
+    """What a slot snapshot depends on, read from a llama-server command line: the model file
+    (its pinned sha256 when one is recorded beside it, else its size and modification time),
+    the K and V cache types and the context of one slot."""
+    model = _flag(argv, "-m", "--model")
+    ident: str | None = None
+    if model:
+        p = Path(model)
+        stamp = p.with_name(p.name + ".sha256")
+        try:
+            ident = stamp.read_text().split()[0] if stamp.is_file() else None
+        except (OSError, IndexError):
+            ident = None
+        if ident is None:
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                ident = f"size {st.st_size}, mtime {st.st_mtime_ns}"
+    ctx = _flag(argv, "-c", "--ctx-size")
+    slots = _flag(argv, "-np", "--parallel") or "1"
+    per_slot = int(ctx) // max(1, int(slots)) if ctx and ctx.isdigit() and slots.isdigit() else 0
+    return {
+        "model": str(Path(model).resolve()) if model else None, "model_id": ident,
+        "type_k": _flag(argv, "-ctk", "--cache-type-k") or "f16",
+        "type_v": _flag(argv, "-ctv", "--cache-type-v") or "f16",
+        "slot_ctx": per_slot, "slots": int(slots) if slots.isdigit() else 1,
+    }
+
+
+def incompatibility(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
+    """Why snapshots taken under `old` cannot go into a child launched as `new`; None if they
+    can."""
+    if old.get("model") != new.get("model") or old.get("model_id") != new.get("model_id"):
+        return f"the model changed ({old.get('model')} -> {new.get('model')})"
+    for key, what in (("type_k", "K cache type"), ("type_v", "V cache type")):
+        if old.get(key) != new.get(key):
+            return f"the {what} changed ({old.get(key)} -> {new.get(key)})"
+    if int(new.get("slot_ctx") or 0) < int(old.get("slot_ctx") or 0):
+        return (f"the context per slot shrank ({old.get('slot_ctx')} -> "
+                f"{new.get('slot_ctx')} tokens)")
+    return None
+
+
+# --------------------------------------------------------------------------- the directory
+
+
+def directory_problems(directory: Path) -> list[str]:
+    """What is wrong with a snapshot directory's permissions (for `doctor` and start-up)."""
+    problems: list[str] = []
+    try:
+        st = directory.stat()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        return [f"{directory}: cannot read ({exc.strerror})"]
+    if st.st_uid != os.geteuid():
+        problems.append(f"{directory}: owned by uid {st.st_uid}, not by the service user "
+                        f"(uid {os.geteuid()})")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        problems.append(f"{directory}: mode {stat.S_IMODE(st.st_mode):04o}, expected 0700")
+    with contextlib.suppress(OSError):
+        for entry in directory.iterdir():
+            mode = stat.S_IMODE(entry.lstat().st_mode)
+            if mode & 0o077:
+                problems.append(f"{entry}: mode {mode:04o}, expected 0600")
+    return problems
+
+
+@dataclass
+class Snapshot:
+    slot: int
+    name: str
+    tokens: int
+    size: int
+
+
+class SnapshotStore:
+    """mtpwrap's snapshot directory: names, modes, the size bound, removal."""
+
+    def __init__(self, config: PersistConfig) -> None:
+        self.config = config
+        self.directory = config.directory
+        self.max_bytes = config.max_bytes
+
+    def open(self) -> None:
+        """Create the directory 0700 (tighten it if it exists) and drop what an earlier run
+        left there: those snapshots belong to a child that no longer exists."""
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.directory, 0o700)
+        self.clear()
+        if self.max_bytes <= 0:
+            free = shutil.disk_usage(self.directory).free
+            self.max_bytes = int(free * AUTO_SHARE)
+
+    def new_name(self, slot: int) -> str:
+        """A name of mtpwrap's own: no client ever picks or learns it."""
+        return f"{PREFIX}{slot}-{int(time.time())}-{secrets.token_hex(8)}{SUFFIX}"
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+    def files(self) -> list[Path]:
+        try:
+            return [p for p in self.directory.iterdir()
+                    if p.name.startswith(PREFIX) and p.name.endswith(SUFFIX)]
+        except OSError:
+            return []
+
+    def secure(self, name: str) -> int:
+        """Make a freshly written snapshot 0600; its size in bytes (0 when it is gone)."""
+        p = self.path(name)
+        try:
+            os.chmod(p, 0o600)
+            return p.stat().st_size
+        except OSError:
+            return 0
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(OSError):
+            self.path(name).unlink()
+
+    def clear(self) -> int:
+        n = 0
+        for p in self.files():
+            with contextlib.suppress(OSError):
+                p.unlink()
+                n += 1
+        return n
+
+    def evict(self) -> list[str]:
+        """Delete the oldest snapshots until the total fits `max_bytes`; the names removed."""
+        entries = []
+        for p in self.files():
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                entries.append((st.st_mtime_ns, p.name, st.st_size))
+        entries.sort()
+        total = sum(size for _, _, size in entries)
+        gone: list[str] = []
+        for _, name, size in entries:
+            if total <= self.max_bytes:
+                break
+            self.remove(name)
+            total -= size
+            gone.append(name)
+        if gone:
+            log.warning("snapshot directory above %d MiB: removed %d oldest snapshot(s)",
+                        self.max_bytes // 2**20, len(gone))
+        return gone
+
+
+# --------------------------------------------------------------------------- save / restore
+
+
+@dataclass
+class Carried:
+    """Snapshots taken from one child, waiting for the next."""
+
+    fingerprint: dict[str, Any]
+    snapshots: list[Snapshot]
+    save_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"slots": [s.slot for s in self.snapshots],
+                "tokens": sum(s.tokens for s in self.snapshots),
+                "bytes": sum(s.size for s in self.snapshots), "save_s": round(self.save_s, 3)}
+
+
+async def save_slots(child: Any, store: SnapshotStore, argv: Sequence[str]) -> Carried:
+    """Save every slot of `child` holding at least `min_tokens` tokens."""
+    t0 = time.perf_counter()
+    fp = fingerprint(argv)
+    kept: list[Snapshot] = []
+    for slot in range(int(fp["slots"])):
+        name = store.new_name(slot)
+        ok, data = await child.slot_action(slot, "save", name)
+        if not ok:
+            log.warning("slot %d not saved: %s", slot, data.get("message"))
+            store.remove(name)
+            continue
+        size = store.secure(name)
+        tokens = int(data.get("n_saved") or 0)
+        if tokens < max(1, store.config.min_tokens):
+            store.remove(name)
+            continue
+        kept.append(Snapshot(slot, name, tokens, size))
+    carried = Carried(fp, kept, time.perf_counter() - t0)
+    gone = set(store.evict())
+    carried.snapshots = [s for s in kept if s.name not in gone]
+    if carried.snapshots:
+        mb = sum(s.size for s in carried.snapshots) / 2**20
+        log.info("saved %d slot(s), %d tokens, %.1f MiB in %.3fs",
+                 len(carried.snapshots), sum(s.tokens for s in carried.snapshots), mb,
+                 carried.save_s)
+    return carried
+
+
+async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
+                        argv: Sequence[str]) -> dict[str, Any]:
+    """Put carried snapshots into `child`; every file is deleted afterwards, restored or not."""
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {"restored": 0, "tokens": 0, "skipped": None}
+    try:
+        why = incompatibility(carried.fingerprint, fingerprint(argv))
+        if why is not None:
+            report["skipped"] = why
+            if carried.snapshots:
+                log.info("not restoring %d slot snapshot(s): %s", len(carried.snapshots), why)
+            return report
+        for snap in carried.snapshots:
+            if not store.path(snap.name).exists():
+                continue  # evicted meanwhile
+            ok, data = await child.slot_action(snap.slot, "restore", snap.name)
+            if not ok:
+                log.warning("slot %d not restored: %s", snap.slot, data.get("message"))
+                continue
+            report["restored"] += 1
+            report["tokens"] += int(data.get("n_restored") or 0)
+    finally:
+        for snap in carried.snapshots:
+            store.remove(snap.name)
+        report["restore_s"] = round(time.perf_counter() - t0, 3)
+    if report["restored"]:
+        log.info("restored %d slot(s), %d tokens in %.3fs", report["restored"],
+                 report["tokens"], report["restore_s"])
+    return report

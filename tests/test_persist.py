@@ -1,0 +1,193 @@
+"""KV snapshot files: modes, the size bound, what makes a snapshot fit a new launch, the
+settings that govern them, and the checks that keep them out of clients' reach."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from mtpwrap.errors import ConfigError
+from mtpwrap.run import persist, service
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.settings import load_settings
+
+
+def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
+    return persist.SnapshotStore(persist.PersistConfig(directory=directory,
+                                                       max_bytes=max_mb * 2**20))
+
+
+def write(store: persist.SnapshotStore, slot: int, size: int) -> str:
+    name = store.new_name(slot)
+    store.path(name).write_bytes(b"\0" * size)  # as llama-server writes it: umask 022
+    return name
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(p.stat().st_mode)
+
+
+def test_directory_is_0700_files_0600_and_leftovers_go(tmp_path: Path) -> None:
+    d = tmp_path / "snaps"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    left = d / f"{persist.PREFIX}0-1-abc{persist.SUFFIX}"
+    left.write_bytes(b"old prompt")
+    other = d / "notes.txt"  # not mtpwrap's: left alone
+    other.write_text("x")
+    store = store_at(d)
+    store.open()
+    assert mode(d) == 0o700
+    assert not left.exists() and other.exists()
+    assert store.max_bytes > 0  # the default bound comes from the free disk
+    name = write(store, 0, 100)
+    assert mode(store.path(name)) & 0o077  # as written by llama-server
+    assert store.secure(name) == 100 and mode(store.path(name)) == 0o600
+
+
+def test_names_are_mtpwraps_own_and_unguessable(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    names = {store.new_name(0) for _ in range(50)}
+    assert len(names) == 50
+    assert all(n.startswith(persist.PREFIX + "0-") and "/" not in n for n in names)
+
+
+def test_eviction_removes_the_oldest_until_the_bound_holds(tmp_path: Path) -> None:
+    store = store_at(tmp_path, max_mb=2)
+    store.directory.mkdir(exist_ok=True)
+    names = []
+    for i in range(3):
+        names.append(write(store, i, 2**20))
+        past = time.time() - 100 + i
+        os.utime(store.path(names[-1]), (past, past))
+    assert store.evict() == [names[0]]
+    assert [p.name for p in sorted(store.files())] == sorted(names[1:])
+    assert store.evict() == []
+
+
+def test_directory_problems_and_the_doctor_check(tmp_path: Path) -> None:
+    from mtpwrap import doctor
+
+    d = tmp_path / "snaps"
+    assert doctor.check_snapshots(d).status == doctor.OK  # not created yet
+    d.mkdir()
+    os.chmod(d, 0o755)
+    f = d / "mtpwrap-slot0-x.bin"
+    f.write_bytes(b"x")
+    os.chmod(f, 0o644)
+    problems = persist.directory_problems(d)
+    assert any("expected 0700" in p for p in problems)
+    assert any("expected 0600" in p and str(f) in p for p in problems)
+    check = doctor.check_snapshots(d)
+    assert check.status == doctor.WARNING and "0755" in check.detail and check.fix
+    os.chmod(d, 0o700)
+    os.chmod(f, 0o600)
+    assert persist.directory_problems(d) == []
+    assert doctor.check_snapshots(d).status == doctor.OK
+
+
+def argv(model: Path, *more: str) -> list[str]:
+    return ["llama-server", "-m", str(model), *more]
+
+
+def test_snapshots_fit_only_the_same_model_kv_types_and_no_smaller_slots(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 64)
+    base = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
+                                    "-ctv", "q8_0"))
+    assert base["slot_ctx"] == 2048 and base["type_k"] == "q8_0"
+    same = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
+                                    "-ctv", "q8_0", "--flash-attn", "on"))
+    assert persist.incompatibility(base, same) is None
+    bigger = persist.fingerprint(argv(model, "-c", "8192", "-np", "1", "-ctk", "q8_0",
+                                      "-ctv", "q8_0"))
+    assert persist.incompatibility(base, bigger) is None
+    smaller = persist.fingerprint(argv(model, "-c", "4096", "-np", "4", "-ctk", "q8_0",
+                                       "-ctv", "q8_0"))
+    assert "shrank (2048 -> 1024" in (persist.incompatibility(base, smaller) or "")
+    kv = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q4_0",
+                                  "-ctv", "q8_0"))
+    assert "K cache type changed (q8_0 -> q4_0)" in (persist.incompatibility(base, kv) or "")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF")
+    moved = persist.fingerprint(argv(other, "-c", "4096", "-np", "2", "-ctk", "q8_0",
+                                     "-ctv", "q8_0"))
+    assert "model changed" in (persist.incompatibility(base, moved) or "")
+    # The same path with other contents (a re-download, a new quantisation) is another model.
+    model.write_bytes(b"GGUF" + b"\1" * 128)
+    changed = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
+                                       "-ctv", "q8_0"))
+    assert "model changed" in (persist.incompatibility(base, changed) or "")
+
+
+def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("persist:\n  min_tokens: 512\n  dir: /srv/snaps\n")
+    s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
+    pc = service.persist_config(s)
+    assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
+    assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
+    off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
+    assert service.persist_config(off) is None
+    cfg.write_text("persist:\n  min_token: 512\n")
+    with pytest.raises(ConfigError, match="persist.min_token: unknown key"):
+        load_settings({}, env={}, config=cfg)
+    cfg.write_text("persist:\n  min_tokens: 0\n")
+    with pytest.raises(ConfigError, match="persist.min_tokens: expected an integer"):
+        load_settings({}, env={}, config=cfg)
+
+
+def launch_with(argv_: list[str], proxy: dict | None = None) -> service.Launch:
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        return ChildSpec(argv=[*argv_, "--port", str(port)])
+
+    return service.Launch(factory=factory, info={"profile": "p"}, proxy=proxy or {})
+
+
+def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
+        service.check_reserved(launch_with(["llama-server", "--slot-save-path", "/tmp"]))
+    with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
+        service.check_reserved(launch_with(["llama-server", "--slot-save-path=/tmp"]))
+    launch = launch_with(["llama-server", "-m", "x.gguf"])
+    service.check_reserved(launch)
+    wrapped = service.with_slot_save_path(launch.factory, tmp_path)
+    spec = wrapped(1234, "key", 0)
+    assert spec is not None
+    assert list(spec.argv[-2:]) == ["--slot-save-path", str(tmp_path)]
+
+
+def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
+    s = load_settings({}, env={}, config=cfg)
+    with pytest.raises(ConfigError, match="slot-actions would let clients"):
+        service.proxy_config(s, launch_with(["llama-server"]))
+    off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
+    assert "slot-actions" in service.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    # A profile cannot open it either.
+    plain = load_settings({}, env={}, config=None)
+    with pytest.raises(ConfigError, match="slot-actions"):
+        service.proxy_config(plain, launch_with(["llama-server"],
+                                                proxy={"enable_paths": ["slot-actions"]}))
+
+
+def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("profile: cpu-demo\nport: 8099\n")
+    monkeypatch.setenv("MTPWRAP_DRAIN_S", "7")
+    monkeypatch.setenv("MTPWRAP_API_KEYS", "secret-key-1")
+    s = load_settings({"host": "127.0.0.2"}, config=cfg)
+    inputs = service.reload_inputs(s)
+    assert inputs == {"cli": {"host": "127.0.0.2"}, "env": {"MTPWRAP_DRAIN_S": "7"},
+                      "config": str(cfg)}  # no key in the state file
+    cfg.write_text("profile: cpu-demo\nport: 8100\n")
+    monkeypatch.delenv("MTPWRAP_DRAIN_S")
+    again = service.reread_settings(inputs)
+    assert (again.host, again.port, again.drain_s) == ("127.0.0.2", 8100, 7.0)
+    assert again.api_keys == ("secret-key-1",)
