@@ -108,6 +108,7 @@ def resolve_launch(settings: Settings) -> Launch:
               f"{values.get('-ctv') or values.get('--cache-type-v')}",
         "speculation": values.get("--spec-type") or "none", "memory_plan": plan_text,
     }
+    info["spec_policy"] = _spec_policy_info(prof, manifest)
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
@@ -531,3 +532,12 @@ def run_up(settings: Settings) -> int:
                                  announce=announce))
     finally:
         sock.close()
+
+
+def _spec_policy_info(prof: Any, manifest: Any) -> dict[str, Any] | None:
+    """What the front's speculation policy needs: the profile's spec and whether the binary
+    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
+    from mtpwrap.serve import spec_policy
+
+    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
+    return spec_policy.launch_info(prof.to_dict()["spec"], status)
