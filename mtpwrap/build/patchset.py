@@ -114,7 +114,7 @@ def _patch_tool() -> str:
 
 def check(patch: Patch, tree: Path) -> None:
     """Raise BuildError naming the file and hunk when `patch` does not apply to `tree`."""
-    proc = subprocess.run([_patch_tool(), "-p1", "--dry-run", "--forward", "--batch", "-s",
+    proc = subprocess.run([_patch_tool(), "-p1", "--dry-run", "--forward", "--batch",
                            "-d", str(tree), "-i", str(patch.path)],
                           capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
