@@ -701,6 +701,7 @@ def build(
     note: NoteFn | None = None,
     no_patches: bool = False,
     skip_patches: tuple[str, ...] = (),
+    install: bool = True,
 ) -> tuple[Manifest, bool, str]:
     """Build (or reuse) llama-server, tried on this machine. Returns (manifest, reused, why).
 
@@ -709,6 +710,7 @@ def build(
     as crashed (never installed, never reused) and the next configuration is built.
 
     The patch set (patchset) is applied unless `no_patches`; `skip_patches` opts out of some.
+    `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
     """
     compiler = _preflight()
     applied, opted_out = patchset.select(no_patches, skip_patches)
@@ -782,6 +784,8 @@ def build(
             _write_json(cached_manifest, manifest.to_dict())
             if progress:
                 progress("up to date" if reused else "built", 100.0, None)
+            if not install:
+                return manifest, reused, why
             return _install(manifest, paths.build_root() / plan.variant), reused, why
         smoke = manifest.smoke or {}
         what = f"the {plan.cpu_isa} build " + ("crashed" if smoke.get("status") == "crashed"
