@@ -9,14 +9,18 @@ and the difference between the two is printed as the noise.
 
 On the CPU the draft is not the target itself (with itself as draft every class accepts ~100 %):
 `--spec draft` uses the demo model requantized to Q2_K by the build's llama-quantize; `--spec
-ngram` uses ngram-simple. The adaptive policy's cost model (overhead a, per-draft cost c) is
-fitted first on a short calibration (stats.fit_step_cost, as `mtpwrap tune` does), from prompts
-that are not in the workload.
+ngram` uses ngram-simple. On a GPU, `--spec mtp --model FILE` uses the model's own MTP head
+(benchmarks/gpu_check.sh runs it when ADAPTIVE_SPEC_MODEL names such a GGUF).
+
+The adaptive policy's cost model (overhead a, per-draft cost c) is fitted first on a short
+calibration (stats.fit_step_cost, as `mtpwrap tune` does), from prompts that are not in the
+workload.
 
 Printed: tokens/s (decode: predicted tokens ÷ the server's predicted_ms) per class and overall per
 configuration, side by side, and the adaptive policy's choices over time per class.
 
-    python benchmarks/adaptive_spec.py [--spec draft|ngram] [--per-class N] [--json OUT]
+    python benchmarks/adaptive_spec.py [--spec draft|ngram|mtp] [--model GGUF] [--per-class N]
+                                       [--json OUT]
 
 The binary and model come from MTPWRAP_LLAMA_SERVER / MTPWRAP_DEMO_MODEL, else from mtpwrap's
 build and models modules.
@@ -118,19 +122,24 @@ def calibrate(base: str, prompts: list[str]) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--spec", choices=("draft", "ngram"), default="draft")
+    ap.add_argument("--spec", choices=("draft", "ngram", "mtp"), default="draft")
+    ap.add_argument("--model", type=Path, help="the target model (default: the demo model)")
     ap.add_argument("--per-class", type=int, default=12)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     binary = Path(os.environ.get("MTPWRAP_LLAMA_SERVER") or builder.find_binary())
-    model = Path(os.environ.get("MTPWRAP_DEMO_MODEL") or models.ensure_demo_model())
+    model = args.model or Path(os.environ.get("MTPWRAP_DEMO_MODEL")
+                               or models.ensure_demo_model())
     work = Path(tempfile.gettempdir()) / "mtpwrap-adaptive-spec"
     work.mkdir(exist_ok=True)
     if args.spec == "draft":
         draft = quantized_draft(model, work)
         spec_args = ["--spec-type", "draft-simple", "-md", str(draft), "-ngld", "0"]
         what = f"draft-simple, draft {draft.name}"
+    elif args.spec == "mtp":
+        spec_args = ["--spec-type", "draft-mtp", "-ngl", "99"]
+        what = "draft-mtp (the model's MTP head)"
     else:
         spec_args = ["--spec-type", "ngram-simple"]
         what = "ngram-simple"
