@@ -713,8 +713,11 @@ def build(
     `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
     """
     compiler = _preflight()
-    applied, opted_out = patchset.select(no_patches, skip_patches)
-    why_out = "--no-patches" if no_patches else "--skip-patch"
+    # The patch set is for the pinned sources; a --source PATH tree is built as it is.
+    own_tree = source_spec not in (None, "", "auto", "offline", "submodule")
+    applied, opted_out = patchset.select(no_patches or own_tree, skip_patches)
+    why_out = ("a --source PATH tree is built as it is" if own_tree
+               else "--no-patches" if no_patches else "--skip-patch")
     patch_records = ([p.record("applied") for p in applied]
                      + [p.record("opted-out", why_out) for p in opted_out])
     isas = [cpu_isa] if cpu_isa else list(CPU_ISAS)

@@ -89,7 +89,8 @@ def _hunk_failures(output: str) -> list[str]:
     failures: list[str] = []
     current = "?"
     for line in output.splitlines():
-        m = re.match(r"^(?:patching|checking) file (.+)$", line)
+        m = (re.match(r"^(?:patching|checking) file (.+)$", line)
+             or re.match(r"^\|\+\+\+ b/(\S+)", line))
         if m:
             current = m.group(1).strip()
             continue
