@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.bench import stats
 from mtpwrap.build import builder, spec_probe
+from mtpwrap.decide import profiles
 from mtpwrap.run.child import free_loopback_port
 from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.spec_policy import launch_info
@@ -124,10 +125,13 @@ def test_probe_tells_patched_from_unpatched(llama_server_bin: Path, demo_model: 
 
 
 def _front(llama: LlamaChild, per_request_depth: str, policy: dict):  # noqa: ANN202
-    spec = {"kind": "draft", "depth": SERVER_DEPTH, "policy": policy,
-            "adapt": {"enabled": True, "overhead": 1.0, "per_draft": 0.1,
-                      "probe_share": 0.05, "half_life_tokens": 256.0}}
-    info = {"profile": "cpu-demo", "spec_policy": launch_info(spec, per_request_depth)}
+    prof = profiles.validate({"name": "t", "description": "d", "model": "demo",
+                              "context": 4096, "hardware": {"requires_gpu": False},
+                              "spec": {"kind": "draft", "depth": SERVER_DEPTH,
+                                       "draft_model": "demo", "policy": policy}},
+                             where="test profile")
+    info = {"profile": "t",
+            "spec_policy": launch_info(prof.to_dict()["spec"], per_request_depth)}
     cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=120, prefill_stall_s=300)
     return serve_front(llama.base_url, llama.api_key, cfg, info=info, pid=llama.proc.pid)
 

@@ -167,9 +167,7 @@ class Front:
             follow_redirects=False,
         )
         self.metrics = FrontMetrics(supervisor.status, self._front_stats)
-        self.spec = spec_policy.from_info(self.info)
-        if self.spec is not None:
-            self.spec.metrics = spec_policy.SpecMetrics(self.metrics.registry)
+        self.spec = spec_policy.from_info(self.info, self.metrics.registry)
         if not config.auth_enabled and not config.listen_is_loopback():
             log.warning("the front listens on %s without API keys: anyone who reaches this "
                         "address can use the model; set proxy.api_keys_file or MTPWRAP_API_KEYS",
@@ -583,10 +581,11 @@ class Front:
                       ) -> tuple[spec_policy.Decision | None, bytes]:
         """The draft depth for a generation request, and the body that carries it (the
         client's own bytes when the policy sends nothing)."""
-        if self.spec is None or label not in spec_policy.GENERATION_ROUTES:
+        if self.spec is None or label not in spec_policy.GENERATION_ROUTES \
+                or not isinstance(doc, dict):
             return None, body
         decision = self.spec.decide(doc)
-        if decision.depth is not None and isinstance(doc, dict):
+        if decision.depth is not None:
             body = spec_policy.inject(body, decision.depth, decision.p_min)
         return decision, body
 

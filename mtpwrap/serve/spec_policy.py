@@ -234,9 +234,9 @@ class SpecPolicy:
                 "server_depth": self.server_depth, "classes": classes}
 
 
-def from_info(info: dict[str, Any], metrics: Any = None) -> SpecPolicy | None:
-    """The policy for a front whose launch info has a `spec_policy` entry (see `launch_info`);
-    None when the server does not speculate."""
+def from_info(info: dict[str, Any], registry: Any = None) -> SpecPolicy | None:
+    """The policy for a front whose launch info has a `spec_policy` entry (see `launch_info`),
+    its instruments on `registry` when given; None when the server does not speculate."""
     spec = info.get("spec_policy")
     if not isinstance(spec, dict):
         return None
@@ -244,7 +244,8 @@ def from_info(info: dict[str, Any], metrics: Any = None) -> SpecPolicy | None:
              for name, p in (spec.get("policy") or {}).items()}
     adapt = SpecAdapt(**spec["adapt"]) if isinstance(spec.get("adapt"), dict) else SpecAdapt()
     return SpecPolicy(supported=spec.get("per_request_depth") == "honoured",
-                      server_depth=spec.get("depth"), table=table, adapt=adapt, metrics=metrics)
+                      server_depth=spec.get("depth"), table=table, adapt=adapt,
+                      metrics=SpecMetrics(registry) if registry is not None else None)
 
 
 def launch_info(profile_spec: dict[str, Any], per_request_depth: str | None
