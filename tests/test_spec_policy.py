@@ -200,3 +200,21 @@ def test_profile_spec_policy_and_adapt_are_validated() -> None:
     with pytest.raises(ConfigError, match=r"spec.adapt.probe_share: must be 0..1"):
         profiles.validate(_profile({"kind": "ngram", "adapt": {"probe_share": 2}}),
                           where="t.yaml")
+
+
+def test_launch_info_carries_the_profile_table_to_the_front() -> None:
+    prof = profiles.validate(_profile({"kind": "ngram", "depth": 6,
+                                       "policy": {"code": 4, "en-prose": "off"},
+                                       "adapt": {"enabled": False, "per_draft": 0.3}}),
+                             where="t.yaml")
+    info = {"spec_policy": spec_policy.launch_info(prof.to_dict()["spec"], "honoured")}
+    pol = spec_policy.from_info(json.loads(json.dumps(info)))  # as the state file keeps it
+    assert pol is not None and pol.supported and pol.server_depth == 6
+    assert pol.table == {"code": ClassPolicy(4), "en-prose": ClassPolicy(0)}
+    assert pol.adapt == SpecAdapt(enabled=False, per_draft=0.3)
+    none = profiles.validate(_profile({"kind": "none"}), where="t.yaml")
+    assert spec_policy.launch_info(none.to_dict()["spec"], "honoured") is None
+    assert spec_policy.from_info({"spec_policy": None}) is None
+    unknown = spec_policy.from_info(
+        {"spec_policy": spec_policy.launch_info(prof.to_dict()["spec"], None)})
+    assert unknown is not None and not unknown.supported
