@@ -137,11 +137,10 @@ def _front(llama: LlamaChild, per_request_depth: str, policy: dict):  # noqa: AN
 
 
 def _metric(text: str, name: str, cls: str) -> float | None:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and s.labels.get("request_class") == cls:
-                return s.value
-    return None
+    """The sum of the class's samples of `name` (over its other labels); None when absent."""
+    found = [s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+             if s.name == name and s.labels.get("request_class") == cls]
+    return sum(found) if found else None
 
 
 def test_front_applies_the_class_policy_and_shows_it(llama: LlamaChild) -> None:
