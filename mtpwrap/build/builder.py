@@ -671,7 +671,8 @@ def configure_only(
     plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or CPU_ISAS[0],
                       fork=_source_is_fork(source_spec))
     src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
-    applied, _ = patchset.select()
+    # the patch set is for the pinned sources; a --source PATH tree is configured as it is
+    applied = patchset.select()[0] if src.kind in ("offline", "submodule") else []
     key = cache_key(src.identity, plan.options, compiler, patchset.key_part(applied))
     build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
