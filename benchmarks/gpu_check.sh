@@ -4,7 +4,9 @@
 #   2. write a shape-real Qwen3.6-27B-class model (sparse file of zeros: weight values do not
 #      change speed) and measure decode/prefill tokens/s vs context with f16/q8_0/q4_0 KV and
 #      MTP on/off through llama-server, with the planner's prediction next to CUDA's allocations,
-#   3. `mtpwrap bench --quick` on the demo model.
+#   3. `mtpwrap bench --quick` on the demo model,
+#   4. when ADAPTIVE_SPEC_MODEL names a GGUF with an MTP head (carried to the machine): each
+#      static draft depth against the adaptive per-class policy (benchmarks/adaptive_spec.py).
 # Everything goes into one folder: the first argument, else $OUT, else ./gpu-check-TIMESTAMP.
 #
 # usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
@@ -19,6 +21,7 @@
 #                        machine) into $GPU_CHECK_SITE (default /tmp/mtpwrap-site), no network
 #   GPU_CHECK_CONTEXTS   comma-separated prompt lengths (default 1024,8192,32768)
 #   GPU_CHECK_PLAN_GPU   GPU the planner predicts for (default auto: the one present)
+#   ADAPTIVE_SPEC_MODEL  a real model with an MTP head for step 4 (skipped, saying so, without)
 set -euo pipefail
 
 dry_run=0
@@ -107,6 +110,20 @@ if (( ! dry_run )); then
             --out "$out/bench-quick" >>"$log" 2>&1 || say "bench --quick failed or timed out"
     else
         say "no time left for bench --quick"
+    fi
+fi
+if (( ! dry_run )); then
+    left=$(( 600 - ($(date +%s) - start) ))
+    if [[ -z "${ADAPTIVE_SPEC_MODEL:-}" ]]; then
+        say "adaptive speculation: skipped (set ADAPTIVE_SPEC_MODEL to a GGUF with an MTP head)"
+    elif (( left > 90 )); then
+        say "adaptive speculation with MTP on $ADAPTIVE_SPEC_MODEL (${left}s left)"
+        MTPWRAP_LLAMA_SERVER="$server" timeout "$((left - 10))" "$py" "$here/adaptive_spec.py" \
+            --spec mtp --model "$ADAPTIVE_SPEC_MODEL" --per-class 6 \
+            --json "$out/adaptive-spec.json" >>"$log" 2>&1 \
+            || say "adaptive speculation failed or timed out"
+    else
+        say "no time left for the adaptive speculation comparison"
     fi
 fi
 say "done in $(( $(date +%s) - start ))s"

@@ -141,7 +141,7 @@ def test_failed_compile_shows_the_compiler_error_and_log(
     (tree / "server.cpp").write_text("int main( { this is not C++ }\n")
     r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)
     assert r.returncode == 1, r.stderr
-    assert "compiling llama-server, llama-fit-params failed" in r.stderr
+    assert "compiling llama-server, llama-fit-params, llama-quantize failed" in r.stderr
     assert "server.cpp" in r.stderr  # the compiler's own lines are shown
     log = r.stderr.split("Full log: ")[1].split()[0]
     assert "error" in Path(log).read_text()

@@ -8,6 +8,7 @@ the checkout's `build/<variant>/` gets the binaries and `manifest.json`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import io
@@ -25,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import hashing, paths
-from mtpwrap.build import source, toolchain
+from mtpwrap.build import patchset, source, toolchain
 from mtpwrap.errors import BuildError, ConfigError, MissingToolError
 
-TARGETS = ("llama-server", "llama-fit-params")
+#: llama-quantize writes the low-bit draft models of benchmarks/adaptive_spec.py.
+TARGETS = ("llama-server", "llama-fit-params", "llama-quantize")
 MANIFEST = "manifest.json"
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 
@@ -59,6 +61,10 @@ class Manifest:
     cuda: dict[str, Any] | None = None
     #: the CMake configure step: argv, the options CMake accepted, any it did not
     configure: dict[str, Any] | None = None
+    #: the llama.cpp patches (patchset.Patch.record): name, sha256, applied | opted-out
+    patches: list[dict[str, Any]] | None = None
+    #: whether the binary honours a request's own `speculative.n_max` (spec_probe.probe)
+    spec_depth: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -323,11 +329,17 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
     return Plan(cuda_variant(archs), shown, reason, options, cpu_isa, info)
 
 
-def cache_key(identity: str, options: dict[str, str], compiler: str | None) -> str:
+def cache_key(identity: str, options: dict[str, str], compiler: str | None,
+              patches: list[list[str]] | None = None) -> str:
+    """`patches`: patchset.key_part of the applied patches. A patched build is keyed by the
+    patches' content and the targets too; an unpatched one keeps the key such builds have
+    always had, so their cache entries stay valid."""
     # The ccache launcher path does not change the result, so it is left out of the key.
     opts = {k: v for k, v in sorted(options.items()) if not k.endswith("_COMPILER_LAUNCHER")}
-    blob = json.dumps([identity, opts, compiler, _host_fingerprint(), _flag_env()],
-                      sort_keys=True)
+    parts: list[Any] = [identity, opts, compiler, _host_fingerprint(), _flag_env()]
+    if patches:
+        parts.append({"patches": patches, "targets": list(TARGETS)})
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -457,6 +469,27 @@ def _smoke_test(server: Path, variant: str, work_dir: Path,
     except Exception as exc:
         return smoke.SmokeResult("failed", f"no model to try the binary with: {exc}").to_dict()
     return smoke.run(server, model, gpu=gpu).to_dict()
+
+
+def _spec_depth_probe(server: Path, variant: str, work_dir: Path) -> dict[str, Any]:
+    from mtpwrap.build import smoke, spec_probe
+
+    if variant.startswith("cuda") and not present_gpu_archs():
+        return {"status": "unknown", "detail": "no GPU here to try the CUDA binary on"}
+    try:
+        model = smoke.smoke_model(work_dir)
+    except Exception as exc:
+        return {"status": "unknown", "detail": f"no model to probe with: {exc}"}
+    return spec_probe.probe(server, model, gpu=variant.startswith("cuda"))
+
+
+def _patched_source(src: source.Source, applied: list[patchset.Patch], key_dir: Path
+                    ) -> source.Source:
+    """`src` with the applied patches, in an overlay beside the build folder."""
+    if not applied:
+        return src
+    tree = patchset.overlay(src.path, key_dir.with_name(key_dir.name + ".src"), applied)
+    return dataclasses.replace(src, path=tree)
 
 
 def _compile(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path,
@@ -638,10 +671,13 @@ def configure_only(
     plan = plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or CPU_ISAS[0],
                       fork=_source_is_fork(source_spec))
     src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
-    key = cache_key(src.identity, plan.options, compiler)
+    # the patch set is for the pinned sources; a --source PATH tree is configured as it is
+    applied = patchset.select()[0] if src.kind in ("offline", "submodule") else []
+    key = cache_key(src.identity, plan.options, compiler, patchset.key_part(applied))
     build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     with _locked(paths.build_cache_dir() / f"{plan.variant}-{key}.lock"):
+        src = _patched_source(src, applied, build_dir)
         log = build_dir / "configure.log"
         log.write_text("")
         record = _configure(plan, src, build_dir, log, progress, force=True)
@@ -664,14 +700,27 @@ def build(
     cpu_isa: str | None = None,
     allow_unpinned: bool = False,
     note: NoteFn | None = None,
+    no_patches: bool = False,
+    skip_patches: tuple[str, ...] = (),
+    install: bool = True,
 ) -> tuple[Manifest, bool, str]:
     """Build (or reuse) llama-server, tried on this machine. Returns (manifest, reused, why).
 
     Each CPU configuration (CPU_ISAS, or only `cpu_isa` when given) is its own cache entry. A
     new binary is started on a real model and asked for tokens; one that crashes is remembered
     as crashed (never installed, never reused) and the next configuration is built.
+
+    The patch set (patchset) is applied unless `no_patches`; `skip_patches` opts out of some.
+    `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
     """
     compiler = _preflight()
+    # The patch set is for the pinned sources; a --source PATH tree is built as it is.
+    own_tree = source_spec not in (None, "", "auto", "offline", "submodule")
+    applied, opted_out = patchset.select(no_patches or own_tree, skip_patches)
+    why_out = ("a --source PATH tree is built as it is" if own_tree
+               else "--no-patches" if no_patches else "--skip-patch")
+    patch_records = ([p.record("applied") for p in applied]
+                     + [p.record("opted-out", why_out) for p in opted_out])
     isas = [cpu_isa] if cpu_isa else list(CPU_ISAS)
     fork = _source_is_fork(source_spec)
     plans: list[Plan] = []
@@ -694,7 +743,7 @@ def build(
     say = note or (lambda _msg: None)
     tried: list[dict[str, Any]] = []
     for i, plan in enumerate(plans):
-        key = cache_key(identity, plan.options, compiler)
+        key = cache_key(identity, plan.options, compiler, patchset.key_part(applied))
         build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
         cached_manifest = build_dir / MANIFEST
         manifest: Manifest | None = None
@@ -712,8 +761,9 @@ def build(
                 if src is None:
                     src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
                     why = src.reason
-                manifest = _compile(plan, src, why, key, build_dir, compiler, jobs, progress,
-                                    force)
+                manifest = _compile(plan, _patched_source(src, applied, build_dir), why, key,
+                                    build_dir, compiler, jobs, progress, force)
+                manifest.patches = patch_records
                 rejected = (manifest.configure or {}).get("rejected") or {}
                 if rejected:
                     taken = "; ".join(f"{k}: {w}" for k, w in rejected.items())
@@ -725,6 +775,10 @@ def build(
                 manifest.smoke = _smoke_test(Path(manifest.binaries["llama-server"]
                                                   ["cache_path"]), plan.variant, build_dir,
                                              manifest.architectures)
+            if manifest.spec_depth is None and manifest.smoke_status == "passed":
+                manifest.spec_depth = _spec_depth_probe(
+                    Path(manifest.binaries["llama-server"]["cache_path"]), plan.variant,
+                    build_dir)
             manifest.cpu_isa = plan.cpu_isa
             _write_json(cached_manifest, manifest.to_dict())
         tried.append(_attempt_summary(manifest))
@@ -734,6 +788,8 @@ def build(
             _write_json(cached_manifest, manifest.to_dict())
             if progress:
                 progress("up to date" if reused else "built", 100.0, None)
+            if not install:
+                return manifest, reused, why
             return _install(manifest, paths.build_root() / plan.variant), reused, why
         smoke = manifest.smoke or {}
         what = f"the {plan.cpu_isa} build " + ("crashed" if smoke.get("status") == "crashed"

@@ -59,6 +59,11 @@ import click
 @click.option("--from-prebuilt", "prebuilt", type=click.Path(dir_okay=False), default=None,
               help="Install a carried --pack archive instead of compiling, after checking it "
               "is of the source pin and has code for the GPUs present.")
+@click.option("--no-patches", is_flag=True, help="Build the source as it is, without mtpwrap's "
+              "llama.cpp patch set (patches/llama.cpp).")
+@click.option("--skip-patch", "skip_patches", multiple=True, metavar="NAME",
+              help="Leave out one patch of the set (by file name or number, e.g. 0001); "
+              "repeatable.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def command(
     source_spec: str | None,
@@ -72,6 +77,8 @@ def command(
     log_objects: bool,
     pack: str | None,
     prebuilt: str | None,
+    no_patches: bool,
+    skip_patches: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Build llama-server and llama-fit-params with CMake for this machine, and try them.
@@ -112,6 +119,8 @@ def command(
                 cpu_isa=cpu_isa,
                 allow_unpinned=allow_unpinned,
                 note=rep.note,
+                no_patches=no_patches,
+                skip_patches=skip_patches,
             )
         except BuildError as exc:
             rep.stop()
@@ -137,6 +146,11 @@ def command(
     console.info(f"CPU configuration: {manifest.cpu_isa} — {manifest.extra.get('isa_reason', '')}")
     smoke = manifest.smoke or {}
     console.info(f"smoke test: {smoke.get('status')} — {smoke.get('detail')}")
+    for rec in manifest.patches or []:
+        console.info(f"patch {rec['name']}: {rec['status']}")
+    depth = manifest.spec_depth or {}
+    if depth:
+        console.info(f"per-request draft depth: {depth.get('status')} — {depth.get('detail')}")
     for name, info in manifest.binaries.items():
         console.info(f"{name}: {info['path']}")
     console.info(f"manifest: {builder.paths.build_root() / manifest.variant / builder.MANIFEST}")

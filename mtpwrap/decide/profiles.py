@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,29 @@ class KvTypes:
 
 
 @dataclass(frozen=True)
+class ClassPolicy:
+    """spec.policy.<class>: the draft depth for one request class (0 = no speculation)."""
+
+    depth: int
+    p_min: float | None = None
+
+
+@dataclass(frozen=True)
+class SpecAdapt:
+    """spec.adapt: online learning of each request class's draft depth (serve/spec_policy)."""
+
+    enabled: bool = True
+    #: the verification step's cost model r(k) = overhead + per_draft·k, in decode steps
+    #: (what `mtpwrap tune` fits as a and c)
+    overhead: float = 1.0
+    per_draft: float = 0.1
+    #: share of a class's requests that still speculate while the class is off
+    probe_share: float = 0.05
+    #: drafted tokens after which an old observation weighs half as much
+    half_life_tokens: float = 256.0
+
+
+@dataclass(frozen=True)
 class Speculation:
     kind: str = "none"
     depth: int | None = None
@@ -72,6 +95,9 @@ class Speculation:
     draft_model: str | None = None
     draft_kv: KvTypes | None = None
     ngram_n: int | None = None  #: ngram kind: length of the lookup n-gram
+    #: spec.policy: request class -> ClassPolicy, as sorted (class, policy) pairs
+    policy: tuple[tuple[str, ClassPolicy], ...] = ()
+    adapt: SpecAdapt = field(default_factory=SpecAdapt)
 
 
 @dataclass(frozen=True)
@@ -118,7 +144,10 @@ class Profile:
                      "draft_model": self.spec.draft_model,
                      "draft_kv": None if self.spec.draft_kv is None else
                      {"k": list(self.spec.draft_kv.k), "v": list(self.spec.draft_kv.v)},
-                     "ngram_n": self.spec.ngram_n},
+                     "ngram_n": self.spec.ngram_n,
+                     "policy": {name: {"depth": p.depth, "p_min": p.p_min}
+                                for name, p in self.spec.policy},
+                     "adapt": asdict(self.spec.adapt)},
             "gpu_layers": self.gpu_layers,
             "threads": self.threads,
             "batch": self.batch,
@@ -362,7 +391,8 @@ def _speculation(c: _Checker, raw: Any) -> Speculation:
     if raw is None:
         return Speculation()
     s = c.mapping(raw, "spec")
-    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv", "ngram_n"))
+    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv", "ngram_n",
+                       "policy", "adapt"))
     if "kind" not in s:
         raise c.fail("spec.kind", f"missing; one of {', '.join(SPEC_KINDS)}")
     kind = c.choice(s["kind"], "spec.kind", SPEC_KINDS)
@@ -393,7 +423,9 @@ def _speculation(c: _Checker, raw: Any) -> Speculation:
             raise c.fail("spec.ngram_n", f"only applies to spec.kind ngram, not {kind}")
         ngram_n = c.integer(s["ngram_n"], "spec.ngram_n", 1, 64)
     return Speculation(kind=kind, depth=depth, p_min=p_min, draft_model=draft_model,
-                       draft_kv=draft_kv, ngram_n=ngram_n)
+                       draft_kv=draft_kv, ngram_n=ngram_n,
+                       policy=_spec_policy(c, s.get("policy")),
+                       adapt=_spec_adapt(c, s.get("adapt")))
 
 
 def to_yaml(profile: Profile) -> dict[str, Any]:
@@ -421,6 +453,58 @@ def with_overrides(profile: Profile, changes: Mapping[str, Any], *, where: str) 
     a profile: how a benchmark cell or a tuned setting derives from a shipped profile."""
     data = {**to_yaml(profile), **changes, "name": profile.name}
     return validate(data, where=where)
+
+
+def _spec_policy(c: _Checker, raw: Any) -> tuple[tuple[str, ClassPolicy], ...]:
+    """spec.policy: {class: off | depth | {depth, p_min}} for the classes of request_class."""
+    from mtpwrap.decide.request_class import CLASSES
+
+    if raw is None:
+        return ()
+    table = c.mapping(raw, "spec.policy")
+    c.keys(table, "spec.policy", CLASSES)
+    out: list[tuple[str, ClassPolicy]] = []
+    for name in sorted(table):
+        key = f"spec.policy.{name}"
+        value = table[name]
+        if value is False or value == "off":
+            out.append((name, ClassPolicy(0)))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            out.append((name, ClassPolicy(c.integer(value, key, 0, MAX_DEPTH))))
+        elif isinstance(value, dict):
+            c.keys(value, key, ("depth", "p_min"))
+            if "depth" not in value:
+                raise c.fail(f"{key}.depth", f"missing; 0 (off) .. {MAX_DEPTH}")
+            p_min = (None if value.get("p_min") is None
+                     else c.number(value["p_min"], f"{key}.p_min", 0.0, 1.0))
+            out.append((name, ClassPolicy(c.integer(value["depth"], f"{key}.depth", 0,
+                                                    MAX_DEPTH), p_min)))
+        else:
+            raise c.fail(key, f"expected off, a depth 0..{MAX_DEPTH} or a mapping with depth "
+                         f"(and p_min), got {c.show(value)}")
+    return tuple(out)
+
+
+def _spec_adapt(c: _Checker, raw: Any) -> SpecAdapt:
+    """spec.adapt: true/false, or a mapping of SpecAdapt's fields (enabled defaults to true)."""
+    if raw is None:
+        return SpecAdapt()
+    if isinstance(raw, bool):
+        return SpecAdapt(enabled=raw)
+    m = c.mapping(raw, "spec.adapt")
+    c.keys(m, "spec.adapt", ("enabled", "overhead", "per_draft", "probe_share",
+                             "half_life_tokens"))
+    d = SpecAdapt()
+    return SpecAdapt(
+        enabled=d.enabled if "enabled" not in m else c.boolean(m["enabled"], "spec.adapt.enabled"),
+        overhead=d.overhead if "overhead" not in m
+        else c.number(m["overhead"], "spec.adapt.overhead", 0.1, 10.0),
+        per_draft=d.per_draft if "per_draft" not in m
+        else c.number(m["per_draft"], "spec.adapt.per_draft", 0.0, 10.0),
+        probe_share=d.probe_share if "probe_share" not in m
+        else c.number(m["probe_share"], "spec.adapt.probe_share", 0.0, 1.0),
+        half_life_tokens=d.half_life_tokens if "half_life_tokens" not in m
+        else c.number(m["half_life_tokens"], "spec.adapt.half_life_tokens", 1.0, 1e9))
 
 
 # --------------------------------------------------------------------------- files

@@ -42,6 +42,7 @@ class Inputs:
     commit: str | None = None
     kv_sizes: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    manifest: Any = None  #: the build's manifest when `binary` is the built one
 
 
 @dataclass
@@ -364,7 +365,7 @@ def gather(profile: str | Profile, *, model: str | None = None, binary: str | Pa
     commit = manifest.commit if manifest is not None else (caps.commit if caps else None)
     return Inputs(profile=prof, profile_reason=why, snapshot=snap, caps=caps, binary=exe,
                   model=path, commit=commit, kv_sizes=calibrate.load_kv_sizes(manifest),
-                  warnings=[warning] if warning else [])
+                  warnings=[warning] if warning else [], manifest=manifest)
 
 
 def resolve_inputs(inp: Inputs, *, plan: bool | None = None, facts: ModelFacts | None = None,

@@ -82,13 +82,14 @@ def resolve_launch(settings: Settings) -> Launch:
         spec = r.render(port=port, api_key=api_key, cfg=rung)
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
 
-    info = {
+    info: dict[str, Any] = {
         "profile": inp.profile.name, "profile_reason": inp.profile_reason,
         "binary": str(inp.binary), "commit": inp.commit, "model": cfg.model,
         "context": cfg.context, "kv": f"{cfg.cache_k} / {cfg.cache_v}",
         "speculation": cfg.spec_type or "none", "near_edge": r.near_edge,
         "memory_plan": r.memory_text,
     }
+    info["spec_policy"] = _spec_policy_info(inp.profile, inp.manifest)
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
@@ -623,3 +624,12 @@ def run_up(settings: Settings) -> int:
                                  announce=announce))
     finally:
         sock.close()
+
+
+def _spec_policy_info(prof: Any, manifest: Any) -> dict[str, Any] | None:
+    """What the front's speculation policy needs: the profile's spec and whether the binary
+    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
+    from mtpwrap.serve import spec_policy
+
+    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
+    return spec_policy.launch_info(prof.to_dict()["spec"], status)

@@ -51,7 +51,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from mtpwrap.run.supervisor import SupervisorPort, state_name
-from mtpwrap.serve import ops
+from mtpwrap.serve import ops, spec_policy
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.policy import (
     BadBody,
@@ -122,6 +122,8 @@ class _Exchange:
     status: int = 0
     generation: int | None = None
     slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
+    spec: spec_policy.Decision | None = None  # the draft depth chosen for this request
+    tail: bytes = b""                # the response's last bytes, while `spec` is set
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -167,6 +169,7 @@ class Front:
             follow_redirects=False,
         )
         self.metrics = FrontMetrics(supervisor.status, self._front_stats)
+        self.spec = spec_policy.from_info(self.info, self.metrics.registry)
         if not config.auth_enabled and not config.listen_is_loopback():
             log.warning("the front listens on %s without API keys: anyone who reaches this "
                         "address can use the model; set proxy.api_keys_file or MTPWRAP_API_KEYS",
@@ -378,6 +381,7 @@ class Front:
         if body is None:
             return
         stream = False
+        decision: spec_policy.Decision | None = None
         if body and route.json_body:
             # llama-server parses the body as JSON whatever its Content-Type says, so every
             # limit is checked on what it will parse.
@@ -390,7 +394,8 @@ class Front:
                 await self._answer(send, 400, str(err), label, t0)
                 return
             stream = isinstance(doc, dict) and doc.get("stream") is True
-        ex = _Exchange(label=label, stream=stream, t0=t0, slot=route.slot)
+            decision, body = self._spec_request(label, doc, body)
+        ex = _Exchange(label=label, stream=stream, t0=t0, slot=route.slot, spec=decision)
         worker = asyncio.create_task(self._work(ex, scope, send, body, upstream_path))
         guard = asyncio.create_task(self._guard(ex, receive, send, worker))
         self._workers[ex] = worker
@@ -549,6 +554,8 @@ class Front:
                            and not k.lower().startswith(b"access-control-")]
                 if sse and not any(k == b"x-accel-buffering" for k, _ in headers):
                     headers.append((b"x-accel-buffering", b"no"))
+                if ex.spec is not None:
+                    headers.append((spec_policy.HEADER, ex.spec.header()))
                 await send({"type": "http.response.start", "status": resp.status_code,
                             "headers": headers})
                 ex.started = True
@@ -565,6 +572,8 @@ class Front:
             elif sse:
                 itl.observe(now - ex.last_chunk_at)
             ex.last_chunk_at = ex.last_progress = now
+            if ex.spec is not None:
+                ex.tail = (ex.tail + chunk)[-spec_policy.TAIL_BYTES:]
             # The guard enforces write_timeout_s on this send (a timer per chunk would cost
             # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
             async with ex.send_lock:
@@ -578,6 +587,29 @@ class Front:
         ex.phase = "done"
         await send({"type": "http.response.body", "body": b""})
         self._record(ex.label, resp.status_code, ex.t0)
+        self._spec_response(ex)
+
+    # ------------------------------------------------------------- speculation policy
+
+    def _spec_request(self, label: str, doc: Any, body: bytes
+                      ) -> tuple[spec_policy.Decision | None, bytes]:
+        """The draft depth for a generation request, and the body that carries it (the
+        client's own bytes when the policy sends nothing)."""
+        if self.spec is None or label not in spec_policy.GENERATION_ROUTES \
+                or not isinstance(doc, dict):
+            return None, body
+        decision = self.spec.decide(doc)
+        if decision.depth is not None:
+            body = spec_policy.inject(body, decision.depth, decision.p_min)
+        return decision, body
+
+    def _spec_response(self, ex: _Exchange) -> None:
+        if self.spec is None or ex.spec is None or ex.status != 200:
+            return
+        counts = spec_policy.draft_counts(ex.tail)
+        ex.tail = b""
+        if counts is not None:
+            self.spec.observe(ex.spec, *counts)
 
     async def _upstream_failed(self, ex: _Exchange, send: Send, err: Exception) -> None:
         kind = type(err).__name__

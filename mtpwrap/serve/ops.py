@@ -88,6 +88,7 @@ def health_document(front: Front) -> dict[str, Any]:
         },
         "gpu": gpus,
         **info,
+        **({"spec_policy": front.spec.snapshot()} if front.spec is not None else {}),
     }
 
 

@@ -1,0 +1,170 @@
+"""The llama.cpp patches mtpwrap carries: one file per purpose under `patches/llama.cpp/`.
+
+Each patch is a unified diff (`a/`, `b/` prefixes, against the llama.cpp root) preceded by a
+`# ` header saying why it exists, what upstream code it touches and when to drop it. A build
+applies them, in file-name order, to an overlay of the source in its own build folder (hard
+links to the shared tree, with the files a patch touches copied), never to the shared tree
+itself. The patch set's names and sha256 are part of the build's cache key, and the manifest
+records each patch as applied or opted out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpwrap import hashing, paths
+from mtpwrap.errors import BuildError, ConfigError, MissingToolError
+
+_FILE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
+
+
+def patch_dir() -> Path:
+    """`patches/llama.cpp` of the checkout, or the copy shipped inside the installed package."""
+    for base in (paths.repo_root() / "patches", Path(__file__).resolve().parent.parent / "patches"):
+        if (base / "llama.cpp").is_dir():
+            return base / "llama.cpp"
+    return paths.repo_root() / "patches" / "llama.cpp"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str  # file name without .patch: "0001-per-request-speculative"
+    path: Path
+    sha256: str
+    files: tuple[str, ...]  # the llama.cpp files it changes
+    summary: str  # the header's first line
+
+    def record(self, status: str, why: str | None = None) -> dict[str, Any]:
+        """What the manifest says about this patch; status: applied | opted-out."""
+        return {"name": self.name, "sha256": self.sha256, "status": status,
+                "files": list(self.files), "summary": self.summary, "why": why}
+
+
+def _load(path: Path) -> Patch:
+    text = path.read_text(errors="replace")
+    header = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("# ")]
+    summary = header[0] if header else path.stem
+    return Patch(path.stem, path, hashing.sha256_file(path), tuple(_FILE.findall(text)), summary)
+
+
+def available(directory: Path | None = None) -> list[Patch]:
+    """Every patch of the set, in the order they are applied."""
+    d = directory or patch_dir()
+    return [_load(p) for p in sorted(d.glob("*.patch"))] if d.is_dir() else []
+
+
+def select(no_patches: bool = False, skip: Sequence[str] = (),
+           directory: Path | None = None) -> tuple[list[Patch], list[Patch]]:
+    """(to apply, opted out). `skip` names patches by file name, with or without .patch, or by
+    their number prefix ("0001")."""
+    every = available(directory)
+    wanted: set[str] = set()
+    for name in skip:
+        stem = name.removesuffix(".patch")
+        hits = [p.name for p in every if p.name == stem or p.name.split("-", 1)[0] == stem]
+        if not hits:
+            known = ", ".join(p.name for p in every) or "none"
+            raise ConfigError(f"--skip-patch {name}: no such patch in {patch_dir()} "
+                              f"(known: {known}).", hint="Name one of the known patches.")
+        wanted.update(hits)
+    if no_patches:
+        return [], every
+    return ([p for p in every if p.name not in wanted], [p for p in every if p.name in wanted])
+
+
+def key_part(applied: Sequence[Patch]) -> list[list[str]]:
+    """What the cache key holds about the applied patches."""
+    return [[p.name, p.sha256] for p in applied]
+
+
+def _hunk_failures(output: str) -> list[str]:
+    """`patch`'s report as "FILE hunk #N" items, for the one-sentence error."""
+    failures: list[str] = []
+    current = "?"
+    for line in output.splitlines():
+        m = (re.match(r"^(?:patching|checking) file (.+)$", line)
+             or re.match(r"^\|\+\+\+ b/(\S+)", line))
+        if m:
+            current = m.group(1).strip()
+            continue
+        m = re.match(r"^Hunk #(\d+) FAILED", line)
+        if m:
+            failures.append(f"{current} hunk #{m.group(1)}")
+            continue
+        if "can't find file to patch" in line:
+            failures.append(f"{current} (file not found)")
+    return failures
+
+
+def _patch_tool() -> str:
+    tool = shutil.which("patch")
+    if tool is None:
+        raise MissingToolError("the `patch` tool is not installed, so the llama.cpp patch set "
+                               "cannot be applied.",
+                               hint="Install it (`apt-get install patch`), or build with "
+                               "--no-patches.")
+    return tool
+
+
+def check(patch: Patch, tree: Path) -> None:
+    """Raise BuildError naming the file and hunk when `patch` does not apply to `tree`."""
+    proc = subprocess.run([_patch_tool(), "-p1", "--dry-run", "--forward", "--batch",
+                           "-d", str(tree), "-i", str(patch.path)],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        out = proc.stdout + proc.stderr
+        lines = out.strip().splitlines()
+        last = lines[-1] if lines else f"exit {proc.returncode}"
+        shown = "; ".join(_hunk_failures(out)) or last
+        raise BuildError(
+            f"patch {patch.name} does not apply to {tree}: {shown}.",
+            hint=f"Update {patch.path} for this source, or build without it "
+            f"(--skip-patch {patch.name.split('-', 1)[0]}, or --no-patches).",
+        ).with_tail(out.splitlines()[-20:])
+
+
+def overlay(tree: Path, dest: Path, applied: Sequence[Patch]) -> Path:
+    """`tree` with `applied` patched in, at `dest`: hard links to `tree`, except the files a
+    patch changes, which are copies. The shared tree is never written to."""
+    for patch in applied:
+        check(patch, tree)  # all of them are checked against the pristine tree first
+    staging = dest.with_name(dest.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        shutil.copytree(tree, staging, symlinks=True, copy_function=_link_or_copy,
+                        ignore=shutil.ignore_patterns(".git"))
+        for rel in {f for p in applied for f in p.files}:
+            target = staging / rel
+            if target.is_file():
+                tmp = target.with_name(target.name + ".mtpwrap-copy")
+                shutil.copy2(target, tmp)
+                os.replace(tmp, target)  # a new inode: the shared tree's file stays as it was
+        for patch in applied:
+            proc = subprocess.run([_patch_tool(), "-p1", "--forward", "--batch", "-s",
+                                   "--no-backup-if-mismatch", "-d", str(staging),
+                                   "-i", str(patch.path)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                out = proc.stdout + proc.stderr
+                raise BuildError(f"patch {patch.name} failed on the overlay of {tree}: "
+                                 f"{'; '.join(_hunk_failures(out)) or 'see the output'}.",
+                                 ).with_tail(out.splitlines()[-20:])
+        shutil.rmtree(dest, ignore_errors=True)
+        staging.rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

@@ -1,0 +1,74 @@
+"""Does a llama-server honour a request's own draft depth (`speculative.n_max`)?
+
+Upstream llama.cpp at the pinned commit ignores the field (it is compiled out); the patch set's
+0001 patch parses it again. The probe starts the binary with the model as its own draft (every
+draft is accepted, so drafting certainly happens), asks once without the field and once with
+`"speculative.n_max": 0`, and compares the responses' `timings.draft_n`:
+
+- honoured: drafts without the field, none with n_max 0;
+- ignored:  drafts in both;
+- unknown:  no drafts even without the field, or the binary could not be asked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PROMPT = ("Article 1 (Purpose) The purpose of this Act is to protect the rights of tenants. "
+          "Article 2 (Definitions) In this Act,")
+N_PREDICT = 24
+
+
+def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
+    """One slot, a short context, the model drafting for itself."""
+    return [str(binary), "-m", str(model), "-md", str(model), "--spec-type", "draft-simple",
+            "--spec-draft-n-max", "4", "--host", "127.0.0.1", "--port", str(port),
+            "-c", "1024", "-np", "1", "-ngl", "99" if gpu else "0", "-ngld", "99" if gpu else "0"]
+
+
+def draft_counts(base_url: str, extra: dict[str, Any], timeout: float = 120.0
+                 ) -> tuple[int, int]:
+    """(timings.draft_n, timings.predicted_n) of one greedy /completion with `extra` merged in."""
+    import httpx
+
+    body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0,
+            "cache_prompt": False, **extra}
+    r = httpx.post(base_url + "/completion", json=body, timeout=timeout, trust_env=False)
+    r.raise_for_status()
+    timings = r.json().get("timings") or {}
+    return int(timings.get("draft_n", 0)), int(timings.get("predicted_n", 0))
+
+
+def verdict(default_draft_n: int, zero_draft_n: int) -> str:
+    if default_draft_n <= 0:
+        return "unknown"
+    return "honoured" if zero_draft_n == 0 else "ignored"
+
+
+def probe(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.0
+          ) -> dict[str, Any]:
+    """{"status": honoured | ignored | unknown, "detail": one sentence, "draft_n": {...}};
+    never raises for the binary's own failures."""
+    from mtpwrap.errors import MtpwrapError
+    from mtpwrap.run import child
+
+    port = child.free_loopback_port()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with child.running_server(argv(binary, model, port, gpu), base_url=base,
+                                  timeout=timeout, what="llama-server (draft-depth probe)"):
+            default, _ = draft_counts(base, {})
+            zero, _ = draft_counts(base, {"speculative.n_max": 0})
+    except (MtpwrapError, OSError, ValueError) as exc:
+        return {"status": "unknown", "detail": f"the probe could not run: {exc}"}
+    except Exception as exc:
+        return {"status": "unknown", "detail": f"the probe request failed: {exc}"}
+    status = verdict(default, zero)
+    detail = {
+        "honoured": f"speculative.n_max 0 drafted nothing ({default} drafted without it)",
+        "ignored": f"speculative.n_max 0 still drafted {zero} tokens ({default} without it)",
+        "unknown": "the model drafted nothing even without the field",
+    }[status]
+    return {"status": status, "detail": detail,
+            "draft_n": {"default": default, "n_max_0": zero}, "model": str(model)}

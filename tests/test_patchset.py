@@ -1,0 +1,84 @@
+"""The llama.cpp patch set: it applies to the pinned offline source, never writes to the shared
+tree, names the file and hunk of a patch that does not apply, and keys the build cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from mtpwrap.build import builder, patchset, source
+from mtpwrap.errors import BuildError, ConfigError
+
+
+@pytest.fixture(scope="module")
+def offline_tree() -> Path:
+    return source.offline_source().path
+
+
+def _sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_each_patch_has_a_header_and_touches_files() -> None:
+    patches = patchset.available()
+    assert [p.name for p in patches] == ["0001-per-request-speculative"]
+    for p in patches:
+        text = p.path.read_text()
+        assert text.startswith("# ")
+        for part in ("Why:", "How to drop it:", "Upstream base:"):
+            assert part in text, f"{p.name}: header lacks {part!r}"
+        assert "tools/server/server-schema.cpp" in p.files
+
+
+def test_patch_set_applies_to_the_pinned_offline_source(offline_tree: Path,
+                                                        tmp_path: Path) -> None:
+    applied, _ = patchset.select()
+    touched = {f: _sha(offline_tree / f) for p in applied for f in p.files}
+    out = patchset.overlay(offline_tree, tmp_path / "patched", applied)
+    schema = (out / "tools/server/server-schema.cpp").read_text()
+    assert 'field_num("speculative.n_max", params.spec_n_max)' in schema
+    assert "spec_n_max" in (out / "tools/server/server-task.h").read_text()
+    for rel, sha in touched.items():  # the shared tree is as it was
+        assert _sha(offline_tree / rel) == sha
+        assert _sha(out / rel) != sha
+    untouched = out / "CMakeLists.txt"
+    assert untouched.stat().st_ino == (offline_tree / "CMakeLists.txt").stat().st_ino
+
+
+def test_a_patch_that_does_not_apply_names_file_and_hunk(offline_tree: Path,
+                                                         tmp_path: Path) -> None:
+    good = patchset.available()[0]
+    bad_dir = tmp_path / "patches"
+    bad_dir.mkdir()
+    text = good.path.read_text().replace(
+        "         ->set_desc(\"Minimum speculative decoding probability for draft tokens "
+        "(0 = greedy)\"));",
+        "         ->set_desc(\"a line upstream never had\"));")
+    assert text != good.path.read_text()
+    (bad_dir / good.path.name).write_text(text)
+    bad = patchset.available(bad_dir)[0]
+    with pytest.raises(BuildError, match=r"0001-per-request-speculative does not apply .*"
+                       r"tools/server/server-schema.cpp hunk #1") as info:
+        patchset.overlay(offline_tree, tmp_path / "out", [bad])
+    assert "--skip-patch 0001" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_opting_out() -> None:
+    applied, out = patchset.select(skip=("0001",))
+    assert applied == [] and [p.name for p in out] == ["0001-per-request-speculative"]
+    applied, out = patchset.select(no_patches=True)
+    assert applied == [] and len(out) == 1
+    with pytest.raises(ConfigError, match=r"--skip-patch 0009: no such patch"):
+        patchset.select(skip=("0009",))
+
+
+def test_cache_key_holds_the_patches_content() -> None:
+    opts = {"GGML_NATIVE": "OFF"}
+    plain = builder.cache_key("offline:x", opts, "c++ 12")
+    one = builder.cache_key("offline:x", opts, "c++ 12", [["0001-a", "aa"]])
+    other = builder.cache_key("offline:x", opts, "c++ 12", [["0001-a", "bb"]])
+    assert len({plain, one, other}) == 3
+    assert builder.cache_key("offline:x", opts, "c++ 12", []) == plain
