@@ -278,23 +278,19 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     for name, key in TOP.items():
         resolve(name, key, file_data.get(name), name in file_data)
 
-    sup_file = file_data.get("supervisor") or {}
-    for name in sup_file:
-        if name not in SUPERVISOR:
-            raise _unknown(where_file, f"supervisor.{name}", list(SUPERVISOR))
-    supervisor: dict[str, Any] = {}
-    for name, key in SUPERVISOR.items():
-        resolve(f"supervisor.{name}", key, sup_file.get(name), name in sup_file)
-        supervisor[name] = values.pop(f"supervisor.{name}")
+    def section(prefix: str, keys: dict[str, Key]) -> dict[str, Any]:
+        from_file = file_data.get(prefix) or {}
+        for name in from_file:
+            if name not in keys:
+                raise _unknown(where_file, f"{prefix}.{name}", list(keys))
+        out: dict[str, Any] = {}
+        for name, key in keys.items():
+            resolve(f"{prefix}.{name}", key, from_file.get(name), name in from_file)
+            out[name] = values.pop(f"{prefix}.{name}")
+        return out
 
-    persist_file = file_data.get("persist") or {}
-    for name in persist_file:
-        if name not in PERSIST:
-            raise _unknown(where_file, f"persist.{name}", list(PERSIST))
-    persist: dict[str, Any] = {}
-    for name, key in PERSIST.items():
-        resolve(f"persist.{name}", key, persist_file.get(name), name in persist_file)
-        persist[name] = values.pop(f"persist.{name}")
+    supervisor = section("supervisor", SUPERVISOR)
+    persist = section("persist", PERSIST)
 
     proxy = dict(file_data.get("proxy") or {})
     keys_file = values["api_key_file"] or proxy.pop("api_keys_file", None)
