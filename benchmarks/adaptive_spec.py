@@ -43,7 +43,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpwrap.bench import corpora, stats
-from mtpwrap.build import builder, source, spec_probe
+from mtpwrap.build import builder, spec_probe
 from mtpwrap.decide import models
 from mtpwrap.decide.profiles import SpecAdapt
 from mtpwrap.run.child import free_loopback_port, running_server
@@ -53,34 +53,10 @@ STATIC = (0, 1, 2, 3, 4, 8)
 SERVER_DEPTH = 8
 N_PREDICT = 32
 _TAG = {"learned": "L", "probe": "P", "profile": "T", "default": "D", "client": "C"}
-CODE_FILES = ("tools/server/server-context.cpp", "common/speculative.cpp", "src/llama-vocab.cpp")
-
-
-def _chunks(text: str, size: int, count: int, skip: int = 0) -> list[str]:
-    """`count` passages of about `size` characters, cut at line ends, after `skip` of them."""
-    out: list[str] = []
-    cur: list[str] = []
-    n = 0
-    for line in text.splitlines():
-        cur.append(line)
-        n += len(line) + 1
-        if n >= size:
-            out.append("\n".join(cur).strip())
-            cur, n = [], 0
-    return [c for c in out if c][skip:skip + count]
 
 
 def workload(per_class: int, skip: int = 0) -> dict[str, list[str]]:
-    ko = corpora.load("ko")
-    en = corpora.load("en")
-    tree = source.offline_source().path
-    ko_text = "\n".join(d.text for d in ko.documents)
-    en_text = "\n".join(d.text for d in en.documents)
-    code_text = "\n".join((tree / f).read_text(errors="replace") for f in CODE_FILES)
-    # Korean costs the demo model's tokenizer about two tokens a character: shorter passages
-    return {"ko-prose": _chunks(ko_text, 150, per_class, skip),
-            "en-prose": _chunks(en_text, 400, per_class, skip),
-            "code": _chunks(code_text, 400, per_class, skip)}
+    return corpora.class_workload(per_class, skip)
 
 
 def quantized_draft(model: Path, work: Path) -> Path:

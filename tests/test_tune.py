@@ -123,3 +123,33 @@ def test_tune_rejects_bad_depths(tmp_path: Path) -> None:
     p = run_cli("tune", "--depths", "one", env=env)
     assert p.returncode == 78 and "--depths must be comma-separated integers" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.integration
+def test_tune_per_class_writes_the_measured_policy(tmp_path: Path,
+                                                   request: pytest.FixtureRequest) -> None:
+    """One server at the deepest depth, each request asking for its own: tokens/s per class and
+    depth, the best depth per class saved as spec.policy in the profile the sweep served."""
+    server = os.environ.get("MTPWRAP_BINARY") or str(
+        request.getfixturevalue("llama_server_bin"))
+    model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
+    out = tmp_path / "tune"
+    env = cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
+                  XDG_CONFIG_HOME=str(tmp_path / "config"))
+    p = run_cli("tune", "--per-class", "--depths", "1,3", "--n-predict", "16", "--threads", "1",
+                "--write", "--profile", "cpu-demo", "--out", str(out), env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "tune-per-class.json").read_text())
+    assert set(res["per_class"]) == {"ko-prose", "en-prose", "code"}
+    for cls, row in res["per_class"].items():
+        assert set(row) == {"0", "1", "3"} and all(v and v > 0 for v in row.values()), row
+        assert res["policy"][cls] == int(max(row, key=lambda d: row[d]))
+    data = yaml.safe_load((tmp_path / "config" / "mtpwrap" / "profiles" /
+                           "cpu-demo.yaml").read_text())
+    assert data["spec"]["policy"] == res["policy"]
+    assert profiles.validate(data, where="t", expected_name="cpu-demo").spec.policy
+    measured = res["argv"]
+    port = measured[measured.index("--port") + 1]
+    shown = run_cli("args", "--profile", "cpu-demo", "--port", port, "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["argv"] == measured

@@ -157,3 +157,37 @@ def build_prompt(corpus: Corpus, target_tokens: int,
         if passes > 10_000:  # a tokenizer that returns nothing would loop for ever
             raise ConfigError("The server tokenizer returned no tokens for the corpus text.")
     return Prompt(lang=corpus.lang, tokens=out[:target_tokens], documents=used, passes=passes)
+
+
+#: source files of the pinned llama.cpp that make the `code` class's passages
+CODE_FILES = ("tools/server/server-context.cpp", "common/speculative.cpp", "src/llama-vocab.cpp")
+
+
+def _chunks(text: str, size: int, count: int, skip: int = 0) -> list[str]:
+    """`count` passages of about `size` characters, cut at line ends, after `skip` of them."""
+    out: list[str] = []
+    cur: list[str] = []
+    n = 0
+    for line in text.splitlines():
+        cur.append(line)
+        n += len(line) + 1
+        if n >= size:
+            out.append("\n".join(cur).strip())
+            cur, n = [], 0
+    return [c for c in out if c][skip:skip + count]
+
+
+def class_workload(per_class: int, skip: int = 0) -> dict[str, list[str]]:
+    """Passages per request class (mtpwrap.decide.request_class): Korean statutes (ko-prose),
+    English licences (en-prose), C++ of the pinned llama.cpp source (code)."""
+    from mtpwrap.build import source
+
+    ko, en = load("ko"), load("en")
+    tree = source.offline_source().path
+    ko_text = "\n".join(d.text for d in ko.documents)
+    en_text = "\n".join(d.text for d in en.documents)
+    code_text = "\n".join((tree / f).read_text(errors="replace") for f in CODE_FILES)
+    # Korean costs the demo model's tokenizer about two tokens a character: shorter passages
+    return {"ko-prose": _chunks(ko_text, 150, per_class, skip),
+            "en-prose": _chunks(en_text, 400, per_class, skip),
+            "code": _chunks(code_text, 400, per_class, skip)}

@@ -152,6 +152,101 @@ def analyse(points: list[dict]) -> dict:
             "rows": rows, "best": best, "raw": points}
 
 
+def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """Per request class (Korean statutes, English licences, code), decode tokens/s at each
+    draft depth (0 = off) on ONE server: the profile at the deepest depth, each request asking
+    for its own `speculative.n_max` (the patched build honours it; another is refused). The
+    best depth per class becomes the profile's `spec.policy` with --write."""
+    from mtpwrap.build import spec_probe
+    from mtpwrap.decide import launch
+    from mtpwrap.decide.capabilities import probe
+    from mtpwrap.decide.resolve import resolve
+    from mtpwrap.run.child import free_loopback_port, running_server
+
+    if plan.kind == "ngram":
+        raise ConfigError("--per-class tunes draft or mtp speculation; n-gram drafting has no "
+                          "depth a request can ask for beyond its match.")
+    workdir.mkdir(parents=True, exist_ok=True)
+    depths = sorted({0, *plan.depths})
+    cfg = _deepest(plan)
+    r = resolve(setting_profile(plan, cfg), snapshot=None, caps=probe(plan.binary),
+                model=plan.model, binary=plan.binary, plan=False)
+    assert r.inputs.caps is not None
+    port = free_loopback_port()
+    spec = launch.render(r.launch, r.inputs.caps, binary=plan.binary, port=port)
+    base = f"http://127.0.0.1:{port}"
+    work = corpora.class_workload(per_class)
+    table: dict[str, dict[str, float | None]] = {}
+    with running_server(spec.argv, base_url=base, log_path=workdir / "per-class.log",
+                        what="llama-server for the per-class sweep"):
+        default = spec_probe.draft_counts(base, {})[0]
+        zero = spec_probe.draft_counts(base, {"speculative.n_max": 0})[0]
+        if spec_probe.verdict(default, zero) != "honoured":
+            raise ConfigError(f"{plan.binary}: this llama-server ignores a request's own draft "
+                              "depth, so --per-class cannot measure one; build it with the "
+                              "patch set (`mtpwrap build`, without --no-patches).")
+        for cls, prompts in work.items():
+            table[cls] = {}
+            for d in depths:
+                if progress:
+                    progress(f"{cls} depth {d}")
+                n = seconds = 0.0
+                for text in prompts:
+                    timings = _complete(base, text, plan.n_predict, d)
+                    n += float(timings.get("predicted_n", 0))
+                    seconds += float(timings.get("predicted_ms", 0.0)) / 1000.0
+                table[cls][str(d)] = n / seconds if seconds else None
+    policy = {cls: int(max(row, key=lambda k: row[k] or 0.0)) for cls, row in table.items()}
+    return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "per_class": table, "policy": policy, "argv": spec.argv, "config": cfg.to_dict()}
+
+
+def _deepest(plan: TunePlan) -> BenchConfig:
+    """The setting the per-class sweep serves: the deepest depth asked for (a request can only
+    lower it)."""
+    return BenchConfig(f"{plan.kind}-k{max(plan.depths)}", spec=plan.kind,
+                       depth=max(plan.depths), kv=plan.kv,
+                       draft_model=str(plan.draft_model) if plan.draft_model else None)
+
+
+def _complete(base: str, text: str, n_predict: int, depth: int) -> dict:
+    import httpx
+
+    r = httpx.post(f"{base}/completion", timeout=600, json={
+        "prompt": text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+        "speculative.n_max": depth})
+    r.raise_for_status()
+    return dict(r.json().get("timings") or {})
+
+
+def write_class_policy(result: dict, plan: TunePlan) -> Path:
+    """Save the measured per-class depths as the profile's `spec.policy`, in the very profile
+    the sweep served (so `up` runs the same command line), validated, written atomically."""
+    from mtpwrap.decide import profiles
+
+    prof = setting_profile(plan, BenchConfig(**result["config"]))
+    data = profiles.to_yaml(prof)
+    data["spec"]["policy"] = dict(result["policy"])
+    data["description"] = (f"Tuned per request class by mtpwrap tune on {result['created']}: "
+                           + ", ".join(f"{c} depth {d}" for c, d in result["policy"].items()))
+    return _write_profile(data, plan.profile.name)
+
+
+def _write_profile(data: dict, name: str) -> Path:
+    import yaml
+
+    from mtpwrap.decide import profiles
+
+    path = override_path(name)
+    profiles.validate(data, where=str(path), expected_name=name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+    tmp.replace(path)  # atomic: a reader never sees half a profile
+    return path
+
+
 def override_path(profile: str) -> Path:
     return paths.user_config_dir() / "profiles" / f"{profile}.yaml"
 
@@ -159,7 +254,6 @@ def override_path(profile: str) -> Path:
 def write_override(result: dict, plan: TunePlan) -> Path:
     """Save the best measured setting as a user profile override: the very profile it was
     measured with (validated), written atomically."""
-    import yaml
 
     from mtpwrap.decide import profiles
 
@@ -172,14 +266,7 @@ def write_override(result: dict, plan: TunePlan) -> Path:
         f"Tuned by mtpwrap tune on {result['created']}: {best['name']} measured "
         f"{best['tokens_per_s']:.1f} t/s ({best['measured_speedup']:.2f}x baseline)."
     )
-    name = plan.profile.name
-    path = override_path(name)
-    profiles.validate(data, where=str(path), expected_name=name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-    tmp.replace(path)  # atomic: a reader never sees half a profile
-    return path
+    return _write_profile(data, plan.profile.name)
 
 
 def markdown(result: dict) -> str:

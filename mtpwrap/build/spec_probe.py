@@ -22,9 +22,12 @@ N_PREDICT = 24
 
 def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     """One slot, a short context, the model drafting for itself."""
-    return [str(binary), "-m", str(model), "-md", str(model), "--spec-type", "draft-simple",
-            "--spec-draft-n-max", "4", "--host", "127.0.0.1", "--port", str(port),
-            "-c", "1024", "-np", "1", "-ngl", "99" if gpu else "0", "-ngld", "99" if gpu else "0"]
+    from mtpwrap.decide import capabilities, launch
+
+    cfg = launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
+                       spec_type="draft-simple", depth=4, draft_model=str(model),
+                       why="draft-depth probe")
+    return launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
 
 
 def draft_counts(base_url: str, extra: dict[str, Any], timeout: float = 120.0

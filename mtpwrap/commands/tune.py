@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from mtpwrap.bench.tune import TunePlan
 
 
 @click.command("tune")
@@ -33,6 +37,10 @@ import click
 @click.option("--profile", default="auto", envvar="MTPWRAP_PROFILE", show_default=True,
               help="Profile whose speculation is tuned (every setting is this profile with its "
                    "spec replaced); --write saves the best as its override.")
+@click.option("--per-class", "per_class", is_flag=True, envvar="MTPWRAP_TUNE_PER_CLASS",
+              help="Measure each request class (Korean statutes, English licences, code) at "
+                   "each depth on one server; --write saves the best as the profile's "
+                   "spec.policy. Needs a build that honours a request's own depth.")
 @click.option("--write", "write_", is_flag=True, envvar="MTPWRAP_TUNE_WRITE",
               help="Save the best setting as a user profile override.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
@@ -40,7 +48,8 @@ import click
 def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, langs: str,
             kv_type: str | None,
             model: str | None, draft_model: str | None, binary: str | None,
-            threads: int | None, profile: str, write_: bool, out_dir: Path | None) -> None:
+            threads: int | None, profile: str, per_class: bool, write_: bool,
+            out_dir: Path | None) -> None:
     """Sweep speculation settings on a short workload and recommend the fastest measured one."""
     from mtpwrap import console
     from mtpwrap.bench import resolve, tune
@@ -63,6 +72,9 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     configs = plan.configs()  # validates before anything starts
     out = out_dir or Path("bench-results") / ("tune-" + _dt.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
+    if per_class:
+        _per_class(plan, out, write_)
+        return
     with console.progress() as bar:
         task = bar.add_task("tune", total=len(configs))
 
@@ -84,3 +96,27 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     if write_:
         path = tune.write_override(result, plan)
         console.info(f"wrote profile override {path}")
+
+
+def _per_class(plan: TunePlan, out: Path, write_: bool) -> None:
+    import json
+
+    from mtpwrap import console
+    from mtpwrap.bench import tune
+    with console.progress() as bar:
+        task = bar.add_task("tune per class", total=3 * len({0, *plan.depths}))
+
+        def step(desc: str) -> None:
+            bar.update(task, description=desc, advance=1)
+
+        result = tune.run_per_class(plan, out, progress=step)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune-per-class.json").write_text(json.dumps(result, indent=1))
+    depths = sorted({int(d) for row in result["per_class"].values() for d in row})
+    rows = [[cls, *(f"{row[str(d)]:.1f}" if row.get(str(d)) else "–" for d in depths),
+             str(result["policy"][cls])] for cls, row in result["per_class"].items()]
+    console.table("decode tokens/s per class and draft depth",
+                  ["class", *(f"depth {d}" for d in depths), "best"], rows)
+    if write_:
+        path = tune.write_class_policy(result, plan)
+        console.info(f"wrote profile override {path} (spec.policy)")
