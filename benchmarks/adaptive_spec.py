@@ -22,7 +22,7 @@ configuration, side by side, and the adaptive policy's choices over time per cla
     python benchmarks/adaptive_spec.py [--spec draft|ngram|mtp] [--model GGUF] [--per-class N]
                                        [--json OUT]
 
-The binary and model come from MTPWRAP_LLAMA_SERVER / MTPWRAP_DEMO_MODEL, else from mtpwrap's
+The binary and model come from MTPWRAP_BINARY / MTPWRAP_DEMO_MODEL, else from mtpwrap's
 build and models modules.
 """
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpwrap.bench import corpora, stats
 from mtpwrap.build import builder, spec_probe
-from mtpwrap.decide import models
+from mtpwrap.decide import capabilities, launch, models
 from mtpwrap.decide.profiles import SpecAdapt
 from mtpwrap.run.child import free_loopback_port, running_server
 from mtpwrap.serve import spec_policy
@@ -105,26 +105,27 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    binary = Path(os.environ.get("MTPWRAP_LLAMA_SERVER") or builder.find_binary())
+    binary = Path(os.environ.get("MTPWRAP_BINARY") or builder.find_binary())
     model = args.model or Path(os.environ.get("MTPWRAP_DEMO_MODEL")
                                or models.ensure_demo_model())
     work = Path(tempfile.gettempdir()) / "mtpwrap-adaptive-spec"
     work.mkdir(exist_ok=True)
+    spec: dict[str, Any] = {"depth": SERVER_DEPTH}
     if args.spec == "draft":
         draft = quantized_draft(model, work)
-        spec_args = ["--spec-type", "draft-simple", "-md", str(draft), "-ngld", "0"]
+        spec.update(spec="draft", spec_type="draft-simple", draft_model=str(draft))
         what = f"draft-simple, draft {draft.name}"
     elif args.spec == "mtp":
-        spec_args = ["--spec-type", "draft-mtp", "-ngl", "99"]
+        spec.update(spec="mtp", spec_type="draft-mtp", gpu_layers=99)
         what = "draft-mtp (the model's MTP head)"
     else:
-        spec_args = ["--spec-type", "ngram-simple"]
+        spec.update(spec="ngram", spec_type="ngram-simple")
         what = "ngram-simple"
     port = free_loopback_port()
     base = f"http://127.0.0.1:{port}"
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", "4096", "-np", "1", "-t", "2", "--spec-draft-n-max", str(SERVER_DEPTH),
-            *spec_args]
+    cfg = launch.plain(model, context=4096, threads=2, why="adaptive speculation benchmark",
+                       **spec)
+    argv = launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
     load = workload(args.per_class)
     calib = workload(1, skip=args.per_class)
     with running_server(argv, base_url=base, timeout=300):

@@ -118,7 +118,7 @@ if (( ! dry_run )); then
         say "adaptive speculation: skipped (set ADAPTIVE_SPEC_MODEL to a GGUF with an MTP head)"
     elif (( left > 90 )); then
         say "adaptive speculation with MTP on $ADAPTIVE_SPEC_MODEL (${left}s left)"
-        MTPWRAP_LLAMA_SERVER="$server" timeout "$((left - 10))" "$py" "$here/adaptive_spec.py" \
+        MTPWRAP_BINARY="$server" timeout "$((left - 10))" "$py" "$here/adaptive_spec.py" \
             --spec mtp --model "$ADAPTIVE_SPEC_MODEL" --per-class 6 \
             --json "$out/adaptive-spec.json" >>"$log" 2>&1 \
             || say "adaptive speculation failed or timed out"
