@@ -140,6 +140,7 @@ def overlay(tree: Path, dest: Path, applied: Sequence[Patch]) -> Path:
     try:
         shutil.copytree(tree, staging, symlinks=True, copy_function=_link_or_copy,
                         ignore=shutil.ignore_patterns(".git"))
+        _point_at_git(tree, staging)
         for rel in {f for p in applied for f in p.files}:
             target = staging / rel
             if target.is_file():
@@ -161,6 +162,22 @@ def overlay(tree: Path, dest: Path, applied: Sequence[Patch]) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+def _point_at_git(tree: Path, staging: Path) -> None:
+    """llama.cpp stamps its binaries with `git rev-parse HEAD` of the source tree (--version,
+    the commit mtpwrap shows): the overlay names the tree's own git directory, absolutely, so
+    the patched binary says which commit it was built from. Nothing is written there."""
+    dot = tree / ".git"
+    gitdir: Path | None = None
+    if dot.is_dir():
+        gitdir = dot
+    elif dot.is_file():
+        text = dot.read_text(errors="replace").strip()
+        if text.startswith("gitdir:"):
+            gitdir = (tree / text.removeprefix("gitdir:").strip()).resolve()
+    if gitdir is not None and gitdir.is_dir():
+        (staging / ".git").write_text(f"gitdir: {gitdir}\n")
 
 
 def _link_or_copy(src: str, dst: str) -> None:
