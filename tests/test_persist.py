@@ -149,12 +149,17 @@ def launch_with(argv_: list[str], proxy: dict | None = None) -> service.Launch:
 
 
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
+    from mtpwrap.decide import launch as launching
+    from mtpwrap.decide.capabilities import Capabilities
+
+    help_dir = Path(__file__).resolve().parent / "data" / "help"
+    caps = Capabilities.from_help((help_dir / "upstream-0c1e570.txt").read_text())
     with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
-        service.check_reserved(launch_with(["llama-server", "--slot-save-path", "/tmp"]))
+        launching.check_extra(caps, "profile extra_args", ["--slot-save-path", "/tmp"])
     with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
-        service.check_reserved(launch_with(["llama-server", "--slot-save-path=/tmp"]))
+        launching.check_extra(caps, "profile extra_args", ["--slot-save-path=/tmp"])
+    launching.check_extra(caps, "profile extra_args", ["--ctx-checkpoints", "0"])
     launch = launch_with(["llama-server", "-m", "x.gguf"])
-    service.check_reserved(launch)
     wrapped = service.with_slot_save_path(launch.factory, tmp_path)
     spec = wrapped(1234, "key", 0)
     assert spec is not None

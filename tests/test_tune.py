@@ -77,15 +77,20 @@ def test_write_override_copies_profile_and_sets_spec(tmp_path: Path,
     assert profiles.validate(data, where="t", expected_name="cpu-demo").spec.depth == 2
 
 
-@pytest.mark.integration
-def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
-                                             request: pytest.FixtureRequest) -> None:
+def _tune_env(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
+    """The real built llama-server and demo model, overrides under tmp_path."""
     server = os.environ.get("MTPWRAP_BINARY") or str(
         request.getfixturevalue("llama_server_bin"))
     model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
+    return cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
+                   XDG_CONFIG_HOME=str(tmp_path / "config"))
+
+
+@pytest.mark.integration
+def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
+                                             request: pytest.FixtureRequest) -> None:
     out = tmp_path / "tune"
-    env = cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
-                  XDG_CONFIG_HOME=str(tmp_path / "config"))
+    env = _tune_env(tmp_path, request)
     # One thread: the self-draft is then bit-exact (acceptance 1.0), see the bench tests.
     p = run_cli("tune", "--depths", "1,3", "--p-min", "0", "--context", "128", "--n-predict",
                 "41", "--langs", "en", "--threads", "1", "--write", "--profile", "cpu-demo",
@@ -130,12 +135,8 @@ def test_tune_per_class_writes_the_measured_policy(tmp_path: Path,
                                                    request: pytest.FixtureRequest) -> None:
     """One server at the deepest depth, each request asking for its own: tokens/s per class and
     depth, the best depth per class saved as spec.policy in the profile the sweep served."""
-    server = os.environ.get("MTPWRAP_BINARY") or str(
-        request.getfixturevalue("llama_server_bin"))
-    model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
     out = tmp_path / "tune"
-    env = cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
-                  XDG_CONFIG_HOME=str(tmp_path / "config"))
+    env = _tune_env(tmp_path, request)
     p = run_cli("tune", "--per-class", "--depths", "1,3", "--n-predict", "16", "--threads", "1",
                 "--write", "--profile", "cpu-demo", "--out", str(out), env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

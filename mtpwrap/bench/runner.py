@@ -84,15 +84,14 @@ class BenchConfig:
         return out
 
 
-def cell_profile(cfg: BenchConfig, base: Profile, *, model: str | Path,
+def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
                  **keys: Any) -> Profile:
-    """`base` with the cell's knobs and any other profile `keys` (context, slots, threads, ...)
-    replaced; None values leave the profile's own."""
+    """`base` with the cell's knobs and any other profile `keys` (model, context, slots,
+    threads, ...) replaced; None values leave the profile's own. `drafter`: the draft model of
+    a draft cell that names none (the target itself)."""
     from mtpwrap.decide import profiles
 
-    if "model_key" in keys:  # the profile's `model` key itself (a tuned profile records it)
-        keys["model"] = keys.pop("model_key")
-    changes = {**cfg.overrides(model), **{k: v for k, v in keys.items() if v is not None}}
+    changes = {**cfg.overrides(drafter), **{k: v for k, v in keys.items() if v is not None}}
     return profiles.with_overrides(base, changes, where=f"benchmark configuration {cfg.name!r}")
 
 
@@ -104,25 +103,32 @@ def default_profile() -> Profile:
     return profiles.select_profile(resolve.load_snapshot(None))[0]
 
 
+def resolve_profile(prof: Profile, *, binary: Path, model: Path,
+                    caps: Capabilities | None = None) -> tuple[LaunchConfig, Capabilities]:
+    """A profile's launch on this binary, resolved as `up` resolves it (no hardware check, no
+    memory plan: a measurement, not a service)."""
+    from mtpwrap.decide import capabilities, resolve
+
+    caps = caps or capabilities.probe(binary)
+    r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
+    return r.launch, caps
+
+
 def cell_launch(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
                 parallel: int | None = 1, threads: int | None = None,
                 profile: Profile | None = None, caps: Capabilities | None = None,
                 bench: bool = True) -> tuple[LaunchConfig, Capabilities]:
-    """The launch of one cell: resolved like `up` resolves a profile. bench=True adds what the
-    benchmark reads besides the API: flash attention on in every cell (so cells compare), no
-    warm-up, and log verbosity 4 (where llama.cpp logs the KV cache it allocated)."""
-    from mtpwrap.decide import capabilities, resolve
-
-    caps = caps or capabilities.probe(binary)
+    """The launch of one cell. bench=True adds what the benchmark reads besides the API: flash
+    attention on in every cell (so cells compare), no warm-up, and log verbosity 4 (where
+    llama.cpp logs the KV cache it allocated)."""
     extra: dict[str, Any] = {"flash_attn": "on", "no_warmup": True} if bench else {}
-    prof = cell_profile(cfg, profile or default_profile(), model=model, context=ctx_size,
+    prof = cell_profile(cfg, profile or default_profile(), drafter=model, context=ctx_size,
                         slots=parallel, threads=threads, **extra)
-    r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
-    cfg_launch = r.launch
+    cl, caps = resolve_profile(prof, binary=binary, model=model, caps=caps)
     if bench:
-        cfg_launch = cfg_launch.replace(verbosity=4, why={"verbosity": "the benchmark reads "
-                                                          "the KV allocation from the log"})
-    return cfg_launch, caps
+        cl = cl.replace(verbosity=4, why={"verbosity": "the benchmark reads the KV allocation "
+                                                       "from the log"})
+    return cl, caps
 
 
 def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
@@ -136,29 +142,29 @@ def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int 
     `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
-    srv = start_cell(cfg, binary=binary, model=model, ctx_size=ctx_size, parallel=parallel,
-                     log_path=log_path, host=host, port=port, threads=threads, extra=extra,
-                     timeout=timeout, profile=profile, bench=bench)
+    cl, caps = cell_launch(cfg, binary=binary, model=model, ctx_size=ctx_size,
+                           parallel=parallel, threads=threads, profile=profile, bench=bench)
+    srv = start_launch(cl, caps, binary=binary, log_path=log_path, host=host, port=port,
+                       extra=extra, timeout=timeout,
+                       what=f"llama-server for configuration {cfg.name!r}")
     return srv.base_url, srv.stop
 
 
-def start_cell(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
-               parallel: int | None = 1, log_path: Path | None = None,
-               host: str = "127.0.0.1", port: int | None = None, threads: int | None = None,
-               extra: list[str] | None = None, timeout: float = 300.0,
-               profile: Profile | None = None, bench: bool = True) -> ServerProcess:
+def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
+                 log_path: Path | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 extra: list[str] | None = None, timeout: float = 300.0,
+                 what: str = "llama-server") -> ServerProcess:
+    """Render `cl` for this binary and start it (its own process group; ready at /health)."""
     from mtpwrap.decide import launch
     from mtpwrap.run.child import start_server
 
     port = port or _free_port(host)
-    cl, caps = cell_launch(cfg, binary=binary, model=model, ctx_size=ctx_size,
-                           parallel=parallel, threads=threads, profile=profile, bench=bench)
     spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])
     # The build ships its shared libraries next to the binary.
     env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     return start_server(spec.argv, base_url=f"http://{host}:{port}", env=env,
                         log_path=Path(log_path) if log_path else None, timeout=timeout,
-                        what=f"llama-server for configuration {cfg.name!r}")
+                        what=what)
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,10 +19,17 @@ from typing import TYPE_CHECKING
 
 from mtpwrap import paths
 from mtpwrap.bench import corpora, stats
-from mtpwrap.bench.runner import BenchConfig, Client, cell_profile
+from mtpwrap.bench.runner import (
+    BenchConfig,
+    Client,
+    cell_profile,
+    resolve_profile,
+    start_launch,
+)
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
+    from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.profiles import Profile
 
 
@@ -72,35 +79,27 @@ def _measure(client: Client, prompts: list[list[int]], n_predict: int) -> dict:
 def setting_profile(plan: TunePlan, cfg: BenchConfig) -> Profile:
     """The profile one setting runs: what `tune --write` saves for the best one, so `up` runs
     exactly what was measured."""
-    return cell_profile(cfg, plan.profile, model=plan.model, threads=plan.threads,
-                        model_key=str(plan.model))
+    return cell_profile(cfg, plan.profile, drafter=plan.model, threads=plan.threads,
+                        model=str(plan.model))
 
 
 def run(plan: TunePlan, workdir: Path,
         progress: Callable[[str], None] | None = None) -> dict:
-    from mtpwrap.decide import launch
-    from mtpwrap.decide.capabilities import probe
-    from mtpwrap.decide.resolve import resolve
-    from mtpwrap.run.child import free_loopback_port, start_server
-
     workdir.mkdir(parents=True, exist_ok=True)
     corp = [corpora.load(lang) for lang in plan.langs]
-    caps = probe(plan.binary)
+    caps: Capabilities | None = None
     points: list[dict] = []
     for cfg in plan.configs():
         if progress:
             progress(cfg.name)
-        r = resolve(setting_profile(plan, cfg), snapshot=None, caps=caps, model=plan.model,
-                    binary=plan.binary, plan=False)
+        cl, caps = resolve_profile(setting_profile(plan, cfg), binary=plan.binary,
+                                   model=plan.model, caps=caps)
         need = plan.context + plan.n_predict + 64
-        if 0 < r.launch.context < need * r.launch.slots:
-            raise ConfigError(f"profile {plan.profile.name}: context {r.launch.context} over "
-                              f"{r.launch.slots} slot(s) is too small for --context "
+        if 0 < cl.context < need * cl.slots:
+            raise ConfigError(f"profile {plan.profile.name}: context {cl.context} over "
+                              f"{cl.slots} slot(s) is too small for --context "
                               f"{plan.context} plus {plan.n_predict} tokens; lower --context.")
-        port = free_loopback_port()
-        spec = launch.render(r.launch, caps, binary=plan.binary, port=port)
-        srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}",
-                           log_path=workdir / f"{cfg.name}.log",
+        srv = start_launch(cl, caps, binary=plan.binary, log_path=workdir / f"{cfg.name}.log",
                            what=f"llama-server for setting {cfg.name!r}")
         client = Client(srv.base_url)
         stop = srv.stop
@@ -112,7 +111,7 @@ def run(plan: TunePlan, workdir: Path,
             client.close()
             stop()
         m["config"] = cfg.to_dict()
-        m["argv"] = spec.argv
+        m["argv"] = srv.argv
         points.append(m)
     return analyse(points)
 
@@ -159,10 +158,6 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
     for its own `speculative.n_max` (the patched build honours it; another is refused). The
     best depth per class becomes the profile's `spec.policy` with --write."""
     from mtpwrap.build import spec_probe
-    from mtpwrap.decide import launch
-    from mtpwrap.decide.capabilities import probe
-    from mtpwrap.decide.resolve import resolve
-    from mtpwrap.run.child import free_loopback_port, running_server
 
     if plan.kind == "ngram":
         raise ConfigError("--per-class tunes draft or mtp speculation; n-gram drafting has no "
@@ -170,16 +165,14 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
     workdir.mkdir(parents=True, exist_ok=True)
     depths = sorted({0, *plan.depths})
     cfg = _deepest(plan)
-    r = resolve(setting_profile(plan, cfg), snapshot=None, caps=probe(plan.binary),
-                model=plan.model, binary=plan.binary, plan=False)
-    assert r.inputs.caps is not None
-    port = free_loopback_port()
-    spec = launch.render(r.launch, r.inputs.caps, binary=plan.binary, port=port)
-    base = f"http://127.0.0.1:{port}"
+    cl, caps = resolve_profile(setting_profile(plan, cfg), binary=plan.binary,
+                               model=plan.model)
     work = corpora.class_workload(per_class)
     table: dict[str, dict[str, float | None]] = {}
-    with running_server(spec.argv, base_url=base, log_path=workdir / "per-class.log",
-                        what="llama-server for the per-class sweep"):
+    srv = start_launch(cl, caps, binary=plan.binary, log_path=workdir / "per-class.log",
+                       what="llama-server for the per-class sweep")
+    base = srv.base_url
+    try:
         default = spec_probe.draft_counts(base, {})[0]
         zero = spec_probe.draft_counts(base, {"speculative.n_max": 0})[0]
         if spec_probe.verdict(default, zero) != "honoured":
@@ -197,9 +190,11 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
                     n += float(timings.get("predicted_n", 0))
                     seconds += float(timings.get("predicted_ms", 0.0)) / 1000.0
                 table[cls][str(d)] = n / seconds if seconds else None
+    finally:
+        srv.stop()
     policy = {cls: int(max(row, key=lambda k: row[k] or 0.0)) for cls, row in table.items()}
     return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "per_class": table, "policy": policy, "argv": spec.argv, "config": cfg.to_dict()}
+            "per_class": table, "policy": policy, "argv": srv.argv, "config": cfg.to_dict()}
 
 
 def _deepest(plan: TunePlan) -> BenchConfig:

@@ -27,7 +27,7 @@ from mtpwrap.errors import ConfigError
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.hardware import HardwareSnapshot
-    from mtpwrap.decide.profiles import KvTypes, Profile
+    from mtpwrap.decide.profiles import Profile
 
 #: KV cache types known to upstream llama.cpp and to the MTP + TurboQuant fork. A profile may
 #: name any of them; `choose` then keeps only what the built binary offers.
@@ -76,6 +76,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "metrics": ("--metrics",),
     "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
+    "slot_save_path": ("--slot-save-path",),
 }
 #: the draft depth's flag and the ngram lookup length's flag, per spec type.
 DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
@@ -87,11 +88,13 @@ DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
 NGRAM_N_FLAGS: dict[str, tuple[str, ...]] = {
     "ngram-simple": ("--spec-ngram-simple-size-n",), "ngram-map-k": ("--spec-ngram-map-k-size-n",),
 }
-#: flags mtpwrap owns: extra args may not set them (the child must stay on loopback, keyed).
-RESERVED = frozenset({
-    "-m", "--model", "--host", "--port", "--api-key", "--api-key-file", "--path",
-    "--ssl-key-file", "--ssl-cert-file",
-})
+#: flags mtpwrap owns, and why: extra args may not set them.
+_LOOPBACK = "the child listens on loopback with an internal key"
+RESERVED: dict[str, str] = {
+    **dict.fromkeys(("-m", "--model", "--host", "--port", "--api-key", "--api-key-file",
+                     "--path", "--ssl-key-file", "--ssl-cert-file"), _LOOPBACK),
+    "--slot-save-path": "its KV snapshot directory, persist.dir",
+}
 #: KV types a step-down moves through (each taken only when it is smaller per value).
 STEP_KV_TYPES = ("q8_0", "tbq4_0", "q4_0", "tbq3_0")
 #: the smallest context a step-down halves to.
@@ -275,13 +278,15 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
     return dataclasses.replace(cfg, why=tuple(why.items()), warnings=tuple(warnings))
 
 
-def _flag(caps: Capabilities, logical: str, why_needed: str) -> str:
-    spelled = caps.first_of(SPELLINGS[logical])
+def _flag(caps: Capabilities, logical: str, why_needed: str,
+          spellings: tuple[str, ...] = ()) -> str:
+    names = spellings or SPELLINGS[logical]
+    spelled = caps.first_of(names)
     if spelled is None:
-        removed = [s for s in SPELLINGS[logical] if caps.is_removed(s)]
+        removed = [s for s in names if caps.is_removed(s)]
         what = "lists it as removed" if removed else "does not accept it"
         raise ConfigError(
-            f"{SPELLINGS[logical][0]}: {caps.describe()} {what}, but {why_needed}.",
+            f"{names[0]}: {caps.describe()} {what}, but {why_needed}.",
             hint="Build a newer llama-server (`mtpwrap build`) or choose another profile.")
     return spelled
 
@@ -361,17 +366,13 @@ def _speculation(cfg: LaunchConfig, profile: Profile, caps: Capabilities | None,
         changes["draft_model"] = str(draft_model or spec.draft_model)
         why["draft_model"] = "draft model from the profile"
     if spec.draft_kv is not None:
-        changes["draft_k"], changes["draft_v"] = _draft_kv(caps, spec.draft_kv, sized_types,
-                                                           warnings)
+        changes["draft_k"] = _pick_kv(caps, "draft_k", spec.draft_kv.k, "draft K", sized_types,
+                                      warnings)
+        changes["draft_v"] = _pick_kv(caps, "draft_v", spec.draft_kv.v, "draft V", sized_types,
+                                      warnings)
         why["draft_k"] = "draft/MTP context K cache type (llama.cpp's default is f16)"
         why["draft_v"] = "draft/MTP context V cache type (llama.cpp's default is f16)"
     return dataclasses.replace(cfg, **changes)
-
-
-def _draft_kv(caps: Capabilities | None, kv: KvTypes, sized_types: Collection[str] | None,
-              warnings: list[str]) -> tuple[str, str]:
-    return (_pick_kv(caps, "draft_k", kv.k, "draft K", sized_types, warnings),
-            _pick_kv(caps, "draft_v", kv.v, "draft V", sized_types, warnings))
 
 
 def _check_hardware(profile: Profile, snapshot: HardwareSnapshot | None,
@@ -395,8 +396,8 @@ def check_extra(caps: Capabilities, source: str, args: Sequence[str]) -> None:
             continue  # a value, or a negative number
         flag = a.split("=", 1)[0]
         if flag in RESERVED:
-            raise ConfigError(f"{source}: {flag} is set by mtpwrap (the child listens on "
-                              "loopback with an internal key); remove it.")
+            raise ConfigError(f"{source}: {flag} is set by mtpwrap ({RESERVED[flag]}); "
+                              "remove it.")
         if caps.is_removed(flag):
             raise ConfigError(f"{source}: {flag} has been removed from llama.cpp and aborts "
                               f"{caps.describe()}; see its --help for the replacement.")
@@ -462,15 +463,7 @@ class _Argv:
 
     def add(self, logical: str, value: Any, reason: str, *, spellings: tuple[str, ...] = ()
             ) -> None:
-        if spellings:
-            spelled = self.caps.first_of(spellings)
-            if spelled is None:
-                raise ConfigError(f"{spellings[0]}: {self.caps.describe()} does not accept it, "
-                                  f"but {reason}.",
-                                  hint="Build a newer llama-server (`mtpwrap build`) or choose "
-                                       "another profile.")
-        else:
-            spelled = _flag(self.caps, logical, reason)
+        spelled = _flag(self.caps, logical, reason, spellings)
         self.args.append(spelled)
         text = None if value is None else str(value)
         if text is not None:
@@ -652,8 +645,6 @@ def _smaller_kv(cfg: LaunchConfig, caps: Capabilities | None,
                 kv_sizes: Mapping[str, Any] | None) -> str | None:
     """The next smaller rung of STEP_KV_TYPES that the binary offers: the one with the most bits
     per value (measured sizes win) below both of cfg's types."""
-    from mtpwrap.errors import ConfigError as _Unknown
-
     offered: Sequence[str] = STEP_KV_TYPES
     if caps is not None:
         flag = caps.first_of(SPELLINGS["cache_k"])
@@ -661,13 +652,13 @@ def _smaller_kv(cfg: LaunchConfig, caps: Capabilities | None,
         offered = [t for t in STEP_KV_TYPES if t in allowed]
     try:
         now = max(bits_per_value(cfg.cache_k, kv_sizes), bits_per_value(cfg.cache_v, kv_sizes))
-    except _Unknown:
+    except ConfigError:
         return None
     best: tuple[float, str] | None = None
     for t in offered:
         try:
             bits = bits_per_value(t, kv_sizes)
-        except _Unknown:
+        except ConfigError:
             continue  # a type without a known size cannot be shown to save anything
         if bits < now and (best is None or bits > best[0]):
             best = (bits, t)

@@ -111,7 +111,7 @@ class Resolved:
             raise MissingToolError("no llama-server to spell the command line for.",
                                    hint="Run `mtpwrap build`, or pass --binary PATH.")
         return render(cfg or self.launch, caps, binary=self.inputs.binary, host=host,
-                             port=port, api_key=api_key)
+                      port=port, api_key=api_key)
 
 
 # --------------------------------------------------------------------------- planning
@@ -166,10 +166,9 @@ def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
 
 def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
             caps: Capabilities | None, model: Path | str, binary: Path | None = None,
-            facts: ModelFacts | None = None, kv_sizes: dict[str, Any] | None = None,
-            draft_model: Path | str | None = None, plan: bool | None = None,
-            kv_limits: Sequence[str] | None = None, profile_reason: str = "",
-            inputs: Inputs | None = None, refuse: bool = True) -> Resolved:
+            kv_sizes: dict[str, Any] | None = None, plan: bool | None = None,
+            kv_limits: Sequence[str] | None = None, inputs: Inputs | None = None,
+            refuse: bool = True) -> Resolved:
     """The launch for `profile` on this binary and machine, and its memory plan.
 
     plan None: plan now when the result can change the launch or refuse it (a GPU profile on a
@@ -177,15 +176,15 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
     largest context for each of these KV types (`mtpwrap plan`). A plan that does not fit the
     device is a ConfigError with the numbers (refuse=False: a plan with fits False, to show).
     """
-    inp = inputs or Inputs(profile=profile, profile_reason=profile_reason, snapshot=snapshot,
-                           caps=caps, binary=binary, model=str(model), kv_sizes=kv_sizes)
-    cfg = choose(profile, caps, snapshot, model=model, draft_model=draft_model,
-                        sized_types=sized_types(kv_sizes) if caps is None else None)
+    inp = inputs or Inputs(profile=profile, profile_reason="", snapshot=snapshot, caps=caps,
+                           binary=binary, model=str(model), kv_sizes=kv_sizes)
+    cfg = choose(profile, caps, snapshot, model=model,
+                 sized_types=sized_types(kv_sizes) if caps is None else None)
     r = Resolved(inputs=inp, launch=cfg)
-    must = profile.context == "max" or on_device(profile, snapshot)
-    if plan or (plan is None and must):
-        ensure_plan(r, facts=facts, kv_limits=kv_limits, refuse=refuse)
-        if refuse and r.plan is None and on_device(profile, snapshot):
+    gpu = on_device(profile, snapshot)
+    if plan or (plan is None and (profile.context == "max" or gpu)):
+        ensure_plan(r, kv_limits=kv_limits, refuse=refuse)
+        if refuse and r.plan is None and gpu:
             why = (r.plan_text or "").removeprefix("not planned (").removesuffix(")")
             raise ConfigError(
                 f"profile {profile.name}: the memory plan could not be made ({why}), and a "
@@ -193,13 +192,13 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                 hint="Run `mtpwrap build` (it measures the binary's KV types), choose KV types "
                      "the planner knows, or pass --no-plan (MTPWRAP_PLAN=skip) to launch "
                      "unchecked.")
-        if refuse and r.plan is not None and on_device(profile, snapshot):
+        if refuse and r.plan is not None and gpu:
             measure(r)  # llama.cpp's own figures decide where the binary can give them
     return r
 
 
-def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
-                kv_limits: Sequence[str] | None = None, refuse: bool = True) -> Resolved:
+def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
+                refuse: bool = True) -> Resolved:
     """Make r's memory plan (once). Sets `plan_text` to "not planned (why)" when the planner
     cannot size this configuration; raises ConfigError when it does not fit the device."""
     if r.planned and kv_limits is None:
@@ -210,7 +209,7 @@ def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
     device = device_bytes(prof, inp.snapshot)
     backend = "cuda" if on_device(prof, inp.snapshot) else "cpu"
     try:
-        facts = facts or gguf_facts.read_facts(Path(r.launch.model))
+        facts = gguf_facts.read_facts(Path(r.launch.model))
         draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
                  if r.launch.spec == "draft" and r.launch.draft_model else 0)
         pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft)
@@ -222,7 +221,8 @@ def ensure_plan(r: Resolved, *, facts: ModelFacts | None = None,
                                                "context that fits"})
                 pc = dataclasses.replace(pc, n_ctx=n)
         if kv_limits is not None:
-            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes, kv_types=list(kv_limits))
+            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes,
+                                         kv_types=list(kv_limits))
         else:
             p = planner.plan(facts, pc, device, inp.kv_sizes)
     except ConfigError as exc:
@@ -368,12 +368,9 @@ def gather(profile: str | Profile, *, model: str | None = None, binary: str | Pa
                   warnings=[warning] if warning else [], manifest=manifest)
 
 
-def resolve_inputs(inp: Inputs, *, plan: bool | None = None, facts: ModelFacts | None = None,
-                   kv_limits: Sequence[str] | None = None, profile: Profile | None = None,
-                   refuse: bool = True) -> Resolved:
-    """`resolve` on gathered inputs (optionally for a profile derived from theirs)."""
-    if profile is not None:
-        inp = dataclasses.replace(inp, profile=profile)
+def resolve_inputs(inp: Inputs, *, plan: bool | None = None,
+                   kv_limits: Sequence[str] | None = None, refuse: bool = True) -> Resolved:
+    """`resolve` on gathered inputs."""
     return resolve(inp.profile, snapshot=inp.snapshot, caps=inp.caps, model=inp.model,
-                   binary=inp.binary, facts=facts, kv_sizes=inp.kv_sizes, plan=plan,
-                   kv_limits=kv_limits, inputs=inp, refuse=refuse)
+                   binary=inp.binary, kv_sizes=inp.kv_sizes, plan=plan, kv_limits=kv_limits,
+                   inputs=inp, refuse=refuse)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
+from mtpwrap.decide.launch import SPELLINGS
 from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
 from mtpwrap.run.child import ChildSpec
@@ -138,7 +139,8 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
 # --------------------------------------------------------------------------- reload
 
 #: llama-server's directory for slot files: mtpwrap's snapshot directory, never a client's
-SLOT_SAVE_FLAG = "--slot-save-path"
+#: (a profile's extra_args may not set it: decide.launch.RESERVED)
+SLOT_SAVE_FLAG = SPELLINGS["slot_save_path"][0]
 
 
 def persist_config(settings: Settings) -> PersistConfig | None:
@@ -156,16 +158,6 @@ def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactor
         return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
                          note=spec.note)
     return wrapped
-
-
-def check_reserved(launch: Launch) -> None:
-    """--slot-save-path belongs to mtpwrap: a profile's extra arguments may not set it."""
-    spec = launch.factory(0, "probe-key", 0)
-    if spec is not None and any(a == SLOT_SAVE_FLAG or a.startswith(SLOT_SAVE_FLAG + "=")
-                                for a in spec.argv):
-        raise ConfigError(f"profile {launch.info.get('profile')}: extra_args: {SLOT_SAVE_FLAG} "
-                          "is set by mtpwrap (its KV snapshot directory, persist.dir); "
-                          "remove it.")
 
 
 def reload_inputs(settings: Settings) -> dict[str, Any]:
@@ -194,7 +186,6 @@ def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, Any]:
     """Every check `up` makes before starting anything, for a new configuration: the launch,
     the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
     launch = resolve_launch(settings)
-    check_reserved(launch)
     cfg = supervisor_config(settings, launch)
     front_config = proxy_config(settings, launch)
     return launch, cfg, front_config
