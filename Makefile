@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install build model up test unit lint clean wheelhouse system-deps
+.PHONY: install build model up test unit lint clean wheelhouse system-deps build-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The demo model comes first: the build tries each new llama-server on it before keeping it.
-build: install model
+build: install model build-deps
 	$(BIN)/mtpwrap build --cpu
 
 model: install
@@ -34,11 +34,17 @@ lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks
 	$(BIN)/mypy mtpwrap
 
-# System tools the fleet tests run for real (HAProxy, Prometheus with promtool). Installed with
+# System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
+# time; the fleet tests run HAProxy and Prometheus (with promtool) for real. Installed with
 # apt-get when missing and run as root; otherwise one line says what to install.
-SYSTEM_TOOLS := haproxy:haproxy prometheus:prometheus promtool:prometheus openssl:openssl
+BUILD_TOOLS := patch:patch
+SYSTEM_TOOLS := $(BUILD_TOOLS) haproxy:haproxy prometheus:prometheus promtool:prometheus \
+                openssl:openssl
+TOOLS ?= $(SYSTEM_TOOLS)
+build-deps:
+	@$(MAKE) --no-print-directory system-deps TOOLS="$(BUILD_TOOLS)"
 system-deps:
-	@missing=""; for tp in $(SYSTEM_TOOLS); do \
+	@missing=""; for tp in $(TOOLS); do \
 	  command -v $${tp%%:*} >/dev/null 2>&1 || missing="$$missing $${tp#*:}"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	missing=$$(echo $$missing | tr ' ' '\n' | sort -u | tr '\n' ' '); \
