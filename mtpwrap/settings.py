@@ -298,7 +298,7 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
     env_keys = env.get("MTPWRAP_API_KEYS", "")
     api_keys += [k.strip() for k in env_keys.split(",") if k.strip()]
     if keys_file:
-        from mtpwrap.serve.policy import read_keys_file
+        from mtpwrap.serve.access import read_keys_file
 
         where_keys = ("--api-key-file" if values["api_key_file"]
                       else f"{where_file}: proxy.api_keys_file")

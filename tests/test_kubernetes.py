@@ -98,7 +98,7 @@ def test_selectors_ports_and_profiles_point_at_what_exists() -> None:
 
 def _settings(tmp_path: Path) -> Any:
     from mtpwrap import settings
-    from mtpwrap.serve.policy import ProxyConfig
+    from mtpwrap.serve.access import ProxyConfig
 
     data = yaml.safe_load(documents()["ConfigMap"]["data"]["mtpwrap.yaml"])
     keys = tmp_path / "api-keys"
@@ -119,7 +119,7 @@ def test_probes_and_grace_period_match_the_config(tmp_path: Path) -> None:
 
 
 def check_pod(pod: dict[str, Any], s: Any, proxy: Any) -> None:
-    from mtpwrap.serve.policy import derive_allowed_hosts
+    from mtpwrap.serve.access import derive_allowed_hosts
 
     (c,) = pod["containers"]
     assert c["ports"][0]["containerPort"] == s.port

@@ -1,11 +1,11 @@
-"""The front's pure policy: settings validation, the path table, key parsing, host parsing."""
+"""The front's pure access rules: settings validation, the path table, key parsing, host parsing."""
 
 from __future__ import annotations
 
 import pytest
 
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve.policy import (
+from mtpwrap.serve.access import (
     ProxyConfig,
     classify,
     derive_allowed_hosts,
@@ -102,7 +102,7 @@ def test_required_scope_per_route(method, path, scope):
 
 
 def test_every_allow_list_feature_has_a_scope():
-    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES, FEATURES, SCOPES
+    from mtpwrap.serve.access import _EXACT, FEATURE_SCOPES, FEATURES, SCOPES
 
     assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
     assert set(FEATURE_SCOPES.values()) <= set(SCOPES)

@@ -15,9 +15,9 @@ import time
 import httpx
 import pytest
 
-from mtpwrap.serve import policy
+from mtpwrap.serve import access
+from mtpwrap.serve.access import _EXACT
 from mtpwrap.serve.front import ProxyConfig
-from mtpwrap.serve.policy import _EXACT
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
 
@@ -94,7 +94,7 @@ def test_key_comparison_is_constant_time(fake, front, monkeypatch):
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(policy.hmac, "compare_digest", spy)
+    monkeypatch.setattr(access.hmac, "compare_digest", spy)
     HTTP.post(front.url + "/completion", json={}, headers={"x-api-key": "nope-nope-nope"})
     # every configured key is compared, even after a mismatch (no early exit)
     assert len(calls) == 2

@@ -31,6 +31,7 @@ from mtpwrap.run.child import ChildSpec
 from mtpwrap.run.persist import PersistConfig, SnapshotStore
 from mtpwrap.run.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
 from mtpwrap.run.systemd import Notifier
+from mtpwrap.serve.info import ReloadState, ServeInfo
 from mtpwrap.settings import SUPERVISOR, Settings, convert
 
 log = logging.getLogger("mtpwrap.runner")
@@ -90,7 +91,6 @@ def resolve_launch(settings: Settings) -> Launch:
         "speculation": cfg.spec_type or "none", "near_edge": r.near_edge,
         "memory_plan": r.memory_text,
     }
-    info["spec_policy"] = _spec_policy_info(inp.profile, inp.manifest)
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
@@ -234,7 +234,7 @@ def public_url(host: str, port: int) -> str:
 def proxy_config(settings: Settings, launch: Launch) -> Any:
     """The front's configuration, checked before anything starts. ProxyConfig lives in a
     light module (no ASGI imports), so checking it early costs nothing."""
-    from mtpwrap.serve.policy import ProxyConfig
+    from mtpwrap.serve.access import ProxyConfig
 
     for where, section in ((f"profile {launch.info.get('profile')}", launch.proxy),
                            (settings.proxy_source, settings.proxy)):
@@ -254,10 +254,30 @@ def proxy_config(settings: Settings, launch: Launch) -> Any:
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
-def make_front(supervisor: Supervisor, launch: Launch, config: Any) -> Any:
+def make_front(supervisor: Supervisor, launch: Launch, config: Any,
+               log_file: Path | None) -> Any:
     from mtpwrap.serve.front import Front
 
-    return Front(supervisor, config, launch.info)
+    return Front(supervisor, config, serve_info(launch, log_file))
+
+
+def serve_info(launch: Launch, log_file: Path | None) -> ServeInfo:
+    """What the front shows and decides from: the launch's facts, the profile's speculation
+    and whether the binary honours a request's own draft depth (recorded by `mtpwrap build`)."""
+    i = launch.info
+    inputs = launch.resolved.inputs if launch.resolved is not None else None
+    manifest = inputs.manifest if inputs is not None else None
+    probe = (manifest.spec_depth or {}) if manifest is not None else {}
+    return ServeInfo(
+        profile=i.get("profile"), profile_reason=i.get("profile_reason"),
+        binary=i.get("binary"), commit=i.get("commit"), model=i.get("model"),
+        context=i.get("context"), kv=i.get("kv"),
+        speculation_type=i.get("speculation") or "none",
+        speculation=inputs.profile.spec if inputs is not None else None,
+        per_request_depth=probe.get("status") or "unknown",
+        per_request_depth_detail=probe.get("detail") or "",
+        near_edge=bool(i.get("near_edge")), memory_plan=i.get("memory_plan"),
+        log_file=str(log_file) if log_file is not None else None)
 
 
 @contextlib.contextmanager
@@ -376,13 +396,13 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             "drain_s": settings.drain_s, "stop_grace_s": cfg.stop_grace_s,
             "reload_inputs": inputs,
             "persist_dir": str(store.directory) if store is not None else None}
-    reload_state: dict[str, Any] = {"generation": 0, "result": None, "message": None}
+    reload_state = ReloadState()
 
     def record() -> None:
         st = sup.status()
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **base, "child_pid": st.pid,
-                "child_pgid": st.pid, "updated_at": time.time(), "reload": reload_state,
+                "child_pgid": st.pid, "updated_at": time.time(), "reload": reload_state.to_dict(),
                 "persist": sup.persist_report}
         with contextlib.suppress(OSError):
             instance.write_instance(data)
@@ -416,10 +436,10 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
     try:
         import uvicorn
 
-        front = make_front(sup, launch, front_config)
+        front = make_front(sup, launch, front_config, cfg.log_file)
         server_config = front.server_config(timeout_graceful_shutdown=5)
         sup.busy = lambda: front.forwarding
-        front.info["reload"] = reload_state
+        front.reload = reload_state
     except BaseException:
         await sup.stop()  # never leave a child behind a front that could not start
         raise
@@ -458,9 +478,10 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             kind = await requests.get()
             if stop.is_set():
                 return
-            reload_state.update(generation=reload_state["generation"] + 1, kind=kind,
-                                result="running", message=None, exit_code=None,
-                                started_at=time.time(), finished_at=None)
+            reload_state.generation += 1
+            reload_state.kind, reload_state.result, reload_state.message = kind, "running", None
+            reload_state.exit_code, reload_state.finished_at = None, None
+            reload_state.started_at = time.time()
             record()
             notifier.status(f"{kind}ing llama-server")
             try:
@@ -479,9 +500,9 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
                 base.update(drain_s=settings.drain_s, stop_grace_s=res.config.stop_grace_s)
                 base.update(profile=launch.info.get("profile"), model=launch.info.get("model"),
                             binary=launch.info.get("binary"))
-                front.info.update(launch.info)
-            reload_state.update(result=res.outcome, message=res.message,
-                                exit_code=res.exit_code, finished_at=time.time())
+                front.info = serve_info(launch, cfg.log_file)
+            reload_state.result, reload_state.message = res.outcome, res.message
+            reload_state.exit_code, reload_state.finished_at = res.exit_code, time.time()
             front.metrics.reloads.labels(res.outcome).inc()
             (log.info if res.outcome == "ok" else log.warning)("%s %s: %s", kind, res.outcome,
                                                                res.message)
@@ -615,12 +636,3 @@ def run_up(settings: Settings) -> int:
                                  announce=announce))
     finally:
         sock.close()
-
-
-def _spec_policy_info(prof: Any, manifest: Any) -> dict[str, Any] | None:
-    """What the front's speculation policy needs: the profile's spec and whether the binary
-    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
-    from mtpwrap.serve import spec_policy
-
-    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
-    return spec_policy.launch_info(prof.to_dict()["spec"], status)

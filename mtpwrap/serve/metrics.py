@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.run.supervisor import SupervisorStatus, state_name
+from mtpwrap.run.supervisor import SupervisorStatus
 
 log = logging.getLogger("mtpwrap.metrics")
 
@@ -77,7 +77,7 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Metric]:
         st = self._status()
-        state = state_name(st)
+        state = st.state.value
         g = GaugeMetricFamily("mtpwrap_supervisor_state", "1 for the supervisor's current state",
                               labels=["state"])
         for s in STATES:

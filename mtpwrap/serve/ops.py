@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.run.supervisor import state_name
+from mtpwrap.run.supervisor import State
 from mtpwrap.serve.metrics import gpu_samples
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ async def livez(_request: Request) -> Response:
 
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     st = front.supervisor.status()
-    state = state_name(st)
+    state = st.state.value
     if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
     if state != "ready" or st.upstream is None:
@@ -51,7 +51,7 @@ def health_document(front: Front) -> dict[str, Any]:
     st = front.supervisor.status()
     now = time.time()
     ready, _ = readiness(front)
-    info = dict(front.info)
+    info = front.info
     gpus = []
     for g in gpu_samples():
         gpus.append({
@@ -63,20 +63,20 @@ def health_document(front: Front) -> dict[str, Any]:
         })
     up = st.upstream
     return {
-        "state": state_name(st),
+        "state": st.state.value,
         "ready": ready,
         "draining": front.draining,
         "reason": st.reason,
-        "profile": info.pop("profile", None),
-        "model": info.pop("model", None),
-        "context": info.pop("context", None),
-        "binary": info.pop("binary", None),
+        "profile": info.profile,
+        "model": info.model,
+        "context": info.context,
+        "binary": info.binary,
         "uptime_s": round(now - st.started_at, 1) if st.started_at else None,
         "child_uptime_s": round(now - st.child_started_at, 1) if st.child_started_at else None,
         "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
         "restarts": st.restarts,
         "step_down": {"step": st.step, "note": st.step_note},
-        "last_error": st.last_exit or (st.reason if state_name(st) in ("failed", "backoff")
+        "last_error": st.last_exit or (st.reason if st.state in (State.FAILED, State.BACKOFF)
                                        else None),
         "child_pid": st.pid,
         "generation": up.generation if up is not None else None,
@@ -87,8 +87,16 @@ def health_document(front: Front) -> dict[str, Any]:
             "queue_size": front.config.queue_size,
         },
         "gpu": gpus,
-        **info,
-        **({"spec_policy": front.spec.snapshot()} if front.spec is not None else {}),
+        "profile_reason": info.profile_reason,
+        "commit": info.commit,
+        "kv": info.kv,
+        "speculation": info.speculation_type,
+        "near_edge": info.near_edge,
+        "memory_plan": info.memory_plan,
+        "log_file": info.log_file,
+        "webui_bundle": info.webui_bundle,
+        "reload": front.reload.to_dict() if front.reload is not None else None,
+        "spec_policy": front.depth.snapshot() if front.depth is not None else None,
     }
 
 

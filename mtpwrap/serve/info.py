@@ -1,0 +1,70 @@
+"""What the front knows about the launch it serves, and the reload state it shows.
+
+`ServeInfo` is built once per launch by the service that starts llama-server (and again after a
+reload); the front, `/healthz` and the draft-depth policy read its fields. `ReloadState` is the
+one mutable record of the last reload, written by the service and shown by `/healthz` and the
+state file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mtpwrap.decide.profiles import Speculation
+
+#: what `build/spec_probe` says of a binary and a request's own `speculative.n_max`
+PER_REQUEST_DEPTH = ("honoured", "ignored", "unknown")
+
+
+@dataclass(frozen=True)
+class ServeInfo:
+    """The launch as the front sees it (static between reloads)."""
+
+    profile: str | None = None
+    profile_reason: str | None = None
+    #: the llama-server executable and the source commit it was built from
+    binary: str | None = None
+    commit: str | None = None
+    model: str | None = None
+    context: int | None = None
+    #: the KV cache types as rendered, "K / V"
+    kv: str | None = None
+    #: the rendered `--spec-type` ("none" when the launch does not speculate)
+    speculation_type: str = "none"
+    #: the profile's `spec:` section; None or kind "none" when it does not speculate
+    speculation: Speculation | None = None
+    #: whether the binary honours a request's own draft depth (one of PER_REQUEST_DEPTH) and
+    #: what the probe showed
+    per_request_depth: str = "unknown"
+    per_request_depth_detail: str = ""
+    #: the plan leaves the device near its edge (out-of-memory starts are likely)
+    near_edge: bool = False
+    memory_plan: str | None = None
+    #: llama-server's full log
+    log_file: str | None = None
+    #: whether the build carries llama-server's web UI bundle (None: not recorded)
+    webui_bundle: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_request_depth not in PER_REQUEST_DEPTH:
+            object.__setattr__(self, "per_request_depth", "unknown")
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculation is not None and self.speculation.kind not in ("none", "")
+
+
+@dataclass
+class ReloadState:
+    """The last reload or restart asked for by the operator (generation 0: none yet)."""
+
+    generation: int = 0
+    kind: str | None = None       # reload | restart
+    result: str | None = None     # running | ok | refused | failed
+    message: str | None = None
+    exit_code: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
