@@ -42,7 +42,7 @@ def test_english_licence_is_en_prose(english_licence: str) -> None:
 
 
 def test_python_source_is_code() -> None:
-    code = (REPO / "mtpwrap" / "bench" / "stats.py").read_text()
+    code = (REPO / "mtpwrap" / "decide" / "acceptance.py").read_text()
     body = code[code.index("def expected_tokens_per_step"):][:1500]
     assert "```" not in body
     assert classify_text(body) == "code"

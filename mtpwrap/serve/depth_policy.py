@@ -4,7 +4,7 @@ what the front has learned from earlier responses.
 Sources, first that applies:
 1. `client`: the request carries its own `speculative.*` fields; they are never touched;
 2. `learned` (spec.adapt on, the class observed): the depth that maximises the modelled speedup
-   (stats.modelled_speedup with the profile's step cost) at the class's estimated α, or no
+   (acceptance.modelled_speedup with the profile's step cost) at the class's estimated α, or no
    speculation when even the best depth is below break-even;
 3. `profile`: the profile's spec.policy entry for the class;
 4. `default`: nothing is sent; the server's configured depth applies.
@@ -13,7 +13,7 @@ probe_share), so that it is observed again and can come back.
 
 α is estimated per class from each response's `timings.draft_n` and `draft_n_accepted`: the
 acceptance rate r at depth k gives 1 + r·k tokens per verification step, and
-stats.alpha_for_tokens_per_step solves that for α (drafts that stop early make this an
+acceptance.alpha_for_tokens_per_step solves that for α (drafts that stop early make this an
 underestimate). The estimate is an exponentially weighted average over drafted tokens.
 
 The state is a fixed set of per-class records, touched only from the event loop: no locks.
@@ -33,7 +33,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from mtpwrap.bench import stats
+from mtpwrap.decide import acceptance
 from mtpwrap.decide.profiles import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import CLASSES, classify
 from mtpwrap.serve.info import ServeInfo
@@ -80,7 +80,7 @@ def best_depth(alpha: float, max_depth: int, adapt: SpecAdapt) -> tuple[int, flo
     (0, 1.0) when none beats no speculation."""
     best, speed = 0, 1.0
     for k in range(1, max_depth + 1):
-        s = stats.modelled_speedup(alpha, k, adapt.overhead, adapt.per_draft)
+        s = acceptance.modelled_speedup(alpha, k, adapt.overhead, adapt.per_draft)
         if s > speed:
             best, speed = k, s
     return best, speed
@@ -91,7 +91,7 @@ def alpha_from_response(drafted: int, accepted: int, depth: int) -> float | None
     if drafted <= 0 or depth < 1:
         return None
     rate = min(1.0, accepted / drafted)
-    return stats.alpha_for_tokens_per_step(1.0 + rate * depth, depth)
+    return acceptance.alpha_for_tokens_per_step(1.0 + rate * depth, depth)
 
 
 def client_fields(doc: dict[str, Any]) -> dict[str, Any]:

@@ -421,7 +421,7 @@ class PrometheusOptions:
 def render_prometheus(nodes: Sequence[Node], opts: PrometheusOptions) -> str:
     """prometheus.yml scraping every node (job `mtpwrap`, label `node`) and HAProxy."""
     every = _duration(opts.scrape_interval_s)
-    job: dict = {
+    job: dict[str, object] = {
         "job_name": "mtpwrap",
         "metrics_path": "/metrics",
         # A node's scrape reads llama-server's page too; it must end before the next one.

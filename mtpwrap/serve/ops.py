@@ -52,15 +52,9 @@ def health_document(front: Front) -> dict[str, Any]:
     now = time.time()
     ready, _ = readiness(front)
     info = front.info
-    gpus = []
-    for g in gpu_samples():
-        gpus.append({
-            "index": g.get("index"),
-            "name": g.get("name"),
-            "memory_used_bytes": g.get("memory_used_bytes", g.get("memory_used")),
-            "memory_total_bytes": g.get("memory_total_bytes", g.get("memory_total")),
-            "temperature_c": g.get("temperature_c", g.get("temperature")),
-        })
+    gpus = [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
+             "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
+            for g in gpu_samples()]
     up = st.upstream
     return {
         "state": st.state.value,
