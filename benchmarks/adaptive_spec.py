@@ -46,7 +46,7 @@ from mtpwrap.bench import corpora, stats
 from mtpwrap.build import builder, spec_probe
 from mtpwrap.decide import capabilities, launch, models
 from mtpwrap.decide.profiles import SpecAdapt
-from mtpwrap.run.child import free_loopback_port, running_server
+from mtpwrap.proc import free_loopback_port, running_server
 from mtpwrap.serve import spec_policy
 
 STATIC = (0, 1, 2, 3, 4, 8)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.run.child import free_loopback_port as free_port
+from mtpwrap.proc import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 POLL = 0.01
@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def direct(binary: Path, model: Path) -> tuple[float, float]:
     """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
     from mtpwrap.decide import profiles, resolve
-    from mtpwrap.run.child import start_server
+    from mtpwrap.proc import start_server
 
     port, key = free_port(), secrets.token_urlsafe(16)
     r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
