@@ -20,8 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from mtpwrap.config.objects import SupervisorConfig
 from mtpwrap.run.child import ChildSpec
-from mtpwrap.run.supervisor import State, Supervisor, SupervisorConfig
+from mtpwrap.run.supervisor import State, Supervisor
 
 FAKE = Path(__file__).resolve().parent / "fakes" / "fake_llama_server.py"
 
@@ -405,7 +406,7 @@ def test_memory_growth_recycles_without_failing_requests(tmp_path: Path) -> None
     async def scenario() -> None:
         sup, events = make({"grow_mb_per_s": 60, "token_delay_s": 0.05,
                             "counter": tmp_path / "n", "fault_starts": 1},
-                           tmp_path, rss_limit_bytes=90 * 2**20, memory_interval_s=0.1)
+                           tmp_path, rss_limit_mb=90, memory_interval_s=0.1)
         await sup.start()
         up = await sup.wait_ready(10)
         assert up is not None
