@@ -53,7 +53,7 @@ def fit_params_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 
@@ -81,7 +81,7 @@ def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture
 def free_port() -> int:
-    from mtpwrap.run.child import free_loopback_port
+    from mtpwrap.proc import free_loopback_port
 
     return free_loopback_port()
 

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mtpwrap import proc
 from tests.conftest import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
@@ -58,11 +58,12 @@ class Instance:
                  "MTPWRAP_DRAIN_S": "5"}
         extra.update(more_env)
         self.env = cli_env(**extra)
-        self.proc = subprocess.Popen(
+        self.process = proc.start(
             [sys.executable, "-m", "mtpwrap", "up", "--profile", profile, "--binary",
              str(binary), "--model", str(model), "--port", str(port)],
-            env=self.env, cwd=REPO, stderr=subprocess.STDOUT, text=True,
-            stdout=subprocess.PIPE if log is None else log.open("w"))
+            env=self.env, cwd=REPO, stderr=proc.STDOUT, text=True,
+            stdout=proc.PIPE if log is None else log.open("w"))
+        self.proc = self.process.popen  # signals to mtpwrap alone, as systemd sends them
         self.base = f"http://127.0.0.1:{port}"
 
     def status(self) -> tuple[int, dict]:
@@ -88,9 +89,7 @@ class Instance:
         return self.log.read_text() if self.log is not None else out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill()
 
 
 @pytest.fixture

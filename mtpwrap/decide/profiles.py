@@ -24,7 +24,7 @@ from mtpwrap import paths
 from mtpwrap.config.coerce import check_section
 from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
-from mtpwrap.decide.launch import FLASH_ATTN, KV_TYPES, SPEC_KINDS
+from mtpwrap.decide.vocab import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError
 
 MAX_CONTEXT = 1 << 24

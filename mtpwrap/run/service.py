@@ -29,7 +29,7 @@ from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.config.table import SUPERVISOR
-from mtpwrap.decide.launch import SPELLINGS
+from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
 from mtpwrap.run.child import ChildSpec
