@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
 
