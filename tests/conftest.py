@@ -146,6 +146,6 @@ def fork_binary(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def free_port() -> int:
-    from mtpwrap.run.child import free_loopback_port
+    from mtpwrap.proc import free_loopback_port
 
     return free_loopback_port()

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from mtpwrap import proc
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 SNAPSHOTS = DATA / "snapshots"
@@ -86,11 +88,12 @@ class Instance:
                  "MTPWRAP_DRAIN_S": "5"}
         extra.update(more_env)
         self.env = cli_env(**extra)
-        self.proc = subprocess.Popen(
+        self.process = proc.start(
             [sys.executable, "-m", "mtpwrap", "up", "--profile", profile, "--binary",
              str(binary), "--model", str(model), "--port", str(port)],
-            env=self.env, cwd=REPO, stderr=subprocess.STDOUT, text=True,
-            stdout=subprocess.PIPE if log is None else log.open("w"))
+            env=self.env, cwd=REPO, stderr=proc.STDOUT, text=True,
+            stdout=proc.PIPE if log is None else log.open("w"))
+        self.proc = self.process.popen  # signals to mtpwrap alone, as systemd sends them
         self.base = f"http://127.0.0.1:{port}"
 
     def status(self) -> tuple[int, dict]:
@@ -116,9 +119,7 @@ class Instance:
         return self.log.read_text() if self.log is not None else out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill()
 
 
 # --------------------------------------------------------------------------- a supervisor

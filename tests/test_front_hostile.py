@@ -326,7 +326,7 @@ class TestAgainstTheRealServer:
     @classmethod
     def inst(cls, tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
              demo_model: Path) -> Iterator[object]:
-        from mtpwrap.run.child import free_loopback_port
+        from mtpwrap.proc import free_loopback_port
         from tests.helpers import Instance
 
         home = tmp_path_factory.mktemp("hostile")

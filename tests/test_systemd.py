@@ -7,33 +7,30 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from mtpwrap import proc
+from mtpwrap.proc import free_loopback_port as _free_port
 from mtpwrap.run import systemd
-from mtpwrap.run.child import free_loopback_port as _free_port
 from tests.helpers import REPO, cli_env, run_cli
 
 
 def _systemd_analyze() -> str:
     exe = shutil.which("systemd-analyze")
     if exe is None:  # Debian: the checker ships in the systemd package
-        subprocess.run(["apt-get", "install", "-y", "-q", "systemd"], check=True,
-                       capture_output=True, timeout=600)
+        proc.run(["apt-get", "install", "-y", "-q", "systemd"], check=True, timeout=600)
         exe = shutil.which("systemd-analyze")
     assert exe, "systemd-analyze is needed (apt-get install systemd)"
     return exe
 
 
-def _verify(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    unit = tmp_path / "mtpwrap.service"
-    unit.write_text(text)
-    return subprocess.run([_systemd_analyze(), "verify", str(unit)], capture_output=True,
-                          text=True, timeout=60)
+def _verify(text: str, tmp_path: Path) -> proc.Completed:
+    _systemd_analyze()  # installed when missing
+    return systemd.verify(text, tmp_path)
 
 
 def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -125,9 +122,9 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
                   FAKE_LLAMA_FAULTS="load_s=1.0", MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S="1.5",
                   MTPWRAP_SUPERVISOR_MONITOR_INTERVAL_S="0.1", MTPWRAP_DRAIN_S="2")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.serve_fake", str(port)],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    process = proc.start([sys.executable, "-m", "tests.fakes.serve_fake", str(port)],
+                         env=env, cwd=REPO, stdout=proc.PIPE, stderr=proc.STDOUT, text=True)
+    up = process.popen
     got: list[tuple[float, str]] = []
 
     def pump(until: float, stop_when: str | None = None) -> None:
@@ -145,9 +142,9 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
         ready_at = next(t for t, m in got if "READY=1" in m)
         assert ready_at >= 1.0  # the fake takes a second to load; READY waited for the answer
         assert any("EXTEND_TIMEOUT_USEC=" in m for t, m in got if t < ready_at)
-        assert f"MAINPID={proc.pid}" in next(m for t, m in got if "READY=1" in m)
+        assert f"MAINPID={up.pid}" in next(m for t, m in got if "READY=1" in m)
         state = json.loads((tmp_path / "h" / "state" / "instance.json").read_text())
-        assert state["pid"] == proc.pid and state["state"] == "ready"
+        assert state["pid"] == up.pid and state["state"] == "ready"
 
         os.kill(state["child_pid"], signal.SIGKILL)  # the child dies; mtpwrap must not
         mark = len(got)
@@ -157,18 +154,17 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
         assert sum(m == "WATCHDOG=1" for m in during) >= 3  # pings go on without a child
         pump(time.monotonic() + 10, "STATUS=ready")
 
-        proc.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGTERM)
         pump(time.monotonic() + 10, "STATUS=stopped")
-        assert proc.wait(10) == 0
+        assert up.wait(10) == 0
         msgs = [m for _t, m in got]
         stopping = next(i for i, m in enumerate(msgs) if m.startswith("STOPPING=1"))
         assert "STATUS=draining" in msgs[stopping]
         assert stopping > msgs.index(next(m for m in msgs if "READY=1" in m))
         assert not (tmp_path / "h" / "state" / "instance.json").exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        out = proc.communicate()[0] if proc.stdout else ""
+        process.kill()
+        out = up.communicate()[0] if up.stdout else ""
         sock.close()
     assert "Traceback" not in out, out
 
@@ -219,9 +215,10 @@ class _Service:
                            FAKE_LLAMA_FAULTS=faults, MTPWRAP_DRAIN_S="2", **env)
         self.t0 = time.monotonic()
         self.log = tmp_path / "up.log"
-        self.proc = subprocess.Popen(
+        self.process = proc.start(
             [sys.executable, "-m", "tests.fakes.serve_fake", str(_free_port())], env=self.env,
-            cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT, text=True)
+            cwd=REPO, stdout=self.log.open("w"), stderr=proc.STDOUT)
+        self.proc = self.process.popen  # signals go to mtpwrap alone, as systemd's KillMode=mixed
         self.got: list[tuple[float, str]] = []
 
     def pump(self, until: float, stop_when: str | None = None) -> None:
@@ -242,9 +239,7 @@ class _Service:
         return next(t for t, m in self.got if text in m)
 
     def close(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill()
         self.sock.close()
         return self.log.read_text()
 

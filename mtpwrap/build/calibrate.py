@@ -262,7 +262,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     repacking copies every quantized weight into RAM.
     """
     from mtpwrap.decide import capabilities, launch
-    from mtpwrap.run.child import running_server
+    from mtpwrap.proc import running_server
 
     caps = capabilities.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
