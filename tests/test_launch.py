@@ -512,9 +512,12 @@ def test_step_down_never_picks_a_bigger_kv_type() -> None:
     assert [r.context for r in rungs[3:]] == [131072, 65536, 32768, 16384, 8192, 4096]
     for a, b in zip(rungs, rungs[1:], strict=False):  # every rung saves something
         assert a != b
-    # without measured sizes a fork type cannot be shown to shrink: no KV rung at all
-    unsized = _rungs(SHIPPED["4090-262k"], "fork")
-    assert all(r.cache_k == "tbq4_0" for r in unsized)
+    # without measured sizes the built-in table sizes the fork's types the same way
+    assert _rungs(SHIPPED["4090-262k"], "fork") == rungs
+    # a type with no size anywhere cannot be shown to shrink: no KV rung below it
+    odd = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"], model=MODEL)
+    odd = odd.replace(cache_k="tbqp4_0", cache_v="tbqp4_0")
+    assert all(r.cache_k == "tbqp4_0" for r in launch.ladder(odd, CAPS["fork"]))
 
 
 def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from mtpwrap import paths
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
-from mtpwrap.decide.launch import FLASH_ATTN, KV_TYPES, SPEC_KINDS
+from mtpwrap.decide.vocab import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError
 
 MAX_CONTEXT = 1 << 24

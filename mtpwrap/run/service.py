@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.decide.launch import SPELLINGS
+from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
 from mtpwrap.run.child import ChildSpec
