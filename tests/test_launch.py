@@ -40,7 +40,8 @@ SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SN
 HEAD = [EXE, "-m", MODEL, "--host", "127.0.0.1", "--port", str(PORT)]
 QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 
-#: (profile, binary) → argv after HEAD. Reviewed by hand against FACTS.md §1 and the --help texts.
+#: (profile, binary) → argv after HEAD. Reviewed by hand against docs/facts.md §1 and the --help
+#: texts.
 PINNED: dict[tuple[str, str], list[str]] = {
     ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
                                "--flash-attn", "auto", "--metrics", "--no-webui"],
@@ -157,8 +158,8 @@ def test_argv_table(profile: str, caps: str, snap: str) -> None:
 
 
 def test_recipe_flags_against_fork() -> None:
-    """FACTS.md §1: --spec-type mtp --spec-draft-n-max 3 -ctk tbq4_0 -ctv tbq4_0 --flash-attn on
-    -np 1 -ub 32 --mlock --no-warmup -c 262144 -ngl 99."""
+    """docs/facts.md §1: --spec-type mtp --spec-draft-n-max 3 -ctk tbq4_0 -ctv tbq4_0
+    --flash-attn on -np 1 -ub 32 --mlock --no-warmup -c 262144 -ngl 99."""
     argv = build("4090-262k", "fork", "rtx4090").argv
     pairs = {(a, b) for a, b in zip(argv, argv[1:], strict=False)}
     for pair in [("--spec-type", "mtp"), ("--spec-draft-n-max", "3"), ("-ctk", "tbq4_0"),
@@ -375,7 +376,7 @@ def _recorded_binary(tmp_path: Path, name: str) -> Path:
 def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
     import json
 
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
     r = run_cli("args", "--profile", "auto", "--binary", str(exe), "--model", MODEL,
@@ -392,7 +393,7 @@ def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
 
 
 def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "upstream-0c1e570")
     r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
@@ -405,7 +406,7 @@ def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
 
 def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
     from mtpwrap.errors import EXIT_CONFIG
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
     r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
@@ -420,7 +421,7 @@ def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
 def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path) -> None:
     import json
 
-    from tests.conftest import cli_env, run_cli
+    from tests.helpers import cli_env, run_cli
 
     r = run_cli("args", "--binary", str(llama_server_bin), "--json",
                 env=cli_env(MTPWRAP_DEMO_MODEL=str(demo_model)))
@@ -478,7 +479,7 @@ def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
 def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_model: Path,
                                                    free_port: int, tmp_path: Path) -> None:
     """The draft mapping is accepted by the real binary and drafting really happens: the demo
-    model drafting for itself (FACTS.md §2 saw acceptance 1.0 this way)."""
+    model drafting for itself (docs/facts.md §2 saw acceptance 1.0 this way)."""
     import httpx
 
     from mtpwrap.decide import capabilities
