@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
 MANIFEST = REPO / "deploy" / "kubernetes" / "mtpwrap.yaml"
 SERVICE_MONITOR_SCHEMA = REPO / "tests" / "data" / "servicemonitor-v1.schema.json"

@@ -1,4 +1,5 @@
-"""The memory plan against FACTS.md §3: KV and recurrent sizing rules and the RTX 4090 figure."""
+"""The memory plan against docs/facts.md §3: KV and recurrent sizing rules and the RTX 4090
+figure."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mtpwrap.decide.planner import (
     plan_with_limits,
 )
 from mtpwrap.errors import ConfigError
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
 
@@ -88,7 +89,7 @@ def test_outputs_and_compute_follow_the_server(q27: ModelFacts) -> None:
     fp = plan(q27, PlanConfig(n_ctx=4096, backend="cpu", n_outputs=512), None)
     srv = plan(q27, PlanConfig(n_ctx=4096, backend="cpu"), None)
     assert fp.row("compute").bytes > 512 * 4 * q27.n_vocab > srv.row("compute").bytes
-    # smaller ubatch, smaller compute buffer (FACTS: why -ub 32 matters at 262K)
+    # smaller ubatch, smaller compute buffer (docs/facts.md: why -ub 32 matters at 262K)
     big = plan(q27, cfg262k("q4_0", ubatch=512, backend="cpu"), None).row("compute").bytes
     small = plan(q27, cfg262k("q4_0", ubatch=32, backend="cpu"), None).row("compute").bytes
     assert small * 8 < big

@@ -10,7 +10,7 @@ import pytest
 
 from mtpwrap.decide import hardware, profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTS = REPO / "tests" / "data" / "snapshots"

@@ -14,23 +14,7 @@ from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import service
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-@pytest.fixture
-def fork_binary(tmp_path: Path) -> Path:
-    exe = tmp_path / "llama-server"
-    exe.write_text("#!/bin/sh\n"
-                   f'case "$1" in --help) cat "{DATA}/help/fork-1c6e4ea.txt";; '
-                   f'--version) cat "{DATA}/help/fork-1c6e4ea.version.txt";; *) exit 1;; esac\n')
-    exe.chmod(0o755)
-    return exe
-
-
-@pytest.fixture(scope="module")
-def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_gguf.write_shape_only(tmp_path_factory.mktemp("m") / "qwen3.6-27b.gguf")
+from tests.helpers import DATA
 
 
 def replay(tmp_path: Path, free_gib: float | None = None) -> Path:

@@ -8,7 +8,7 @@ import pytest
 
 from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import EXIT_CONFIG, ConfigError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -101,7 +101,7 @@ def test_cli_reports_config_errors_in_one_sentence_with_exit_78(tmp_path: Path) 
 
 
 def test_missing_model_is_one_sentence_and_nothing_starts(tmp_path: Path) -> None:
-    from tests.conftest import REPO
+    from tests.helpers import REPO
 
     fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
     home = tmp_path / "h"
