@@ -115,14 +115,14 @@ CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAME
 def spec_of(prof: profiles.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
             model: str | Path = MODEL, port: int | None = None, api_key: str | None = None,
             extra: list[str] | None = None, draft_model: str | Path | None = None,
-            binary: str | None = None) -> launch.LaunchSpec:
+            binary: str | None = None) -> launch.RenderedLaunch:
     """choose() then render(): what `up` does for a profile before any plan."""
     cfg = launch.choose(prof, caps, snap, model=model, draft_model=draft_model)
     return launch.render(cfg, caps, binary=binary, port=port, api_key=api_key,
                          extra=extra or [])
 
 
-def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.LaunchSpec:
+def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.RenderedLaunch:
     return spec_of(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None, port=PORT,
                    binary=EXE, **kw)
 
@@ -214,6 +214,18 @@ def test_api_key_goes_to_environment_never_argv() -> None:
     assert spec.env == {"LLAMA_API_KEY": secret}
     shown = spec.to_dict()
     assert shown["env"] == {"LLAMA_API_KEY": "***"} and secret not in str(shown)
+
+
+def test_slot_save_path_is_rendered_with_the_launch(tmp_path: Path) -> None:
+    cfg = launch.choose(SHIPPED["cpu-demo"], CAPS["upstream"], None, model=MODEL)
+    spec = launch.render(cfg, CAPS["upstream"], port=PORT, slot_save_path=tmp_path / "kv")
+    assert spec.argv[spec.argv.index("--slot-save-path") + 1] == str(tmp_path / "kv")
+    assert any(d.flag == "--slot-save-path" and "persist.dir" in d.reason
+               for d in spec.decisions)
+    assert "--slot-save-path" not in launch.render(cfg, CAPS["upstream"], port=PORT).argv
+    # llama-fit-params serves nothing: no snapshot directory either
+    assert "--slot-save-path" not in launch.render(cfg, CAPS["upstream"], serve=False,
+                                                   slot_save_path=tmp_path).argv
 
 
 def test_context_max_without_a_plan_is_the_trained_length(tmp_path: Path) -> None:

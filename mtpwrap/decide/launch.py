@@ -107,7 +107,7 @@ class LaunchConfig:
 
 
 @dataclass
-class LaunchSpec:
+class RenderedLaunch:
     """A LaunchConfig rendered for one binary, host and port."""
 
     argv: list[str]
@@ -412,9 +412,11 @@ class _Argv:
 
 def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-           extra: Sequence[str] = (), serve: bool = True) -> LaunchSpec:
+           extra: Sequence[str] = (), serve: bool = True,
+           slot_save_path: Path | str | None = None) -> RenderedLaunch:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
-    serve=False: only the model and memory flags (llama-fit-params serves nothing)."""
+    serve=False: only the model and memory flags (llama-fit-params serves nothing).
+    slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots."""
     b = _Argv(caps)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
@@ -467,6 +469,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("no_repack", None, r("repack") or "no CPU weight repacking")
     if cfg.fit is not None:
         b.add("fit", cfg.fit, r("fit") or "llama.cpp's own fitting to device memory")
+    if serve and slot_save_path is not None:
+        b.add("slot_save_path", slot_save_path,
+              "mtpwrap's KV snapshot directory (persist.dir), never a client's")
     if serve:
         b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
         if caps.first_of(SPELLINGS["no_webui"]):
@@ -497,7 +502,7 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
 
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
-    return LaunchSpec(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
+    return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
                       profile=cfg.profile, secret_env=frozenset(secret))
 
 
