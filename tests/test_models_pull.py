@@ -14,7 +14,7 @@ import pytest
 
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.models import pull
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 from tests.hub_server import FakeHub, serve
 
 REPO = "acme/Tiny-GGUF"
