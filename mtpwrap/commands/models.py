@@ -91,3 +91,22 @@ def pull(repo: str, selector: str | None, revision: str, dest: Path | None,
 
     done = hub.pull(repo, selector, revision=revision, dest=dest, token_file=token_file)
     click.echo(str(done.model))
+
+
+@command.command("import")
+@click.argument("sources", nargs=-1, required=True, metavar="PATH...",
+                type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--sums", type=click.Path(dir_okay=False, path_type=Path),
+              help="A SHA256SUMS file listing the files (default: one beside each file, then "
+                   "the record `models pull` wrote beside it).")
+@click.option("--link", is_flag=True, help="Hard-link instead of copying (same filesystem).")
+@click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the files go (default: the models directory).")
+def import_cmd(sources: tuple[Path, ...], sums: Path | None, link: bool,
+               dest: Path | None) -> None:
+    """Copy model files carried from a connected machine (USB disk, share) into the models
+    directory, each verified by its sha256; a file that does not match is refused."""
+    from mtpwrap.models import importer
+
+    for path in importer.import_files(list(sources), dest=dest, sums=sums, link=link):
+        click.echo(str(path))
