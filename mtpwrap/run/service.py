@@ -85,7 +85,7 @@ def resolve_launch(settings: Settings) -> Launch:
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     info: dict[str, Any] = {
         "profile": inp.profile.name, "profile_reason": inp.profile_reason,
@@ -154,8 +154,7 @@ def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactor
         spec = factory(port, api_key, step)
         if spec is None:
             return None
-        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
-                         note=spec.note)
+        return dataclasses.replace(spec, argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)])
     return wrapped
 
 
