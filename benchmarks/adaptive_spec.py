@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +41,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtpwrap import proc
 from mtpwrap.bench import corpora, stats
 from mtpwrap.build import builder, spec_probe
 from mtpwrap.decide import capabilities, launch, models
 from mtpwrap.decide.profiles import SpecAdapt
-from mtpwrap.run.child import free_loopback_port, running_server
+from mtpwrap.proc import free_loopback_port, running_server
 from mtpwrap.serve import spec_policy
 
 STATIC = (0, 1, 2, 3, 4, 8)
@@ -67,8 +67,8 @@ def quantized_draft(model: Path, work: Path) -> Path:
     manifest = builder.load_manifest("cpu")
     if manifest is None or "llama-quantize" not in manifest.binaries:
         raise SystemExit("no llama-quantize in the CPU build: run `mtpwrap build --cpu`.")
-    subprocess.run([str(manifest.binary("llama-quantize")), "--allow-requantize", str(model),
-                    str(out), "Q2_K"], check=True, capture_output=True)
+    proc.run([str(manifest.binary("llama-quantize")), "--allow-requantize", str(model),
+              str(out), "Q2_K"], timeout=1800, check=True)
     return out
 
 

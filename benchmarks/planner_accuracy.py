@@ -29,7 +29,7 @@ from mtpwrap.build import tiny_gguf
 from mtpwrap.build.calibrate import measure_config, measure_server
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.planner import MiB, PlanConfig, plan
-from mtpwrap.run.child import free_loopback_port as _free_port
+from mtpwrap.proc import free_loopback_port as _free_port
 
 
 @dataclass

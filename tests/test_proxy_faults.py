@@ -1,5 +1,5 @@
-"""Faults on the link between the front and the child (RELIABILITY.md 4, 9–14), shown on demand by
-a fault-injecting upstream. The same promises are checked on the real llama-server in
+"""Faults on the link between the front and the child (docs/reliability.md 4, 9–14), shown on
+demand by a fault-injecting upstream. The same promises are checked on the real llama-server in
 test_proxy_real.py where the real binary can show them (disconnect, crash mid-stream).
 """
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.run.child import free_loopback_port as free_port
+from mtpwrap.proc import free_loopback_port as free_port
 from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream, sse_events
 from tests.fakes.front_harness import State, Upstream, serve_front
@@ -304,7 +304,8 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
     """Recorded NVML answers of an H200 go through hardware.gpu_readings into both pages."""
     from mtpwrap.decide import hardware
-    from tests.test_hardware import RecordedNvml, load
+    from mtpwrap.decide.hardware import RecordedNvml
+    from tests.helpers import load_snapshot as load
 
     expected = hardware.gpu_metrics(RecordedNvml(load("h200")))[0]
     real = hardware.gpu_readings

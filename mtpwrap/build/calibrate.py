@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap.errors import MissingToolError, RuntimeFailure
+from mtpwrap.units import MiB
 
-MiB = 1024 * 1024
 #: values per "block" in the stored sizes: every ggml block size divides 256, so bytes per 256
 #: values is an integer for every real type.
 CAL_BLOCK = 256
@@ -262,7 +262,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     repacking copies every quantized weight into RAM.
     """
     from mtpwrap.decide import capabilities, launch
-    from mtpwrap.run.child import running_server
+    from mtpwrap.proc import running_server
 
     caps = capabilities.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",

@@ -55,7 +55,7 @@ class SmokeResult:
 def smoke_model(work_dir: Path) -> Path:
     """The demo model when it is cached, else a tiny runnable model written into work_dir."""
     from mtpwrap.build import tiny_gguf
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     demo = models.cached_demo_model()
     if demo is not None:
@@ -77,10 +77,11 @@ def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
 
 
 async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeResult:
+    from mtpwrap.proc import describe_returncode, free_loopback_port
     from mtpwrap.run import child
 
     key = secrets.token_hex(16)
-    port = child.free_loopback_port()
+    port = free_loopback_port()
     spec = child.ChildSpec(argv=argv(binary, model, port, gpu), env={"LLAMA_API_KEY": key},
                            note="smoke test")
     started = time.monotonic()
@@ -110,7 +111,7 @@ async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeRes
         await proc.terminate(grace=5.0)
     if result is None:
         rc = proc.returncode if proc.returncode is not None else 0
-        desc = child.describe_returncode(rc)
+        desc = describe_returncode(rc)
         crash = rc < 0 and -rc in {int(s) for s in CRASH_SIGNALS}
         sig = desc.split("(")[-1].rstrip(")") if rc < 0 else None
         result = SmokeResult("crashed" if crash else "failed", f"llama-server ended with {desc}",

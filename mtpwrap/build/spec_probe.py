@@ -53,13 +53,13 @@ def probe(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.
           ) -> dict[str, Any]:
     """{"status": honoured | ignored | unknown, "detail": one sentence, "draft_n": {...}};
     never raises for the binary's own failures."""
+    from mtpwrap import proc
     from mtpwrap.errors import MtpwrapError
-    from mtpwrap.run import child
 
-    port = child.free_loopback_port()
+    port = proc.free_loopback_port()
     base = f"http://127.0.0.1:{port}"
     try:
-        with child.running_server(argv(binary, model, port, gpu), base_url=base,
+        with proc.running_server(argv(binary, model, port, gpu), base_url=base,
                                   timeout=timeout, what="llama-server (draft-depth probe)"):
             default, _ = draft_counts(base, {})
             zero, _ = draft_counts(base, {"speculative.n_max": 0})

@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import time
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import State, SupervisorPort, SupervisorStatus, Upstream
-from mtpwrap.serve.access import ProxyConfig
 from mtpwrap.serve.metrics import FrontMetrics
 
 

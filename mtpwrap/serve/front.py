@@ -33,9 +33,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import SupervisorPort
 from mtpwrap.serve import depth_policy, ops
-from mtpwrap.serve.access import Access, ProxyConfig, classify
+from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
 from mtpwrap.serve.admission import Admission, Refusal
 from mtpwrap.serve.bodies import BadBody, check_fields, parse_json_body
@@ -99,7 +100,7 @@ class Front:
     def _warn_at_start(self, config: ProxyConfig) -> None:
         if not config.auth_enabled and not config.listen_is_loopback():
             log.warning("the front listens on %s without API keys: anyone who reaches this "
-                        "address can use the model; set proxy.api_keys_file or MTPWRAP_API_KEYS",
+                        "address can use the model; set api_key_file or MTPWRAP_API_KEYS",
                         config.listen_host)
         if self.depth is not None and self.depth.reason is not None and (
                 self.depth.table or self.depth.adapt.enabled):

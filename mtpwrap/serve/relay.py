@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import SupervisorPort, Upstream
 from mtpwrap.serve import depth_policy
-from mtpwrap.serve.access import ProxyConfig
 from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
 from mtpwrap.serve.metrics import FrontMetrics
 from mtpwrap.serve.replies import Receive, Replies, Scope, Send, error_kind
