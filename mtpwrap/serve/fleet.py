@@ -41,7 +41,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import yaml
 
+from mtpwrap import proc
 from mtpwrap.errors import ConfigError, MissingToolError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -392,8 +392,7 @@ def check_haproxy(text: str, haproxy: str = "haproxy") -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", prefix="mtpwrap-haproxy-") as f:
         f.write(text)
         f.flush()
-        r = subprocess.run([exe, "-c", "-f", f.name], capture_output=True, text=True,
-                           timeout=30, check=False)
+        r = proc.run([exe, "-c", "-f", f.name], timeout=30, what="haproxy -c")
     if r.returncode != 0:
         why = " ".join(ln.strip() for ln in (r.stderr + r.stdout).splitlines()
                        if "ALERT" in ln)[:800]
