@@ -383,7 +383,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **base, "child_pid": st.pid,
                 "child_pgid": st.pid, "updated_at": time.time(), "reload": reload_state,
-                "persist": sup.persist_report}
+                "persist": sup.carrier.report}
         with contextlib.suppress(OSError):
             instance.write_instance(data)
 
@@ -402,7 +402,7 @@ async def serve(settings: Settings, launch: Launch, sock: socket.socket,
             stop.set()
 
     sup.add_listener(on_state)
-    sup.on_persist = record
+    sup.carrier.on_report = record
     record()
     # Start llama-server first and import the HTTP stack while it loads: the imports cost
     # a few hundred milliseconds that would otherwise add to the time to ready.
