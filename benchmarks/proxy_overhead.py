@@ -401,7 +401,7 @@ def llama_paths() -> tuple[Path, Path]:
 
         binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
     if not model:
-        from mtpwrap.decide import models
+        from mtpwrap.models import known as models
 
         model = str(models.ensure_demo_model())
     return Path(binary), Path(model)

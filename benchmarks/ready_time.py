@@ -136,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from mtpwrap.build import builder
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     binary = args.binary or builder.find_binary()
     model = args.model or models.ensure_demo_model()

@@ -135,7 +135,7 @@ def main() -> None:
 
         a.binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
     if a.model is None:
-        from mtpwrap.decide import models
+        from mtpwrap.models import known as models
 
         a.model = str(models.ensure_demo_model())
     lengths = [int(x) for x in a.lengths.split(",")]

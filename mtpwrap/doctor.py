@@ -196,8 +196,8 @@ def check_pin() -> Check:
 
 
 def check_model(model: str | None) -> Check:
-    from mtpwrap.decide import models
     from mtpwrap.errors import ConfigError
+    from mtpwrap.models import known as models
 
     if model:
         try:

