@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import persist, service
+from mtpwrap.run import persist
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.serve.info import ServeInfo
+from mtpwrap.service import launch as up_launch
+from mtpwrap.service import reload as reloading
 from mtpwrap.settings import load_settings
 
 
@@ -128,11 +131,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "m.yaml"
     cfg.write_text("persist:\n  min_tokens: 512\n  dir: /srv/snaps\n")
     s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
-    pc = service.persist_config(s)
+    pc = up_launch.persist_config(s)
     assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
     assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
-    assert service.persist_config(off) is None
+    assert up_launch.persist_config(off) is None
     cfg.write_text("persist:\n  min_token: 512\n")
     with pytest.raises(ConfigError, match="persist.min_token: unknown key"):
         load_settings({}, env={}, config=cfg)
@@ -141,11 +144,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
         load_settings({}, env={}, config=cfg)
 
 
-def launch_with(argv_: list[str], proxy: dict | None = None) -> service.Launch:
+def launch_with(argv_: list[str], proxy: dict | None = None) -> up_launch.Launch:
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         return ChildSpec(argv=[*argv_, "--port", str(port)])
 
-    return service.Launch(factory=factory, info={"profile": "p"}, proxy=proxy or {})
+    return up_launch.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
 
 
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
@@ -160,7 +163,7 @@ def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
         launching.check_extra(caps, "profile extra_args", ["--slot-save-path=/tmp"])
     launching.check_extra(caps, "profile extra_args", ["--ctx-checkpoints", "0"])
     launch = launch_with(["llama-server", "-m", "x.gguf"])
-    wrapped = service.with_slot_save_path(launch.factory, tmp_path)
+    wrapped = up_launch.with_slot_save_path(launch.factory, tmp_path)
     spec = wrapped(1234, "key", 0)
     assert spec is not None
     assert list(spec.argv[-2:]) == ["--slot-save-path", str(tmp_path)]
@@ -171,13 +174,13 @@ def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
     cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
     s = load_settings({}, env={}, config=cfg)
     with pytest.raises(ConfigError, match="slot-actions would let clients"):
-        service.proxy_config(s, launch_with(["llama-server"]))
+        up_launch.proxy_config(s, launch_with(["llama-server"]))
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
-    assert "slot-actions" in service.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    assert "slot-actions" in up_launch.proxy_config(off, launch_with(["llama-server"])).enable_paths
     # A profile cannot open it either.
     plain = load_settings({}, env={}, config=None)
     with pytest.raises(ConfigError, match="slot-actions"):
-        service.proxy_config(plain, launch_with(["llama-server"],
+        up_launch.proxy_config(plain, launch_with(["llama-server"],
                                                 proxy={"enable_paths": ["slot-actions"]}))
 
 
@@ -188,11 +191,11 @@ def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
     monkeypatch.setenv("MTPWRAP_DRAIN_S", "7")
     monkeypatch.setenv("MTPWRAP_API_KEYS", "secret-key-1")
     s = load_settings({"host": "127.0.0.2"}, config=cfg)
-    inputs = service.reload_inputs(s)
+    inputs = reloading.reload_inputs(s)
     assert inputs == {"cli": {"host": "127.0.0.2"}, "env": {"MTPWRAP_DRAIN_S": "7"},
                       "config": str(cfg)}  # no key in the state file
     cfg.write_text("profile: cpu-demo\nport: 8100\n")
     monkeypatch.delenv("MTPWRAP_DRAIN_S")
-    again = service.reread_settings(inputs)
+    again = reloading.reread_settings(inputs)
     assert (again.host, again.port, again.drain_s) == ("127.0.0.2", 8100, 7.0)
     assert again.api_keys == ("secret-key-1",)

@@ -37,10 +37,10 @@ def command(profile: str | None, model: str | None, host: str | None, port: str 
     Settings come from flags, then MTPWRAP_* variables, then the config file.
     """
     from mtpwrap import settings
-    from mtpwrap.run import service
+    from mtpwrap.service import up
 
     cli = {"profile": profile, "model": model, "host": host, "port": port, "binary": binary,
            "api_key_file": api_key_file, "drain_s": drain_s,
            "plan": "skip" if no_plan else None}
     s = settings.load_settings(cli, config=config)
-    sys.exit(service.run_up(s))
+    sys.exit(up.run_up(s))

@@ -1,0 +1,214 @@
+"""What `up` decides before it starts anything: the launch (one resolve on this machine,
+binary and profile), the supervisor's, the front's and the snapshots' settings. Every check
+that can fail on bad input runs here, so a refusal starts nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtpwrap import paths
+from mtpwrap.decide.launch import SPELLINGS
+from mtpwrap.errors import ConfigError
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.persist import PersistConfig, SnapshotStore
+from mtpwrap.run.supervisor import LaunchFactory, Supervisor, SupervisorConfig
+from mtpwrap.serve.info import ServeInfo
+from mtpwrap.serve.policy import ProxyConfig
+from mtpwrap.settings import SUPERVISOR, Settings, convert
+
+if TYPE_CHECKING:
+    from mtpwrap.build.builder import Manifest
+    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.resolve import Resolved
+    from mtpwrap.serve.front import Front
+
+
+@dataclass
+class Launch:
+    """Everything `up` decided before starting anything."""
+
+    factory: LaunchFactory
+    info: ServeInfo  # static facts: summary, /healthz, state file
+    decisions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
+    proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
+    slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
+    #: work that only informs (the summary), run once llama-server is starting
+    deferred: Callable[[], None] | None = None
+    resolved: Resolved | None = None  #: the resolved launch this one renders
+
+
+def resolve_launch(settings: Settings) -> Launch:
+    """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
+    and the factory the supervisor calls for each start (port, key, step-down rung)."""
+    import dataclasses
+
+    from mtpwrap.decide import launch as launching
+    from mtpwrap.decide import resolve
+
+    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
+                         replay=settings.hw_replay)
+    skip = settings.plan == "skip"
+    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    gpu = resolve.on_device(inp.profile, inp.snapshot)
+    warnings = list(inp.warnings)
+    if skip:
+        r.plan_text = "skipped (--no-plan)"
+        if gpu:
+            warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
+                            "checked against the GPU's free memory")
+    cfg = r.launch
+    first = r.render(port=0, api_key="x")  # spells every flag now: a bad one fails here
+
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes, cost=r.cost())
+        if rung is None:
+            return None
+        spec = r.render(port=port, api_key=api_key, cfg=rung)
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
+
+    info = ServeInfo(
+        profile=inp.profile.name, profile_reason=inp.profile_reason,
+        binary=str(inp.binary), commit=inp.commit, model=str(cfg.model),
+        context=cfg.context, kv=f"{cfg.cache_k} / {cfg.cache_v}",
+        speculation=cfg.spec_type or "none", near_edge=bool(r.near_edge),
+        memory_plan=r.memory_text, spec_policy=_spec_policy_info(inp.profile, inp.manifest))
+    result = Launch(factory=factory, info=info,
+                    decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
+                               for d in first.decisions],
+                    warnings=[*warnings, *first.warnings],
+                    supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
+                    slots=cfg.slots, resolved=r)
+    if not r.planned and not skip:
+        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
+        # made after llama-server has started, for the summary only.
+        def plan_later() -> None:
+            try:
+                text = resolve.ensure_plan(r).memory_text
+            except Exception as exc:  # informational only: never stop serving over it
+                text = f"not planned ({exc})"
+            result.info = dataclasses.replace(result.info, memory_plan=text)
+
+        result.deferred = plan_later
+    return result
+
+
+def _spec_policy_info(prof: Profile, manifest: Manifest | None) -> dict[str, Any] | None:
+    """What the front's speculation policy needs: the profile's spec and whether the binary
+    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
+    from mtpwrap.serve import spec_policy
+
+    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
+    return spec_policy.launch_info(prof.to_dict()["spec"], status)
+
+
+def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
+    """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
+    else the default."""
+    values = dict(settings.supervisor)
+    # The profile's supervisor section fills in what no flag, variable or config file set.
+    where = f"profile {launch.info.profile}"
+    for key, raw in launch.supervisor.items():
+        if key not in SUPERVISOR:
+            raise ConfigError(f"{where}: supervisor.{key}: unknown key.")
+        if settings.sources.get(f"supervisor.{key}") == "default":
+            values[key] = convert(raw, SUPERVISOR[key], where, f"supervisor.{key}")
+    return values
+
+
+def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
+    values = supervisor_values(settings, launch)
+    rss = int(values.pop("rss_limit_mb")) * 2**20
+    values.pop("exit_on_failed")
+    if values["oom_step_down"] == "auto":
+        # on when the plan leaves the GPU near its edge, where an out-of-memory start is likely
+        values["oom_step_down"] = launch.info.near_edge
+    return SupervisorConfig(rss_limit_bytes=rss,
+                            log_file=paths.log_dir() / "llama-server.log", **values)
+
+
+def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
+    """The front's configuration, checked before anything starts. ProxyConfig lives in a
+    light module (no ASGI imports), so checking it early costs nothing."""
+    for where, section in ((f"profile {launch.info.profile}", launch.proxy),
+                           (settings.proxy_source, settings.proxy)):
+        if "max_concurrency" in section:
+            raise ConfigError(
+                f"{where}: proxy.max_concurrency: the front sends llama-server at most as many "
+                f"requests as it has slots ({launch.slots} here); remove this key and set the "
+                "profile's slots instead.")
+    paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
+    if "slot-actions" in paths_on and settings.persist.get("enabled", True):
+        raise ConfigError(
+            f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
+            "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
+            "slot-actions, or turn snapshots off with persist.enabled: false.")
+    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
+               "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
+    return ProxyConfig.from_mapping(mapping, settings.proxy_source)
+
+
+def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> Front:
+    # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
+    from mtpwrap.serve.front import Front
+
+    return Front(supervisor, config, launch.info.to_dict())
+
+
+def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
+    """Every check `up` makes before starting anything, for a new configuration: the launch,
+    the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
+    launch = resolve_launch(settings)
+    cfg = supervisor_config(settings, launch)
+    front_config = proxy_config(settings, launch)
+    return launch, cfg, front_config
+
+
+# --------------------------------------------------------------------------- KV snapshots
+
+#: llama-server's directory for slot files: mtpwrap's snapshot directory, never a client's
+#: (a profile's extra_args may not set it: decide.launch.RESERVED)
+SLOT_SAVE_FLAG = SPELLINGS["slot_save_path"][0]
+
+
+def persist_config(settings: Settings) -> PersistConfig | None:
+    """The snapshot settings (`persist:`); None when persistence is off."""
+    cfg = PersistConfig.from_settings(settings.persist)
+    return cfg if cfg.enabled else None
+
+
+def open_snapshots(settings: Settings) -> SnapshotStore | None:
+    """The snapshot directory, created 0700 and emptied; None when persistence is off."""
+    pcfg = persist_config(settings)
+    if pcfg is None:
+        return None
+    store = SnapshotStore(pcfg)
+    try:
+        store.open()
+    except OSError as exc:
+        raise ConfigError(f"persist.dir: cannot use {pcfg.directory} for KV snapshots "
+                          f"({exc.strerror}).",
+                          hint="Point persist.dir at a directory the service user can create, "
+                               "or set persist.enabled: false.") from exc
+    return store
+
+
+def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactory:
+    """The factory whose commands also name mtpwrap's snapshot directory."""
+    def wrapped(port: int, api_key: str, step: int) -> ChildSpec | None:
+        spec = factory(port, api_key, step)
+        if spec is None:
+            return None
+        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
+                         note=spec.note)
+    return wrapped
+
+
+def child_factory(launch: Launch, store: SnapshotStore | None) -> LaunchFactory:
+    if store is None:
+        return launch.factory
+    return with_slot_save_path(launch.factory, store.directory)
