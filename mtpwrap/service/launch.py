@@ -120,6 +120,11 @@ def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
     return values
 
 
+def child_log_file() -> Path:
+    """Where llama-server's whole output goes (rotated; `supervisor.log_*`)."""
+    return paths.log_dir() / "llama-server.log"
+
+
 def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
     values = supervisor_values(settings, launch)
     rss = int(values.pop("rss_limit_mb")) * 2**20
@@ -128,7 +133,7 @@ def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
         # on when the plan leaves the GPU near its edge, where an out-of-memory start is likely
         values["oom_step_down"] = launch.info.near_edge
     return SupervisorConfig(rss_limit_bytes=rss,
-                            log_file=paths.log_dir() / "llama-server.log", **values)
+                            log_file=child_log_file(), **values)
 
 
 def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
