@@ -1,4 +1,4 @@
-"""Load report for the front (RELIABILITY.md, last section), in one run:
+"""Load report for the front (docs/reliability.md, last section), in one run:
 
 1. a concurrency ladder (1, 2, 4, 8, 2×slots) of streamed chat requests against the real
    llama-server with the demo model, directly and through mtpwrap: time to first token and

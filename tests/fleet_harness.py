@@ -19,8 +19,7 @@ import yaml
 
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port
-from tests.conftest import REPO, run_cli
-from tests.test_up_real import Instance
+from tests.helpers import REPO, Instance, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
 

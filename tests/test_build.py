@@ -13,7 +13,7 @@ import pytest
 from mtpwrap import hashing
 from mtpwrap.build import builder, source, toolchain
 from mtpwrap.errors import ConfigError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 FAKE_TREE = Path(__file__).parent / "data" / "fake-llama-tree"
 
@@ -112,6 +112,7 @@ def test_no_cmake_is_named(build_env: dict[str, str], tmp_path: Path) -> None:
     assert "cmake is not installed" in r.stderr
 
 
+@pytest.mark.integration
 def test_build_from_a_path_writes_a_complete_manifest(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -133,6 +134,7 @@ def test_build_from_a_path_writes_a_complete_manifest(
         assert info["sha256"] == hashing.sha256_file(Path(info["path"]))
 
 
+@pytest.mark.integration
 def test_failed_compile_shows_the_compiler_error_and_log(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -196,6 +198,7 @@ def test_compiler_flags_from_the_environment_are_part_of_the_cache_key(
     assert builder.cache_key("offline:x", opts, "g++ 12") != k1
 
 
+@pytest.mark.integration
 def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -223,6 +226,7 @@ def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
     assert cached["smoke"]["status"] == "crashed"
 
 
+@pytest.mark.integration
 def test_when_every_configuration_crashes_nothing_is_installed(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -236,6 +240,7 @@ def test_when_every_configuration_crashes_nothing_is_installed(
     assert not (Path(build_env["MTPWRAP_BUILD_DIR"]) / "cpu" / "manifest.json").exists()
 
 
+@pytest.mark.integration
 def test_cpu_isa_forces_one_configuration(build_env: dict[str, str], tmp_path: Path) -> None:
     tree = _fake_tree(tmp_path, "crash-when-native")
     r = run_cli("build", "--cpu", "--cpu-isa", "native", "--source", str(tree), env=build_env,
@@ -250,6 +255,7 @@ def test_cpu_isa_forces_one_configuration(build_env: dict[str, str], tmp_path: P
     assert manifest["extra"]["isa_reason"] == "--cpu-isa baseline asked for it"
 
 
+@pytest.mark.integration
 def test_piped_build_prints_one_line_per_phase(build_env: dict[str, str], tmp_path: Path) -> None:
     tree = _fake_tree(tmp_path)
     r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)

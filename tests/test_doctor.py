@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
-from tests.conftest import cli_env, run_cli
+import pytest
+
+from tests.helpers import cli_env, run_cli
 
 
 def test_doctor_json_reports_every_check(tmp_path: Path) -> None:
     env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "no-build"))
     r = run_cli("doctor", "--json", env=env)
-    assert r.returncode == 0, r.stderr
+    # What this machine has (the unit tier also runs without build tools: `make hermetic`).
+    has_cmake = shutil.which("cmake") is not None
+    has_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    assert r.returncode == (0 if has_cmake and has_cxx else 69), r.stderr
     report = json.loads(r.stdout)
     names = [c["name"] for c in report["checks"]]
     for expected in (
@@ -25,8 +31,8 @@ def test_doctor_json_reports_every_check(tmp_path: Path) -> None:
     ):
         assert expected in names
     by_name = {c["name"]: c for c in report["checks"]}
-    assert by_name["cmake"]["status"] == "ok"
-    assert by_name["C++ compiler"]["status"] == "ok"
+    assert by_name["cmake"]["status"] == ("ok" if has_cmake else "missing")
+    assert by_name["C++ compiler"]["status"] == ("ok" if has_cxx else "missing")
     binary = by_name["llama-server build"]
     assert binary["status"] == "missing" and "mtpwrap build" in binary["fix"]
 
@@ -39,6 +45,7 @@ def test_doctor_without_compiler_exits_non_zero(tmp_path: Path) -> None:
     assert "C++ compiler" in r.stdout and "build-essential" in r.stdout
 
 
+@pytest.mark.integration
 def test_doctor_sees_the_real_build(cpu_manifest: dict) -> None:
     r = run_cli("doctor", "--json")
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}

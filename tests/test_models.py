@@ -8,7 +8,7 @@ import pytest
 
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 
 def test_demo_wheel_sha_mismatch_is_refused(tmp_path: Path) -> None:
@@ -24,6 +24,7 @@ def test_demo_wheel_sha_mismatch_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.integration
 def test_demo_model_is_the_real_gguf(demo_model: Path) -> None:
     with demo_model.open("rb") as f:
         assert f.read(4) == b"GGUF"

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mtpwrap import settings
 from mtpwrap.build import tiny_gguf
 from mtpwrap.cli import cli
+from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, MtpwrapError
 from mtpwrap.service import launch as up_launch
@@ -68,6 +68,8 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
         return EXIT_CONFIG, str(exc)
     if launch.deferred is not None:
         launch.deferred()
+    # `args` shows the launch without the snapshot directory of a running service
+    launch.slot_save_path = None
     spec = launch.factory(PORT, "internal-key", 0)
     assert spec is not None
     return 0, {"argv": spec.argv, "plan": launch.resolved.plan,

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap.config.objects import PersistConfig
+from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.service import launch as up_launch
 from mtpwrap.service import reload as reloading
-from mtpwrap.settings import load_settings
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
-    return persist.SnapshotStore(persist.PersistConfig(directory=directory,
-                                                       max_bytes=max_mb * 2**20))
+    return persist.SnapshotStore(PersistConfig(dir=str(directory), max_mb=max_mb))
 
 
 def write(store: persist.SnapshotStore, slot: int, size: int) -> str:
@@ -162,11 +162,6 @@ def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
         launching.check_extra(caps, "profile extra_args", ["--slot-save-path=/tmp"])
     launching.check_extra(caps, "profile extra_args", ["--ctx-checkpoints", "0"])
-    launch = launch_with(["llama-server", "-m", "x.gguf"])
-    wrapped = up_launch.with_slot_save_path(launch.factory, tmp_path)
-    spec = wrapped(1234, "key", 0)
-    assert spec is not None
-    assert list(spec.argv[-2:]) == ["--slot-save-path", str(tmp_path)]
 
 
 def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from mtpwrap import proc
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
 

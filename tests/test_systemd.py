@@ -16,7 +16,7 @@ import pytest
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as _free_port
 from mtpwrap.run import systemd
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
 
 
 def _systemd_analyze() -> str:
@@ -111,6 +111,7 @@ def test_notifier_reaches_path_and_abstract_sockets(tmp_path: Path, abstract: bo
 
 
 
+@pytest.mark.slow
 def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     """mtpwrap under a NOTIFY_SOCKET we own: EXTEND while loading, READY only once the model
     answers, STATUS on state changes, WATCHDOG=1 even while the child is dead, STOPPING=1."""
@@ -176,7 +177,7 @@ def test_shipped_unit_is_the_generated_one(tmp_path: Path) -> None:
 
 
 def test_shipped_example_config_loads(tmp_path: Path) -> None:
-    from mtpwrap.settings import load_settings
+    from mtpwrap.config.settings import load_settings
 
     keys = tmp_path / "keys"
     keys.write_text("k1\n")
@@ -269,6 +270,7 @@ def test_crash_loop_under_systemd_stops_extending_and_exits_1(tmp_path: Path) ->
     assert "exiting 1" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_failed_without_exit_stops_extending_the_start_timeout(tmp_path: Path) -> None:
     """exit_on_failed: false keeps mtpwrap up and failed, but no longer extends systemd's
     start timeout: TimeoutStartSec acts on a unit that can never become ready."""
@@ -287,6 +289,7 @@ def test_failed_without_exit_stops_extending_the_start_timeout(tmp_path: Path) -
     assert rc == 1, out  # it stopped while failed
 
 
+@pytest.mark.slow
 def test_ready_waits_for_a_generation_and_retries_are_not_logged_one_by_one(
         tmp_path: Path) -> None:
     """/health 200 but every completion fails: no READY=1, and the retries (several a second)

@@ -1,4 +1,5 @@
-"""`mtpwrap bench`: the benchmark BENCH.md specifies, against a running server or a matrix."""
+"""`mtpwrap bench`: the benchmark docs/benchmarks.md describes, against a running server or a
+matrix."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def command(profile: str | None, model: str | None, host: str | None, port: str 
     0 after a clean stop, 78 for a configuration error, 1 for a runtime failure.
     Settings come from flags, then MTPWRAP_* variables, then the config file.
     """
-    from mtpwrap import settings
+    from mtpwrap.config import settings
     from mtpwrap.service import up
 
     cli = {"profile": profile, "model": model, "host": host, "port": port, "binary": binary,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide.launch import LaunchConfig, LaunchSpec, choose, render
+from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render
 from mtpwrap.errors import ConfigError, MissingToolError
 
 if TYPE_CHECKING:
@@ -104,14 +104,14 @@ class Resolved:
         return self.plan_text + (f"; {self.measured_text}" if self.measured_text else "")
 
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
-               api_key: str | None = None, cfg: LaunchConfig | None = None
-               ) -> LaunchSpec:
+               api_key: str | None = None, cfg: LaunchConfig | None = None,
+               slot_save_path: Path | str | None = None) -> RenderedLaunch:
         caps = self.inputs.caps
         if caps is None:
             raise MissingToolError("no llama-server to spell the command line for.",
                                    hint="Run `mtpwrap build`, or pass --binary PATH.")
         return render(cfg or self.launch, caps, binary=self.inputs.binary, host=host,
-                      port=port, api_key=api_key)
+                      port=port, api_key=api_key, slot_save_path=slot_save_path)
 
 
 # --------------------------------------------------------------------------- planning

@@ -8,13 +8,10 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from mtpwrap.config.objects import SupervisorConfig
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.run.state import Ended, Outcome
-
-if TYPE_CHECKING:
-    from mtpwrap.run.supervisor import SupervisorConfig
 
 log = logging.getLogger("mtpwrap.supervisor")
 

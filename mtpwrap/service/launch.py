@@ -10,14 +10,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap import paths
-from mtpwrap.decide.launch import SPELLINGS
+from mtpwrap.config.coerce import convert
+from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import supervisor_config as build_supervisor_config
+from mtpwrap.config.settings import Settings
+from mtpwrap.config.table import SUPERVISOR
 from mtpwrap.errors import ConfigError
 from mtpwrap.run.child import ChildSpec
-from mtpwrap.run.persist import PersistConfig, SnapshotStore
-from mtpwrap.run.supervisor import LaunchFactory, Supervisor, SupervisorConfig
+from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.supervisor import LaunchFactory, Supervisor
 from mtpwrap.serve.info import ServeInfo
-from mtpwrap.serve.policy import ProxyConfig
-from mtpwrap.settings import SUPERVISOR, Settings, convert
 
 if TYPE_CHECKING:
     from mtpwrap.build.builder import Manifest
@@ -40,6 +42,9 @@ class Launch:
     #: work that only informs (the summary), run once llama-server is starting
     deferred: Callable[[], None] | None = None
     resolved: Resolved | None = None  #: the resolved launch this one renders
+    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence
+    #: off); the running service sets the directory of the store it opened
+    slot_save_path: Path | None = None
 
 
 def resolve_launch(settings: Settings) -> Launch:
@@ -62,13 +67,17 @@ def resolve_launch(settings: Settings) -> Launch:
             warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
                             "checked against the GPU's free memory")
     cfg = r.launch
-    first = r.render(port=0, api_key="x")  # spells every flag now: a bad one fails here
+    pcfg = persist_config(settings)
+    snapshots = pcfg.directory if pcfg is not None else None
+    # spells every flag now: a bad one fails here
+    first = r.render(port=0, api_key="x", slot_save_path=snapshots)
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes, cost=r.cost())
         if rung is None:
             return None
-        spec = r.render(port=port, api_key=api_key, cfg=rung)
+        spec = r.render(port=port, api_key=api_key, cfg=rung,
+                        slot_save_path=result.slot_save_path)
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
 
     info = ServeInfo(
@@ -82,7 +91,7 @@ def resolve_launch(settings: Settings) -> Launch:
                                for d in first.decisions],
                     warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
-                    slots=cfg.slots, resolved=r)
+                    slots=cfg.slots, resolved=r, slot_save_path=snapshots)
     if not r.planned and not skip:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only.
@@ -126,26 +135,13 @@ def child_log_file() -> Path:
 
 
 def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
-    values = supervisor_values(settings, launch)
-    rss = int(values.pop("rss_limit_mb")) * 2**20
-    values.pop("exit_on_failed")
-    if values["oom_step_down"] == "auto":
-        # on when the plan leaves the GPU near its edge, where an out-of-memory start is likely
-        values["oom_step_down"] = launch.info.near_edge
-    return SupervisorConfig(rss_limit_bytes=rss,
-                            log_file=child_log_file(), **values)
+    return build_supervisor_config(supervisor_values(settings, launch),
+                                   near_edge=launch.info.near_edge, log_file=child_log_file())
 
 
 def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
-    """The front's configuration, checked before anything starts. ProxyConfig lives in a
-    light module (no ASGI imports), so checking it early costs nothing."""
-    for where, section in ((f"profile {launch.info.profile}", launch.proxy),
-                           (settings.proxy_source, settings.proxy)):
-        if "max_concurrency" in section:
-            raise ConfigError(
-                f"{where}: proxy.max_concurrency: the front sends llama-server at most as many "
-                f"requests as it has slots ({launch.slots} here); remove this key and set the "
-                "profile's slots instead.")
+    """The front's configuration, checked before anything starts (proxy.max_concurrency is
+    refused where a file sets it: the front sends llama-server at most its slots)."""
     paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
     if "slot-actions" in paths_on and settings.persist.get("enabled", True):
         raise ConfigError(
@@ -175,14 +171,9 @@ def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
 
 # --------------------------------------------------------------------------- KV snapshots
 
-#: llama-server's directory for slot files: mtpwrap's snapshot directory, never a client's
-#: (a profile's extra_args may not set it: decide.launch.RESERVED)
-SLOT_SAVE_FLAG = SPELLINGS["slot_save_path"][0]
-
-
 def persist_config(settings: Settings) -> PersistConfig | None:
     """The snapshot settings (`persist:`); None when persistence is off."""
-    cfg = PersistConfig.from_settings(settings.persist)
+    cfg = PersistConfig(**settings.persist)
     return cfg if cfg.enabled else None
 
 
@@ -200,20 +191,3 @@ def open_snapshots(settings: Settings) -> SnapshotStore | None:
                           hint="Point persist.dir at a directory the service user can create, "
                                "or set persist.enabled: false.") from exc
     return store
-
-
-def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactory:
-    """The factory whose commands also name mtpwrap's snapshot directory."""
-    def wrapped(port: int, api_key: str, step: int) -> ChildSpec | None:
-        spec = factory(port, api_key, step)
-        if spec is None:
-            return None
-        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
-                         note=spec.note)
-    return wrapped
-
-
-def child_factory(launch: Launch, store: SnapshotStore | None) -> LaunchFactory:
-    if store is None:
-        return launch.factory
-    return with_slot_save_path(launch.factory, store.directory)

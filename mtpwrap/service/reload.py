@@ -16,12 +16,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
+from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.errors import MtpwrapError
 from mtpwrap.run.persist import SnapshotStore
-from mtpwrap.run.supervisor import Supervisor, SupervisorConfig
-from mtpwrap.serve.policy import ProxyConfig
-from mtpwrap.service.launch import Launch, child_factory, persist_config, prepare
-from mtpwrap.settings import Settings
+from mtpwrap.run.supervisor import Supervisor
+from mtpwrap.service.launch import Launch, persist_config, prepare
 
 
 class ReloadKind(str, enum.Enum):
@@ -90,8 +90,6 @@ def reload_inputs(settings: Settings) -> dict[str, Any]:
 
 
 def reread_settings(inputs: dict[str, Any]) -> Settings:
-    from mtpwrap.settings import load_settings
-
     env = {**os.environ, **dict(inputs.get("env") or {})}
     return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
 
@@ -118,7 +116,9 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         notes.append("proxy settings change only when mtpwrap restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
         notes.append("persist settings change only when mtpwrap restarts")
-    ok, message = await sup.reload(child_factory(launch, store), new_settings.drain_s)
+    # llama-server keeps the running store's directory (persist settings wait for a restart)
+    launch.slot_save_path = store.directory if store is not None else None
+    ok, message = await sup.reload(launch.factory, new_settings.drain_s)
     message = "; ".join([message, *notes])
     if not ok:
         return ReloadResult(ReloadOutcome.FAILED, message, 1)

@@ -23,14 +23,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
 from mtpwrap.run.supervisor import State, Supervisor
 from mtpwrap.run.systemd import Notifier
-from mtpwrap.serve.policy import ProxyConfig
 from mtpwrap.service.launch import (
     Launch,
-    child_factory,
     make_front,
     open_snapshots,
     proxy_config,
@@ -45,7 +45,6 @@ from mtpwrap.service.reload import (
     apply_reload,
     reload_inputs,
 )
-from mtpwrap.settings import Settings
 
 if TYPE_CHECKING:
     import uvicorn
@@ -102,8 +101,8 @@ class Service:
         self.config = supervisor_config(settings, launch)
         self.inputs = reload_inputs(settings)
         self.store = open_snapshots(settings)
-        self.sup = Supervisor(child_factory(launch, self.store), self.config,
-                              snapshots=self.store)
+        launch.slot_save_path = self.store.directory if self.store is not None else None
+        self.sup = Supervisor(launch.factory, self.config, snapshots=self.store)
         self.url = public_url(settings.host, settings.port)
         exit_on_failed = supervisor_values(settings, launch)["exit_on_failed"]
         if exit_on_failed == "auto":

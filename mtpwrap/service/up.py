@@ -7,12 +7,12 @@ import asyncio
 import logging
 from pathlib import Path
 
+from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
 from mtpwrap.run.child import child_log
 from mtpwrap.service.launch import Launch, child_log_file, persist_config, prepare
 from mtpwrap.service.server import bind_public, public_url, serve
-from mtpwrap.settings import Settings
 
 log = logging.getLogger("mtpwrap.runner")
 
