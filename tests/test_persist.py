@@ -199,12 +199,17 @@ def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
     cfg.write_text("profile: cpu-demo\nport: 8099\n")
     monkeypatch.setenv("MTPWRAP_DRAIN_S", "7")
     monkeypatch.setenv("MTPWRAP_API_KEYS", "secret-key-1")
-    s = load_settings({"host": "127.0.0.2"}, config=cfg)
+    s = load_settings({"host": "127.0.0.2", "supervisor.wedge_s": "5",
+                       "proxy.cors_origins": "https://a.example"}, config=cfg)
     inputs = service.reload_inputs(s)
-    assert inputs == {"cli": {"host": "127.0.0.2"}, "env": {"MTPWRAP_DRAIN_S": "7"},
+    assert inputs == {"cli": {"host": "127.0.0.2", "supervisor.wedge_s": 5.0,
+                              "proxy.cors_origins": ["https://a.example"]},
+                      "env": {"MTPWRAP_DRAIN_S": "7"},
                       "config": str(cfg)}  # no key in the state file
     cfg.write_text("profile: cpu-demo\nport: 8100\n")
     monkeypatch.delenv("MTPWRAP_DRAIN_S")
     again = service.reread_settings(inputs)
     assert (again.host, again.port, again.drain_s) == ("127.0.0.2", 8100, 7.0)
+    assert again.supervisor["wedge_s"] == 5.0
+    assert again.proxy["cors_origins"] == ("https://a.example",)
     assert again.api_keys == ("secret-key-1",)
