@@ -13,6 +13,7 @@ from mtpwrap.build import tiny_gguf
 from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
+from mtpwrap.run import persist
 from mtpwrap.service import launch as up_launch
 from tests.helpers import DATA
 
@@ -57,7 +58,10 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
 
     def saves_in() -> str | None:
         spec = launch.factory(4321, "secret-key", 0)
-        assert spec is not None
+        # the command names the launch it renders: snapshots are matched on its fields
+        assert spec is not None and launch.resolved is not None
+        assert spec.launch == launch.resolved.launch
+        assert persist.fingerprint(spec.launch)["slot_ctx"] == 131072 // spec.launch.slots
         argv = list(spec.argv)
         return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
 

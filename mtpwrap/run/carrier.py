@@ -58,14 +58,14 @@ class SlotCarrier:
         if self.store is None:
             return
         self._drop_checkpoint()  # the slots are saved afresh now
-        why = None if nxt is None else incompatibility(fingerprint(spec.argv),
-                                                       fingerprint(nxt.argv))
+        why = None if nxt is None else incompatibility(fingerprint(spec.launch),
+                                                       fingerprint(nxt.launch))
         if why is not None:
             log.info("slots not saved: %s", why)
             self._set_report({"saved": None, "skipped": why})
             return
         try:
-            carried = await save_slots(child, self.store, spec.argv)
+            carried = await save_slots(child, self.store, spec.launch)
         except OSError as exc:
             log.warning("slots not saved: %s", exc)
             return
@@ -96,7 +96,7 @@ class SlotCarrier:
             return
         self._checkpoint_mark = processed
         try:
-            taken = await save_slots(child, self.store, spec.argv)
+            taken = await save_slots(child, self.store, spec.launch)
         except OSError as exc:
             log.warning("checkpoint not taken: %s", exc)
             return
@@ -110,7 +110,7 @@ class SlotCarrier:
         if carried is None or self.store is None or spec is None:
             return
         try:
-            report = await restore_slots(child, self.store, carried, spec.argv)
+            report = await restore_slots(child, self.store, carried, spec.launch)
         except OSError as exc:
             log.warning("slots not restored: %s", exc)
             return

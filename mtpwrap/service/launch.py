@@ -78,7 +78,7 @@ def resolve_launch(settings: Settings) -> Launch:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung,
                         slot_save_path=result.slot_save_path)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     info = ServeInfo(
         profile=inp.profile.name, profile_reason=inp.profile_reason,

@@ -81,8 +81,9 @@ def reload_inputs(settings: Settings) -> dict[str, Any]:
     cli: dict[str, Any] = {}
     env: dict[str, str] = {}
     for key, source in settings.sources.items():
-        if source.startswith("--") and "." not in key:
-            cli[key] = getattr(settings, key)
+        if source.startswith("--"):
+            value = settings.value(key)
+            cli[key] = list(value) if isinstance(value, tuple) else value
         elif source.startswith("MTPWRAP_") and source in os.environ:
             env[source] = os.environ[source]
     return {"cli": cli, "env": env,
