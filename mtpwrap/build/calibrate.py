@@ -16,6 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.build import tiny_gguf
+from mtpwrap.build.manifest import load_manifest, update_manifest
+from mtpwrap.decide import capabilities, launch
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 
 MiB = 1024 * 1024
@@ -126,7 +130,6 @@ def fit_params_binary(binary: Path) -> Path:
 
 def accepted_cache_types(binary: Path, timeout: float = 30) -> list[str]:
     """The `-ctk` values the binary lists in --help ("allowed values: f32, f16, ...")."""
-    from mtpwrap.decide import capabilities
 
     caps = capabilities.probe(binary, timeout=timeout)
     flag = caps.first_of(("-ctk", "--cache-type-k"))
@@ -154,7 +157,6 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
 
 def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
     """The flags of a launch as llama-fit-params takes them (after its -m MODEL)."""
-    from mtpwrap.decide import capabilities, launch
 
     spec = launch.render(cl, capabilities.probe(fit_bin), binary=fit_bin, serve=False)
     return spec.argv[3:]
@@ -163,7 +165,6 @@ def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
 def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int,
                     args: list[str] | None = None) -> int:
     """Bytes per CAL_BLOCK values of cache_type, from the K buffer llama.cpp reports."""
-    from mtpwrap.decide import launch
 
     if args is None:
         args = fit_params_args(fit_bin, launch.plain(model, context=_CAL_CELLS, cache=cache_type,
@@ -181,8 +182,6 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
 def kv_type_sizes(binary: Path, model: Path | None = None,
                   types: list[str] | None = None) -> dict[str, dict[str, int]]:
     """{type: {"block": 256, "bytes": B}} for each cache type the binary accepts."""
-    from mtpwrap.build import tiny_gguf
-    from mtpwrap.decide.gguf_facts import read_facts
 
     fit_bin = fit_params_binary(binary)
     types = types or accepted_cache_types(binary)
@@ -198,17 +197,6 @@ def kv_type_sizes(binary: Path, model: Path | None = None,
             except RuntimeFailure:
                 continue  # a type the binary lists but cannot use for this head size
     return sizes
-
-
-def store_in_manifest(sizes: dict[str, dict[str, int]], variant: str | None = None) -> bool:
-    """Save sizes under `kv_type_sizes` in the build manifest; False when there is no build."""
-    from mtpwrap.build import builder
-
-    manifest = builder.load_manifest(variant)
-    if manifest is None:
-        return False
-    builder.update_manifest(manifest, kv_type_sizes=sizes)
-    return True
 
 
 def load_kv_sizes(manifest: Any) -> dict[str, dict[str, int]] | None:
@@ -227,7 +215,6 @@ def plan_launch(model: Path, cfg: Any, *, server: bool) -> Any:
     llama-fit-params has no -kvu/-no-kvu: it always uses per-slot streams (llama.cpp's default
     when -np is given), so a unified multi-slot config can be measured only with llama-server.
     """
-    from mtpwrap.decide import launch
 
     if cfg.n_slots > 1 and not server and cfg.kv_unified:
         raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
@@ -261,7 +248,6 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
-    from mtpwrap.decide import capabilities, launch
     from mtpwrap.run.child import running_server
 
     caps = capabilities.probe(server_bin)
@@ -283,14 +269,12 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
 
 def calibrate_build(variant: str | None = None, force: bool = False) -> dict[str, dict[str, int]]:
     """Measure the installed build's cache types once and keep them in its manifest."""
-    from mtpwrap.build import builder
-
-    manifest = builder.load_manifest(variant)
+    manifest = load_manifest(variant)
     if manifest is None:
         raise MissingToolError("no built llama-server to calibrate.", hint="Run `mtpwrap build`.")
     cached = load_kv_sizes(manifest)
     if cached and not force:
         return cached
     sizes = kv_type_sizes(manifest.binary("llama-server"))
-    builder.update_manifest(manifest, kv_type_sizes=sizes)
+    update_manifest(manifest, kv_type_sizes=sizes)
     return sizes

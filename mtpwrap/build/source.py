@@ -216,3 +216,12 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
 def offline_identity() -> str:
     """The cache identity of the offline source, known without downloading anything."""
     return f"offline:{OFFLINE_SHA256}"
+
+
+def pin_identity(kind: str | None) -> str | None:
+    """The cache identity of the pinned source of this kind (None for a PATH source)."""
+    if kind == "offline":
+        return offline_identity()
+    if kind == "submodule":
+        return f"submodule:{SUBMODULE_COMMIT}"
+    return None
