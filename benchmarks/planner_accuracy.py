@@ -29,7 +29,7 @@ from mtpwrap.build import tiny_gguf
 from mtpwrap.build.calibrate import measure_config, measure_server
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.planner import MiB, PlanConfig, plan
-from mtpwrap.run.child import free_loopback_port as _free_port
+from mtpwrap.proc import free_loopback_port as _free_port
 
 
 @dataclass
@@ -123,9 +123,9 @@ def main() -> int:
     a = ap.parse_args()
     bin_dir = a.bin_dir
     if bin_dir is None:
-        from mtpwrap.build import builder
+        from mtpwrap.build import binary
 
-        bin_dir = builder.find_binary("llama-server").parent
+        bin_dir = binary.find_binary("llama-server").parent
     fit_bin, server_bin = bin_dir / "llama-fit-params", bin_dir / "llama-server"
     rows: list[dict[str, object]] = []
     worst: dict[str, float] = {}

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.run.child import free_loopback_port as free_port
+from mtpwrap.proc import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -419,7 +419,7 @@ def llama_paths() -> tuple[Path, Path]:
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> subprocess.Popen:
     from mtpwrap.decide import capabilities, launch
-    from mtpwrap.run.child import start_server
+    from mtpwrap.proc import start_server
 
     binary, model = llama_paths()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}

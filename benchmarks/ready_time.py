@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.run.child import free_loopback_port as free_port
+from mtpwrap.proc import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
 POLL = 0.01
@@ -64,7 +64,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 def direct(binary: Path, model: Path) -> tuple[float, float]:
     """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
     from mtpwrap.decide import profiles, resolve
-    from mtpwrap.run.child import start_server
+    from mtpwrap.proc import start_server
 
     port, key = free_port(), secrets.token_urlsafe(16)
     r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
@@ -147,10 +147,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from mtpwrap.build import builder
+    from mtpwrap.build import binary
     from mtpwrap.decide import models
 
-    binary = args.binary or builder.find_binary()
+    binary = args.binary or binary.find_binary()
     model = args.model or models.ensure_demo_model()
     print(f"binary {binary}\nmodel  {model}\n")
     cols = ["direct /health", "direct 1 tok", "mtpwrap", "own", "overhead", "pre-spawn",

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap.run.child import free_loopback_port
+from mtpwrap.proc import free_loopback_port
 
 REPO = Path(__file__).resolve().parent.parent
 QUESTION = " Question: which clause names the latest day?"

@@ -81,7 +81,7 @@ def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture
 def free_port() -> int:
-    from mtpwrap.run.child import free_loopback_port
+    from mtpwrap.proc import free_loopback_port
 
     return free_loopback_port()
 

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import yaml
 
-from mtpwrap.run.child import free_loopback_port
+from mtpwrap.proc import free_loopback_port
 from tests.conftest import REPO, run_cli
 from tests.test_up_real import Instance
 

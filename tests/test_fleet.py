@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap.run.child import free_loopback_port
+from mtpwrap.proc import free_loopback_port
 from tests.conftest import REPO, cli_env, require_tool, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"

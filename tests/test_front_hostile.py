@@ -325,7 +325,7 @@ class TestAgainstTheRealServer:
     @classmethod
     def inst(cls, tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
              demo_model: Path) -> Iterator[object]:
-        from mtpwrap.run.child import free_loopback_port
+        from mtpwrap.proc import free_loopback_port
         from tests.test_up_real import Instance
 
         home = tmp_path_factory.mktemp("hostile")

@@ -74,7 +74,7 @@ def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, fre
                                                      tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mtpwrap.run.child import running_server
+    from mtpwrap.proc import running_server
 
     model = tiny_gguf.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
     base = f"http://127.0.0.1:{free_port}"

@@ -19,7 +19,7 @@ from mtpwrap.decide import hardware, launch, profiles
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.errors import ConfigError
-from mtpwrap.run.child import running_server
+from mtpwrap.proc import running_server
 
 DATA = Path(__file__).parent / "data"
 SNAPSHOT_NAMES = ["rtx4090", "rtx3090", "rtx5090", "h100", "h200", "two-rtx3090", "none"]

@@ -289,7 +289,7 @@ def test_llama_arg_variables_never_reach_llama_server(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-server reads LLAMA_ARG_* as flags: one in the service's environment would get past
     the checked command line (verbose logging, --rpc). The child does not inherit them."""
-    from mtpwrap.run.child import running_server
+    from mtpwrap.proc import running_server
 
     monkeypatch.setenv("LLAMA_ARG_LOG_VERBOSITY", "5")
     monkeypatch.setenv("LLAMA_ARG_RPC", "10.0.0.5:50052")

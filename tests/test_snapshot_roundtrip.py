@@ -1,6 +1,6 @@
 """A slot saved by one llama-server and restored into a fresh one gives the same answer, without
 recomputing the prompt: for each KV type the CPU build offers, and for a hybrid (recurrent +
-attention) model with and without its MTP head. Every server runs through child.running_server
+attention) model with and without its MTP head. Every server runs through proc.running_server
 and is driven over HTTP, the way the supervisor drives it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mtpwrap.run.child import free_loopback_port, running_server
+from mtpwrap.proc import free_loopback_port, running_server
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtpwrap.bench import stats
 from mtpwrap.build import builder, spec_probe
 from mtpwrap.decide import profiles
-from mtpwrap.run.child import free_loopback_port
+from mtpwrap.proc import free_loopback_port
 from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.spec_policy import launch_info
 from tests.fakes.front_harness import LlamaChild, serve_front

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap.proc import free_loopback_port as _free_port
 from mtpwrap.run import systemd
-from mtpwrap.run.child import free_loopback_port as _free_port
 from tests.conftest import REPO, cli_env, run_cli
 
 

@@ -22,13 +22,13 @@ import httpx
 from mtpwrap.bench import stats, tokenclass
 from mtpwrap.decide.launch import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.run.child import free_loopback_port as _free_port
+from mtpwrap.proc import free_loopback_port as _free_port
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.launch import LaunchConfig
     from mtpwrap.decide.profiles import Profile
-    from mtpwrap.run.child import ServerProcess
+    from mtpwrap.proc import ServerProcess
 
 #: the n-gram lookup length of ngram cells (short: the bench's prompts repeat little)
 NGRAM_LOOKUP = 3
@@ -156,7 +156,7 @@ def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
                  what: str = "llama-server") -> ServerProcess:
     """Render `cl` for this binary and start it (its own process group; ready at /health)."""
     from mtpwrap.decide import launch
-    from mtpwrap.run.child import start_server
+    from mtpwrap.proc import start_server
 
     port = port or _free_port(host)
     spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])

@@ -13,6 +13,7 @@ from typing import Any
 
 from mtpwrap.build.manifest import Manifest, binaries_ok, installed_variants, load_manifest
 from mtpwrap.build.planning import arch_number
+from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError, MissingToolError
 
 
@@ -25,8 +26,6 @@ def uncovered_gpus(manifest: Manifest, snap: Any | None = None) -> list[tuple[st
         return []
     if snap is None:
         try:
-            from mtpwrap.decide import hardware
-
             snap = hardware.snapshot()
         except Exception:
             return []

@@ -12,8 +12,8 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import shutil
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,10 +260,12 @@ def _attempt(job: _Job, plan: Plan) -> tuple[Manifest, bool]:
 
 def _remembered(job: _Job, plan: Plan) -> dict[str, Any] | None:
     """The attempt summary of a crash of this configuration remembered from another build of
-    the same source, options, compiler and CPU (the patched or the unpatched one), when this
-    exact build has no cache entry of its own."""
-    if job.force or (paths.build_cache_dir() / f"{plan.variant}-{job.key(plan)}" /
-                     MANIFEST).is_file():
+    the same source, options, compiler and CPU (the patched or the unpatched one, or an earlier
+    build of the same PATH tree at the same commit), unless this exact build has a reusable
+    cache entry of its own."""
+    own_entry = paths.build_cache_dir() / f"{plan.variant}-{job.key(plan)}" / MANIFEST
+    path_tree = job.src is not None and job.src.kind == "path"
+    if job.force or (own_entry.is_file() and not path_tree):
         return None
     seen = _crashes().get(_crash_key(job, plan))
     if seen is None:

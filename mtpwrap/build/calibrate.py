@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import proc
 from mtpwrap.build import tiny_gguf
 from mtpwrap.build.manifest import load_manifest, update_manifest
 from mtpwrap.decide import capabilities, launch
@@ -146,9 +146,9 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
     """Run llama-fit-params at debug verbosity on the CPU and return its whole log."""
     # -v: the loader's per-buffer lines are only logged at debug verbosity in llama-fit-params
     cmd = [str(fit_bin), "-m", str(model), "-v", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 and "llama_kv_cache: size" not in log:
+    done = proc.run(cmd, timeout=timeout)
+    log = done.stdout + done.stderr
+    if done.returncode != 0 and "llama_kv_cache: size" not in log:
         tail = " | ".join(log.strip().splitlines()[-3:])
         raise RuntimeFailure(f"{fit_bin.name} failed on {model.name} with {' '.join(args)}: "
                              f"{tail}")
@@ -248,7 +248,6 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
-    from mtpwrap.run.child import running_server
 
     caps = capabilities.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
@@ -256,7 +255,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     cmd = launch.render(cl, caps, binary=server_bin, port=port).argv
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         try:
-            with running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
+            with proc.running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
                                 timeout=timeout, what=server_bin.name,
                                 log_path=Path(tmp) / "server.log") as srv:
                 pass

@@ -6,16 +6,16 @@ import contextlib
 import os
 import platform
 import re
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import hashing
+from mtpwrap import hashing, proc
 from mtpwrap.build import source, toolchain
 from mtpwrap.build.manifest import Manifest
 from mtpwrap.build.planning import TARGETS, Plan, flag_env, webui_options
+from mtpwrap.decide import capabilities as decide_capabilities
 from mtpwrap.errors import BuildError, MissingToolError
 
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
@@ -46,25 +46,24 @@ def _run_logged(
     with log.open("a") as lf:
         lf.write(f"$ {' '.join(cmd)}\n")
         lf.flush()
-        proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            errors="replace",
-        )
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lf.write(line)
-            lf.flush()  # a person tailing the log sees the build as it goes
-            tail.append(line.rstrip("\n"))
-            if len(tail) > 400:
-                del tail[:200]
-            if progress:
-                m = _PERCENT.match(line)
-                progress(phase, float(m.group(1)) if m else None, line.rstrip("\n"))
-        return proc.wait(), tail
+        child = proc.start(cmd, env=env, stdout=proc.PIPE, stderr=proc.STDOUT, text=True,
+                           what=Path(cmd[0]).name)
+        try:
+            assert child.popen.stdout is not None
+            for line in child.popen.stdout:
+                lf.write(line)
+                lf.flush()  # a person tailing the log sees the build as it goes
+                tail.append(line.rstrip("\n"))
+                if len(tail) > 400:
+                    del tail[:200]
+                if progress:
+                    m = _PERCENT.match(line)
+                    progress(phase, float(m.group(1)) if m else None, line.rstrip("\n"))
+        except BaseException:  # Ctrl-C: no compiler outlives the build
+            child.stop(grace=5.0)
+            raise
+        rc = child.wait()
+        return rc if rc is not None else -1, tail
 
 
 def _error_excerpt(tail: list[str], n: int = 25) -> list[str]:
@@ -77,20 +76,15 @@ def _error_excerpt(tail: list[str], n: int = 25) -> list[str]:
 
 def _version_output(binary: Path) -> str:
     try:
-        proc = subprocess.run(
-            [str(binary), "--version"], capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"(--version failed: {exc})"
-    return (proc.stdout + proc.stderr).strip()
+        return proc.version(binary)
+    except proc.ProcError as exc:
+        return f"(--version failed: {exc.message})"
 
 
 def capabilities(binary: Path) -> dict[str, Any] | None:
     """What the binary's --help offers (decide.capabilities), or None when it cannot say."""
-    from mtpwrap.decide import capabilities as caps
-
     try:
-        return caps.probe(binary).to_dict()
+        return decide_capabilities.probe(binary).to_dict()
     except Exception:
         return None
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from mtpwrap import paths
 from mtpwrap.build import source, toolchain
+from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError, MissingToolError
 
 #: What `cmake --build` makes. llama-quantize writes the low-bit draft models of
@@ -120,8 +121,6 @@ def present_gpu_archs(snap: Any | None = None) -> list[str]:
     """The compute capabilities of the GPUs NVML sees ("89", "90"), each once; [] when none."""
     if snap is None:
         try:
-            from mtpwrap.decide import hardware
-
             snap = hardware.snapshot()
         except Exception:
             return []
@@ -302,8 +301,9 @@ def webui_options(tree: Path) -> tuple[dict[str, str], dict[str, Any]]:
 
     Trees that declare `LLAMA_BUILD_WEBUI` (the fork, older upstream) compile the UI from
     `tools/server/public/` and fail without its `bundle.js`; it is turned off when the bundle
-    is missing (snapshots leave out large files) and on otherwise. Newer upstream (`LLAMA_BUILD_UI`, default
-    OFF) embeds a UI only from a prebuilt `tools/ui/dist/`, since the download is turned off."""
+    is missing (snapshots leave out large files) and on otherwise. Newer upstream
+    (`LLAMA_BUILD_UI`, default OFF) embeds a UI only from a prebuilt `tools/ui/dist/`, since
+    the download is turned off."""
     declared = _declared_options(tree)
     if "LLAMA_BUILD_WEBUI" in declared:
         bundle = tree / "tools" / "server" / "public" / "bundle.js"

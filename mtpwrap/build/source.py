@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtpwrap import fetch, paths
+from mtpwrap import fetch, paths, proc
 from mtpwrap.errors import ConfigError, IntegrityError
 
 SUBMODULE_PATH = "vendor/llama.cpp-mtp"
@@ -54,10 +53,8 @@ def _git(path: Path, *args: str) -> str | None:
     if shutil.which("git") is None:
         return None
     try:
-        out = subprocess.run(
-            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        out = proc.run(["git", "-C", str(path), *args], timeout=30)
+    except proc.ProcError:
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 

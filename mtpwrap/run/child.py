@@ -1,4 +1,6 @@
-"""One llama-server process: spawn it safely, read its output, ask it questions, end it.
+"""One supervised llama-server: spawned through `mtpwrap.proc`, its output read (OOM and bind
+errors noticed, lines forwarded at a bounded rate), its HTTP endpoints asked, ended by the one
+stop policy.
 
 Only the supervisor uses this module; it is the single owner of every `ChildProcess`.
 """
@@ -8,39 +10,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import logging
 import logging.handlers
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.build.smoke import judge_completion
+from mtpwrap.proc import child_env, signal_group, start_async, stop_async
+
 log = logging.getLogger("mtpwrap.supervisor")
 child_log = logging.getLogger("mtpwrap.child")
-
-#: Environment the child must not inherit: systemd talks to mtpwrap only (NotifyAccess=main),
-#: and the public API keys of the front are none of the child's business.
-_ENV_DROP = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
-             "LISTEN_FDNAMES", "MTPWRAP_API_KEYS")
-
-
-def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of a llama-server: this process's, less systemd's notification
-    variables, mtpwrap's client keys and every LLAMA_ARG_* (llama-server reads those as flags,
-    so one inherited from the service's environment would bypass the checked command line,
-    e.g. LLAMA_ARG_LOG_VERBOSITY or LLAMA_ARG_RPC); then `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in _ENV_DROP and not k.startswith("LLAMA_ARG_")}
-    env.update(extra or {})
-    return env
 
 _OOM_PATTERNS = re.compile(
     r"out of memory|cudaMalloc failed|CUDA error: out of memory|failed to allocate .*buffer"
@@ -48,7 +32,6 @@ _OOM_PATTERNS = re.compile(
     re.IGNORECASE,
 )
 _BIND_PATTERNS = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -58,46 +41,6 @@ class ChildSpec:
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
     note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
-
-
-def free_loopback_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral port that was free a moment ago. The child may still lose a race for it;
-    the supervisor sees the bind error in its output and restarts on a new port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def describe_returncode(rc: int) -> str:
-    if rc < 0:
-        try:
-            name = signal.Signals(-rc).name
-        except ValueError:
-            name = "unknown"
-        return f"signal {-rc} ({name})"
-    return f"exit {rc}"
-
-
-def _make_preexec() -> Any:
-    """A preexec function that makes the child die with mtpwrap (Linux), even on SIGKILL.
-
-    The libc handle is resolved here, in the parent: after fork() only async-signal-safe work
-    is wise, so the child does one prctl call and one getppid check. PR_SET_PDEATHSIG fires
-    when the *thread* that forked exits; the supervisor forks from the event-loop thread,
-    which lives as long as mtpwrap does.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # mtpwrap may have died between fork() and prctl(): then nobody would signal us.
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return preexec
 
 
 class _RateLimiter:
@@ -159,19 +102,10 @@ class ChildProcess:
         if any(api_key in arg for arg in spec.argv):
             # Anything in argv is readable by every local user through /proc and `ps`.
             raise ValueError("the internal API key must be passed through the environment")
-        env = child_env(spec.env)
-        proc = await asyncio.create_subprocess_exec(
-            *spec.argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group: one killpg reaches grandchildren
-            preexec_fn=_make_preexec(),
-            # What llama-server writes (KV snapshots hold the clients' prompts) is for the
-            # service user alone, from the moment it exists.
-            umask=0o077,
-        )
+        # Its own process group (one killpg reaches grandchildren), dead with mtpwrap; what
+        # llama-server writes (KV snapshots hold the clients' prompts) is for the service user
+        # alone, from the moment it exists.
+        proc = await start_async(spec.argv, env=child_env(spec.env), umask=0o077)
         return cls(proc, base_url=base_url, api_key=api_key, file_logger=file_logger,
                    lines_per_s=lines_per_s, log_file=log_file)
 
@@ -257,16 +191,7 @@ class ChildProcess:
             r = await self._http.post("/completion", json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
             return False, f"{type(exc).__name__}: {exc}", 0
-        if r.status_code != 200:
-            return False, f"HTTP {r.status_code}: {r.text[:200]}", 0
-        try:
-            data = r.json()
-        except ValueError:
-            return False, "the answer was not JSON", 0
-        if not isinstance(data, dict) or "content" not in data:
-            return False, "the answer had no content", 0
-        predicted = data.get("tokens_predicted")
-        return True, "", predicted if isinstance(predicted, int) else 0
+        return judge_completion(r)
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""
@@ -332,27 +257,15 @@ class ChildProcess:
         return total
 
     # --- ending --------------------------------------------------------------------------
-    async def terminate(self, grace: float) -> int:
-        """SIGTERM, wait up to `grace`, then SIGKILL the whole group. Returns the exit code.
-
-        The group is swept with SIGKILL even after a clean exit: a grandchild the child left
-        behind would otherwise hold the GPU memory or the port the next start needs.
-        """
-        if self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGTERM)
-            if await self.wait(grace) is None:
-                log.warning("llama-server[%d] ignored SIGTERM for %.1fs; killing its process "
-                            "group", self.pid, grace)
-                self.kill_group()
-        rc = await self.proc.wait()
-        self.kill_group()
+    async def terminate(self, grace: float) -> int | None:
+        """End it by the one stop policy (`proc.stop_async`: SIGTERM, `grace` seconds, SIGKILL,
+        and the group swept even after a clean exit); the exit code, None when it is stuck."""
+        rc = await stop_async(self.proc, grace, what="llama-server")
         await self.close()
         return rc
 
     def kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pgid, signal.SIGKILL)
+        signal_group(self.pgid, signal.SIGKILL)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -382,105 +295,3 @@ def close_file_logger(logger: logging.Logger | None) -> None:
     for h in list(logger.handlers):
         h.close()
         logger.removeHandler(h)
-
-
-# --------------------------------------------------------------------------- outside the supervisor
-
-
-@dataclass
-class ServerProcess:
-    """A llama-server started by `start_server` for a measurement, a benchmark or a test: its
-    own process group, output in `log_path`; `stop()` ends the whole group (idempotent)."""
-
-    argv: list[str]
-    base_url: str
-    proc: Any  # subprocess.Popen[bytes]
-    log_path: Path
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def last_line(self) -> str:
-        lines = [ln for ln in self.log_text().splitlines() if ln.strip()]
-        return lines[-1].strip()[-200:] if lines else "no output"
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        """A signal to the whole group (a crash or a wedge in a test), then wait for the exit."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-            self.proc.wait(15)
-
-    def stop(self, grace: float = 15.0) -> int | None:
-        """SIGTERM to the group, `grace` seconds, then SIGKILL. One SIGTERM only: llama-server
-        takes a second one as "exit now" with code 1."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=15)
-        return int(self.proc.returncode)
-
-
-def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None, ready: str = "health",
-                 headers: Mapping[str, str] | None = None, timeout: float = 300.0,
-                 what: str = "llama-server", poll_s: float = 0.1) -> ServerProcess:
-    """Start llama-server (or a stand-in) in its own process group and wait until it is ready:
-    `ready="health"` waits for GET /health 200, `"listening"` for its "listening on" line
-    (enough when nothing will be asked of it). A server that exits or is not ready in time is
-    stopped and reported with its last output line (RuntimeFailure)."""
-    import tempfile
-
-    from mtpwrap.errors import RuntimeFailure
-
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-        os.close(fd)
-        log_path = Path(name)
-    full_env = child_env(env)
-    with log_path.open("wb") as out:
-        proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=full_env, start_new_session=True)
-    srv = ServerProcess(list(argv), base_url, proc, log_path)
-    deadline = time.monotonic() + timeout
-    try:
-        import httpx
-
-        with httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {})) as client:
-            while True:
-                if proc.poll() is not None:
-                    how = describe_returncode(proc.returncode)
-                    raise RuntimeFailure(f"{what} exited with {how} while starting "
-                                         f"({srv.last_line()}; log {log_path}).")
-                if ready == "listening":
-                    if "listening on" in srv.log_text():
-                        return srv
-                else:
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(base_url + "/health").status_code == 200:
-                            return srv
-                if time.monotonic() > deadline:
-                    raise RuntimeFailure(f"{what} was not ready after {timeout:.0f} s "
-                                         f"({srv.last_line()}; log {log_path}).")
-                time.sleep(poll_s)
-    except BaseException:
-        srv.stop(grace=5.0)
-        raise
-
-
-@contextlib.contextmanager
-def running_server(argv: Sequence[str], **kwargs: Any) -> Any:
-    """`start_server` as a context manager: the server is stopped however the block ends."""
-    srv = start_server(argv, **kwargs)
-    try:
-        yield srv
-    finally:
-        srv.stop()

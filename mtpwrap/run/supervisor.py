@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from mtpwrap.proc import describe_returncode, free_loopback_port
 from mtpwrap.run.child import (
     ChildProcess,
     ChildSpec,
     close_file_logger,
-    describe_returncode,
-    free_loopback_port,
     make_file_logger,
 )
 from mtpwrap.run.persist import (

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from mtpwrap.run.child import ServerProcess, free_loopback_port
+from mtpwrap.proc import ServerProcess, free_loopback_port
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 
 
@@ -178,7 +178,7 @@ class LlamaChild:
 
     def start(self, timeout: float = 120) -> LlamaChild:
         from mtpwrap.decide import capabilities, launch
-        from mtpwrap.run.child import start_server
+        from mtpwrap.proc import start_server
 
         cfg = launch.plain(self.model, context=4096, slots=2, threads=2, why="test upstream")
         argv = launch.render(cfg, capabilities.probe(self.binary), binary=self.binary,
