@@ -1,6 +1,7 @@
 # The two commands a person needs on a fresh machine:
 #   make up    install, build llama-server for the CPU, fetch the demo model, serve it
-#   make test  install, build, fetch, then lint and run every test (unit and integration)
+#   make test  install, lint, the unit tier (minutes, no build); then build, fetch and run
+#              the rest (slow and integration tests): every test once
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install build model up test unit lint clean wheelhouse system-deps build-deps
+.PHONY: install build model up test unit hermetic lint clean wheelhouse system-deps build-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +32,7 @@ up: build model
 	$(BIN)/mtpwrap up --profile cpu-demo --host $(HOST) --port $(PORT)
 
 lint: install
-	$(BIN)/ruff check mtpwrap tests benchmarks
+	$(BIN)/ruff check mtpwrap tests benchmarks docs
 	$(BIN)/mypy mtpwrap
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
@@ -55,11 +56,18 @@ system-deps:
 	       apt-get install -y --no-install-recommends $$missing; }; \
 	else echo "missing system packages: $$missing(run: sudo make system-deps)"; fi
 
-test: system-deps model build lint
-	$(BIN)/python -m pytest
+# Lint and the unit tier first, so a broken unit test fails before anything is compiled.
+test: install lint unit system-deps model build
+	$(BIN)/python -m pytest -m "integration or slow"
 
+# The unit tier: every test not marked integration or slow; each gets an empty MTPWRAP_HOME.
 unit: install
-	$(BIN)/python -m pytest -m "not integration"
+	$(BIN)/python -m pytest -m "not integration and not slow"
+
+# Every test not marked integration (slow ones too) as a fresh machine without network or
+# build tools runs it: no network, an empty MTPWRAP_HOME, no cmake or C/C++ compiler on PATH.
+hermetic: install
+	.ci/hermetic $(BIN)/python -m pytest -m "not integration"
 
 # The runtime wheels (matplotlib left out: plots are skipped) for a machine without network or
 # venv, such as a lent GPU machine: `make wheelhouse PYVER=3.12`, then carry .wheelhouse.

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtpwrap import proc
 from mtpwrap.bench import corpora, stats
 from mtpwrap.build import manifest as build_manifest
 from mtpwrap.build import spec_probe
@@ -69,8 +69,8 @@ def quantized_draft(model: Path, work: Path) -> Path:
     manifest = build_manifest.load_manifest("cpu")
     if manifest is None or "llama-quantize" not in manifest.binaries:
         raise SystemExit("no llama-quantize in the CPU build: run `mtpwrap build --cpu`.")
-    subprocess.run([str(manifest.binary("llama-quantize")), "--allow-requantize", str(model),
-                    str(out), "Q2_K"], check=True, capture_output=True)
+    proc.run([str(manifest.binary("llama-quantize")), "--allow-requantize", str(model),
+              str(out), "Q2_K"], timeout=1800, check=True)
     return out
 
 

@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from mtpwrap.build import builder  # noqa: E402
-from mtpwrap.decide import models  # noqa: E402
+from mtpwrap.models import known as models  # noqa: E402
 from tests.fleet_harness import LocalFleet, chat, wait_for  # noqa: E402
 
 

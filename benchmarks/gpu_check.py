@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from mtpwrap import proc  # noqa: E402
 from mtpwrap.bench.runner import BenchConfig, cell_launch  # noqa: E402
 from mtpwrap.decide import launch, profiles  # noqa: E402
 from mtpwrap.decide.capabilities import Capabilities, probe  # noqa: E402
@@ -111,9 +111,8 @@ def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[d
                 cmd += ["--depth", str(cfg.depth)]
             rec: dict = {"config": cfg.name, "context": ctx}
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO,
-                                   env=env)
-            except subprocess.TimeoutExpired:
+                p = proc.run(cmd, timeout=120, cwd=REPO, env=env)
+            except proc.CommandTimedOut:
                 rec["error"] = "timed out"
                 out.append(rec)
                 continue

@@ -1,4 +1,4 @@
-"""Load report for the front (RELIABILITY.md, last section), in one run:
+"""Load report for the front (docs/reliability.md, last section), in one run:
 
 1. a concurrency ladder (1, 2, 4, 8, 2×slots) of streamed chat requests against the real
    llama-server with the demo model, directly and through mtpwrap: time to first token and
@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ from proxy_overhead import (
     wait_http,
 )
 
+from mtpwrap import proc
+
 DIRECT = {"authorization": f"Bearer {INTERNAL_KEY}"}
 
 
@@ -52,7 +53,7 @@ class RestartingSupervisor:
         self.state, self.reason, self.restarts, self.generation = "starting", None, 0, 0
         self.t0 = time.time()
         self.child_t0: float | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: proc.Process | None = None
         self.changed = asyncio.Event()
 
     def _set(self, state: str, reason: str | None = None) -> None:
@@ -102,7 +103,7 @@ class RestartingSupervisor:
             self._set("starting", f"child exited ({code})")
             self.restarts += 1
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self) -> proc.Process:
         return start_llama(self.port, self.slots)
 
 
@@ -181,8 +182,7 @@ def main() -> None:
     report: dict = {"ladder": [], "kill": None, "slots": slots}
     try:
         fport = free_port()
-        procs.append(subprocess.Popen([PY, __file__, "_front", str(fport), str(slots)],
-                                      start_new_session=True))
+        procs.append(proc.start([PY, __file__, "_front", str(fport), str(slots)]))
         furl = f"http://127.0.0.1:{fport}"
         wait_http(furl + "/readyz", 240)
         # The direct path gets its own child with the same settings (the front's child listens

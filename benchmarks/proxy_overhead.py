@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,22 +60,14 @@ def wait_http(url: str, timeout: float = 120, headers: dict | None = None) -> No
     raise RuntimeError(f"{url} did not answer 200 within {timeout} s")
 
 
-def spawn(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
-    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+def spawn(args: list[str], env: dict | None = None, log: Path | None = None) -> proc.Process:
+    out = open(log, "wb") if log else proc.DEVNULL  # noqa: SIM115
+    return proc.start(args, env={**os.environ, **(env or {})}, stdout=out, stderr=proc.STDOUT)
 
 
-def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(5)
+def stop(p: proc.Process | None) -> None:
+    if p is not None:
+        p.stop(10)
 
 
 # ------------------------------------------------------------------------------- processes
@@ -325,7 +316,7 @@ def _peer(name: str, package: str, work: Path) -> str | None:
     return exe
 
 
-def start_nginx(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
+def start_nginx(upstream_port: int, work: Path) -> tuple[proc.Process, str] | None:
     """nginx as operators configure it for streaming: keep-alive upstream, no buffering."""
     exe = _peer("nginx", "nginx-light", work)
     if exe is None:
@@ -358,12 +349,12 @@ http {{
   }}
 }}
 """)
-    proc = spawn([exe, "-c", str(conf), "-p", str(work)])
+    p = spawn([exe, "-c", str(conf), "-p", str(work)])
     wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
-    return proc, f"http://127.0.0.1:{port}"
+    return p, f"http://127.0.0.1:{port}"
 
 
-def start_haproxy(upstream_port: int, work: Path) -> tuple[subprocess.Popen, str] | None:
+def start_haproxy(upstream_port: int, work: Path) -> tuple[proc.Process, str] | None:
     """HAProxy 2.6 with `option http-no-delay`, without which SSE chunks arrive bunched."""
     exe = _peer("haproxy", "haproxy", work)
     if exe is None:
@@ -384,9 +375,9 @@ frontend f
 backend b
   server s1 127.0.0.1:{upstream_port} maxconn 1024
 """)
-    proc = spawn([exe, "-db", "-f", str(conf)])
+    p = spawn([exe, "-db", "-f", str(conf)])
     wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
-    return proc, f"http://127.0.0.1:{port}"
+    return p, f"http://127.0.0.1:{port}"
 
 
 def start_paths(upstream_port: int, concurrency: int, work: Path, procs: list) -> dict[str, str]:
@@ -410,32 +401,31 @@ def llama_paths() -> tuple[Path, Path]:
 
         binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
     if not model:
-        from mtpwrap.decide import models
+        from mtpwrap.models import known as models
 
         model = str(models.ensure_demo_model())
     return Path(binary), Path(model)
 
 
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
-                extra: list[str] | None = None) -> subprocess.Popen:
+                extra: list[str] | None = None) -> proc.Process:
     from mtpwrap.decide import capabilities, launch
-    from mtpwrap.proc import start_server
 
     binary, model = llama_paths()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, why="benchmark upstream")
     spec = launch.render(cfg, capabilities.probe(binary), binary=binary, port=port,
                          api_key=INTERNAL_KEY, extra=extra or [])
-    srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env={**env, **spec.env},
+    srv = proc.start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env={**env, **spec.env},
                        timeout=180)
-    return srv.proc
+    return srv.process
 
 
-def start_front(upstream: str, concurrency: int) -> tuple[subprocess.Popen, str]:
+def start_front(upstream: str, concurrency: int) -> tuple[proc.Process, str]:
     port = free_port()
-    proc = spawn([PY, __file__, "_front", upstream, str(port), str(concurrency)])
+    p = spawn([PY, __file__, "_front", upstream, str(port), str(concurrency)])
     wait_http(f"http://127.0.0.1:{port}/livez", 30)
-    return proc, f"http://127.0.0.1:{port}"
+    return p, f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -455,7 +445,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     rows: list[dict] = []
-    procs: list[subprocess.Popen] = []
+    procs: list[proc.Process] = []
     work = Path(tempfile.mkdtemp(prefix="proxy-overhead-"))
     # A SIGTERM (from `timeout`, say) still stops every process this run started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import secrets
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,20 +50,9 @@ def poll(url: str, deadline: float) -> float | None:
     return None
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def direct(binary: Path, model: Path) -> tuple[float, float]:
     """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
     from mtpwrap.decide import profiles, resolve
-    from mtpwrap.proc import start_server
 
     port, key = free_port(), secrets.token_urlsafe(16)
     r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
@@ -72,7 +60,7 @@ def direct(binary: Path, model: Path) -> tuple[float, float]:
                         plan=False)
     spec = r.render(port=port, api_key=key)
     t0 = time.monotonic()
-    srv = start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env=spec.env,
+    srv = proc.start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env=spec.env,
                        timeout=120, poll_s=POLL)
     try:
         t_health = time.monotonic()
@@ -95,10 +83,10 @@ def via_mtpwrap(binary: Path, model: Path, explicit: bool) -> dict[str, float]:
         # Without --binary, `up` uses the build's manifest (capabilities recorded at build
         # time), as a deployment does; --binary makes it probe the binary's --help first.
         chosen = ["--binary", str(binary)] if explicit else []
-        proc = subprocess.Popen(
+        up = proc.start(
             [sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo", *chosen,
              "--model", str(model), "--port", str(port)],
-            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            env=env, cwd=REPO, stdout=proc.DEVNULL, stderr=proc.DEVNULL)
         try:
             t_ready = poll(f"http://127.0.0.1:{port}/readyz", t0 + 120)
             if t_ready is None:
@@ -106,7 +94,7 @@ def via_mtpwrap(binary: Path, model: Path, explicit: bool) -> dict[str, float]:
             seen = wall0 + (t_ready - t0)
             st = json.loads((Path(home) / "state" / "instance.json").read_text())
         finally:
-            stop(proc)
+            up.stop(20)
     spawn, health, ready = st["child_started_at"], st["child_health_ok_at"], st["ready_since"]
     return {"mtpwrap": seen - wall0, "own": health - spawn, "pre_spawn": spawn - wall0,
             "probe": ready - health, "notice": seen - ready}
@@ -116,7 +104,7 @@ PRE_SPAWN = """
 import time, sys
 from mtpwrap import cli
 from mtpwrap.commands import up
-from mtpwrap import settings
+from mtpwrap.config import settings
 from mtpwrap.run import instance
 from mtpwrap.run import service
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
@@ -134,9 +122,9 @@ def pre_spawn_cpu(model: Path) -> float:
     changes it."""
     with tempfile.TemporaryDirectory() as home:
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        out = subprocess.run([sys.executable, "-c", PRE_SPAWN, str(model)], cwd=REPO,
-                             env={**os.environ, "MTPWRAP_HOME": home, "PYTHONPATH": path},
-                             capture_output=True, text=True, check=True)
+        out = proc.run([sys.executable, "-c", PRE_SPAWN, str(model)], cwd=REPO,
+                       env={**os.environ, "MTPWRAP_HOME": home, "PYTHONPATH": path},
+                       timeout=300, check=True)
     return float(out.stdout.split()[-1])
 
 
@@ -147,10 +135,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from mtpwrap.build import binary
-    from mtpwrap.decide import models
+    from mtpwrap.build.binary import find_binary
+    from mtpwrap.models import known as models
 
-    binary = args.binary or binary.find_binary()
+    binary = args.binary or find_binary()
     model = args.model or models.ensure_demo_model()
     print(f"binary {binary}\nmodel  {model}\n")
     cols = ["direct /health", "direct 1 tok", "mtpwrap", "own", "overhead", "pre-spawn",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,15 +52,14 @@ class Up:
         self.env = {**os.environ, "MTPWRAP_HOME": str(home), "MTPWRAP_CONFIG": str(cfg),
                     "PYTHONPATH": str(REPO)}
         self.home = home
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtpwrap", "up"], env=self.env,
-                                     stdout=(home / "up.log").open("w"),
-                                     stderr=subprocess.STDOUT)
+        self.up = proc.start([sys.executable, "-m", "mtpwrap", "up"], env=self.env,
+                             stdout=(home / "up.log").open("w"), stderr=proc.STDOUT)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 600) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if self.proc.poll() is not None:
+            if self.up.poll() is not None:
                 sys.exit(f"mtpwrap up exited; see {self.home / 'up.log'}")
             try:
                 if httpx.get(self.base + "/readyz", timeout=2).status_code == 200:
@@ -71,8 +70,7 @@ class Up:
         sys.exit("not ready in time")
 
     def restart(self) -> dict:
-        r = subprocess.run([sys.executable, "-m", "mtpwrap", "restart"], env=self.env,
-                           capture_output=True, text=True, timeout=900)
+        r = proc.run([sys.executable, "-m", "mtpwrap", "restart"], env=self.env, timeout=900)
         if r.returncode != 0:
             sys.exit(f"restart failed: {r.stderr.strip()}")
         return json.loads((self.home / "state" / "instance.json").read_text())
@@ -96,10 +94,8 @@ class Up:
         return ttft or float("nan"), processed
 
     def close(self) -> None:
-        subprocess.run([sys.executable, "-m", "mtpwrap", "down"], env=self.env,
-                       capture_output=True, timeout=120)
-        if self.proc.poll() is None:
-            self.proc.kill()
+        proc.run([sys.executable, "-m", "mtpwrap", "down"], env=self.env, timeout=120)
+        self.up.stop(30)
 
 
 def run(binary: str, model: str, profile: str, lengths: list[int], persist: bool
@@ -139,7 +135,7 @@ def main() -> None:
 
         a.binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
     if a.model is None:
-        from mtpwrap.decide import models
+        from mtpwrap.models import known as models
 
         a.model = str(models.ensure_demo_model())
     lengths = [int(x) for x in a.lengths.split(",")]

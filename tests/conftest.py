@@ -1,22 +1,89 @@
-"""Shared fixtures.
+"""Shared fixtures and the two test tiers.
+
+Unit tests (everything not marked `integration`) each get an empty `MTPWRAP_HOME` of their own,
+no `MTPWRAP_*` variable from the caller's environment, and no build folder, so they pass on a
+fresh clone without network, build tools or another checkout's caches; a unit test that asks for
+a fixture that builds llama-server or downloads the demo model is refused at collection.
 
 Integration tests use the real llama-server, built from the pinned source by
-`mtpwrap.build.builder.ensure_built` (a no-op once the build cache has it), and the real demo model.
-`MTPWRAP_HOME` is left alone on purpose so the build and model caches are shared between runs;
-tests that need an isolated home use the `isolated_home` fixture.
+`mtpwrap.build.builder.ensure_built` (a no-op once the build cache has it), and the real demo
+model. Their `MTPWRAP_HOME` is left alone on purpose so the build and model caches are shared
+between runs; the ones that need an isolated home use the `isolated_home` fixture.
+
+Plain helpers (running the CLI, an `up` instance, a supervisor over the fake llama-server) are
+in tests/helpers.py.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import DATA, REPO
+
+# Fixtures that compile llama-server or download the demo model on first use.
+BUILDS_OR_DOWNLOADS = frozenset({"cpu_manifest", "llama_server_bin", "fit_params_bin",
+                                 "demo_model"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = [f"{item.nodeid} (uses {', '.join(sorted(needs))})" for item in items
+             if not item.get_closest_marker("integration")
+             and (needs := BUILDS_OR_DOWNLOADS & set(getattr(item, "fixturenames", ())))]
+    if wrong:
+        raise pytest.UsageError(
+            "these tests build llama-server or download the demo model but are not marked "
+            "`integration`; mark them so the unit tier stays hermetic:\n  " + "\n  ".join(wrong))
+
+
+@pytest.fixture(scope="session")
+def vocabulary_tree() -> str | None:
+    """An llama.cpp tree already extracted in the caller's cache, for the model writer's
+    tokenizers: without it every unit test that writes a GGUF would fetch and unpack the
+    pinned source (290 MB) into its own empty home. Only read, never fetched here; unused once
+    the model writer needs no tree (it then has no `llama_source_dir`)."""
+    from mtpwrap import paths
+    from mtpwrap.build import tiny_gguf
+
+    if not hasattr(tiny_gguf, "llama_source_dir"):
+        return None
+    trees = sorted(t for t in paths.sources_dir().glob("*/vendor/llama.cpp")
+                   if (t / "models").is_dir())
+    return str(trees[-1]) if trees else None
+
+
+@pytest.fixture(autouse=True)
+def unit_home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+              monkeypatch: pytest.MonkeyPatch) -> Path | None:
+    """An empty MTPWRAP_HOME for every unit test; integration tests keep the shared caches."""
+    if request.node.get_closest_marker("integration"):
+        return None
+    vocabulary = request.getfixturevalue("vocabulary_tree")
+    for key in list(os.environ):
+        if key.startswith("MTPWRAP_"):
+            monkeypatch.delenv(key)
+    home = tmp_path_factory.mktemp("mtpwrap-home")
+    monkeypatch.setenv("MTPWRAP_HOME", str(home))
+    monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(home / "checkout-build"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))
+    if vocabulary is not None:
+        monkeypatch.setenv("MTPWRAP_LLAMA_SOURCE", vocabulary)
+    return home
+
+
+@pytest.fixture
+def isolated_home(unit_home: Path | None, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home of the test's own, also for an integration test."""
+    if unit_home is not None:
+        return unit_home
+    home = tmp_path / "mtpwrap-home"
+    home.mkdir()
+    monkeypatch.setenv("MTPWRAP_HOME", str(home))
+    return home
 
 
 @pytest.fixture(scope="session")
@@ -53,7 +120,7 @@ def fit_params_bin(request: pytest.FixtureRequest) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     return models.ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
 
@@ -77,6 +144,23 @@ def shape_27b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path.unlink()
 
 
+@pytest.fixture(scope="module")
+def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A shape-only Qwen3.6-27B GGUF, one per test module."""
+    from mtpwrap.build import tiny_gguf
+
+    return tiny_gguf.write_shape_only(tmp_path_factory.mktemp("m") / "qwen3.6-27b.gguf")
+
+
+@pytest.fixture
+def fork_binary(tmp_path: Path) -> Path:
+    """A stand-in llama-server that answers --help and --version as the recorded fork does."""
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{DATA}/help/fork-1c6e4ea.txt";; '
+                   f'--version) cat "{DATA}/help/fork-1c6e4ea.version.txt";; *) exit 1;; esac\n')
+    exe.chmod(0o755)
+    return exe
 
 
 @pytest.fixture
@@ -84,54 +168,3 @@ def free_port() -> int:
     from mtpwrap.proc import free_loopback_port
 
     return free_loopback_port()
-
-
-@pytest.fixture
-def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "mtpwrap-home"
-    home.mkdir()
-    monkeypatch.setenv("MTPWRAP_HOME", str(home))
-    return home
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("NO_COLOR", "1")
-    env.setdefault("COLUMNS", "200")
-    env.update(extra)
-    return env
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
-    return subprocess.run(
-        [sys.executable, "-m", "mtpwrap", *args],
-        env=env or cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(cwd or REPO),
-    )
-
-
-@pytest.fixture
-def cli() -> Iterator[object]:
-    yield run_cli
-
-
-def require_tool(name: str, package: str) -> str:
-    """Path of a system tool a test needs. Missing: a failure in CI (CI=true), else a skip
-    that says how to install it."""
-    import shutil
-
-    path = shutil.which(name)
-    if path is None:
-        how = (f"{name} is not installed: run `sudo make system-deps` "
-               f"(or `apt-get install {package}`)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(how)
-        pytest.skip(how)
-    return path

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import Any
 import httpx
 import yaml
 
+from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port
-from tests.conftest import REPO, run_cli
-from tests.test_up_real import Instance
+from tests.helpers import REPO, Instance, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
 
@@ -50,31 +49,26 @@ def chat(base: str, max_tokens: int = 8, text: str = "Say hello.",
         "temperature": 0}, **kw)
 
 
-def start_haproxy(cfg: Path, log: Path, livez: str, timeout: float = 30) -> subprocess.Popen[bytes]:
+def start_haproxy(cfg: Path, log: Path, livez: str, timeout: float = 30) -> proc.Process:
     """HAProxy in the foreground on `cfg`, once its frontend answers `livez`."""
-    proc = subprocess.Popen(["haproxy", "-db", "-f", str(cfg)], stdout=log.open("wb"),
-                            stderr=subprocess.STDOUT)
+    haproxy = proc.start(["haproxy", "-db", "-f", str(cfg)], stdout=log.open("wb"),
+                         stderr=proc.STDOUT)
 
     def up() -> bool:
-        assert proc.poll() is None, log.read_text()
+        assert haproxy.poll() is None, log.read_text()
         return answers(livez)
 
     try:
         wait_for("HAProxy answers", up, timeout)
     except BaseException:
-        stop(proc)
+        stop(haproxy)
         raise
-    return proc
+    return haproxy
 
 
-def stop(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is not None and proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+def stop(process: proc.Process | None) -> None:
+    if process is not None:
+        process.stop(10)
 
 
 def p99(values: list[float]) -> float:
@@ -98,8 +92,8 @@ class LocalFleet:
         #: with a key, every node requires it (MTPWRAP_API_KEYS), Prometheus included.
         self.api_key = api_key
         self.base = f"http://127.0.0.1:{self.port}"
-        self.haproxy: subprocess.Popen[bytes] | None = None
-        self.prometheus: subprocess.Popen[bytes] | None = None
+        self.haproxy: proc.Process | None = None
+        self.prometheus: proc.Process | None = None
         self.prom_base = ""
 
     def start(self, timeout: float = 240) -> None:
@@ -182,10 +176,10 @@ class LocalFleet:
         assert r.returncode == 0, r.stderr
         port = free_loopback_port()
         self.prom_base = f"http://127.0.0.1:{port}"
-        self.prometheus = subprocess.Popen(
+        self.prometheus = proc.start(
             ["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={self.work / 'tsdb'}",
              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=(self.work / "prometheus.log").open("wb"), stderr=subprocess.STDOUT)
+            stdout=(self.work / "prometheus.log").open("wb"), stderr=proc.STDOUT)
         wait_for("Prometheus ready", lambda: answers(f"{self.prom_base}/-/ready"), 60)
 
     def prom(self, path: str, **params: str) -> Any:
@@ -198,8 +192,8 @@ class LocalFleet:
         return self.prom("query", query=expr)["result"]  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        for proc in (self.prometheus, self.haproxy):
-            stop(proc)
+        for process in (self.prometheus, self.haproxy):
+            stop(process)
         for inst in self.nodes.values():
             inst.close()
 

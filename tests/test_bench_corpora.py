@@ -13,6 +13,7 @@ from mtpwrap.bench import corpora
 from mtpwrap.errors import ConfigError, IntegrityError
 
 
+@pytest.mark.integration
 def test_korean_corpus_is_pinned_and_korean() -> None:
     c = corpora.korean_corpus()
     assert c.archive_sha256 == corpora.KONLPY_SHA256
@@ -68,6 +69,7 @@ def test_prompt_is_cut_to_exact_length_and_walks_corpus_again(tmp_path: Path) ->
         corpora.build_prompt(c, 0, _char_tokenizer)
 
 
+@pytest.mark.integration
 def test_wheel_is_fetched_by_pip_into_an_empty_cache(tmp_path: Path) -> None:
     wheel = corpora.konlpy_wheel(tmp_path)
     assert wheel == tmp_path / corpora.KONLPY_WHEEL

@@ -68,6 +68,7 @@ def test_summary_puts_prediction_beside_allocation() -> None:
     assert "| kv-q4_0 | main KV 576 | CUDA0 KV 576 |" in md
 
 
+@pytest.mark.slow
 def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     out = tmp_path / "results"
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
@@ -94,6 +95,7 @@ def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
         assert rec["rc"] == 0 and "plan" in rec, (name, rec.get("error"))
 
 
+@pytest.mark.slow
 def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),
                MTPWRAP_BINARY="/opt/llama-server", OUT=str(tmp_path / "from-env"),
@@ -103,6 +105,7 @@ def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     assert (tmp_path / "from-env" / "gpu_check.json").exists()
 
 
+@pytest.mark.slow
 def test_dry_run_from_a_bare_python_with_the_wheelhouse(tmp_path: Path, repo_root: Path) -> None:
     """A lent GPU machine has no network and no project venv: `make wheelhouse` plus the
     script must be enough, starting from a Python that has nothing installed."""
@@ -145,15 +148,16 @@ def test_a_bare_python_without_wheelhouse_is_told_what_to_do(tmp_path: Path) -> 
     assert "make wheelhouse" in p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pinned", [True, False])
 def test_a_carried_prebuilt_is_used_only_when_it_is_of_the_pin(tmp_path: Path,
                                                                pinned: bool) -> None:
     """`mtpwrap build --pack` on a machine that compiled, carried to the GPU machine: the script
     installs it instead of building when its manifest names the source pin, else builds."""
     from mtpwrap.build import prebuilt
-    from tests.test_build_cuda import _packable
+    from tests.helpers import packable_manifest
 
-    made = _packable(tmp_path, identity=None if pinned else "offline:an-older-release")
+    made = packable_manifest(tmp_path, identity=None if pinned else "offline:an-older-release")
     archive = prebuilt.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if k not in ("MTPWRAP_BINARY", "OUT")}

@@ -17,7 +17,7 @@ import pytest
 
 from mtpwrap.bench import corpora, stats
 from mtpwrap.bench.runner import BenchConfig, Client, bursts, launch_config
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 pytestmark = pytest.mark.integration
 

@@ -42,7 +42,7 @@ llamacpp:requests_processing 0
 
 
 def test_recipe_figures_from_facts() -> None:
-    # FACTS.md §4: k = 3, α = 0.73 gives 2.65 tokens per step and accepted ÷ drafted 0.55.
+    # docs/facts.md §4: k = 3, α = 0.73 gives 2.65 tokens per step and accepted ÷ drafted 0.55.
     assert stats.expected_tokens_per_step(0.73, 3) == pytest.approx(2.65, abs=5e-3)
     assert stats.alpha_for_tokens_per_step(2.651917, 3) == pytest.approx(0.73, abs=1e-6)
 

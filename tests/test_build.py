@@ -13,13 +13,9 @@ import pytest
 from mtpwrap import hashing
 from mtpwrap.build import planning, source, toolchain
 from mtpwrap.errors import ConfigError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 FAKE_TREE = Path(__file__).parent / "data" / "fake-llama-tree"
-
-#: The fake tree is compiled for real (cmake and a C++ compiler, seconds).
-compiles = pytest.mark.skipif(shutil.which("cmake") is None or toolchain.cxx_compiler() is None,
-                              reason="needs cmake and a C++ compiler")
 
 
 @pytest.fixture
@@ -116,7 +112,7 @@ def test_no_cmake_is_named(build_env: dict[str, str], tmp_path: Path) -> None:
     assert "cmake is not installed" in r.stderr
 
 
-@compiles
+@pytest.mark.integration
 def test_build_from_a_path_writes_a_complete_manifest(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -138,7 +134,7 @@ def test_build_from_a_path_writes_a_complete_manifest(
         assert info["sha256"] == hashing.sha256_file(Path(info["path"]))
 
 
-@compiles
+@pytest.mark.integration
 def test_failed_compile_shows_the_compiler_error_and_log(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -154,7 +150,7 @@ def test_failed_compile_shows_the_compiler_error_and_log(
     assert "Traceback" not in r.stderr
 
 
-@compiles
+@pytest.mark.integration
 def test_a_tree_without_the_web_ui_bundle_builds_without_the_ui(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -254,7 +250,7 @@ def test_compiler_flags_from_the_environment_are_part_of_the_cache_key(
     assert planning.cache_key("offline:x", opts, "g++ 12") != k1
 
 
-@compiles
+@pytest.mark.integration
 def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -299,7 +295,7 @@ def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
     assert forced.returncode == 1 and "native: llama-server ended with signal 11" in forced.stderr
 
 
-@compiles
+@pytest.mark.integration
 def test_when_every_configuration_crashes_nothing_is_installed(
     build_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -315,7 +311,7 @@ def test_when_every_configuration_crashes_nothing_is_installed(
     assert not (Path(build_env["MTPWRAP_BUILD_DIR"]) / "cpu" / "manifest.json").exists()
 
 
-@compiles
+@pytest.mark.integration
 def test_cpu_isa_forces_one_configuration(build_env: dict[str, str], tmp_path: Path) -> None:
     tree = _fake_tree(tmp_path, "crash-when-native")
     r = run_cli("build", "--cpu", "--cpu-isa", "native", "--source", str(tree), env=build_env,
@@ -330,7 +326,7 @@ def test_cpu_isa_forces_one_configuration(build_env: dict[str, str], tmp_path: P
     assert manifest["extra"]["isa_reason"] == "--cpu-isa baseline asked for it"
 
 
-@compiles
+@pytest.mark.integration
 def test_piped_build_prints_one_line_per_phase(build_env: dict[str, str], tmp_path: Path) -> None:
     tree = _fake_tree(tmp_path)
     r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)

@@ -17,7 +17,7 @@ from mtpwrap.build import binary, builder, cmake, planning, prebuilt, source, to
 from mtpwrap.build import manifest as build_manifest
 from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError, MissingToolError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, packable_manifest, run_cli
 
 FAKE_TREE = Path(__file__).parent / "data" / "fake-llama-tree"
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
@@ -181,6 +181,7 @@ def test_fork_cuda_option_names_are_the_forks_own(repo_root: Path) -> None:
 # --------------------------------------------------------------------------- configure step
 
 
+@pytest.mark.integration
 def test_configure_only_refuses_options_the_tree_does_not_declare(tmp_path: Path) -> None:
     """The fake tree declares GGML_NATIVE only: CMake takes it and nothing else of ours. Like
     ggml it reads every GGML_ variable, so CMake's own "not used" list misses GGML_AVX2."""
@@ -264,6 +265,7 @@ def test_configure_only_prints_the_options_cmake_took(offline_env: dict[str, str
     assert "configured in" in r.stderr
 
 
+@pytest.mark.integration
 def test_log_objects_prints_one_line_per_compiled_object(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     shutil.copytree(FAKE_TREE, tree)
@@ -353,31 +355,10 @@ def test_a_cuda_build_is_smoke_tested_only_on_a_gpu_it_has_code_for(
 # --------------------------------------------------------------------------- carried builds
 
 
-def _packable(tmp_path: Path, identity: str | None = None, sha: str | None = None
-              ) -> build_manifest.Manifest:
-    """An installed cuda-sm89 build of the offline pin with real (small) binaries."""
-    bin_dir = tmp_path / "made-here" / "bin"
-    bin_dir.mkdir(parents=True)
-    binaries = {}
-    for name in planning.TARGETS:
-        exe = bin_dir / name
-        exe.write_text(f"#!/bin/sh\necho {name}\n")
-        exe.chmod(0o755)
-        binaries[name] = {"path": str(exe), "cache_path": str(exe),
-                          "sha256": sha or hashing.sha256_file(exe)}
-    return build_manifest.Manifest(
-        variant="cuda-sm89", source={"kind": "offline", "commit": "0c1e570",
-                                     "identity": identity or source.offline_identity()},
-        cmake_options={"GGML_CUDA": "ON"}, compiler="g++", cuda_version="13.0",
-        architectures=["89"], binaries=binaries, version_output="", build_seconds=1.0,
-        built_at="2026-11-30T00:00:00", cache_key="k", build_dir=str(bin_dir.parent), log="",
-        smoke={"status": "skipped", "detail": "no GPU"})
-
-
 def test_a_packed_build_installs_elsewhere_byte_for_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made = _packable(tmp_path)
+    made = packable_manifest(tmp_path)
     archive = prebuilt.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
     target = tmp_path / "there"
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(target))
@@ -397,9 +378,10 @@ def test_a_packed_build_installs_elsewhere_byte_for_byte(
         prebuilt.install_prebuilt(archive, snap=h100)
 
 
+@pytest.mark.slow
 def test_the_backend_both_binaries_carry_is_packed_once(tmp_path: Path) -> None:
     """Statically linked, both binaries hold the same CUDA code; the archive holds it once."""
-    made = _packable(tmp_path)
+    made = packable_manifest(tmp_path)
     blob = os.urandom(12 * 2**20)  # incompressible, and beyond xz's default 8 MiB dictionary
     for info in made.binaries.values():
         Path(info["path"]).write_bytes(blob)
@@ -409,7 +391,7 @@ def test_the_backend_both_binaries_carry_is_packed_once(tmp_path: Path) -> None:
 
 
 def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path) -> None:
-    archive = prebuilt.pack_prebuilt(_packable(tmp_path, identity="offline:0ld"),
+    archive = prebuilt.pack_prebuilt(packable_manifest(tmp_path, identity="offline:0ld"),
                                   tmp_path / "old.tar.xz")
     env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "b"))
     r = run_cli("build", "--from-prebuilt", str(archive), env=env)
@@ -425,7 +407,8 @@ def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path)
 
 def test_a_prebuilt_whose_binary_changed_is_refused(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    archive = prebuilt.pack_prebuilt(_packable(tmp_path, sha="0" * 64), tmp_path / "x.tar.xz")
+    archive = prebuilt.pack_prebuilt(packable_manifest(tmp_path, sha="0" * 64),
+                                    tmp_path / "x.tar.xz")
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(tmp_path / "b"))
     with pytest.raises(ConfigError, match="does not match the sha256"):
         prebuilt.install_prebuilt(archive, snap=hardware.load_snapshot(SNAPSHOTS / "none.json"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 
 def test_help_lists_commands_without_importing_them() -> None:

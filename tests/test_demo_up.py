@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.helpers import REPO, cli_env
 
 pytestmark = pytest.mark.integration
 

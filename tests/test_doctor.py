@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_env, run_cli
-
-
-def _tools(where: Path) -> str:
-    """A PATH whose first folder has a cmake and a c++ that answer --version, so the check
-    does not depend on this machine's toolchain."""
-    where.mkdir()
-    for name, line in (("cmake", "cmake version 3.28.3"), ("c++", "c++ (GCC) 12.2.0")):
-        (where / name).write_text(f"#!/bin/sh\necho '{line}'\n")
-        (where / name).chmod(0o755)
-    return str(where) + os.pathsep + os.environ.get("PATH", "")
+from tests.helpers import cli_env, run_cli
 
 
 def test_doctor_json_reports_every_check(tmp_path: Path) -> None:
-    env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "no-build"), PATH=_tools(tmp_path / "bin"))
+    env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "no-build"))
     r = run_cli("doctor", "--json", env=env)
-    assert r.returncode == 0, r.stderr
+    # What this machine has (the unit tier also runs without build tools: `make hermetic`).
+    has_cmake = shutil.which("cmake") is not None
+    has_cxx = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    assert r.returncode == (0 if has_cmake and has_cxx else 69), r.stderr
     report = json.loads(r.stdout)
     names = [c["name"] for c in report["checks"]]
     for expected in (
@@ -38,8 +31,8 @@ def test_doctor_json_reports_every_check(tmp_path: Path) -> None:
     ):
         assert expected in names
     by_name = {c["name"]: c for c in report["checks"]}
-    assert by_name["cmake"]["status"] == "ok"
-    assert by_name["C++ compiler"]["status"] == "ok"
+    assert by_name["cmake"]["status"] == ("ok" if has_cmake else "missing")
+    assert by_name["C++ compiler"]["status"] == ("ok" if has_cxx else "missing")
     binary = by_name["llama-server build"]
     assert binary["status"] == "missing" and "mtpwrap build" in binary["fix"]
 

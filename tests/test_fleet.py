@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from mtpwrap.proc import free_loopback_port
-from tests.conftest import REPO, cli_env, require_tool, run_cli
+from tests.helpers import REPO, cli_env, require_tool, run_cli
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
 RULES_TEST = REPO / "deploy" / "prometheus" / "mtpwrap-rules.test.yml"

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, require_tool
 from tests.fleet_harness import LocalFleet, answers, chat, p99, wait_for
+from tests.helpers import REPO, require_tool
 
 pytestmark = pytest.mark.integration
 

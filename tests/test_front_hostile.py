@@ -256,6 +256,7 @@ def test_probes_answer_any_host_and_the_rest_does_not(front: object) -> None:
 # --------------------------------------------------------------------------- 6, 7: load, drain
 
 
+@pytest.mark.slow
 def test_the_front_sends_no_more_than_the_slots_and_queues_the_rest() -> None:
     slow = FakeUpstream(mode="sse", events=20, interval=0.05).start()
     try:
@@ -326,7 +327,7 @@ class TestAgainstTheRealServer:
     def inst(cls, tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
              demo_model: Path) -> Iterator[object]:
         from mtpwrap.proc import free_loopback_port
-        from tests.test_up_real import Instance
+        from tests.helpers import Instance
 
         home = tmp_path_factory.mktemp("hostile")
         cfg = home / "mtpwrap.yaml"
@@ -429,7 +430,7 @@ class TestAgainstTheRealServer:
 @pytest.mark.integration
 def test_drain_grace_leaves_rotation_before_refusing(tmp_path: Path, llama_server_bin: Path,
                                                      demo_model: Path, free_port: int) -> None:
-    from tests.test_up_real import Instance
+    from tests.helpers import Instance
 
     inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model,
                     MTPWRAP_DRAIN_GRACE_S="3", MTPWRAP_DRAIN_S="2")
@@ -455,7 +456,7 @@ def test_drain_grace_leaves_rotation_before_refusing(tmp_path: Path, llama_serve
 @pytest.mark.integration
 def test_stop_past_the_drain_budget_names_the_shutdown(tmp_path: Path, llama_server_bin: Path,
                                                        demo_model: Path, free_port: int) -> None:
-    from tests.test_up_real import Instance
+    from tests.helpers import Instance
 
     inst = Instance(tmp_path / "home", free_port, llama_server_bin, demo_model,
                     MTPWRAP_DRAIN_S="2")

@@ -1,4 +1,4 @@
-"""Model facts from GGUF headers: the Qwen3.6-27B numbers of FACTS.md §3, and bad files."""
+"""Model facts from GGUF headers: the Qwen3.6-27B numbers of docs/facts.md §3, and bad files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from mtpwrap.build import tiny_gguf
 from mtpwrap.decide.gguf_facts import read_facts, read_header
 from mtpwrap.errors import ConfigError
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
 

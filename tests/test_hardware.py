@@ -16,13 +16,10 @@ import pytest
 
 from mtpwrap.decide import hardware
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot, RecordedNvml
+from tests.helpers import SNAPSHOTS
+from tests.helpers import load_snapshot as load
 
-SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
 MiB = 1024 * 1024
-
-
-def load(name: str) -> dict[str, Any]:
-    return json.loads((SNAPSHOTS / f"{name}.json").read_text())
 
 
 # name, count, first GPU name, compute capability, cuda arch, total MiB
@@ -240,7 +237,7 @@ def test_live_snapshot_agrees_with_nvidia_smi() -> None:
 
 
 def test_cli_hw_json_replay() -> None:
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     r = run_cli("hw", "--json", "--replay", str(SNAPSHOTS / "h200.json"))
     assert r.returncode == 0, r.stderr
@@ -251,7 +248,7 @@ def test_cli_hw_json_replay() -> None:
 
 
 def test_cli_hw_record_then_replay(tmp_path: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     rec = tmp_path / "here.json"
     r = run_cli("hw", "--record", str(rec), "--json")
@@ -266,7 +263,7 @@ def test_cli_hw_record_then_replay(tmp_path: Path) -> None:
 
 
 def test_cli_hw_text_without_gpu() -> None:
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     r = run_cli("hw", "--replay", str(SNAPSHOTS / "none.json"))
     assert r.returncode == 0, r.stderr

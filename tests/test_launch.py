@@ -40,7 +40,8 @@ SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SN
 HEAD = [EXE, "-m", MODEL, "--host", "127.0.0.1", "--port", str(PORT)]
 QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 
-#: (profile, binary) → argv after HEAD. Reviewed by hand against FACTS.md §1 and the --help texts.
+#: (profile, binary) → argv after HEAD. Reviewed by hand against docs/facts.md §1 and the --help
+#: texts.
 PINNED: dict[tuple[str, str], list[str]] = {
     ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
                                "--flash-attn", "auto", "--metrics", "--no-webui"],
@@ -114,14 +115,14 @@ CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAME
 def spec_of(prof: profiles.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
             model: str | Path = MODEL, port: int | None = None, api_key: str | None = None,
             extra: list[str] | None = None, draft_model: str | Path | None = None,
-            binary: str | None = None) -> launch.LaunchSpec:
+            binary: str | None = None) -> launch.RenderedLaunch:
     """choose() then render(): what `up` does for a profile before any plan."""
     cfg = launch.choose(prof, caps, snap, model=model, draft_model=draft_model)
     return launch.render(cfg, caps, binary=binary, port=port, api_key=api_key,
                          extra=extra or [])
 
 
-def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.LaunchSpec:
+def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.RenderedLaunch:
     return spec_of(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None, port=PORT,
                    binary=EXE, **kw)
 
@@ -157,8 +158,8 @@ def test_argv_table(profile: str, caps: str, snap: str) -> None:
 
 
 def test_recipe_flags_against_fork() -> None:
-    """FACTS.md §1: --spec-type mtp --spec-draft-n-max 3 -ctk tbq4_0 -ctv tbq4_0 --flash-attn on
-    -np 1 -ub 32 --mlock --no-warmup -c 262144 -ngl 99."""
+    """docs/facts.md §1: --spec-type mtp --spec-draft-n-max 3 -ctk tbq4_0 -ctv tbq4_0
+    --flash-attn on -np 1 -ub 32 --mlock --no-warmup -c 262144 -ngl 99."""
     argv = build("4090-262k", "fork", "rtx4090").argv
     pairs = {(a, b) for a, b in zip(argv, argv[1:], strict=False)}
     for pair in [("--spec-type", "mtp"), ("--spec-draft-n-max", "3"), ("-ctk", "tbq4_0"),
@@ -213,6 +214,18 @@ def test_api_key_goes_to_environment_never_argv() -> None:
     assert spec.env == {"LLAMA_API_KEY": secret}
     shown = spec.to_dict()
     assert shown["env"] == {"LLAMA_API_KEY": "***"} and secret not in str(shown)
+
+
+def test_slot_save_path_is_rendered_with_the_launch(tmp_path: Path) -> None:
+    cfg = launch.choose(SHIPPED["cpu-demo"], CAPS["upstream"], None, model=MODEL)
+    spec = launch.render(cfg, CAPS["upstream"], port=PORT, slot_save_path=tmp_path / "kv")
+    assert spec.argv[spec.argv.index("--slot-save-path") + 1] == str(tmp_path / "kv")
+    assert any(d.flag == "--slot-save-path" and "persist.dir" in d.reason
+               for d in spec.decisions)
+    assert "--slot-save-path" not in launch.render(cfg, CAPS["upstream"], port=PORT).argv
+    # llama-fit-params serves nothing: no snapshot directory either
+    assert "--slot-save-path" not in launch.render(cfg, CAPS["upstream"], serve=False,
+                                                   slot_save_path=tmp_path).argv
 
 
 def test_context_max_without_a_plan_is_the_trained_length(tmp_path: Path) -> None:
@@ -363,7 +376,7 @@ def _recorded_binary(tmp_path: Path, name: str) -> Path:
 def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
     import json
 
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
     r = run_cli("args", "--profile", "auto", "--binary", str(exe), "--model", MODEL,
@@ -380,7 +393,7 @@ def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
 
 
 def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "upstream-0c1e570")
     r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
@@ -393,7 +406,7 @@ def test_cli_args_text_shows_reasons_and_warnings(tmp_path: Path) -> None:
 
 def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
     from mtpwrap.errors import EXIT_CONFIG
-    from tests.conftest import run_cli
+    from tests.helpers import run_cli
 
     exe = _recorded_binary(tmp_path, "fork-1c6e4ea")
     r = run_cli("args", "--profile", "4090-262k", "--binary", str(exe), "--model", MODEL,
@@ -408,7 +421,7 @@ def test_cli_args_gpu_profile_without_gpu_is_exit_78(tmp_path: Path) -> None:
 def test_cli_args_auto_on_this_machine(llama_server_bin: Path, demo_model: Path) -> None:
     import json
 
-    from tests.conftest import cli_env, run_cli
+    from tests.helpers import cli_env, run_cli
 
     r = run_cli("args", "--binary", str(llama_server_bin), "--json",
                 env=cli_env(MTPWRAP_DEMO_MODEL=str(demo_model)))
@@ -466,7 +479,7 @@ def test_draft_and_ngram_mapping(tmp_path: Path) -> None:
 def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_model: Path,
                                                    free_port: int, tmp_path: Path) -> None:
     """The draft mapping is accepted by the real binary and drafting really happens: the demo
-    model drafting for itself (FACTS.md §2 saw acceptance 1.0 this way)."""
+    model drafting for itself (docs/facts.md §2 saw acceptance 1.0 this way)."""
     import httpx
 
     from mtpwrap.decide import capabilities
@@ -511,9 +524,12 @@ def test_step_down_never_picks_a_bigger_kv_type() -> None:
     assert [r.context for r in rungs[3:]] == [131072, 65536, 32768, 16384, 8192, 4096]
     for a, b in zip(rungs, rungs[1:], strict=False):  # every rung saves something
         assert a != b
-    # without measured sizes a fork type cannot be shown to shrink: no KV rung at all
-    unsized = _rungs(SHIPPED["4090-262k"], "fork")
-    assert all(r.cache_k == "tbq4_0" for r in unsized)
+    # without measured sizes the built-in table sizes the fork's types the same way
+    assert _rungs(SHIPPED["4090-262k"], "fork") == rungs
+    # a type with no size anywhere cannot be shown to shrink: no KV rung below it
+    odd = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"], model=MODEL)
+    odd = odd.replace(cache_k="tbqp4_0", cache_v="tbqp4_0")
+    assert all(r.cache_k == "tbqp4_0" for r in launch.ladder(odd, CAPS["fork"]))
 
 
 def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> None:

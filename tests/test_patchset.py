@@ -32,6 +32,7 @@ def test_each_patch_has_a_header_and_touches_files() -> None:
         assert "tools/server/server-schema.cpp" in p.files
 
 
+@pytest.mark.integration
 def test_patch_set_applies_to_the_pinned_offline_source(offline_tree: Path,
                                                         tmp_path: Path) -> None:
     applied, _ = patchset.select()
@@ -47,6 +48,7 @@ def test_patch_set_applies_to_the_pinned_offline_source(offline_tree: Path,
     assert untouched.stat().st_ino == (offline_tree / "CMakeLists.txt").stat().st_ino
 
 
+@pytest.mark.integration
 def test_a_patch_that_does_not_apply_names_file_and_hunk(offline_tree: Path,
                                                          tmp_path: Path) -> None:
     good = patchset.available()[0]

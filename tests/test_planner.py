@@ -1,4 +1,5 @@
-"""The memory plan against FACTS.md §3: KV and recurrent sizing rules and the RTX 4090 figure."""
+"""The memory plan against docs/facts.md §3: KV and recurrent sizing rules and the RTX 4090
+figure."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from mtpwrap.decide.planner import (
     plan_with_limits,
 )
 from mtpwrap.errors import ConfigError
-from tests.conftest import run_cli
+from tests.helpers import run_cli
 
 pytestmark = pytest.mark.usefixtures("drop_gguf_files")
 
@@ -88,7 +89,7 @@ def test_outputs_and_compute_follow_the_server(q27: ModelFacts) -> None:
     fp = plan(q27, PlanConfig(n_ctx=4096, backend="cpu", n_outputs=512), None)
     srv = plan(q27, PlanConfig(n_ctx=4096, backend="cpu"), None)
     assert fp.row("compute").bytes > 512 * 4 * q27.n_vocab > srv.row("compute").bytes
-    # smaller ubatch, smaller compute buffer (FACTS: why -ub 32 matters at 262K)
+    # smaller ubatch, smaller compute buffer (docs/facts.md: why -ub 32 matters at 262K)
     big = plan(q27, cfg262k("q4_0", ubatch=512, backend="cpu"), None).row("compute").bytes
     small = plan(q27, cfg262k("q4_0", ubatch=32, backend="cpu"), None).row("compute").bytes
     assert small * 8 < big
@@ -136,8 +137,9 @@ def test_check_fits_raises_with_numbers_and_the_largest_context(q27: ModelFacts)
 
 
 def test_bad_inputs_are_config_errors(q27: ModelFacts, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="tbq4_0"):
-        plan(q27, cfg262k("tbq4_0"), RTX4090)
+    # tbqp4_0 (another commit of the fork) has no size in the built-in table
+    with pytest.raises(ConfigError, match="tbqp4_0"):
+        plan(q27, cfg262k("tbqp4_0"), RTX4090)
     with pytest.raises(ConfigError, match="spec kind"):
         PlanConfig(spec="eagle")
     dense = read_facts(tiny_gguf.write_shape_only(tmp_path / "l.gguf", "llama3-8b"))
@@ -184,12 +186,12 @@ def test_cli_plan_from_a_profile(q27_path: Path, tmp_path: Path) -> None:
 
     prof = tmp_path / "mine.yaml"
     prof.write_text("description: test\nhardware:\n  gpu_name: RTX 4090\nmodel: x.gguf\n"
-                    "context: max\nkv:\n  k: [tbq4_0, q8_0]\n  v: [tbq4_0, q8_0]\n"
+                    "context: max\nkv:\n  k: [tbqp4_0, q8_0]\n  v: [tbqp4_0, q8_0]\n"
                     "spec:\n  kind: mtp\n  depth: 2\nubatch: 32\n")
     r = run_cli("plan", "--profile", str(prof), "--model", str(q27_path), "--json")
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    # tbq4_0 has no known size without calibration: the profile's fallback q8_0 is planned
+    # tbqp4_0 has no known size without calibration: the profile's fallback q8_0 is planned
     assert d["config"]["type_k"] == "q8_0" and d["config"]["spec"] == "mtp"
     assert d["config"]["ubatch"] == 32 and d["config"]["draft_depth"] == 2
     # context: max resolves to the largest context that fits, and it does fit

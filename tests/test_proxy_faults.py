@@ -1,5 +1,5 @@
-"""Faults on the link between the front and the child (RELIABILITY.md 4, 9–14), shown on demand by
-a fault-injecting upstream. The same promises are checked on the real llama-server in
+"""Faults on the link between the front and the child (docs/reliability.md 4, 9–14), shown on
+demand by a fault-injecting upstream. The same promises are checked on the real llama-server in
 test_proxy_real.py where the real binary can show them (disconnect, crash mid-stream).
 """
 
@@ -304,7 +304,8 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
     """Recorded NVML answers of an H200 go through hardware.gpu_metrics into both pages."""
     from mtpwrap.decide import hardware
-    from tests.test_hardware import RecordedNvml, load
+    from mtpwrap.decide.hardware import RecordedNvml
+    from tests.helpers import load_snapshot as load
 
     real = hardware.gpu_metrics
     monkeypatch.setattr(hardware, "gpu_metrics", lambda: real(RecordedNvml(load("h200"))))

@@ -1,7 +1,7 @@
 """The front in front of the real llama-server (CPU build, demo model), with real clients.
 
-RELIABILITY.md 10 (disconnect frees the slot) and 15 (transparency) are checked here on the real
-binary, as are the official `openai` client, a child killed mid-stream (1), the re-exported
+docs/reliability.md 10 (disconnect frees the slot) and 15 (transparency) are checked here on the
+real binary, as are the official `openai` client, a child killed mid-stream (1), the re-exported
 backend metrics and speculative acceptance, /healthz, and prompt privacy (21).
 
 Transparency masks only what llama-server itself changes on every call: `id` (random

@@ -1,4 +1,4 @@
-"""Security of the front (RELIABILITY.md 16–21): keys, allow-list, bad bodies, Host, CORS,
+"""Security of the front (docs/reliability.md 16–21): keys, allow-list, bad bodies, Host, CORS,
 privacy. The upstream here records what reaches it, so each test also proves that a refused
 request never got to the child.
 """
@@ -351,7 +351,7 @@ def test_each_scope_opens_its_own_paths_only(fake, scoped, method, path, needs):
 
 
 def test_scoped_keys_come_from_the_key_file_and_a_bad_scope_stops_up(tmp_path):
-    from tests.conftest import cli_env, run_cli
+    from tests.helpers import cli_env, run_cli
 
     keys = tmp_path / "keys"
     keys.write_text(f"{INFER} inference\n{OPS} metrics,dashboards\n")

@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import settings
+from mtpwrap.config import settings
 from mtpwrap.decide import hardware
 from mtpwrap.run import service
 from mtpwrap.run.supervisor import State
-from tests.test_resolve import DATA, fork_binary, model_27b  # noqa: F401 - fixtures
-from tests.test_supervisor import make
+from tests.helpers import DATA, make
 
 
 def test_a_reload_that_does_not_fit_is_refused_by_the_running_instance(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fork_binary: Path,  # noqa: F811
-        model_27b: Path) -> None:  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fork_binary: Path,
+        model_27b: Path) -> None:
     snap = hardware.load_snapshot(DATA / "snapshots" / "rtx4090.json")
     small = dataclasses.replace(snap.gpus[0], memory_free=8 * 2**30)
     monkeypatch.setattr(hardware, "snapshot",

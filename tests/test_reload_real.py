@@ -21,7 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import REPO, cli_env, run_cli
+from mtpwrap import proc
+from tests.helpers import REPO, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -51,9 +52,10 @@ class Served:
         self.env = cli_env(MTPWRAP_HOME=str(tmp / "home"), MTPWRAP_CONFIG=str(self.config),
                            **env)
         self.log = tmp / "up.log"
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtpwrap", "up"], env=self.env,
-                                     cwd=REPO, stdout=self.log.open("w"),
-                                     stderr=subprocess.STDOUT, text=True)
+        self.process = proc.start([sys.executable, "-m", "mtpwrap", "up"], env=self.env,
+                                  cwd=REPO, stdout=self.log.open("w"), stderr=proc.STDOUT,
+                                  text=True)
+        self.proc = self.process.popen  # signals to mtpwrap alone, as systemd sends them
         self.base = f"http://127.0.0.1:{port}"
         key = env.get("MTPWRAP_API_KEYS")
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
@@ -101,9 +103,7 @@ class Served:
         raise AssertionError(f"{name} {labels} not in /metrics")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill()
 
 
 MakeServed = Callable[..., Served]

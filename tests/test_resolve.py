@@ -9,28 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import settings
 from mtpwrap.build import tiny_gguf
+from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import service
-
-DATA = Path(__file__).resolve().parent / "data"
-
-
-@pytest.fixture
-def fork_binary(tmp_path: Path) -> Path:
-    exe = tmp_path / "llama-server"
-    exe.write_text("#!/bin/sh\n"
-                   f'case "$1" in --help) cat "{DATA}/help/fork-1c6e4ea.txt";; '
-                   f'--version) cat "{DATA}/help/fork-1c6e4ea.version.txt";; *) exit 1;; esac\n')
-    exe.chmod(0o755)
-    return exe
-
-
-@pytest.fixture(scope="module")
-def model_27b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_gguf.write_shape_only(tmp_path_factory.mktemp("m") / "qwen3.6-27b.gguf")
+from tests.helpers import DATA
 
 
 def replay(tmp_path: Path, free_gib: float | None = None) -> Path:
@@ -75,17 +59,25 @@ def test_plan_that_does_not_fit_stops_before_the_start(tmp_path: Path,
 def test_a_gpu_launch_that_cannot_be_planned_is_refused_unless_told(tmp_path: Path,
                                                                    fork_binary: Path,
                                                                    model_27b: Path) -> None:
-    # tbq4_0 is sized by measuring the built fork; without that measurement the plan cannot be
-    # made, and the flagship profile is not launched unchecked.
+    # tbqp4_0 (named at another commit of the fork) has no size in the built-in table and
+    # this binary was never measured: the plan cannot be made, and the launch is not started
+    # unchecked.
+    prof = tmp_path / "odd.yaml"
+    prof.write_text((DATA.parent.parent / "profiles" / "4090-262k.yaml").read_text()
+                    .replace("[tbq4_0, q4_0]", "[tbqp4_0]"))
+    odd_binary = tmp_path / "odd-server"
+    odd_binary.write_text(fork_binary.read_text().replace(
+        'fork-1c6e4ea.txt"', 'fork-1c6e4ea.txt" | sed s/tbq4_0/tbqp4_0/g'))
+    odd_binary.chmod(0o755)
     with pytest.raises(ConfigError) as info:
-        resolve(tmp_path, "4090-262k", model_27b, fork_binary)
-    assert "the memory plan could not be made (KV cache type 'tbq4_0'" in str(info.value)
+        resolve(tmp_path, str(prof), model_27b, odd_binary)
+    assert "the memory plan could not be made (KV cache type 'tbqp4_0'" in str(info.value)
     assert "--no-plan" in str(info.value)
-    launch = resolve(tmp_path, "4090-262k", model_27b, fork_binary, plan="skip")
+    launch = resolve(tmp_path, str(prof), model_27b, odd_binary, plan="skip")
     assert launch.info["memory_plan"] == "skipped (--no-plan)"
     assert any("not checked against the GPU's free memory" in w for w in launch.warnings)
     spec = launch.factory(1, "k" * 20, 0)
-    assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbq4_0"]
+    assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbqp4_0"]
 
 
 def test_a_plan_that_does_not_fit_names_the_contexts_that_do(tmp_path: Path,

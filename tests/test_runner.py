@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, cli_env
+from tests.helpers import REPO, cli_env
 
 
 def _free_port() -> int:
@@ -198,6 +198,7 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
     "grow_mb_per_s=40,token_delay_s=0.02,counter={tmp}/n,fault_starts=1",
     {"MTPWRAP_SUPERVISOR_RSS_LIMIT_MB": "90", "MTPWRAP_SUPERVISOR_MEMORY_INTERVAL_S": "0.2"},
 )], indirect=True)
+@pytest.mark.slow
 def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     served.wait_ready()
     st0 = served.state()
@@ -252,6 +253,7 @@ def stall_config(tmp_path: Path) -> Path:
     return cfg
 
 
+@pytest.mark.slow
 def test_wedged_stream_ends_in_an_error_and_the_child_is_replaced(tmp_path: Path,
                                                                   stall_config: Path) -> None:
     """/health stays 200 while no token comes: the front ends the stream after its stall

@@ -30,6 +30,7 @@ def english_licence() -> str:
     return next(d.text for d in corpus.documents if d.name.startswith("Apache"))[:3000]
 
 
+@pytest.mark.integration
 def test_korean_statute_is_ko_prose(korean_statute: str) -> None:
     assert "대한민국" in korean_statute
     assert classify_text(korean_statute) == "ko-prose"
@@ -47,11 +48,13 @@ def test_python_source_is_code() -> None:
     assert classify_text(body) == "code"
 
 
+@pytest.mark.integration
 def test_fenced_block_in_korean_question_is_code(korean_statute: str) -> None:
     text = korean_statute[:300] + "\n```python\nprint(1)\n```"
     assert classify_text(text) == "code"
 
 
+@pytest.mark.integration
 def test_mixed_korean_and_english_is_other(korean_statute: str, english_licence: str) -> None:
     mixed = korean_statute[:400] + "\n" + english_licence[:500]
     s = shares(mixed)
@@ -66,6 +69,7 @@ def test_japanese_and_chinese() -> None:
     assert classify_text(zh) == "zh-prose"
 
 
+@pytest.mark.integration
 def test_request_hints_win_over_text(korean_statute: str) -> None:
     chat = {"messages": [{"role": "user", "content": korean_statute[:500]}]}
     assert classify(chat) == "ko-prose"

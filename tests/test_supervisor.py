@@ -20,46 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mtpwrap.run.child import ChildSpec
-from mtpwrap.run.supervisor import State, Supervisor, SupervisorConfig
-
-FAKE = Path(__file__).resolve().parent / "fakes" / "fake_llama_server.py"
-
-FAST = dict(
-    load_stall_s=5.0, probe_timeout_s=5.0, poll_interval_s=0.02, monitor_interval_s=0.1,
-    backoff_initial_s=0.1, backoff_max_s=0.4, max_failures=4, failure_window_s=60.0,
-    stop_grace_s=3.0, wedge_s=0.0,
-)
-
-
-def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None = None) -> Any:
-    fault_env = ",".join(f"{k}={v}" for k, v in (faults or {}).items())
-
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        if steps is not None:
-            steps.append(step)
-        if step > 2:
-            return None
-        return ChildSpec(
-            argv=[sys.executable, str(FAKE), "--host", "127.0.0.1", "--port", str(port)],
-            env={"LLAMA_API_KEY": api_key, "FAKE_LLAMA_FAULTS": fault_env},
-            note=f"step {step}" if step else "",
-        )
-
-    return factory
-
-
-def make(faults: dict[str, Any] | None = None, tmp_path: Path | None = None,
-         **overrides: Any) -> tuple[Supervisor, list[tuple[float, State, State, str | None]]]:
-    steps = overrides.pop("steps", None)
-    cfg: dict[str, Any] = dict(FAST)
-    if tmp_path is not None:
-        cfg["log_file"] = tmp_path / "llama-server.log"
-    cfg.update(overrides)
-    sup = Supervisor(fake_factory(faults, steps), SupervisorConfig(**cfg))
-    events: list[tuple[float, State, State, str | None]] = []
-    sup.add_listener(lambda old, new, why: events.append((time.monotonic(), old, new, why)))
-    return sup, events
+from mtpwrap.run.supervisor import State, Supervisor
+from tests.helpers import fake_factory, make
 
 
 def alive(pid: int) -> bool:
@@ -319,7 +281,7 @@ def test_child_dies_when_mtpwrap_is_sigkilled(tmp_path: Path) -> None:
     script = f"""
 import asyncio, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from tests.test_supervisor import make
+from tests.helpers import make
 async def main():
     sup, _ = make({{}})
     await sup.start()
@@ -405,7 +367,7 @@ def test_memory_growth_recycles_without_failing_requests(tmp_path: Path) -> None
     async def scenario() -> None:
         sup, events = make({"grow_mb_per_s": 60, "token_delay_s": 0.05,
                             "counter": tmp_path / "n", "fault_starts": 1},
-                           tmp_path, rss_limit_bytes=90 * 2**20, memory_interval_s=0.1)
+                           tmp_path, rss_limit_mb=90, memory_interval_s=0.1)
         await sup.start()
         up = await sup.wait_ready(10)
         assert up is not None

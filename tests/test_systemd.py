@@ -7,33 +7,30 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as _free_port
 from mtpwrap.run import systemd
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli
 
 
 def _systemd_analyze() -> str:
     exe = shutil.which("systemd-analyze")
     if exe is None:  # Debian: the checker ships in the systemd package
-        subprocess.run(["apt-get", "install", "-y", "-q", "systemd"], check=True,
-                       capture_output=True, timeout=600)
+        proc.run(["apt-get", "install", "-y", "-q", "systemd"], check=True, timeout=600)
         exe = shutil.which("systemd-analyze")
     assert exe, "systemd-analyze is needed (apt-get install systemd)"
     return exe
 
 
-def _verify(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    unit = tmp_path / "mtpwrap.service"
-    unit.write_text(text)
-    return subprocess.run([_systemd_analyze(), "verify", str(unit)], capture_output=True,
-                          text=True, timeout=60)
+def _verify(text: str, tmp_path: Path) -> proc.Completed:
+    _systemd_analyze()  # installed when missing
+    return systemd.verify(text, tmp_path)
 
 
 def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -114,6 +111,7 @@ def test_notifier_reaches_path_and_abstract_sockets(tmp_path: Path, abstract: bo
 
 
 
+@pytest.mark.slow
 def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     """mtpwrap under a NOTIFY_SOCKET we own: EXTEND while loading, READY only once the model
     answers, STATUS on state changes, WATCHDOG=1 even while the child is dead, STOPPING=1."""
@@ -124,9 +122,9 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
                   FAKE_LLAMA_FAULTS="load_s=1.0", MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S="1.5",
                   MTPWRAP_SUPERVISOR_MONITOR_INTERVAL_S="0.1", MTPWRAP_DRAIN_S="2")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fakes.serve_fake", str(port)],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    process = proc.start([sys.executable, "-m", "tests.fakes.serve_fake", str(port)],
+                         env=env, cwd=REPO, stdout=proc.PIPE, stderr=proc.STDOUT, text=True)
+    up = process.popen
     got: list[tuple[float, str]] = []
 
     def pump(until: float, stop_when: str | None = None) -> None:
@@ -144,9 +142,9 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
         ready_at = next(t for t, m in got if "READY=1" in m)
         assert ready_at >= 1.0  # the fake takes a second to load; READY waited for the answer
         assert any("EXTEND_TIMEOUT_USEC=" in m for t, m in got if t < ready_at)
-        assert f"MAINPID={proc.pid}" in next(m for t, m in got if "READY=1" in m)
+        assert f"MAINPID={up.pid}" in next(m for t, m in got if "READY=1" in m)
         state = json.loads((tmp_path / "h" / "state" / "instance.json").read_text())
-        assert state["pid"] == proc.pid and state["state"] == "ready"
+        assert state["pid"] == up.pid and state["state"] == "ready"
 
         os.kill(state["child_pid"], signal.SIGKILL)  # the child dies; mtpwrap must not
         mark = len(got)
@@ -156,18 +154,17 @@ def test_notify_sequence_ready_status_watchdog_stopping(tmp_path: Path) -> None:
         assert sum(m == "WATCHDOG=1" for m in during) >= 3  # pings go on without a child
         pump(time.monotonic() + 10, "STATUS=ready")
 
-        proc.send_signal(signal.SIGTERM)
+        up.send_signal(signal.SIGTERM)
         pump(time.monotonic() + 10, "STATUS=stopped")
-        assert proc.wait(10) == 0
+        assert up.wait(10) == 0
         msgs = [m for _t, m in got]
         stopping = next(i for i, m in enumerate(msgs) if m.startswith("STOPPING=1"))
         assert "STATUS=draining" in msgs[stopping]
         assert stopping > msgs.index(next(m for m in msgs if "READY=1" in m))
         assert not (tmp_path / "h" / "state" / "instance.json").exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        out = proc.communicate()[0] if proc.stdout else ""
+        process.kill()
+        out = up.communicate()[0] if up.stdout else ""
         sock.close()
     assert "Traceback" not in out, out
 
@@ -180,7 +177,7 @@ def test_shipped_unit_is_the_generated_one(tmp_path: Path) -> None:
 
 
 def test_shipped_example_config_loads(tmp_path: Path) -> None:
-    from mtpwrap.settings import load_settings
+    from mtpwrap.config.settings import load_settings
 
     keys = tmp_path / "keys"
     keys.write_text("k1\n")
@@ -218,9 +215,10 @@ class _Service:
                            FAKE_LLAMA_FAULTS=faults, MTPWRAP_DRAIN_S="2", **env)
         self.t0 = time.monotonic()
         self.log = tmp_path / "up.log"
-        self.proc = subprocess.Popen(
+        self.process = proc.start(
             [sys.executable, "-m", "tests.fakes.serve_fake", str(_free_port())], env=self.env,
-            cwd=REPO, stdout=self.log.open("w"), stderr=subprocess.STDOUT, text=True)
+            cwd=REPO, stdout=self.log.open("w"), stderr=proc.STDOUT)
+        self.proc = self.process.popen  # signals go to mtpwrap alone, as systemd's KillMode=mixed
         self.got: list[tuple[float, str]] = []
 
     def pump(self, until: float, stop_when: str | None = None) -> None:
@@ -241,9 +239,7 @@ class _Service:
         return next(t for t, m in self.got if text in m)
 
     def close(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill()
         self.sock.close()
         return self.log.read_text()
 
@@ -274,6 +270,7 @@ def test_crash_loop_under_systemd_stops_extending_and_exits_1(tmp_path: Path) ->
     assert "exiting 1" in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_failed_without_exit_stops_extending_the_start_timeout(tmp_path: Path) -> None:
     """exit_on_failed: false keeps mtpwrap up and failed, but no longer extends systemd's
     start timeout: TimeoutStartSec acts on a unit that can never become ready."""
@@ -292,6 +289,7 @@ def test_failed_without_exit_stops_extending_the_start_timeout(tmp_path: Path) -
     assert rc == 1, out  # it stopped while failed
 
 
+@pytest.mark.slow
 def test_ready_waits_for_a_generation_and_retries_are_not_logged_one_by_one(
         tmp_path: Path) -> None:
     """/health 200 but every completion fails: no READY=1, and the retries (several a second)

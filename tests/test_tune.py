@@ -12,7 +12,7 @@ import yaml
 from mtpwrap.bench import stats, tune
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
-from tests.conftest import cli_env, run_cli
+from tests.helpers import cli_env, run_cli
 
 
 def _point(name: str, spec: str, depth: int, p_min: float | None, tps: float,

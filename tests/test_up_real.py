@@ -7,12 +7,9 @@ recovery → a working completion → SIGTERM → clean exit with no process of 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, cli_env, run_cli
+from tests.helpers import REPO, Instance, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -46,51 +43,6 @@ def alive(pid: int) -> bool:
         return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
     except OSError:
         return False
-
-
-class Instance:
-    def __init__(self, home: Path, port: int, binary: Path, model: Path,
-                 log: Path | None = None, profile: str = "cpu-demo", **more_env: str) -> None:
-        # With `log`, the output goes to that file: a pipe nobody reads would stall a node
-        # that serves many requests.
-        self.home, self.port, self.log = home, port, log
-        extra = {"MTPWRAP_HOME": str(home), "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.5",
-                 "MTPWRAP_DRAIN_S": "5"}
-        extra.update(more_env)
-        self.env = cli_env(**extra)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mtpwrap", "up", "--profile", profile, "--binary",
-             str(binary), "--model", str(model), "--port", str(port)],
-            env=self.env, cwd=REPO, stderr=subprocess.STDOUT, text=True,
-            stdout=subprocess.PIPE if log is None else log.open("w"))
-        self.base = f"http://127.0.0.1:{port}"
-
-    def status(self) -> tuple[int, dict]:
-        r = run_cli("status", "--json", env=self.env, timeout=30)
-        return r.returncode, json.loads(r.stdout)
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        pytest.fail("mtpwrap never became ready:\n" + self.output())
-
-    def output(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        out = self.proc.communicate(timeout=10)[0] or ""
-        return self.log.read_text() if self.log is not None else out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture

@@ -2,5 +2,5 @@
 rejection hotspots by token class, latency under load and a compressed-KV quality guard.
 
 `runner` measures, `stats` turns counters into the figures, `report` writes JSON, Markdown and
-PNG, `tune` sweeps speculation settings. See BENCH.md for what each figure means.
+PNG, `tune` sweeps speculation settings. See docs/benchmarks.md for what each figure means.
 """

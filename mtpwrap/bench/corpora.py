@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpwrap import fetch
 from mtpwrap.errors import ConfigError, IntegrityError
+from mtpwrap.models import fetch
 
 KONLPY_VERSION = "0.6.0"
 KONLPY_WHEEL = f"konlpy-{KONLPY_VERSION}-py2.py3-none-any.whl"

@@ -22,13 +22,13 @@ def model_path(explicit: str | None) -> Path:
         p = Path(explicit).expanduser()
         if p.is_file():
             return p
-        from mtpwrap.decide import models
+        from mtpwrap.models import known as models
 
         return Path(models.resolve_model(explicit))
     env = os.environ.get("MTPWRAP_DEMO_MODEL")
     if env and Path(env).is_file():
         return Path(env)
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     return Path(models.ensure_demo_model())
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from mtpwrap.bench import stats, tokenclass
-from mtpwrap.decide.launch import KV_TYPES, SPEC_KINDS
+from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.proc import free_loopback_port as _free_port
 

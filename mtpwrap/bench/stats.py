@@ -1,6 +1,6 @@
 """Speculation statistics, defined once.
 
-Two different numbers are both called "acceptance" (FACTS.md §4):
+Two different numbers are both called "acceptance" (docs/facts.md §4):
 - llama.cpp's acceptance rate = accepted draft tokens ÷ drafted tokens;
 - the recipe's α = the per-position acceptance that, with independent positions and stopping at
   the first miss, explains the observed tokens per verification step: 1 + α + α² + … + α^k.

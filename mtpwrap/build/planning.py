@@ -156,9 +156,9 @@ def cuda_variant(archs: list[str]) -> str:
 
 
 #: CUDA-only options of the MTP + TurboQuant fork, set only when the source is the fork.
-#: Source: the fork's documented capabilities at the pinned commit (shared/design/FACTS.md §1:
+#: Source: the fork's documented capabilities at the pinned commit (docs/facts.md §1:
 #: "fused TBQ4 flash attention on CUDA", "quantized V needs --flash-attn on", -ctkd/-ctvd set
-#: the draft's KV types). The names are ggml's; tests/test_build.py checks each against the
+#: the draft's KV types). The names are ggml's; tests/test_build_cuda.py checks each against the
 #: fork's own CMake files whenever vendor/llama.cpp-mtp is initialised.
 FORK_CUDA_OPTIONS: dict[str, tuple[str, str]] = {
     "GGML_CUDA_FA": ("ON", "the fused TBQ4 flash-attention kernels are part of the CUDA "

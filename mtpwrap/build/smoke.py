@@ -20,8 +20,9 @@ from typing import Any
 
 from mtpwrap import proc
 from mtpwrap.build import tiny_gguf
-from mtpwrap.decide import capabilities, launch, models
+from mtpwrap.decide import capabilities, launch
 from mtpwrap.errors import MtpwrapError
+from mtpwrap.models import known as models
 
 #: Signals that mean the binary itself is broken on this CPU, not that the machine was busy.
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE)

@@ -16,8 +16,9 @@ import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtpwrap import fetch, paths, proc
+from mtpwrap import paths, proc
 from mtpwrap.errors import ConfigError, IntegrityError
+from mtpwrap.models import fetch
 
 SUBMODULE_PATH = "vendor/llama.cpp-mtp"
 SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-turboq-mtp.git"

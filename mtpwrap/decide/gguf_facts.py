@@ -107,12 +107,17 @@ class ModelFacts:
     def hybrid(self) -> bool:
         return bool(self.recurrent_layers)
 
-    def kv_row_values(self, il: int) -> tuple[int, int]:
-        """(K values, V values) per token for layer il (V is 0 for MLA)."""
+    def kv_heads(self, il: int) -> tuple[int, int, int]:
+        """(K head size, V head size, KV heads) of layer il."""
         swa = il in self.swa_layers
         dk = self.head_dim_k_swa if swa and self.head_dim_k_swa else self.head_dim_k
         dv = self.head_dim_v_swa if swa and self.head_dim_v_swa else self.head_dim_v
         nkv = self.n_head_kv[il] if il < len(self.n_head_kv) else self.n_head_kv[-1]
+        return dk, dv, nkv
+
+    def kv_row_values(self, il: int) -> tuple[int, int]:
+        """(K values, V values) per token for layer il (V is 0 for MLA)."""
+        dk, dv, nkv = self.kv_heads(il)
         return dk * nkv, (0 if self.is_mla else dv * nkv)
 
     def to_dict(self) -> dict[str, Any]:

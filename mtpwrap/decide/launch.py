@@ -1,9 +1,9 @@
 """The one launch: a typed, frozen `LaunchConfig` chosen from profile + capabilities + hardware,
 and rendered once into llama-server's argv and environment.
 
-This module is the only home of llama-server's flag spellings and of the KV and speculation
-vocabularies. `choose` decides (each choice with its reason), `render` spells, `step_down` makes
-cheaper variants after out-of-memory starts — all on `LaunchConfig`, never on argv strings.
+The flag spellings and the KV and speculation vocabularies live in `vocab`. `choose` decides
+(each choice with its reason), `render` spells, `step_down` makes cheaper variants after
+out-of-memory starts — all on `LaunchConfig`, never on argv strings.
 
 Only flags the built binary lists are emitted; a flag it lacks is a ConfigError naming the flag
 and the binary. Flags llama.cpp has removed (`--draft`, `--draft-n`, `--draft-max`,
@@ -22,84 +22,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtpwrap.decide import kv
+from mtpwrap.decide.vocab import (
+    CONTEXT_FLOOR,
+    DEFAULT_VERBOSITY,
+    DEPTH_FLAGS,
+    FULL_PRECISION_KV,
+    KV_TYPES,
+    NGRAM_N_FLAGS,
+    RESERVED,
+    SPEC_TYPES,
+    SPELLINGS,
+    STEP_KV_TYPES,
+    VERBOSE,
+    VERBOSITY,
+)
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.hardware import HardwareSnapshot
     from mtpwrap.decide.profiles import Profile
-
-#: KV cache types known to upstream llama.cpp and to the MTP + TurboQuant fork. A profile may
-#: name any of them; `choose` then keeps only what the built binary offers.
-KV_TYPES = (
-    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
-    "tbq3_0", "tbq4_0", "tbqp3_0", "tbqp4_0", "planar3_0", "iso3_0", "planar4_0", "iso4_0",
-)
-FULL_PRECISION_KV = frozenset({"f32", "f16", "bf16"})
-SPEC_KINDS = ("mtp", "draft", "ngram", "none")
-FLASH_ATTN = ("on", "off", "auto")
-#: spec types per speculation kind, in order of preference. ngram-simple first: its lookup
-#: length is set per profile (spec.ngram_n), and it drafts on short prompts where ngram-mod's
-#: 24-token lookup finds nothing.
-SPEC_TYPES: dict[str, tuple[str, ...]] = {
-    "mtp": ("mtp", "draft-mtp"),
-    "draft": ("draft-simple", "draft"),
-    "ngram": ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache"),
-}
-
-#: logical option → spellings in order of preference (the recipe's spellings first).
-SPELLINGS: dict[str, tuple[str, ...]] = {
-    "model": ("-m", "--model"),
-    "host": ("--host",),
-    "port": ("--port",),
-    "context": ("-c", "--ctx-size"),
-    "gpu_layers": ("-ngl", "--gpu-layers", "--n-gpu-layers"),
-    "slots": ("-np", "--parallel"),
-    "batch": ("-b", "--batch-size"),
-    "ubatch": ("-ub", "--ubatch-size"),
-    "threads": ("-t", "--threads"),
-    "cache_k": ("-ctk", "--cache-type-k"),
-    "cache_v": ("-ctv", "--cache-type-v"),
-    "flash_attn": ("--flash-attn", "-fa"),
-    "spec_type": ("--spec-type",),
-    "p_min": ("--spec-draft-p-min", "--draft-p-min"),
-    "draft_model": ("-md", "--spec-draft-model", "--model-draft"),
-    "draft_k": ("-ctkd", "--spec-draft-type-k", "--cache-type-k-draft"),
-    "draft_v": ("-ctvd", "--spec-draft-type-v", "--cache-type-v-draft"),
-    "mlock": ("--mlock",),
-    "no_warmup": ("--no-warmup",),
-    "verbosity": ("-lv", "--verbosity", "--log-verbosity"),
-    "kv_unified": ("-kvu", "--kv-unified"),
-    "no_kv_unified": ("-no-kvu", "--no-kv-unified"),
-    "no_repack": ("--no-repack", "-nr"),
-    "fit": ("--fit", "-fit"),
-    "metrics": ("--metrics",),
-    "no_webui": ("--no-webui", "--no-ui"),
-    "api_key": ("--api-key",),
-    "slot_save_path": ("--slot-save-path",),
-}
-#: the draft depth's flag and the ngram lookup length's flag, per spec type.
-DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
-    "mtp": ("--spec-draft-n-max",), "draft-mtp": ("--spec-draft-n-max",),
-    "draft-simple": ("--spec-draft-n-max",), "draft": ("--spec-draft-n-max",),
-    "ngram-simple": ("--spec-ngram-simple-size-m",), "ngram-mod": ("--spec-ngram-mod-n-max",),
-    "ngram-map-k": ("--spec-ngram-map-k-size-m",),
-}
-NGRAM_N_FLAGS: dict[str, tuple[str, ...]] = {
-    "ngram-simple": ("--spec-ngram-simple-size-n",), "ngram-map-k": ("--spec-ngram-map-k-size-n",),
-}
-#: flags mtpwrap owns, and why: extra args may not set them.
-_LOOPBACK = "the child listens on loopback with an internal key"
-RESERVED: dict[str, str] = {
-    **dict.fromkeys(("-m", "--model", "--host", "--port", "--api-key", "--api-key-file",
-                     "--path", "--ssl-key-file", "--ssl-cert-file"), _LOOPBACK),
-    "--slot-save-path": "its KV snapshot directory, persist.dir",
-}
-#: KV types a step-down moves through (each taken only when it is smaller per value).
-STEP_KV_TYPES = ("q8_0", "tbq4_0", "q4_0", "tbq3_0")
-#: the smallest context a step-down halves to.
-CONTEXT_FLOOR = 4096
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -164,7 +107,7 @@ class LaunchConfig:
 
 
 @dataclass
-class LaunchSpec:
+class RenderedLaunch:
     """A LaunchConfig rendered for one binary, host and port."""
 
     argv: list[str]
@@ -412,10 +355,6 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
                         cache_v=cache, slots=slots, **fields)
 
 
-#: llama-server's default log verbosity (3, info): above it, prompts and answers are logged
-DEFAULT_VERBOSITY = 3
-VERBOSE = frozenset({"-v", "--verbose", "--log-verbose"})
-VERBOSITY = frozenset(SPELLINGS["verbosity"])
 
 
 def check_exposure(source: str, args: Sequence[str], *, log_prompts: bool,
@@ -473,9 +412,11 @@ class _Argv:
 
 def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-           extra: Sequence[str] = (), serve: bool = True) -> LaunchSpec:
+           extra: Sequence[str] = (), serve: bool = True,
+           slot_save_path: Path | str | None = None) -> RenderedLaunch:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
-    serve=False: only the model and memory flags (llama-fit-params serves nothing)."""
+    serve=False: only the model and memory flags (llama-fit-params serves nothing).
+    slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots."""
     b = _Argv(caps)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
@@ -528,6 +469,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("no_repack", None, r("repack") or "no CPU weight repacking")
     if cfg.fit is not None:
         b.add("fit", cfg.fit, r("fit") or "llama.cpp's own fitting to device memory")
+    if serve and slot_save_path is not None:
+        b.add("slot_save_path", slot_save_path,
+              "mtpwrap's KV snapshot directory (persist.dir), never a client's")
     if serve:
         b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
         if caps.first_of(SPELLINGS["no_webui"]):
@@ -558,18 +502,14 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
 
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
-    return LaunchSpec(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
+    return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
                       profile=cfg.profile, secret_env=frozenset(secret))
 
 
 # --------------------------------------------------------------------------- stepping down
 
 
-def bits_per_value(t: str, kv_sizes: Mapping[str, Any] | None = None) -> float:
-    from mtpwrap.decide.planner import type_size
-
-    block, size = type_size(t, dict(kv_sizes) if kv_sizes else None)
-    return 8.0 * size / block
+bits_per_value = kv.bits_per_value
 
 
 def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,

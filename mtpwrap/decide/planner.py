@@ -22,19 +22,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.errors import ConfigError
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
-#: cache type -> (values per block, bytes per block) for the types upstream llama.cpp accepts.
-#: Fork types are measured from the binary (mtpwrap.calibrate) and passed in as kv_sizes.
-BUILTIN_KV_TYPES: dict[str, tuple[int, int]] = {
-    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2),
-    "q8_0": (32, 34), "q5_1": (32, 24), "q5_0": (32, 22),
-    "q4_1": (32, 20), "q4_0": (32, 18), "iq4_nl": (32, 18),
-}
+#: cache type -> (values per block, bytes per block): the built-in table (mtpwrap.decide.kv,
+#: each size with its source). Sizes measured from the binary (mtpwrap.calibrate) win.
+BUILTIN_KV_TYPES: dict[str, tuple[int, int]] = {n: (t.block, t.bytes) for n, t in kv.TABLE.items()}
 SPEC_KINDS = ("mtp", "draft", "ngram", "none")
 #: a fixed allowance per backend for what llama.cpp allocates outside the named buffers
 #: (CUDA context, cuBLAS workspace, graph metadata). Measured CUDA contexts are 300-500 MiB.
@@ -116,25 +113,8 @@ class MemoryPlan:
         return d
 
 
-def type_size(t: str, kv_sizes: dict[str, Any] | None = None) -> tuple[int, int]:
-    """(values per block, bytes per block) of a cache type; measured sizes win."""
-    if kv_sizes and t in kv_sizes:
-        v = kv_sizes[t]
-        if isinstance(v, dict):
-            return int(v["block"]), int(v["bytes"])
-        return int(v[0]), int(v[1])
-    if t in BUILTIN_KV_TYPES:
-        return BUILTIN_KV_TYPES[t]
-    known = sorted(set(BUILTIN_KV_TYPES) | set(kv_sizes or {}))
-    raise ConfigError(f"KV cache type {t!r} has no known size; use one of {', '.join(known)} "
-                      "or run `mtpwrap build` so the binary's types are measured.")
-
-
-def row_bytes(t: str, n_values: int, kv_sizes: dict[str, Any] | None = None) -> int:
-    """Bytes of one row of n_values. Measured sizes are per 256 values (every ggml block size
-    divides 256), so a row is n_values/256 of that, not a whole 256-value block."""
-    block, size = type_size(t, kv_sizes)
-    return -(-n_values * size // block)
+type_size = kv.size
+row_bytes = kv.row_bytes
 
 
 def _pad(x: int, n: int) -> int:
@@ -156,7 +136,10 @@ def kv_bytes(facts: ModelFacts, layers: list[int], cells: int, streams: int, typ
     total = 0
     v_max = max((facts.kv_row_values(il)[1] for il in layers), default=0)
     for il in layers:
+        dk, dv, n_kv = facts.kv_heads(il)
         nk, nv = facts.kv_row_values(il)
+        nk = kv.padded_head(type_k, dk) * n_kv
+        nv = kv.padded_head(type_v, dv) * n_kv if nv else 0
         if not cfg.flash_attn and nv:
             nv = v_max  # transposed V is sized to the widest layer
         c = swa_cells if (swa_cells is not None and il in facts.swa_layers) else cells

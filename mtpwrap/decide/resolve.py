@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide.launch import LaunchConfig, LaunchSpec, choose, render
+from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render
 from mtpwrap.errors import ConfigError, MissingToolError
 
 if TYPE_CHECKING:
@@ -104,14 +104,14 @@ class Resolved:
         return self.plan_text + (f"; {self.measured_text}" if self.measured_text else "")
 
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
-               api_key: str | None = None, cfg: LaunchConfig | None = None
-               ) -> LaunchSpec:
+               api_key: str | None = None, cfg: LaunchConfig | None = None,
+               slot_save_path: Path | str | None = None) -> RenderedLaunch:
         caps = self.inputs.caps
         if caps is None:
             raise MissingToolError("no llama-server to spell the command line for.",
                                    hint="Run `mtpwrap build`, or pass --binary PATH.")
         return render(cfg or self.launch, caps, binary=self.inputs.binary, host=host,
-                      port=port, api_key=api_key)
+                      port=port, api_key=api_key, slot_save_path=slot_save_path)
 
 
 # --------------------------------------------------------------------------- planning
@@ -334,15 +334,17 @@ def load_profile(name: str, snapshot: HardwareSnapshot) -> tuple[Profile, str]:
 def find_model(name: str, *, what: str, fetch: bool) -> tuple[str, str | None]:
     """(path, warning). fetch=False: a preview; the demo model is not downloaded and a missing
     model is a warning (shown as given)."""
-    from mtpwrap.decide import models
+    from mtpwrap.models import known as models
 
     if fetch:
         return str(models.resolve_model(name, what=what)), None
-    if name in models.DEMO_ALIASES:
-        demo = models.cached_demo_model() or models.demo_model_path()
-        if Path(demo).is_file():
-            return str(demo), None
-        return str(demo), f"the demo model is not fetched yet ({demo}); `mtpwrap models` gets it"
+    known = models.known_model(name)
+    if known is not None:
+        there = models.cached(known) or known.path()
+        if Path(there).is_file():
+            return str(there), None
+        return str(there), (f"the model {known.name} is not fetched yet ({there}); "
+                            f"`mtpwrap models get {known.name}` gets it")
     try:
         return str(models.resolve_model(name, what=what)), None
     except ConfigError as exc:

@@ -11,12 +11,13 @@ import os
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpwrap import proc
+from mtpwrap.config.table import SUPERVISOR, TOP
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, RuntimeFailure
 
 UNIT_NAME = "mtpwrap.service"
@@ -97,9 +98,9 @@ class UnitOptions:
     environment: Mapping[str, str] = field(default_factory=dict)
     watchdog_s: int = 30
     start_timeout_s: int = 300  # extended by EXTEND_TIMEOUT_USEC while the model loads
-    drain_s: float = 30.0
-    drain_grace_s: float = 0.0
-    stop_grace_s: float = 10.0
+    drain_s: float = TOP["drain_s"].default
+    drain_grace_s: float = TOP["drain_grace_s"].default
+    stop_grace_s: float = SUPERVISOR["stop_grace_s"].default
     state_dir: str = "/var/lib/mtpwrap"
     log_dir: str = "/var/log/mtpwrap"
     read_only_paths: Sequence[str] = ()
@@ -256,8 +257,8 @@ def ensure_user(user: str) -> None:
     if not useradd:
         raise RuntimeFailure(f"user {user!r} does not exist and useradd is not available; "
                              "create a system user for the service first.")
-    subprocess.run([useradd, "--system", "--home-dir", "/var/lib/mtpwrap", "--no-create-home",
-                    "--shell", "/usr/sbin/nologin", "--user-group", user], check=True)
+    proc.run([useradd, "--system", "--home-dir", "/var/lib/mtpwrap", "--no-create-home",
+              "--shell", "/usr/sbin/nologin", "--user-group", user], timeout=60, check=True)
 
 
 def booted() -> bool:
@@ -266,16 +267,16 @@ def booted() -> bool:
 
 
 def _systemctl(*args: str, check: bool = True) -> None:
-    r = subprocess.run(["systemctl", *args], capture_output=True, text=True)
+    r = proc.run(["systemctl", *args], timeout=120)
     if check and r.returncode != 0:
         raise RuntimeFailure(f"systemctl {' '.join(args)} failed: {r.stderr.strip()[:200]}")
 
 
-def verify(unit_text: str, workdir: Path) -> subprocess.CompletedProcess[str]:
+def verify(unit_text: str, workdir: Path) -> proc.Completed:
     """Run `systemd-analyze verify` on a unit text (written to `workdir`)."""
     path = workdir / UNIT_NAME
     path.write_text(unit_text)
     exe = shutil.which("systemd-analyze")
     if not exe:
         raise RuntimeFailure("systemd-analyze is not installed (Debian: apt-get install systemd).")
-    return subprocess.run([exe, "verify", str(path)], capture_output=True, text=True)
+    return proc.run([exe, "verify", str(path)], timeout=60)

@@ -1,0 +1,198 @@
+"""Plain helpers shared by test modules: running the CLI as a person would, requiring a system
+tool, an `mtpwrap up` instance, a supervisor over the fake llama-server, recorded GPU snapshots
+and a carried build. Fixtures live in conftest.py; test modules import from here, never from
+conftest or from each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mtpwrap import proc
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+SNAPSHOTS = DATA / "snapshots"
+FAKE_LLAMA_SERVER = Path(__file__).resolve().parent / "fakes" / "fake_llama_server.py"
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("NO_COLOR", "1")
+    env.setdefault("COLUMNS", "200")
+    env.update(extra)
+    return env
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "mtpwrap", *args],
+        env=env or cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(cwd or REPO),
+    )
+
+
+def require_tool(name: str, package: str) -> str:
+    """Path of a system tool a test needs. Missing: a failure in CI (CI=true), else a skip
+    that says how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        how = (f"{name} is not installed: run `sudo make system-deps` "
+               f"(or `apt-get install {package}`)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(how)
+        pytest.skip(how)
+    return path
+
+
+# --------------------------------------------------------------------------- recorded GPUs
+
+
+def load_snapshot(name: str) -> dict[str, Any]:
+    """A recorded NVML snapshot from tests/data/snapshots/NAME.json, as a dict."""
+    data: dict[str, Any] = json.loads((SNAPSHOTS / f"{name}.json").read_text())
+    return data
+
+
+# --------------------------------------------------------------------------- `mtpwrap up`
+
+
+class Instance:
+    """`mtpwrap up` in a process of its own, with a home of its own."""
+
+    def __init__(self, home: Path, port: int, binary: Path, model: Path,
+                 log: Path | None = None, profile: str = "cpu-demo", **more_env: str) -> None:
+        # With `log`, the output goes to that file: a pipe nobody reads would stall a node
+        # that serves many requests.
+        self.home, self.port, self.log = home, port, log
+        extra = {"MTPWRAP_HOME": str(home), "MTPWRAP_SUPERVISOR_BACKOFF_INITIAL_S": "0.5",
+                 "MTPWRAP_DRAIN_S": "5"}
+        extra.update(more_env)
+        self.env = cli_env(**extra)
+        self.process = proc.start(
+            [sys.executable, "-m", "mtpwrap", "up", "--profile", profile, "--binary",
+             str(binary), "--model", str(model), "--port", str(port)],
+            env=self.env, cwd=REPO, stderr=proc.STDOUT, text=True,
+            stdout=proc.PIPE if log is None else log.open("w"))
+        self.proc = self.process.popen  # signals to mtpwrap alone, as systemd sends them
+        self.base = f"http://127.0.0.1:{port}"
+
+    def status(self) -> tuple[int, dict]:
+        r = run_cli("status", "--json", env=self.env, timeout=30)
+        return r.returncode, json.loads(r.stdout)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        pytest.fail("mtpwrap never became ready:\n" + self.output())
+
+    def output(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        out = self.proc.communicate(timeout=10)[0] or ""
+        return self.log.read_text() if self.log is not None else out
+
+    def close(self) -> None:
+        self.process.kill()
+
+
+# --------------------------------------------------------------------------- a supervisor
+
+# Short timings so that a fault shows within a second or two.
+FAST: dict[str, Any] = dict(
+    load_stall_s=5.0, probe_timeout_s=5.0, poll_interval_s=0.02, monitor_interval_s=0.1,
+    backoff_initial_s=0.1, backoff_max_s=0.4, max_failures=4, failure_window_s=60.0,
+    stop_grace_s=3.0, wedge_s=0.0,
+)
+
+
+def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None = None) -> Any:
+    """A supervisor's child factory that starts tests/fakes/fake_llama_server.py with FAULTS."""
+    from mtpwrap.run.child import ChildSpec
+
+    fault_env = ",".join(f"{k}={v}" for k, v in (faults or {}).items())
+
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        if steps is not None:
+            steps.append(step)
+        if step > 2:
+            return None
+        return ChildSpec(
+            argv=[sys.executable, str(FAKE_LLAMA_SERVER), "--host", "127.0.0.1", "--port",
+                  str(port)],
+            env={"LLAMA_API_KEY": api_key, "FAKE_LLAMA_FAULTS": fault_env},
+            note=f"step {step}" if step else "",
+        )
+
+    return factory
+
+
+def make(faults: dict[str, Any] | None = None, tmp_path: Path | None = None,
+         **overrides: Any) -> tuple[Any, list[tuple[float, Any, Any, str | None]]]:
+    """A Supervisor over the fake llama-server, and the list its state changes are logged to."""
+    from mtpwrap.config.objects import SupervisorConfig
+    from mtpwrap.run.supervisor import Supervisor
+
+    steps = overrides.pop("steps", None)
+    cfg: dict[str, Any] = dict(FAST)
+    if tmp_path is not None:
+        cfg["log_file"] = tmp_path / "llama-server.log"
+    cfg.update(overrides)
+    sup = Supervisor(fake_factory(faults, steps), SupervisorConfig(**cfg))
+    events: list[tuple[float, Any, Any, str | None]] = []
+    sup.add_listener(lambda old, new, why: events.append((time.monotonic(), old, new, why)))
+    return sup, events
+
+
+# --------------------------------------------------------------------------- a carried build
+
+
+def packable_manifest(tmp_path: Path, identity: str | None = None,
+                      sha: str | None = None) -> Any:
+    """An installed cuda-sm89 build of the offline pin with real (small) binaries."""
+    from mtpwrap import hashing
+    from mtpwrap.build import planning, source
+    from mtpwrap.build.manifest import Manifest
+
+    bin_dir = tmp_path / "made-here" / "bin"
+    bin_dir.mkdir(parents=True)
+    binaries = {}
+    for name in planning.TARGETS:
+        exe = bin_dir / name
+        exe.write_text(f"#!/bin/sh\necho {name}\n")
+        exe.chmod(0o755)
+        binaries[name] = {"path": str(exe), "cache_path": str(exe),
+                          "sha256": sha or hashing.sha256_file(exe)}
+    return Manifest(
+        variant="cuda-sm89", source={"kind": "offline", "commit": "0c1e570",
+                                     "identity": identity or source.offline_identity()},
+        cmake_options={"GGML_CUDA": "ON"}, compiler="g++", cuda_version="13.0",
+        architectures=["89"], binaries=binaries, version_output="", build_seconds=1.0,
+        built_at="2026-11-30T00:00:00", cache_key="k", build_dir=str(bin_dir.parent), log="",
+        smoke={"status": "skipped", "detail": "no GPU"})
