@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mtpwrap.cli import cli
 from mtpwrap.commands.up import command as up_command
 from mtpwrap.config import reference
 from mtpwrap.config.objects import (
@@ -87,7 +88,9 @@ def config_file(tmp_path: Path, dotted: str, value: Any) -> Path:
 
 def flags(dotted: str, value: Any) -> dict[str, Any]:
     """What `up`'s command line gives the loader for `--flag VALUE` (parsed by click)."""
-    ctx = up_command.make_context("up", [flag_name(dotted), text(value)])
+    # under the group's own context settings, as `mtpwrap up` parses it
+    parent = cli.make_context("mtpwrap", ["up"], resilient_parsing=True)
+    ctx = up_command.make_context("up", [flag_name(dotted), text(value)], parent=parent)
     return given(ctx.params)
 
 
@@ -148,7 +151,20 @@ def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, 
         assert fields[name].default == k.default, name
 
 
-def test_configuration_reference_is_current() -> None:
-    assert reference.TARGET.read_text(encoding="utf-8") == reference.render(), (
-        "docs/reference/configuration.md is not current: run "
-        "`python -m mtpwrap.config.reference`")
+def test_reference_and_example_config_are_current() -> None:
+    for target, text in reference.generated().items():
+        assert target.read_text(encoding="utf-8") == text, (
+            f"{target.name} is not current: run `python -m mtpwrap.config.reference`")
+
+
+def test_example_config_sets_what_it_shows(tmp_path: Path) -> None:
+    """The shipped example loads and gives the table's defaults (its key file aside)."""
+    keys = tmp_path / "keys"
+    keys.write_text("example-key-0123456789\n")
+    text = reference.EXAMPLE.read_text().replace("/etc/mtpwrap/api-keys", str(keys))
+    cfg = tmp_path / "mtpwrap.yaml"
+    cfg.write_text(text)
+    s = load_settings({}, env={}, config=cfg)
+    for dotted, k in KEYS.items():
+        if dotted != "api_key_file":
+            assert built(s, dotted) == k.default, dotted
