@@ -26,7 +26,9 @@ from mtpwrap.config.table import (
     FEATURES,
     PERSIST,
     PROXY,
+    SECTIONS,
     SUPERVISOR,
+    TOP,
     Key,
     env_name,
     every_key,
@@ -149,6 +151,11 @@ def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, 
             continue
         assert name in fields, f"{cls.__name__} has no field for {name}"
         assert fields[name].default == k.default, name
+
+
+def test_settings_hold_every_top_level_key() -> None:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    assert set(TOP) <= fields and set(SECTIONS) <= fields
 
 
 def test_reference_and_example_config_are_current() -> None:

@@ -232,7 +232,7 @@ def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
     """The front's configuration, checked before anything starts (proxy.max_concurrency is
     refused where a file sets it: the front sends llama-server at most its slots)."""
     paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
-    if "slot-actions" in paths_on and settings.persist.get("enabled", True):
+    if "slot-actions" in paths_on and settings.persist["enabled"]:
         raise ConfigError(
             f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
             "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
