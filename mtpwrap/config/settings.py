@@ -60,6 +60,14 @@ class Settings:
     def proxy_source(self) -> str:
         return str(self.config_file) if self.config_file else "settings"
 
+    def value(self, dotted: str) -> Any:
+        """A setting's value by its dotted key (`port`, `supervisor.wedge_s`)."""
+        section, _, name = dotted.rpartition(".")
+        if not section:
+            return getattr(self, name)
+        values: dict[str, Any] = getattr(self, section)
+        return values[name]
+
 
 def read_config(path: Path) -> dict[str, Any]:
     data = read_yaml(path, f"--config {path}" if not path.exists() else str(path),

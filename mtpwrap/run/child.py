@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
 
 log = logging.getLogger("mtpwrap.supervisor")
@@ -40,6 +41,8 @@ class ChildSpec:
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
     note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
+    #: the launch `argv` renders (what KV snapshots depend on); None for other commands
+    launch: LaunchConfig | None = None
 
 
 class _RateLimiter:

@@ -85,7 +85,7 @@ def resolve_launch(settings: Settings) -> Launch:
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     info: dict[str, Any] = {
         "profile": inp.profile.name, "profile_reason": inp.profile_reason,
@@ -154,8 +154,7 @@ def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactor
         spec = factory(port, api_key, step)
         if spec is None:
             return None
-        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
-                         note=spec.note)
+        return dataclasses.replace(spec, argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)])
     return wrapped
 
 
@@ -166,8 +165,9 @@ def reload_inputs(settings: Settings) -> dict[str, Any]:
     cli: dict[str, Any] = {}
     env: dict[str, str] = {}
     for key, source in settings.sources.items():
-        if source.startswith("--") and "." not in key:
-            cli[key] = getattr(settings, key)
+        if source.startswith("--"):
+            value = settings.value(key)
+            cli[key] = list(value) if isinstance(value, tuple) else value
         elif source.startswith("MTPWRAP_") and source in os.environ:
             env[source] = os.environ[source]
     return {"cli": cli, "env": env,
