@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap import paths
-from mtpwrap.config.coerce import convert
 from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings
-from mtpwrap.config.table import SUPERVISOR
 from mtpwrap.errors import ConfigError
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.run.persist import SnapshotStore
@@ -118,15 +116,7 @@ def _spec_policy_info(prof: Profile, manifest: Manifest | None) -> dict[str, Any
 def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
     """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
     else the default."""
-    values = dict(settings.supervisor)
-    # The profile's supervisor section fills in what no flag, variable or config file set.
-    where = f"profile {launch.info.profile}"
-    for key, raw in launch.supervisor.items():
-        if key not in SUPERVISOR:
-            raise ConfigError(f"{where}: supervisor.{key}: unknown key.")
-        if settings.sources.get(f"supervisor.{key}") == "default":
-            values[key] = convert(raw, SUPERVISOR[key], where, f"supervisor.{key}")
-    return values
+    return {**settings.supervisor, **settings.layered("supervisor", launch.supervisor)}
 
 
 def child_log_file() -> Path:
@@ -143,12 +133,12 @@ def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
     """The front's configuration, checked before anything starts (proxy.max_concurrency is
     refused where a file sets it: the front sends llama-server at most its slots)."""
     paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
-    if "slot-actions" in paths_on and settings.persist.get("enabled", True):
+    if "slot-actions" in paths_on and settings.persist["enabled"]:
         raise ConfigError(
             f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
             "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
             "slot-actions, or turn snapshots off with persist.enabled: false.")
-    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
+    mapping = {"listen_host": settings.host, **settings.layered("proxy", launch.proxy),
                "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
