@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -34,14 +35,14 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.supervisor import SupervisorPort
+from mtpwrap.run.state import SupervisorPort
 from mtpwrap.serve import depth_policy, ops
 from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
 from mtpwrap.serve.admission import Admission, Refusal
 from mtpwrap.serve.bodies import BadBody, check_fields, parse_json_body
 from mtpwrap.serve.depth_policy import DepthDecision
-from mtpwrap.serve.info import ReloadState, ServeInfo
+from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.relay import Exchange, Relay, upstream_client
 from mtpwrap.serve.replies import ASGIApp, Receive, Replies, Scope, Send, declares_body
@@ -66,8 +67,8 @@ class Front:
         self.config = config
         #: the launch served; replaced (not changed) after a reload
         self.info = info if info is not None else ServeInfo()
-        #: the operator's last reload, when the service that runs this front takes them
-        self.reload: ReloadState | None = None
+        #: the operator's last reload as the service that runs this front reports it (JSON)
+        self.reload: Mapping[str, object] | None = None
         self.leaving = False  # /readyz says draining; requests are still taken (drain grace)
         self._workers: dict[Exchange, asyncio.Task[None]] = {}
         self._enabled = frozenset(config.enable_paths)

@@ -1,14 +1,12 @@
-"""What the front knows about the launch it serves, and the reload state it shows.
+"""What a launch tells the front, /healthz, the state file and `up`'s summary about itself.
 
 `ServeInfo` is built once per launch by the service that starts llama-server (and again after a
-reload); the front, `/healthz` and the draft-depth policy read its fields. `ReloadState` is the
-one mutable record of the last reload, written by the service and shown by `/healthz` and the
-state file.
+reload); the front, `/healthz` and the draft-depth policy read its fields.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from mtpwrap.decide.profiles import Speculation
 
@@ -18,7 +16,7 @@ PER_REQUEST_DEPTH = ("honoured", "ignored", "unknown")
 
 @dataclass(frozen=True)
 class ServeInfo:
-    """The launch as the front sees it (static between reloads)."""
+    """Static facts of one launch (a reload brings a new one)."""
 
     profile: str | None = None
     profile_reason: str | None = None
@@ -52,19 +50,3 @@ class ServeInfo:
     @property
     def speculates(self) -> bool:
         return self.speculation is not None and self.speculation.kind not in ("none", "")
-
-
-@dataclass
-class ReloadState:
-    """The last reload or restart asked for by the operator (generation 0: none yet)."""
-
-    generation: int = 0
-    kind: str | None = None       # reload | restart
-    result: str | None = None     # running | ok | refused | failed
-    message: str | None = None
-    exit_code: int | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)

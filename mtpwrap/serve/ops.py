@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.run.supervisor import State
+from mtpwrap.run.state import State
 from mtpwrap.serve.metrics import gpu_samples
 
 if TYPE_CHECKING:
@@ -30,11 +30,11 @@ async def livez(_request: Request) -> Response:
 
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     st = front.supervisor.status()
-    state = st.state.value
+    state = st.state
     if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
-    if state != "ready" or st.upstream is None:
-        return False, {"status": state, "reason": st.reason or f"child is {state}"}
+    if state is not State.READY or st.upstream is None:
+        return False, {"status": state.value, "reason": st.reason or f"child is {state.value}"}
     return True, {"status": "ready", "generation": st.upstream.generation}
 
 
@@ -89,7 +89,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "memory_plan": info.memory_plan,
         "log_file": info.log_file,
         "webui_bundle": info.webui_bundle,
-        "reload": front.reload.to_dict() if front.reload is not None else None,
+        "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
     }
 
