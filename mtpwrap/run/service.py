@@ -59,7 +59,6 @@ class Launch:
 def resolve_launch(settings: Settings) -> Launch:
     """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
     and the factory the supervisor calls for each start (port, key, step-down rung)."""
-    from mtpwrap.decide import launch as launching
     from mtpwrap.decide import resolve
 
     inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
@@ -77,7 +76,7 @@ def resolve_launch(settings: Settings) -> Launch:
     first = r.render(port=0, api_key="x")  # spells every flag now: a bad one fails here
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes, cost=r.cost())
+        rung = r.step_down(step)
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung)
