@@ -104,7 +104,7 @@ PRE_SPAWN = """
 import time, sys
 from mtpwrap import cli
 from mtpwrap.commands import up
-from mtpwrap import settings
+from mtpwrap.config import settings
 from mtpwrap.run import instance
 from mtpwrap.run import service
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})

@@ -12,6 +12,7 @@ from typing import Any
 
 from mtpwrap import paths
 from mtpwrap.build import toolchain
+from mtpwrap.config.objects import default_snapshot_dir
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
 
@@ -232,7 +233,7 @@ def check_snapshots(directory: Path | None = None) -> Check:
         data = instance.read_instance() or {}
         recorded = data.get("persist_dir")
         configured = os.environ.get("MTPWRAP_PERSIST_DIR")
-        directory = Path(recorded or configured or persist.default_dir())
+        directory = Path(recorded or configured or default_snapshot_dir())
     if not directory.exists():
         return Check("KV snapshots", OK, f"{directory} does not exist yet (created 0700 by "
                      "`mtpwrap up`)")

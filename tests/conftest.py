@@ -39,12 +39,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "`integration`; mark them so the unit tier stays hermetic:\n  " + "\n  ".join(wrong))
 
 
+@pytest.fixture(scope="session")
+def vocabulary_tree() -> str | None:
+    """An llama.cpp tree already extracted in the caller's cache, for the model writer's
+    tokenizers: without it every unit test that writes a GGUF would fetch and unpack the
+    pinned source (290 MB) into its own empty home. Only read, never fetched here; unused once
+    the model writer needs no tree (it then has no `llama_source_dir`)."""
+    from mtpwrap import paths
+    from mtpwrap.build import tiny_gguf
+
+    if not hasattr(tiny_gguf, "llama_source_dir"):
+        return None
+    trees = sorted(t for t in paths.sources_dir().glob("*/vendor/llama.cpp")
+                   if (t / "models").is_dir())
+    return str(trees[-1]) if trees else None
+
+
 @pytest.fixture(autouse=True)
 def unit_home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
               monkeypatch: pytest.MonkeyPatch) -> Path | None:
     """An empty MTPWRAP_HOME for every unit test; integration tests keep the shared caches."""
     if request.node.get_closest_marker("integration"):
         return None
+    vocabulary = request.getfixturevalue("vocabulary_tree")
     for key in list(os.environ):
         if key.startswith("MTPWRAP_"):
             monkeypatch.delenv(key)
@@ -52,6 +69,8 @@ def unit_home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     monkeypatch.setenv("MTPWRAP_HOME", str(home))
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(home / "checkout-build"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))
+    if vocabulary is not None:
+        monkeypatch.setenv("MTPWRAP_LLAMA_SOURCE", vocabulary)
     return home
 
 

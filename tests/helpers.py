@@ -156,7 +156,8 @@ def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None =
 def make(faults: dict[str, Any] | None = None, tmp_path: Path | None = None,
          **overrides: Any) -> tuple[Any, list[tuple[float, Any, Any, str | None]]]:
     """A Supervisor over the fake llama-server, and the list its state changes are logged to."""
-    from mtpwrap.run.supervisor import Supervisor, SupervisorConfig
+    from mtpwrap.config.objects import SupervisorConfig
+    from mtpwrap.run.supervisor import Supervisor
 
     steps = overrides.pop("steps", None)
     cfg: dict[str, Any] = dict(FAST)

@@ -97,13 +97,13 @@ def test_selectors_ports_and_profiles_point_at_what_exists() -> None:
 
 
 def _settings(tmp_path: Path) -> Any:
-    from mtpwrap import settings
-    from mtpwrap.serve.policy import ProxyConfig
+    from mtpwrap.config import settings
+    from mtpwrap.config.objects import ProxyConfig
 
     data = yaml.safe_load(documents()["ConfigMap"]["data"]["mtpwrap.yaml"])
     keys = tmp_path / "api-keys"
     keys.write_text("a-client-key-0001\n")
-    data["proxy"]["api_keys_file"] = str(keys)
+    data["api_key_file"] = str(keys)
     cfg = tmp_path / "mtpwrap.yaml"
     cfg.write_text(yaml.safe_dump(data))
     s = settings.load_settings({}, env={}, config=cfg)
@@ -141,5 +141,5 @@ def check_pod(pod: dict[str, Any], s: Any, proxy: Any) -> None:
     model_dir = str(Path(s.model).parent) if s.model else ""
     assert "persistentVolumeClaim" in volumes[mounts[model_dir]]  # the model on a volume
     shipped = yaml.safe_load(documents()["ConfigMap"]["data"]["mtpwrap.yaml"])
-    keys_dir = str(Path(shipped["proxy"]["api_keys_file"]).parent)
+    keys_dir = str(Path(shipped["api_key_file"]).parent)
     assert volumes[mounts[keys_dir]]["secret"]["secretName"]  # the keys from a Secret

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mtpwrap import settings
 from mtpwrap.build import tiny_gguf
 from mtpwrap.cli import cli
+from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, MtpwrapError
 from mtpwrap.run import service

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap.config.objects import PersistConfig
+from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist, service
 from mtpwrap.run.child import ChildSpec
-from mtpwrap.settings import load_settings
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
-    return persist.SnapshotStore(persist.PersistConfig(directory=directory,
-                                                       max_bytes=max_mb * 2**20))
+    return persist.SnapshotStore(PersistConfig(dir=str(directory), max_mb=max_mb))
 
 
 def write(store: persist.SnapshotStore, slot: int, size: int) -> str:

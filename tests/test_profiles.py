@@ -147,9 +147,15 @@ def test_yaml_on_off_booleans_become_flash_attn_words(tmp_path: Path) -> None:
 
 
 def test_free_sections_are_kept_for_their_owners(tmp_path: Path) -> None:
-    doc = GOOD + "supervisor:\n  oom_step_down: true\nproxy:\n  max_body_mb: 8\n"
+    doc = GOOD + "supervisor:\n  oom_step_down: true\nproxy:\n  max_body_bytes: 8\n"
     p = profiles.load_file(write(tmp_path, doc, "free"))
-    assert p.supervisor == {"oom_step_down": True} and p.proxy == {"max_body_mb": 8}
+    assert p.supervisor == {"oom_step_down": True} and p.proxy == {"max_body_bytes": 8}
+    # checked with the settings' table, as the config file is
+    with pytest.raises(ConfigError, match=r"typo.yaml: proxy.max_body_mb: unknown key"):
+        profiles.load_file(write(tmp_path, doc.replace("max_body_bytes", "max_body_mb"), "typo"))
+    with pytest.raises(ConfigError, match=r"supervisor.wedge_s: expected a number of seconds"):
+        profiles.load_file(write(tmp_path, doc.replace("oom_step_down: true", "wedge_s: -1"),
+                                 "neg"))
 
 
 def test_context_max_and_single_kv_type_string(tmp_path: Path) -> None:

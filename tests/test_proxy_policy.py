@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from mtpwrap.config.apikeys import key_table, read_keys_file
+from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.serve.policy import (
-    ProxyConfig,
     classify,
     derive_allowed_hosts,
     host_of,
     key_scopes,
-    key_table,
     presented_key,
-    read_keys_file,
     required_scope,
 )
 
@@ -102,7 +102,9 @@ def test_required_scope_per_route(method, path, scope):
 
 
 def test_every_allow_list_feature_has_a_scope():
-    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES, FEATURES, SCOPES
+    from mtpwrap.config.apikeys import SCOPES
+    from mtpwrap.config.table import FEATURES
+    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES
 
     assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
     assert set(FEATURE_SCOPES.values()) <= set(SCOPES)
@@ -139,13 +141,25 @@ def test_hosts():
     assert wide is not None and "127.0.0.1" in wide and "evil.example" not in wide
 
 
-def test_api_keys_file(tmp_path):
+def test_api_key_file(tmp_path):
     f = tmp_path / "keys"
     f.write_text("# service keys\nkey-from-file-1\n\n  key-from-file-2  \n")
-    cfg = ProxyConfig.from_mapping({"api_keys_file": str(f), "api_keys": ["inline-key-1"]}, "c")
+    c = tmp_path / "c.yaml"
+    c.write_text(f"api_key_file: {f}\n")
+    s = load_settings({}, env={"MTPWRAP_API_KEYS": "inline-key-1"}, config=c)
+    cfg = ProxyConfig.from_mapping({"api_keys": list(s.api_keys)}, "c")
     assert cfg.api_keys == ("inline-key-1", "key-from-file-1", "key-from-file-2")
-    with pytest.raises(ConfigError, match="c: proxy.api_keys_file: cannot read"):
-        ProxyConfig.from_mapping({"api_keys_file": str(tmp_path / "nope")}, "c")
+    c.write_text(f"api_key_file: {tmp_path / 'nope'}\n")
+    with pytest.raises(ConfigError, match=f"{c}: api_key_file: cannot read"):
+        load_settings({}, env={}, config=c)
     (tmp_path / "empty").write_text("# nothing\n")
-    with pytest.raises(ConfigError, match="holds no key"):
-        ProxyConfig.from_mapping({"api_keys_file": str(tmp_path / "empty")}, "c")
+    with pytest.raises(ConfigError, match="MTPWRAP_API_KEY_FILE: .*holds no key"):
+        load_settings({}, env={"MTPWRAP_API_KEY_FILE": str(tmp_path / "empty")})
+    # the old name in the proxy section says where the setting went
+    with pytest.raises(ConfigError, match="proxy.api_keys_file: this setting is api_key_file "
+                                          "at the top"):
+        ProxyConfig.from_mapping({"api_keys_file": str(f)}, "c")
+    c.write_text(f"proxy:\n  api_keys_file: {f}\n")
+    with pytest.raises(ConfigError, match=f"{c}: proxy.api_keys_file: this setting is "
+                                          "api_key_file at the top"):
+        load_settings({}, env={}, config=c)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import settings
+from mtpwrap.config import settings
 from mtpwrap.decide import hardware
 from mtpwrap.run import service
 from mtpwrap.run.supervisor import State

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap import settings
 from mtpwrap.build import tiny_gguf
+from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import service

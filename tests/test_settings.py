@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import EXIT_CONFIG, ConfigError
-from mtpwrap.settings import load_settings
 from tests.helpers import cli_env, run_cli
 
 
@@ -80,10 +80,10 @@ def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:
 def test_api_keys_from_env_and_file_never_from_config(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# comment\nk-file-1\n\nk-file-2\n")
-    cfg = write(tmp_path, f"proxy:\n  api_keys_file: {keys}\n  queue_size: 4\n")
+    cfg = write(tmp_path, f"api_key_file: {keys}\nproxy:\n  queue_size: 4\n")
     s = load_settings({}, env={"MTPWRAP_API_KEYS": "k-env, k-file-1"}, config=cfg)
     assert s.api_keys == ("k-env", "k-file-1", "k-file-2")
-    assert s.proxy == {"queue_size": 4}  # the file name is consumed, the rest is the front's
+    assert s.proxy == {"queue_size": 4}  # only what was set: the profile's section fills in
     empty = tmp_path / "empty"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="--api-key-file: .*holds no key"):

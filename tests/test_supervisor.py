@@ -367,7 +367,7 @@ def test_memory_growth_recycles_without_failing_requests(tmp_path: Path) -> None
     async def scenario() -> None:
         sup, events = make({"grow_mb_per_s": 60, "token_delay_s": 0.05,
                             "counter": tmp_path / "n", "fault_starts": 1},
-                           tmp_path, rss_limit_bytes=90 * 2**20, memory_interval_s=0.1)
+                           tmp_path, rss_limit_mb=90, memory_interval_s=0.1)
         await sup.start()
         up = await sup.wait_ready(10)
         assert up is not None

@@ -177,7 +177,7 @@ def test_shipped_unit_is_the_generated_one(tmp_path: Path) -> None:
 
 
 def test_shipped_example_config_loads(tmp_path: Path) -> None:
-    from mtpwrap.settings import load_settings
+    from mtpwrap.config.settings import load_settings
 
     keys = tmp_path / "keys"
     keys.write_text("k1\n")

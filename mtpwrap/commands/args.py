@@ -7,18 +7,15 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.config.options import setting_option
+
 
 @click.command("args")
-@click.option("--profile", "profile_name", default="auto", show_default=True,
-              envvar="MTPWRAP_PROFILE", help="Profile name or file, or `auto` for this machine.")
-@click.option("--model", type=str, envvar="MTPWRAP_MODEL",
-              help="Model path, overriding the profile's.")
-@click.option("--binary", type=click.Path(path_type=Path), envvar="MTPWRAP_BINARY",
-              help="llama-server to use (default: the one `mtpwrap build` made).")
-@click.option("--hw-replay", "--replay", "replay",
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="MTPWRAP_HW_REPLAY",
-              help="Hardware recording to use instead of this machine (see `mtpwrap hw`).")
+@setting_option("profile", "profile_name")
+@setting_option("model")
+@setting_option("binary", type=click.Path(path_type=Path))
+@setting_option("hw_replay", "--hw-replay", "--replay", "replay",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--port", type=int, envvar="MTPWRAP_UPSTREAM_PORT",
               help="Internal port to show in the command line.")
 @click.option("--no-plan", "no_plan", is_flag=True,

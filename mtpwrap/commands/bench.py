@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.config.options import setting_option
+
 FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 
 
@@ -17,10 +19,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 @click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
               help="Benchmark this running server (base URL) instead of launching a matrix.")
 @click.option("--api-key", envvar="MTPWRAP_API_KEY", default=None, help="Key for --url.")
-@click.option("--model", envvar="MTPWRAP_MODEL", default=None,
-              help="GGUF model (default: the demo model).")
-@click.option("--binary", "binary_opt", envvar="MTPWRAP_BINARY", default=None,
-              help="llama-server binary (default: the newest `mtpwrap build`).")
+@setting_option("model", help="GGUF model (default: the demo model).")
+@setting_option("binary", "binary_opt",
+                help="llama-server binary (default: the newest `mtpwrap build`).")
 @click.option("--spec", "specs", multiple=True, envvar="MTPWRAP_BENCH_SPEC",
               type=click.Choice(["draft", "ngram", "mtp"]),
               help="Speculation kinds in the matrix (repeatable; default draft and ngram).")
@@ -40,9 +41,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               envvar="MTPWRAP_BENCH_THREADS",
               help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
-@click.option("--profile", default=None, envvar="MTPWRAP_PROFILE",
-              help="Profile every configuration derives from (its overrides: speculation, KV, "
-                   "context, threads); default: the one `up` would choose here.")
+@setting_option("profile", default=None,
+                help="Profile every configuration derives from (its overrides: speculation, "
+                     "KV, context, threads); default: the one `up` would choose here.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_BENCH_OUT",
               help="Report folder (default ./bench-results/TIMESTAMP).")

@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from mtpwrap.config.options import setting_option
+
 
 @click.command("doctor")
-@click.option("--model", envvar="MTPWRAP_MODEL", default=None, help="Model file to check.")
+@setting_option("model", help="Model file to check.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable report.")
 def command(model: str | None, as_json: bool) -> None:
     """Check the NVIDIA driver, GPUs, CUDA toolkit, cmake, compiler, disk, build and model.

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from mtpwrap import console
+from mtpwrap.config.options import setting_option
 from mtpwrap.decide import hardware
 
 
@@ -17,9 +18,9 @@ from mtpwrap.decide import hardware
 @click.option("--record", "record_to", type=click.Path(dir_okay=False, path_type=Path),
               envvar="MTPWRAP_HW_RECORD",
               help="Write NVML's raw answers to this file, to replay elsewhere with --replay.")
-@click.option("--replay", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              envvar="MTPWRAP_HW_REPLAY",
-              help="Read a recording (or a saved --json snapshot) instead of this machine.")
+@setting_option("hw_replay", "--replay", "replay",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="Read a recording (or a saved --json snapshot) instead of this machine.")
 def command(as_json: bool, record_to: Path | None, replay: Path | None) -> None:
     """Show the GPUs (name, memory, compute capability, driver, power, PCIe), CPU and RAM."""
     if record_to is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 
@@ -70,3 +72,41 @@ def list_cmd(as_json: bool) -> None:
         ["name", "size (MB)", "path"],
         [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["path"]] for r in rows],
     )
+
+
+@command.command("pull")
+@click.argument("repo")
+@click.argument("selector", required=False, metavar="[FILE|QUANT]")
+@click.option("--revision", default="main", show_default=True,
+              help="Branch, tag or commit of the repository.")
+@click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the files go (default: the models directory, MTPWRAP_HOME/models).")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="A file holding the hub token (default: HF_TOKEN, then `hf auth login`'s).")
+def pull(repo: str, selector: str | None, revision: str, dest: Path | None,
+         token_file: Path | None) -> None:
+    """Fetch a GGUF model from a Hugging Face hub (HF_ENDPOINT for a mirror): resumable,
+    checked against the hub's sha256, a split model as a whole set. Prints the model's path."""
+    from mtpwrap.models import pull as hub
+
+    done = hub.pull(repo, selector, revision=revision, dest=dest, token_file=token_file)
+    click.echo(str(done.model))
+
+
+@command.command("import")
+@click.argument("sources", nargs=-1, required=True, metavar="PATH...",
+                type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--sums", type=click.Path(dir_okay=False, path_type=Path),
+              help="A SHA256SUMS file listing the files (default: one beside each file, then "
+                   "the record `models pull` wrote beside it).")
+@click.option("--link", is_flag=True, help="Hard-link instead of copying (same filesystem).")
+@click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the files go (default: the models directory).")
+def import_cmd(sources: tuple[Path, ...], sums: Path | None, link: bool,
+               dest: Path | None) -> None:
+    """Copy model files carried from a connected machine (USB disk, share) into the models
+    directory, each verified by its sha256; a file that does not match is refused."""
+    from mtpwrap.models import importer
+
+    for path in importer.import_files(list(sources), dest=dest, sums=sums, link=link):
+        click.echo(str(path))

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from mtpwrap.config.options import setting_option
 from mtpwrap.errors import ConfigError
 
 MiB = 1024 * 1024
@@ -90,19 +91,19 @@ def _overrides(model: str | None, context: int | None, kv: str | None, spec: str
 
 
 @click.command("plan")
-@click.option("--model", "-m", "model", envvar="MTPWRAP_MODEL",
-              help="GGUF model file (only its header is read); default: the profile's model.")
-@click.option("--profile", "-p", "profile", envvar="MTPWRAP_PROFILE",
-              help="Plan this profile (the flags below replace its keys).")
+@setting_option("model", "--model", "-m", "model",
+                help="GGUF model file (only its header is read); default: the profile's model.")
+@setting_option("profile", "--profile", "-p", "profile", default=None,
+                help="Plan this profile (the flags below replace its keys).")
 @click.option("--gpu", default=None, envvar="MTPWRAP_GPU",
               help=f"GPU to plan for: {', '.join(KNOWN_GPUS)}, auto (this machine, or "
                    "--hw-replay), or cpu (default: auto).")
-@click.option("--hw-replay", "replay", type=click.Path(exists=True, dir_okay=False,
-                                                       path_type=Path),
-              envvar="MTPWRAP_HW_REPLAY", help="Hardware recording to plan for (--gpu auto).")
-@click.option("--binary", type=click.Path(path_type=Path), envvar="MTPWRAP_BINARY",
-              help="llama-server whose KV and speculation types count (default: the built one, "
-                   "if any).")
+@setting_option("hw_replay", "--hw-replay", "replay",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="Hardware recording to plan for (--gpu auto).")
+@setting_option("binary", type=click.Path(path_type=Path),
+                help="llama-server whose KV and speculation types count (default: the built "
+                     "one, if any).")
 @click.option("--context", "-c", "context", type=int, envvar="MTPWRAP_CONTEXT",
               help="Context length (default: the profile's, else the model's trained context).")
 @click.option("--kv", "kv", default=None, envvar="MTPWRAP_KV",

@@ -8,6 +8,9 @@ from typing import Any, TypeVar
 
 import click
 
+from mtpwrap.config.options import setting_option
+from mtpwrap.config.table import DEFAULT_CONFIG_FILE
+
 
 def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
              drain_s: float, drain_grace_s: float, stop_grace_s: float) -> object:
@@ -24,22 +27,19 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def _common(f: _F) -> _F:
     for opt in reversed([
-        click.option("--profile", envvar="MTPWRAP_PROFILE", help="Profile the unit serves."),
-        click.option("--config", envvar="MTPWRAP_CONFIG", default="/etc/mtpwrap/mtpwrap.yaml",
+        setting_option("profile", default=None, help="Profile the unit serves."),
+        click.option("--config", envvar="MTPWRAP_CONFIG", default=DEFAULT_CONFIG_FILE,
                      show_default=True, help="Config file the unit passes to `mtpwrap up`."),
         click.option("--user", envvar="MTPWRAP_SERVICE_USER", default="mtpwrap",
                      show_default=True, help="Dedicated system user the service runs as."),
         click.option("--watchdog-s", type=click.IntRange(2, 3600), default=30,
                      envvar="MTPWRAP_WATCHDOG_S", show_default=True, help="WatchdogSec."),
-        click.option("--drain-s", type=click.FloatRange(0), default=30.0,
-                     envvar="MTPWRAP_DRAIN_S", show_default=True,
-                     help="Drain budget; TimeoutStopSec covers it."),
-        click.option("--drain-grace-s", type=click.FloatRange(0), default=0.0,
-                     envvar="MTPWRAP_DRAIN_GRACE_S", show_default=True,
-                     help="Time out of rotation before draining; TimeoutStopSec covers it."),
-        click.option("--stop-grace-s", type=click.FloatRange(0), default=10.0,
-                     envvar="MTPWRAP_SUPERVISOR_STOP_GRACE_S", show_default=True,
-                     help="Grace llama-server gets after SIGTERM."),
+        setting_option("drain_s", type=click.FloatRange(0),
+                       help="Drain budget; TimeoutStopSec covers it."),
+        setting_option("drain_grace_s", type=click.FloatRange(0),
+                       help="Time out of rotation before draining; TimeoutStopSec covers it."),
+        setting_option("supervisor.stop_grace_s", "--stop-grace-s", type=click.FloatRange(0),
+                       help="Grace llama-server gets after SIGTERM."),
     ]):
         f = opt(f)
     return f

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import click
 
+from mtpwrap.config.options import setting_option
+
 if TYPE_CHECKING:
     from mtpwrap.bench.tune import TunePlan
 
@@ -26,17 +28,15 @@ if TYPE_CHECKING:
               help="Corpora of the workload: ko and/or en.")
 @click.option("--kv", "kv_type", default=None, envvar="MTPWRAP_TUNE_KV",
               help="KV cache type of every setting (default: the profile's).")
-@click.option("--model", envvar="MTPWRAP_MODEL", default=None,
-              help="Model path or name (default: the profile's).")
+@setting_option("model", help="Model path or name (default: the profile's).")
 @click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
               help="Drafter GGUF for --kind draft (default: the model itself).")
-@click.option("--binary", envvar="MTPWRAP_BINARY", default=None,
-              help="llama-server to use (default: the one `mtpwrap build` made).")
+@setting_option("binary")
 @click.option("--threads", type=click.IntRange(1, 1024), default=None,
               envvar="MTPWRAP_BENCH_THREADS", help="llama-server threads (default: its own).")
-@click.option("--profile", default="auto", envvar="MTPWRAP_PROFILE", show_default=True,
-              help="Profile whose speculation is tuned (every setting is this profile with its "
-                   "spec replaced); --write saves the best as its override.")
+@setting_option("profile",
+                help="Profile whose speculation is tuned (every setting is this profile with "
+                     "its spec replaced); --write saves the best as its override.")
 @click.option("--per-class", "per_class", is_flag=True, envvar="MTPWRAP_TUNE_PER_CLASS",
               help="Measure each request class (Korean statutes, English licences, code) at "
                    "each depth on one server; --write saves the best as the profile's "

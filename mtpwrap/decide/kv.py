@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 _UPSTREAM = "ggml/src/ggml-common.h (block_{0}, upstream llama.cpp)"
 _FORK = ("ggml/src/ggml-common.h (block_{0}) of Indras-Mirror/llama.cpp-mtp at 0bc0a27; "
-         "FACTS.md §7")
+         "docs/facts.md §7")
 _TURBO = ("ggml/src/ggml-common.h (block_{0}_0, QK_{1} = 128) of TheTom/llama-cpp-turboquant "
           "at 69d8e4b")
 

@@ -21,13 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
+from mtpwrap.config.coerce import check_section
+from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
 from mtpwrap.decide.vocab import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError
 
 MAX_CONTEXT = 1 << 24
 MAX_DEPTH = 8
-#: sections other modules own and validate; here they only have to be mappings.
+#: sections of settings a profile may give (below flags, variables and the config file);
+#: checked with the settings' own table.
 FREE_SECTIONS = ("supervisor", "proxy")
 SYSTEM_PROFILES_DIR = Path("/etc/mtpwrap/profiles")
 
@@ -378,8 +381,9 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         if isinstance(a, bool) or not isinstance(a, (str, int, float)):
             raise c.fail(f"extra_args[{i}]", f"expected text, got {c.show(a)}")
     free: dict[str, Mapping[str, Any]] = {}
-    for section in FREE_SECTIONS:
-        free[section] = c.mapping(data[section], section) if section in data else {}
+    for section in FREE_SECTIONS:  # keys shared with the settings: the table's checks
+        free[section] = (check_section(section, c.mapping(data[section], section), where)
+                         if section in data else {})
 
     return Profile(
         name=name, description=c.string(data["description"], "description", one_line=True),
@@ -525,20 +529,8 @@ def display_path(path: Path) -> str:
 
 
 def load_file(path: Path) -> Profile:
-    import yaml
-
     where = display_path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read the profile: {exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        loc = f"{where}:{mark.line + 1}" if mark is not None else where
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{loc}: YAML syntax error: {problem}") from exc
+    data = read_yaml(path, where, what="profile")
     if data is None:
         raise ConfigError(f"{where}: the file is empty; a profile needs at least "
                           f"{', '.join(REQUIRED_KEYS)}")

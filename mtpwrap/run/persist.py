@@ -27,11 +27,11 @@ import shutil
 import stat
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import paths
+from mtpwrap.config.objects import PersistConfig
 
 log = logging.getLogger("mtpwrap.persist")
 
@@ -43,30 +43,6 @@ CHECKPOINT_IDLE_S = 3.0
 AUTO_SHARE = 0.25
 
 
-def default_dir() -> Path:
-    """On disk beside the models and builds (under systemd /var/lib/mtpwrap), not in the state
-    directory, which systemd puts on a RAM-backed /run."""
-    return paths.home() / "kv-snapshots"
-
-
-@dataclass(frozen=True)
-class PersistConfig:
-    enabled: bool = True
-    directory: Path = field(default_factory=default_dir)
-    min_tokens: int = 2048
-    max_bytes: int = 0  # 0: AUTO_SHARE of the free disk, measured when the store opens
-    checkpoints: bool = False
-    checkpoint_tokens: int = 2048
-
-    @classmethod
-    def from_settings(cls, values: Mapping[str, Any]) -> PersistConfig:
-        raw_dir = values.get("dir")
-        return cls(enabled=bool(values.get("enabled", True)),
-                   directory=Path(raw_dir).expanduser() if raw_dir else default_dir(),
-                   min_tokens=int(values.get("min_tokens", 2048)),
-                   max_bytes=int(values.get("max_mb", 0)) * 2**20,
-                   checkpoints=bool(values.get("checkpoints", False)),
-                   checkpoint_tokens=int(values.get("checkpoint_tokens", 2048)))
 
 
 # --------------------------------------------------------------------------- compatibility

@@ -24,14 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
+from mtpwrap.config.coerce import convert
+from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import supervisor_config as build_supervisor_config
+from mtpwrap.config.settings import Settings, load_settings
+from mtpwrap.config.table import SUPERVISOR
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
 from mtpwrap.run.child import ChildSpec
-from mtpwrap.run.persist import PersistConfig, SnapshotStore
-from mtpwrap.run.supervisor import LaunchFactory, State, Supervisor, SupervisorConfig
+from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.supervisor import LaunchFactory, State, Supervisor
 from mtpwrap.run.systemd import Notifier
-from mtpwrap.settings import SUPERVISOR, Settings, convert
 
 log = logging.getLogger("mtpwrap.runner")
 
@@ -125,14 +129,9 @@ def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
 
 
 def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
-    values = supervisor_values(settings, launch)
-    rss = int(values.pop("rss_limit_mb")) * 2**20
-    values.pop("exit_on_failed")
-    if values["oom_step_down"] == "auto":
-        # on when the plan leaves the GPU near its edge, where an out-of-memory start is likely
-        values["oom_step_down"] = bool(launch.info.get("near_edge"))
-    return SupervisorConfig(rss_limit_bytes=rss,
-                            log_file=paths.log_dir() / "llama-server.log", **values)
+    return build_supervisor_config(supervisor_values(settings, launch),
+                                   near_edge=bool(launch.info.get("near_edge")),
+                                   log_file=paths.log_dir() / "llama-server.log")
 
 
 # --------------------------------------------------------------------------- reload
@@ -144,7 +143,7 @@ SLOT_SAVE_FLAG = SPELLINGS["slot_save_path"][0]
 
 def persist_config(settings: Settings) -> PersistConfig | None:
     """The snapshot settings (`persist:`); None when persistence is off."""
-    cfg = PersistConfig.from_settings(settings.persist)
+    cfg = PersistConfig(**settings.persist)
     return cfg if cfg.enabled else None
 
 
@@ -175,8 +174,6 @@ def reload_inputs(settings: Settings) -> dict[str, Any]:
 
 
 def reread_settings(inputs: dict[str, Any]) -> Settings:
-    from mtpwrap.settings import load_settings
-
     env = {**os.environ, **dict(inputs.get("env") or {})}
     return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
 
@@ -230,18 +227,9 @@ def public_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-def proxy_config(settings: Settings, launch: Launch) -> Any:
-    """The front's configuration, checked before anything starts. ProxyConfig lives in a
-    light module (no ASGI imports), so checking it early costs nothing."""
-    from mtpwrap.serve.policy import ProxyConfig
-
-    for where, section in ((f"profile {launch.info.get('profile')}", launch.proxy),
-                           (settings.proxy_source, settings.proxy)):
-        if "max_concurrency" in section:
-            raise ConfigError(
-                f"{where}: proxy.max_concurrency: the front sends llama-server at most as many "
-                f"requests as it has slots ({launch.slots} here); remove this key and set the "
-                "profile's slots instead.")
+def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
+    """The front's configuration, checked before anything starts (proxy.max_concurrency is
+    refused where a file sets it: the front sends llama-server at most its slots)."""
     paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
     if "slot-actions" in paths_on and settings.persist.get("enabled", True):
         raise ConfigError(

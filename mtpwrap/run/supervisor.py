@@ -29,9 +29,9 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
+from mtpwrap.config.objects import SupervisorConfig
 from mtpwrap.proc import describe_returncode, free_loopback_port
 from mtpwrap.run.child import (
     ChildProcess,
@@ -48,7 +48,6 @@ from mtpwrap.run.persist import (
     restore_slots,
     save_slots,
 )
-from mtpwrap.settings import SUPERVISOR
 
 log = logging.getLogger("mtpwrap.supervisor")
 
@@ -130,40 +129,6 @@ class LaunchFactory(Protocol):
     def __call__(self, port: int, api_key: str, step: int) -> ChildSpec | None:
         """The child to run on `port` with `api_key`. `step` > 0 asks for the n-th cheaper
         configuration after repeated out-of-memory starts; None means there is no such step."""
-
-
-#: the defaults of `supervisor.*` settings, declared once in mtpwrap.settings
-_D = {name: key.default for name, key in SUPERVISOR.items()}
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    host: str = "127.0.0.1"
-    #: no output and no /health change for this long while loading → the load is stuck
-    load_stall_s: float = _D["load_stall_s"]
-    #: time allowed for the one-token readiness generation
-    probe_timeout_s: float = _D["probe_timeout_s"]
-    poll_interval_s: float = 0.02  # /health polling while starting (cheap: no model work)
-    monitor_interval_s: float = _D["monitor_interval_s"]  # checks while ready
-    health_failures: int = 3  # consecutive failed /health checks while ready → restart
-    backoff_initial_s: float = _D["backoff_initial_s"]
-    backoff_max_s: float = _D["backoff_max_s"]
-    max_failures: int = _D["max_failures"]  # crashes within failure_window_s → FAILED
-    failure_window_s: float = _D["failure_window_s"]
-    #: out-of-memory starts within the window before FAILED
-    oom_max_retries: int = _D["oom_max_retries"]
-    oom_step_down: bool = False  # `up` turns "auto" into on or off from the memory plan
-    oom_step_after: int = 2  # consecutive OOM starts before stepping down
-    stop_grace_s: float = _D["stop_grace_s"]
-    #: no decode progress while requests are processing → restart (0: off)
-    wedge_s: float = _D["wedge_s"]
-    rss_limit_bytes: int = 0  # child RSS + swap above this → drain and recycle (0: off)
-    memory_interval_s: float = _D["memory_interval_s"]
-    recycle_drain_s: float = _D["recycle_drain_s"]
-    log_file: Path | None = None
-    log_max_bytes: int = 10 * 2**20
-    log_backups: int = 3
-    log_lines_per_s: float = 20.0
 
 
 @dataclass

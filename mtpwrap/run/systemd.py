@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpwrap import proc
+from mtpwrap.config.table import SUPERVISOR, TOP
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, RuntimeFailure
 
 UNIT_NAME = "mtpwrap.service"
@@ -97,9 +98,9 @@ class UnitOptions:
     environment: Mapping[str, str] = field(default_factory=dict)
     watchdog_s: int = 30
     start_timeout_s: int = 300  # extended by EXTEND_TIMEOUT_USEC while the model loads
-    drain_s: float = 30.0
-    drain_grace_s: float = 0.0
-    stop_grace_s: float = 10.0
+    drain_s: float = TOP["drain_s"].default
+    drain_grace_s: float = TOP["drain_grace_s"].default
+    stop_grace_s: float = SUPERVISOR["stop_grace_s"].default
     state_dir: str = "/var/lib/mtpwrap"
     log_dir: str = "/var/log/mtpwrap"
     read_only_paths: Sequence[str] = ()

@@ -50,19 +50,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
+from mtpwrap.config.apikeys import key_table
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import SupervisorPort, state_name
 from mtpwrap.serve import ops, spec_policy
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.policy import (
     BadBody,
-    ProxyConfig,
     check_fields,
     classify,
     derive_allowed_hosts,
     error_body,
     host_of,
     key_scopes,
-    key_table,
     parse_json_body,
     presented_key,
     required_scope,
@@ -172,7 +172,7 @@ class Front:
         self.spec = spec_policy.from_info(self.info, self.metrics.registry)
         if not config.auth_enabled and not config.listen_is_loopback():
             log.warning("the front listens on %s without API keys: anyone who reaches this "
-                        "address can use the model; set proxy.api_keys_file or MTPWRAP_API_KEYS",
+                        "address can use the model; set api_key_file or MTPWRAP_API_KEYS",
                         config.listen_host)
         routes = [
             Route("/livez", ops.livez, methods=["GET", "HEAD"]),

@@ -6,18 +6,16 @@ Pure functions and data, no I/O and no ASGI imports, so they are tested with tab
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import json
 import math
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from mtpwrap.errors import ConfigError
-from mtpwrap.settings import Key, convert
+from mtpwrap.config.apikeys import KeyTable
+from mtpwrap.config.objects import ProxyConfig
 
 MiB = 1024 * 1024
 
@@ -68,11 +66,6 @@ _add("POST", "resumable-streams", "/v1/streams/lookup")
 #: (CVE-2026-43629).
 _SLOT_ACTION = re.compile(r"^/slots/[0-9]{1,4}$")
 
-FEATURES: tuple[str, ...] = (
-    "slots", "slot-actions", "props-write", "lora-adapters", "backend-metrics", "webui",
-    "control", "resumable-streams",
-)
-
 #: where a gated path is forwarded to, when it differs from the path the client used
 UPSTREAM_PATH = {"/backend/metrics": "/metrics"}
 
@@ -105,19 +98,6 @@ class Route:
     message: str = ""
     slot: bool = False   # the request occupies one of llama-server's slots
     json_body: bool = False  # llama-server parses the body as JSON, whatever its Content-Type
-
-
-def _key_for(default: Any) -> Key:
-    """How a `proxy:` key is read, from its default's type."""
-    if isinstance(default, tuple):
-        return Key("list", default)
-    if isinstance(default, bool):
-        return Key("bool", default)
-    if isinstance(default, int):
-        return Key("int", default)
-    if isinstance(default, float):
-        return Key("float", default)
-    return Key("str", default)
 
 
 def _feature(method: str, path: str) -> tuple[str | None, str]:
@@ -160,11 +140,6 @@ def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
 # Keys and their scopes
 # ---------------------------------------------------------------------------------------------
 
-#: What a key may do: `inference` the model APIs, `admin` what changes the server or shows
-#: other users' data (slots, POST /props, LoRA adapters), `metrics` /metrics and /healthz.
-#: A key listed without scopes has all of them.
-SCOPES = ("inference", "admin", "metrics")
-
 #: The scope a request needs, by allow-list feature ("" = the model APIs) ...
 FEATURE_SCOPES: dict[str, str] = {
     "": "inference", "webui": "inference", "control": "inference",
@@ -174,7 +149,6 @@ FEATURE_SCOPES: dict[str, str] = {
 #: ... and for the front's own pages (/livez and /readyz need no key at all).
 OPS_SCOPES = {"/metrics": "metrics", "/healthz": "metrics"}
 
-KeyTable = tuple[tuple[bytes, frozenset[str]], ...]
 
 
 def required_scope(method: str, path: str) -> str:
@@ -184,32 +158,6 @@ def required_scope(method: str, path: str) -> str:
         return OPS_SCOPES[path]
     feature, _label = _feature(method, path)
     return FEATURE_SCOPES[feature or ""]
-
-
-def parse_key(entry: str, where: str) -> tuple[str, frozenset[str]]:
-    """One key as written in a key file: `KEY` or `KEY SCOPE[,SCOPE...]`. The message of a
-    bad entry never repeats the key."""
-    secret, *rest = entry.split(None, 1) or [""]
-    if not rest:
-        return secret, frozenset(SCOPES)
-    scopes = rest[0].replace(",", " ").split()
-    for x in scopes:
-        if x not in SCOPES:
-            raise ConfigError(f"{where}: unknown scope {x!r}; known scopes: "
-                              f"{', '.join(SCOPES)} (a key without scopes has them all)")
-    return secret, frozenset(scopes)
-
-
-def key_table(entries: tuple[str, ...], where: str) -> KeyTable:
-    """Key entries → (key bytes, scopes) for `key_scopes`; the same key twice is refused."""
-    table: dict[str, frozenset[str]] = {}
-    for entry in entries:
-        secret, scopes = parse_key(entry, where)
-        if table.get(secret, scopes) != scopes:
-            raise ConfigError(f"{where}: one key is listed twice with different scopes; "
-                              "list each key once")
-        table[secret] = scopes
-    return tuple((k.encode("utf-8", "surrogateescape"), v) for k, v in table.items())
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:
@@ -354,138 +302,8 @@ def error_body(status: int, message: str, kind: str, path: str) -> bytes:
 
 
 # ---------------------------------------------------------------------------------------------
-# Settings
+# Hosts
 # ---------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Settings of the HTTP front (config file section `proxy:`).
-
-    Which ops endpoints are open: `/livez` and `/readyz` never need a key (probes from systemd,
-    Kubernetes or a load balancer carry none, and they reveal only up/ready and a reason);
-    `/healthz` and `/metrics` need one when keys are configured, unless `healthz_public` /
-    `metrics_public` say otherwise.
-    """
-
-    api_keys: tuple[str, ...] = ()
-    allowed_hosts: tuple[str, ...] = ()
-    listen_host: str = "127.0.0.1"
-    max_body_bytes: int = 8 * MiB
-    #: requests sent to llama-server at once: its slots (-np), set from the launch, never by hand
-    max_concurrency: int = 8
-    queue_size: int = 32
-    queue_timeout_s: float = 30.0
-    stream_stall_s: float = 60.0
-    prefill_stall_s: float = 600.0
-    keepalive_s: float = 15.0
-    write_timeout_s: float = 30.0
-    connect_timeout_s: float = 5.0
-    retry_after_s: int = 5
-    enable_paths: tuple[str, ...] = ()
-    max_n_probs: int = 100
-    max_choices: int = 1
-    max_predict: int = 0  # 0: no cap beyond the context
-    # The connection layer (see mtpwrap.http_server): time to a complete request head, idle
-    # keep-alive, open connections, and the size and count of request headers.
-    header_timeout_s: float = 10.0
-    idle_timeout_s: float = 30.0
-    max_connections: int = 1024
-    max_header_bytes: int = 32 * 1024
-    max_headers: int = 64
-    metrics_public: bool = False
-    healthz_public: bool = False
-    backend_metrics_timeout_s: float = 5.0
-    cors_origins: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        self._validate("proxy config")
-
-    def _validate(self, source: str) -> None:
-        def bad(key: str, msg: str) -> ConfigError:
-            return ConfigError(f"{source}: proxy.{key}: {msg}")
-
-        positive = ("max_body_bytes", "max_concurrency", "queue_timeout_s", "stream_stall_s",
-                    "prefill_stall_s", "keepalive_s", "write_timeout_s", "connect_timeout_s",
-                    "retry_after_s", "backend_metrics_timeout_s", "max_choices",
-                    "header_timeout_s", "idle_timeout_s", "max_connections",
-                    "max_header_bytes", "max_headers")
-        for key in positive:
-            if getattr(self, key) <= 0:
-                raise bad(key, f"must be greater than 0, got {getattr(self, key)}")
-        if self.queue_size < 0:
-            raise bad("queue_size", f"must be 0 or more, got {self.queue_size}")
-        if self.max_n_probs < 0:
-            raise bad("max_n_probs", f"must be 0 or more, got {self.max_n_probs}")
-        if self.max_predict < 0:
-            raise bad("max_predict", f"must be 0 (no cap) or more, got {self.max_predict}")
-        for name in self.enable_paths:
-            if name not in FEATURES:
-                raise bad("enable_paths", f"unknown feature {name!r}; known: {', '.join(FEATURES)}")
-        if any(len(k) < 8 for k, _ in key_table(self.api_keys, f"{source}: proxy.api_keys")):
-            raise bad("api_keys", "each key must be at least 8 characters without spaces")
-        for o in self.cors_origins:
-            if o == "*":
-                raise bad("cors_origins", "'*' is not allowed; list the exact origins")
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str) -> ProxyConfig:
-        """Build from the `proxy:` mapping of a config file; ConfigError names source and key."""
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{source}: proxy: must be a mapping, got {type(data).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
-        data = dict(data)
-        keys_file = data.pop("api_keys_file", None)
-        file_keys: tuple[str, ...] = ()
-        if keys_file is not None:
-            file_keys = read_keys_file(keys_file, f"{source}: proxy.api_keys_file")
-        for key, value in data.items():
-            if key not in known:
-                raise ConfigError(
-                    f"{source}: proxy.{key}: unknown key; known keys: {', '.join(sorted(known))}"
-                )
-            kwargs[key] = convert(value, _key_for(known[key].default), source, f"proxy.{key}",
-                                  strict=True)
-        if file_keys:
-            kwargs["api_keys"] = tuple(kwargs.get("api_keys", ())) + file_keys
-        cfg = object.__new__(cls)
-        for f in fields(cls):
-            object.__setattr__(cfg, f.name, kwargs.get(f.name, f.default))
-        cfg._validate(source)
-        return cfg
-
-    @property
-    def auth_enabled(self) -> bool:
-        return bool(self.api_keys)
-
-    def listen_is_loopback(self) -> bool:
-        try:
-            return ipaddress.ip_address(self.listen_host.strip("[]")).is_loopback
-        except ValueError:
-            return self.listen_host == "localhost"
-
-
-def read_keys_file(path: Any, where: str) -> tuple[str, ...]:
-    """API keys from a file: one per line, optionally followed by its scopes (`KEY
-    inference,metrics`, see `parse_key`); blank lines and lines starting with # are skipped."""
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"{where}: must be a file path")
-    try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigError(f"{where}: cannot read {path}: {err.strerror or err}; create it with "
-                          "one key per line, readable only by the service user") from err
-    keys = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip() and not line.strip().startswith("#"):
-            parse_key(line, f"{where}: {path} line {n}")
-            keys.append(" ".join(line.split()))
-    if not keys:
-        raise ConfigError(f"{where}: {path} holds no key; put one key per line")
-    return tuple(keys)
-
 
 def derive_allowed_hosts(cfg: ProxyConfig) -> frozenset[str] | None:
     """Host names (without port) the front answers to; None = any (only when told "*")."""

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from mtpwrap import settings
+from mtpwrap.config import settings
 from mtpwrap.run import service
 from mtpwrap.run.child import ChildSpec
 

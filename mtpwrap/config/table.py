@@ -1,0 +1,235 @@
+"""Every setting of `mtpwrap up`, declared once: type, default, unit, help and the checks.
+
+A setting is a key of the config file (`port`, `supervisor.backoff_max_s`, `proxy.queue_size`),
+an environment variable (`MTPWRAP_PORT`, `MTPWRAP_SUPERVISOR_BACKOFF_MAX_S`) and a flag of
+`up` (`--port`, `--supervisor-backoff-max-s`); the names follow from the key. Precedence: flag >
+environment > config file > a profile's own section (supervisor, proxy) > default.
+
+This module imports nothing heavy: the command table, the reference generator and the loader
+all read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+#: the config file read when no --config is given and it exists
+DEFAULT_CONFIG_FILE = "/etc/mtpwrap/mtpwrap.yaml"
+ENV_PREFIX = "MTPWRAP_"
+
+KINDS = ("str", "int", "float", "bool", "tristate", "list")
+
+
+@dataclass(frozen=True)
+class Key:
+    kind: str  # one of KINDS; "tristate" is true, false or "auto"; "list" a list of strings
+    default: Any
+    help: str = ""
+    unit: str = ""  # "s", "MiB", "bytes", "tokens", ...
+    check: Callable[[Any], bool] | None = None
+    expect: str = ""  # how to describe a valid value in an error
+    choices: tuple[str, ...] = ()
+
+    def accepts(self, value: Any) -> bool:
+        if self.choices and value not in self.choices:
+            return False
+        return self.check is None or self.check(value)
+
+    def expected(self) -> str:
+        if self.expect:
+            return self.expect
+        if self.choices:
+            return f"one of {', '.join(self.choices)}" if len(self.choices) > 2 else \
+                " or ".join(self.choices)
+        return {"bool": "true or false", "int": "an integer", "float": "a number",
+                "str": "a string", "list": "a list of strings",
+                "tristate": "true, false or auto"}[self.kind]
+
+
+def _port(v: int) -> bool:
+    return 1 <= v <= 65535
+
+
+def _nonneg(v: float) -> bool:
+    return v >= 0
+
+
+def _pos(v: float) -> bool:
+    return v > 0
+
+
+def _seconds(default: float, help: str, *, zero: str | None = None, positive: bool = False
+             ) -> Key:
+    """A duration: > 0 when `positive`, else >= 0 (`zero` says what 0 means)."""
+    if positive:
+        return Key("float", default, help, "s", _pos, "a number of seconds > 0")
+    tail = f" (0: {zero})" if zero else ""
+    return Key("float", default, help, "s", _nonneg, f"a number of seconds >= 0{tail}")
+
+
+TOP: dict[str, Key] = {
+    "profile": Key("str", "auto", "Profile name or file, or `auto` for this machine."),
+    "model": Key("str", None, "Model path or name, overriding the profile's."),
+    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on."),
+    "port": Key("int", 8080, "Port of the HTTP front.", "", _port, "an integer 1..65535"),
+    "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made)."),
+    "hw_replay": Key("str", None, "A hardware recording (`mtpwrap hw --record`) to plan for "
+                                  "instead of this machine's GPUs."),
+    "plan": Key("str", "auto", "The memory plan that gates a GPU launch: auto refuses what "
+                               "does not fit or cannot be planned, skip launches unchecked "
+                               "(`up --no-plan`).", choices=("auto", "skip")),
+    "api_key_file": Key("str", None, "File with one client API key per line, optionally "
+                                     "followed by its scopes; keys also come from "
+                                     "MTPWRAP_API_KEYS (comma separated)."),
+    "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown."),
+    "drain_grace_s": _seconds(0.0, "Before draining, seconds /readyz says 503 while requests "
+                                   "are still taken, so a load balancer moves traffic away "
+                                   "first.", zero="drain at once"),
+    "ready_timeout_s": _seconds(0.0, "Give up when llama-server is not ready this long after "
+                                     "the start.", zero="no limit"),
+    "log_level": Key("str", "info", "mtpwrap's own log level.",
+                     choices=("debug", "info", "warning", "error")),
+}
+
+SUPERVISOR: dict[str, Key] = {
+    "load_stall_s": _seconds(120.0, "No output and no /health change for this long while "
+                                    "loading: the load is stuck.", positive=True),
+    "probe_timeout_s": _seconds(60.0, "Time allowed for the one-token readiness generation.",
+                                positive=True),
+    "monitor_interval_s": _seconds(1.0, "Seconds between health checks while ready.",
+                                   positive=True),
+    "backoff_initial_s": _seconds(1.0, "First wait before restarting a crashed llama-server.",
+                                  positive=True),
+    "backoff_max_s": _seconds(30.0, "Longest wait between restarts.", positive=True),
+    "max_failures": Key("int", 5, "Crashes within failure_window_s before giving up (failed).",
+                        "", _pos, "an integer >= 1"),
+    "failure_window_s": _seconds(300.0, "The window max_failures counts in.", positive=True),
+    "oom_max_retries": Key("int", 8, "Out-of-memory starts within the window before giving "
+                                     "up.", "", _pos, "an integer >= 1"),
+    "oom_step_down": Key("tristate", "auto", "Step down to cheaper launches after "
+                                             "out-of-memory starts; auto: on when the memory "
+                                             "plan leaves the GPU near its edge."),
+    "stop_grace_s": _seconds(10.0, "Seconds llama-server gets after SIGTERM before SIGKILL."),
+    "wedge_s": _seconds(60.0, "No decode progress this long while requests are processing: "
+                              "restart.", zero="off"),
+    "rss_limit_mb": Key("int", 0, "llama-server's RSS + swap above this: drain and recycle it.",
+                        "MiB", _nonneg, "an integer number of MiB >= 0 (0: off)"),
+    "memory_interval_s": _seconds(5.0, "Seconds between memory readings for rss_limit_mb.",
+                                  positive=True),
+    "recycle_drain_s": _seconds(60.0, "Seconds in-flight requests get before a recycle."),
+    "exit_on_failed": Key("tristate", "auto", "After a crash loop, exit 1 instead of staying "
+                                              "failed; auto: when started by systemd "
+                                              "(NOTIFY_SOCKET set), so its Restart= and start "
+                                              "limits take over."),
+}
+
+#: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
+PERSIST: dict[str, Key] = {
+    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts."),
+    "dir": Key("str", None, "Snapshot directory (default: <MTPWRAP_HOME>/kv-snapshots; under "
+                            "systemd /var/lib/mtpwrap/kv-snapshots)."),
+    "min_tokens": Key("int", 2048, "Slots holding fewer tokens are not saved.", "tokens", _pos,
+                      "an integer number of tokens >= 1"),
+    "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",
+                  _nonneg, "an integer number of MiB >= 0 (0: a quarter of the free disk)"),
+    "checkpoints": Key("bool", False, "Also take snapshots while serving, so a crash restores "
+                                      "the last one."),
+    "checkpoint_tokens": Key("int", 2048, "A checkpoint is taken when llama-server has "
+                                          "prefilled this many tokens since the last one and "
+                                          "has been idle for a few seconds.", "tokens", _pos,
+                             "an integer number of tokens >= 1"),
+}
+
+MiB = 1024 * 1024
+
+#: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.serve.policy maps
+#: each to its paths)
+FEATURES: tuple[str, ...] = (
+    "slots", "slot-actions", "props-write", "lora-adapters", "backend-metrics", "webui",
+    "control", "resumable-streams",
+)
+
+#: the HTTP front (mtpwrap.config.objects.ProxyConfig checks the values' ranges)
+PROXY: dict[str, Key] = {
+    "allowed_hosts": Key("list", (), "Host names the front answers to (`*`: any); default: "
+                                     "loopback names and the listen address."),
+    "max_body_bytes": Key("int", 8 * MiB, "Largest request body.", "bytes"),
+    "queue_size": Key("int", 32, "Requests waiting for a free slot beyond those running."),
+    "queue_timeout_s": Key("float", 30.0, "Longest wait in the queue before 503.", "s"),
+    "stream_stall_s": Key("float", 60.0, "A stream that sends nothing this long is cut.", "s"),
+    "prefill_stall_s": Key("float", 600.0, "Longest wait for the first token.", "s"),
+    "keepalive_s": Key("float", 15.0, "Seconds between keep-alive comments on a quiet stream.",
+                       "s"),
+    "write_timeout_s": Key("float", 30.0, "A client that reads nothing this long is dropped.",
+                           "s"),
+    "connect_timeout_s": Key("float", 5.0, "Connecting to llama-server.", "s"),
+    "retry_after_s": Key("int", 5, "Retry-After of a 503.", "s"),
+    "enable_paths": Key("list", (), "Gated llama-server routes to open: "
+                                    + ", ".join(FEATURES) + "."),
+    "max_n_probs": Key("int", 100, "Most top tokens per position a request may ask for."),
+    "max_choices": Key("int", 1, "Most choices per request (`n`)."),
+    "max_predict": Key("int", 0, "Most tokens to generate per request (0: no cap beyond the "
+                                 "context).", "tokens"),
+    "header_timeout_s": Key("float", 10.0, "Time to a complete request head.", "s"),
+    "idle_timeout_s": Key("float", 30.0, "Idle keep-alive connections are closed after this.",
+                          "s"),
+    "max_connections": Key("int", 1024, "Open client connections."),
+    "max_header_bytes": Key("int", 32 * 1024, "Size of the request headers.", "bytes"),
+    "max_headers": Key("int", 64, "Number of request headers."),
+    "metrics_public": Key("bool", False, "/metrics without an API key."),
+    "healthz_public": Key("bool", False, "/healthz without an API key."),
+    "backend_metrics_timeout_s": Key("float", 5.0, "Reading llama-server's own /metrics.", "s"),
+    "cors_origins": Key("list", (), "Browser origins allowed to call the API (exact origins, "
+                                    "never `*`)."),
+}
+
+SECTIONS: dict[str, dict[str, Key]] = {
+    "supervisor": SUPERVISOR, "persist": PERSIST, "proxy": PROXY,
+}
+
+#: keys that are refused, with what to do instead
+REFUSED: dict[str, str] = {
+    "proxy.api_keys": "keys do not belong in the config file; put them in the file named by "
+                      "api_key_file (mode 0600) or in MTPWRAP_API_KEYS.",
+    "proxy.api_keys_file": "this setting is api_key_file at the top of the file (flag "
+                           "--api-key-file, MTPWRAP_API_KEY_FILE); move it there.",
+    "proxy.listen_host": "the front listens on `host`; set host instead.",
+    "proxy.max_concurrency": "the front sends llama-server at most as many requests as it has "
+                             "slots; remove this key and set the profile's slots instead.",
+}
+
+#: sections whose YAML values must already have their key's type ("3" is not 3)
+STRICT_SECTIONS = ("proxy",)
+
+
+def env_name(dotted: str) -> str:
+    """`supervisor.backoff_max_s` -> MTPWRAP_SUPERVISOR_BACKOFF_MAX_S."""
+    return ENV_PREFIX + dotted.replace(".", "_").upper()
+
+
+def flag_name(dotted: str) -> str:
+    """`supervisor.backoff_max_s` -> --supervisor-backoff-max-s."""
+    return "--" + dotted.replace(".", "-").replace("_", "-")
+
+
+def strict(dotted: str) -> bool:
+    return dotted.partition(".")[0] in STRICT_SECTIONS
+
+
+def key(dotted: str) -> Key:
+    section, _, name = dotted.rpartition(".")
+    return (SECTIONS[section] if section else TOP)[name]
+
+
+def default(dotted: str) -> Any:
+    return key(dotted).default
+
+
+def every_key() -> Iterator[tuple[str, Key]]:
+    """(dotted name, key) of every setting, in the order of the reference."""
+    yield from TOP.items()
+    for section, keys in SECTIONS.items():
+        for name, k in keys.items():
+            yield f"{section}.{name}", k

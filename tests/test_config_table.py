@@ -1,0 +1,154 @@
+"""The configuration table: each key set through `up`'s flag, its variable and the config file
+lands in the built objects, with flag > environment > file > default; the objects' defaults
+are the table's; the generated reference is current."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mtpwrap.commands.up import command as up_command
+from mtpwrap.config import reference
+from mtpwrap.config.objects import (
+    PersistConfig,
+    ProxyConfig,
+    SupervisorConfig,
+    supervisor_config,
+)
+from mtpwrap.config.options import given
+from mtpwrap.config.settings import Settings, load_settings
+from mtpwrap.config.table import (
+    FEATURES,
+    PERSIST,
+    PROXY,
+    SUPERVISOR,
+    Key,
+    env_name,
+    every_key,
+    flag_name,
+)
+from mtpwrap.errors import EXIT_CONFIG, ConfigError
+
+KEYS = dict(every_key())
+
+
+def candidates(dotted: str, k: Key, tmp_path: Path) -> list[Any]:
+    """Three values for a key: the first differs from the default, each from the one before
+    (a file's, a variable's, a flag's)."""
+    if dotted == "api_key_file":
+        files = []
+        for n in range(3):
+            f = tmp_path / f"keys{n}"
+            f.write_text(f"client-key-{n}-0123456789\n")
+            files.append(str(f))
+        return files
+    if dotted == "proxy.enable_paths":
+        return [(FEATURES[0],), (FEATURES[3], FEATURES[4]), (FEATURES[5],)]
+    if dotted == "proxy.cors_origins":
+        return [("https://a.example",), ("https://b.example", "https://c.example"),
+                ("https://d.example",)]
+    if k.choices:
+        others = [c for c in k.choices if c != k.default]
+        return [others[0], k.default, others[-1]]
+    if k.kind == "bool":
+        return [not k.default, k.default, not k.default]
+    if k.kind == "tristate":
+        return [True, False, "auto"]
+    if k.kind == "int":
+        return [k.default + 1, k.default + 2, k.default + 3]
+    if k.kind == "float":
+        return [k.default + 0.5, k.default + 1.5, k.default + 2.5]
+    if k.kind == "list":
+        return [("a.example",), ("b.example", "c.example"), ("d.example",)]
+    return [f"{dotted}-file", f"{dotted}-env", f"{dotted}-flag"]
+
+
+def text(value: Any) -> str:
+    """A value as a variable or a flag gives it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return str(value)
+
+
+def config_file(tmp_path: Path, dotted: str, value: Any) -> Path:
+    section, _, name = dotted.rpartition(".")
+    plain = list(value) if isinstance(value, tuple) else value
+    data = {section: {name: plain}} if section else {name: plain}
+    p = tmp_path / "mtpwrap.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def flags(dotted: str, value: Any) -> dict[str, Any]:
+    """What `up`'s command line gives the loader for `--flag VALUE` (parsed by click)."""
+    ctx = up_command.make_context("up", [flag_name(dotted), text(value)])
+    return given(ctx.params)
+
+
+def built(s: Settings, dotted: str) -> Any:
+    """The key's value in the object the program runs on."""
+    section, _, name = dotted.rpartition(".")
+    if not section:
+        return getattr(s, name)
+    if section == "supervisor":
+        if name == "exit_on_failed":  # the service's decision, not the supervisor's
+            return s.supervisor[name]
+        cfg = supervisor_config(s.supervisor, near_edge=False)
+        if name == "oom_step_down" and s.supervisor[name] == "auto":
+            return "auto" if cfg.oom_step_down is False else "?"
+        return getattr(cfg, name)
+    if section == "persist":
+        return getattr(PersistConfig(**s.persist), name)
+    return getattr(ProxyConfig.from_mapping(s.proxy, s.proxy_source), name)
+
+
+@pytest.mark.parametrize("dotted", list(KEYS))
+def test_each_key_through_flag_variable_and_file(dotted: str, tmp_path: Path) -> None:
+    k = KEYS[dotted]
+    in_file, in_env, on_flag = candidates(dotted, k, tmp_path)
+    cfg = config_file(tmp_path, dotted, in_file)
+    env = {env_name(dotted): text(in_env)}
+
+    s = load_settings({}, env={}, config=None)
+    assert built(s, dotted) == k.default and s.sources[dotted] == "default"
+    s = load_settings({}, env={}, config=cfg)
+    assert built(s, dotted) == in_file and s.sources[dotted] == str(cfg)
+    s = load_settings({}, env=env, config=cfg)
+    assert built(s, dotted) == in_env and s.sources[dotted] == env_name(dotted)
+    s = load_settings(flags(dotted, on_flag), env=env, config=cfg)
+    assert built(s, dotted) == on_flag and s.sources[dotted] == flag_name(dotted)
+    if dotted == "api_key_file":  # the keys of the file that won, and only those
+        assert s.api_keys == ("client-key-2-0123456789",)
+
+
+@pytest.mark.parametrize("dotted", [d for d, k in KEYS.items()
+                                    if k.kind not in ("str", "list") or k.choices])
+def test_a_bad_value_names_where_it_came_from(dotted: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{env_name(dotted)}: {dotted}: expected "):
+        load_settings({}, env={env_name(dotted): "[not a value"})
+    with pytest.raises(ConfigError, match=rf"^{flag_name(dotted)}: {dotted}: expected ") as err:
+        load_settings(flags(dotted, "[not a value"), env={})
+    assert err.value.exit_code == EXIT_CONFIG
+
+
+@pytest.mark.parametrize("cls, table", [(SupervisorConfig, SUPERVISOR),
+                                        (PersistConfig, PERSIST), (ProxyConfig, PROXY)])
+def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, Key]) -> None:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, k in table.items():
+        if k.kind == "tristate":  # decided by `up` before the object is built
+            continue
+        assert name in fields, f"{cls.__name__} has no field for {name}"
+        assert fields[name].default == k.default, name
+
+
+def test_configuration_reference_is_current() -> None:
+    assert reference.TARGET.read_text(encoding="utf-8") == reference.render(), (
+        "docs/reference/configuration.md is not current: run "
+        "`python -m mtpwrap.config.reference`")
