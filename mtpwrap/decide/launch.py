@@ -219,6 +219,9 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
     if profile.extra_args:
         why["extra_args"] = "profile extra_args, passed through"
     cfg = _speculation(cfg, profile, draft_model, ask, why)
+    trade = _recipe_trade(profile, k)
+    if trade:
+        warnings.append(trade)
     if ask.env:
         why["env"] = "; ".join(f"{k}={v} in llama-server's environment" for k, v in ask.env.items())
         cfg = dataclasses.replace(cfg, env=tuple(ask.env.items()))
@@ -359,6 +362,25 @@ def _speculation(cfg: LaunchConfig, profile: Profile, draft_model: Path | str | 
             changes[name], reason = ask.pick(name, wanted, f"draft {role}", role)
             why[name] = f"{reason}; the draft/MTP context's own (llama.cpp's default is f16)"
     return dataclasses.replace(cfg, **changes)
+
+
+def _recipe_trade(profile: Profile, chosen_k: str) -> str | None:
+    """The recipe's trade, named when a profile asks for both the fork's KV types and a draft
+    depth per request class: the fork's server takes one fixed depth (its probe says
+    `ignored`), upstream's takes the request's depth but has no TurboQuant KV."""
+    fork_kv = [t for t in (*profile.kv.k, *profile.kv.v)
+               if t in kv.TABLE and kv.TABLE[t].family in ("tbq", "rotor")]
+    if not fork_kv or not profile.spec.policy:
+        return None
+    side = ("the fork's: TBQ KV and one fixed depth for every request (spec.depth); "
+            "spec.policy is reported unsupported"
+            if chosen_k in fork_kv else
+            "upstream's: per-class depth with draft-mtp, and no TBQ KV (the profile's "
+            f"fallback {chosen_k})")
+    return (f"profile {profile.name} asks for TBQ KV ({fork_kv[0]}) and a draft depth per "
+            "request class (spec.policy); no one llama-server gives both — the fork has TBQ KV "
+            "and one fixed depth, upstream has draft-mtp, q4_0 KV and per-class depth. This "
+            f"launch takes {side}.")
 
 
 def _check_hardware(profile: Profile, snapshot: HardwareSnapshot | None,

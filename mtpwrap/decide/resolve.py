@@ -145,14 +145,18 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
     unified pool is the default only when -np is left to "auto")."""
     from mtpwrap.decide.planner import PlanConfig
 
+    # the fork's own MTP (--spec-type mtp) is a second model whose context takes -ctk/-ctv
+    fork_mtp = cfg.spec_type == "mtp"
     ngl = cfg.gpu_layers
     return PlanConfig(
         n_ctx=cfg.context or int(facts.n_ctx_train or 4096),
         type_k=cfg.cache_k, type_v=cfg.cache_v, n_slots=cfg.slots,
         kv_unified=bool(cfg.kv_unified) or cfg.slots == 1, spec=cfg.spec,
         draft_weight_bytes=draft_weight_bytes,
-        draft_depth=cfg.depth or 3, type_k_draft=cfg.draft_k or "f16",
-        type_v_draft=cfg.draft_v or "f16", ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
+        draft_depth=cfg.depth or 3,
+        type_k_draft=cfg.cache_k if fork_mtp else cfg.draft_k or "f16",
+        type_v_draft=cfg.cache_v if fork_mtp else cfg.draft_v or "f16",
+        mtp_head_model=fork_mtp, ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
         flash_attn=cfg.flash_attn != "off",
         n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
         cpu_repack=cfg.repack is not False)
