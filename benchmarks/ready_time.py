@@ -135,10 +135,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from mtpwrap.build import builder
+    from mtpwrap.build.binary import find_binary
     from mtpwrap.models import known as models
 
-    binary = args.binary or builder.find_binary()
+    binary = args.binary or find_binary()
     model = args.model or models.ensure_demo_model()
     print(f"binary {binary}\nmodel  {model}\n")
     cols = ["direct /health", "direct 1 tok", "mtpwrap", "own", "overhead", "pre-spawn",

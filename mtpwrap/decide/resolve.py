@@ -333,16 +333,17 @@ def find_server(explicit: str | Path | None, snapshot: HardwareSnapshot | None =
                                                    Any | None]:
     """(binary, its capabilities, its manifest when it is the built one). `--binary` /
     `MTPWRAP_BINARY` win over the build. Without a build and with required=False: all None."""
-    from mtpwrap.build import builder
+    from mtpwrap.build import manifest as build_manifest
+    from mtpwrap.build.binary import find_binary
     from mtpwrap.decide import capabilities
 
     try:
-        binary = builder.find_binary(explicit=explicit, snap=snapshot)
+        binary = find_binary(explicit=explicit, snap=snapshot)
     except MissingToolError:
         if required or explicit:
             raise
         return None, None, None
-    manifest = builder.load_manifest()
+    manifest = build_manifest.load_manifest()
     built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
     if manifest is not None and built != str(binary):
         manifest = None  # another binary: its own facts count

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.build.smoke import judge_completion
+from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
 
 log = logging.getLogger("mtpwrap.supervisor")
@@ -40,6 +42,8 @@ class ChildSpec:
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
     note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
+    #: the launch `argv` renders (what KV snapshots depend on); None for other commands
+    launch: LaunchConfig | None = None
 
 
 class _RateLimiter:
@@ -190,16 +194,7 @@ class ChildProcess:
             r = await self._http.post("/completion", json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
             return False, f"{type(exc).__name__}: {exc}", 0
-        if r.status_code != 200:
-            return False, f"HTTP {r.status_code}: {r.text[:200]}", 0
-        try:
-            data = r.json()
-        except ValueError:
-            return False, "the answer was not JSON", 0
-        if not isinstance(data, dict) or "content" not in data:
-            return False, "the answer had no content", 0
-        predicted = data.get("tokens_predicted")
-        return True, "", predicted if isinstance(predicted, int) else 0
+        return judge_completion(r)
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""

@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.config.coerce import convert
 from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings, load_settings
-from mtpwrap.config.table import SUPERVISOR
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MtpwrapError
 from mtpwrap.run import instance
@@ -84,7 +82,7 @@ def resolve_launch(settings: Settings) -> Launch:
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "")
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     info: dict[str, Any] = {
         "profile": inp.profile.name, "profile_reason": inp.profile_reason,
@@ -116,16 +114,7 @@ def resolve_launch(settings: Settings) -> Launch:
 def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
     """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
     else the default."""
-    values = dict(settings.supervisor)
-    # The profile's supervisor section fills in what no flag, variable or config file set.
-    for key, raw in launch.supervisor.items():
-        if key not in SUPERVISOR:
-            raise ConfigError(f"profile {launch.info.get('profile')}: supervisor.{key}: "
-                              f"unknown key.")
-        if settings.sources.get(f"supervisor.{key}") == "default":
-            values[key] = convert(raw, SUPERVISOR[key], f"profile {launch.info.get('profile')}",
-                                   f"supervisor.{key}")
-    return values
+    return {**settings.supervisor, **settings.layered("supervisor", launch.supervisor)}
 
 
 def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
@@ -153,8 +142,7 @@ def with_slot_save_path(factory: LaunchFactory, directory: Path) -> LaunchFactor
         spec = factory(port, api_key, step)
         if spec is None:
             return None
-        return ChildSpec(argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)], env=spec.env,
-                         note=spec.note)
+        return dataclasses.replace(spec, argv=[*spec.argv, SLOT_SAVE_FLAG, str(directory)])
     return wrapped
 
 
@@ -165,8 +153,9 @@ def reload_inputs(settings: Settings) -> dict[str, Any]:
     cli: dict[str, Any] = {}
     env: dict[str, str] = {}
     for key, source in settings.sources.items():
-        if source.startswith("--") and "." not in key:
-            cli[key] = getattr(settings, key)
+        if source.startswith("--"):
+            value = settings.value(key)
+            cli[key] = list(value) if isinstance(value, tuple) else value
         elif source.startswith("MTPWRAP_") and source in os.environ:
             env[source] = os.environ[source]
     return {"cli": cli, "env": env,
@@ -178,7 +167,7 @@ def reread_settings(inputs: dict[str, Any]) -> Settings:
     return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
 
 
-def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, Any]:
+def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
     """Every check `up` makes before starting anything, for a new configuration: the launch,
     the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
     launch = resolve_launch(settings)
@@ -231,17 +220,17 @@ def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
     """The front's configuration, checked before anything starts (proxy.max_concurrency is
     refused where a file sets it: the front sends llama-server at most its slots)."""
     paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
-    if "slot-actions" in paths_on and settings.persist.get("enabled", True):
+    if "slot-actions" in paths_on and settings.persist["enabled"]:
         raise ConfigError(
             f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
             "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
             "slot-actions, or turn snapshots off with persist.enabled: false.")
-    mapping = {"listen_host": settings.host, **launch.proxy, **settings.proxy,
+    mapping = {"listen_host": settings.host, **settings.layered("proxy", launch.proxy),
                "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
-def make_front(supervisor: Supervisor, launch: Launch, config: Any) -> Any:
+def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> Any:
     from mtpwrap.serve.front import Front
 
     return Front(supervisor, config, launch.info)
@@ -310,7 +299,7 @@ class ReloadResult:
 
 
 async def apply_reload(kind: str, sup: Supervisor, store: SnapshotStore | None,
-                       inputs: dict[str, Any], settings: Settings, front_config: Any
+                       inputs: dict[str, Any], settings: Settings, front_config: ProxyConfig
                        ) -> ReloadResult:
     """`restart`: the same command again. `reload`: re-read the settings and the profile,
     check them like `up` does (a refusal leaves the running child untouched), then swap."""
@@ -338,7 +327,7 @@ async def apply_reload(kind: str, sup: Supervisor, store: SnapshotStore | None,
 
 
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,
-                notifier: Notifier | None = None, front_config: Any = None,
+                notifier: Notifier | None = None, front_config: ProxyConfig | None = None,
                 announce: Callable[[], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT. 0 after a clean stop, 1 after a runtime failure."""
     notifier = notifier or Notifier()

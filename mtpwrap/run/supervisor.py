@@ -658,14 +658,14 @@ class Supervisor:
         assert self.snapshots is not None and self._spec is not None
         self._drop_checkpoint()  # the slots are saved afresh now
         nxt = (factory or self._factory)(0, "probe-key", self._step if factory is None else 0)
-        why = None if nxt is None else incompatibility(fingerprint(self._spec.argv),
-                                                       fingerprint(nxt.argv))
+        why = None if nxt is None else incompatibility(fingerprint(self._spec.launch),
+                                                       fingerprint(nxt.launch))
         if why is not None:
             log.info("slots not saved: %s", why)
             self._report({"saved": None, "skipped": why})
             return
         try:
-            carried = await save_slots(child, self.snapshots, self._spec.argv)
+            carried = await save_slots(child, self.snapshots, self._spec.launch)
         except OSError as exc:
             log.warning("slots not saved: %s", exc)
             return
@@ -694,7 +694,7 @@ class Supervisor:
             return
         self._checkpoint_mark = processed
         try:
-            taken = await save_slots(child, self.snapshots, self._spec.argv)
+            taken = await save_slots(child, self.snapshots, self._spec.launch)
         except OSError as exc:
             log.warning("checkpoint not taken: %s", exc)
             return
@@ -725,7 +725,7 @@ class Supervisor:
         if carried is None or self.snapshots is None or self._spec is None:
             return
         try:
-            report = await restore_slots(child, self.snapshots, carried, self._spec.argv)
+            report = await restore_slots(child, self.snapshots, carried, self._spec.launch)
         except OSError as exc:
             log.warning("slots not restored: %s", exc)
             return
