@@ -18,22 +18,89 @@ from mtpwrap.service import launch as up_launch
 from tests.helpers import DATA
 
 
-def replay(tmp_path: Path, free_gib: float | None = None) -> Path:
-    """The recorded RTX 4090, with less memory free when asked."""
-    record = json.loads((DATA / "snapshots" / "rtx4090.json").read_text())
+def replay(tmp_path: Path, free_gib: float | None = None, gpu: str = "rtx4090") -> Path:
+    """A recorded GPU (the RTX 4090 unless told), with less memory free when asked."""
+    record = json.loads((DATA / "snapshots" / f"{gpu}.json").read_text())
     if free_gib is not None:
         record["devices"][0]["memory"]["free"] = int(free_gib * 2**30)
-    path = tmp_path / "rtx4090.json"
+    path = tmp_path / f"{gpu}.json"
     path.write_text(json.dumps(record))
     return path
 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None, plan: str | None = None) -> up_launch.Launch:
+            free_gib: float | None = None, plan: str | None = None,
+            gpu: str = "rtx4090") -> up_launch.Launch:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
-                                "hw_replay": str(replay(tmp_path, free_gib)), "plan": plan},
-                               env={})
+                                "hw_replay": str(replay(tmp_path, free_gib, gpu)),
+                                "plan": plan}, env={})
     return up_launch.resolve_launch(s)
+
+
+def recorded_fork(tmp_path: Path, name: str) -> Path:
+    """A stand-in llama-server answering --help as a recorded fork build does (fork-0bc0a27:
+    the commit built here, mtp only; fork-1c6e4ea: its successor, mtp and draft-mtp). Never
+    calibrated: there is no manifest, so the KV sizes are the built-in table's."""
+    exe = tmp_path / name / "llama-server"
+    exe.parent.mkdir()
+    version = DATA / "help" / f"{name}.version.txt"
+    exe.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{DATA}/help/{name}.txt";; --version) '
+                   + (f'cat "{version}"' if version.is_file() else "true")
+                   + ";; *) exit 1;; esac\n")
+    exe.chmod(0o755)
+    return exe
+
+
+FORKS = ["fork-0bc0a27", "fork-1c6e4ea"]
+#: every shipped GPU profile and the recorded GPU it is meant for
+SHIPPED_GPU = [("3090-192k", "rtx3090"), ("4090-128k-q8", "rtx4090"), ("4090-262k", "rtx4090"),
+               ("5090-262k", "rtx5090"), ("h100-262k", "h100"), ("h200-262k", "h200")]
+MiB = 2**20
+
+
+@pytest.mark.parametrize("fork", FORKS)
+def test_the_recipe_plans_and_fits_on_a_4090_with_an_uncalibrated_fork(
+        tmp_path: Path, model_27b: Path, fork: str) -> None:
+    launch = resolve(tmp_path, "4090-262k", model_27b, recorded_fork(tmp_path, fork))
+    plan = launch.resolved.plan
+    assert plan is not None and plan.fits and plan.context == 262_144
+    # the fork reports ~20 GB for this launch on its own RTX 4090
+    assert 19 * 2**30 <= plan.total <= 22 * 2**30, plan.total / 2**30
+    rows = {r.name: r for r in plan.rows}
+    assert rows["main KV"].bytes == 4224 * MiB  # the fork's README: tbq4_0 at 262K
+    assert rows["MTP context KV"].bytes == 264 * MiB and "tbq4_0" in rows["MTP context KV"].note
+    assert rows["MTP compute"].bytes == 712 * MiB
+    assert rows["MTP head output"].bytes > 900 * MiB  # the head model's own output matrix
+    assert rows["margin"].bytes == 1024 * MiB and "--fit" in rows["margin"].note
+    spec = launch.factory(1, "k" * 20, 0)
+    assert spec is not None
+    argv = spec.argv
+    assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctkd") + 1] == "tbq4_0"
+    assert argv[argv.index("--spec-type") + 1] == "mtp"
+
+
+@pytest.mark.parametrize("fork", FORKS)
+@pytest.mark.parametrize(("profile", "gpu"), SHIPPED_GPU)
+def test_every_shipped_profile_fits_its_gpu_on_the_fork(tmp_path: Path, model_27b: Path,
+                                                        fork: str, profile: str,
+                                                        gpu: str) -> None:
+    launch = resolve(tmp_path, profile, model_27b, recorded_fork(tmp_path, fork), gpu=gpu)
+    plan = launch.resolved.plan
+    assert plan is not None and plan.fits, (profile, plan.total / MiB if plan else None)
+    assert plan.headroom is not None and plan.headroom >= 0
+
+
+def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: Path) -> None:
+    from tests.helpers import run_cli
+
+    r = run_cli("plan", "--profile", "4090-262k", "--model", str(model_27b), "--binary",
+                str(recorded_fork(tmp_path, "fork-0bc0a27")), "--hw-replay",
+                str(DATA / "snapshots" / "rtx4090.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] is True and d["config"]["type_k"] == "tbq4_0"
+    assert 19 * 2**30 <= d["total"] <= 22 * 2**30
 
 
 def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,

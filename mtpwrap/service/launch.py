@@ -49,7 +49,6 @@ def resolve_launch(settings: Settings) -> Launch:
     and the factory the supervisor calls for each start (port, key, step-down rung)."""
     import dataclasses
 
-    from mtpwrap.decide import launch as launching
     from mtpwrap.decide import resolve
 
     inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
@@ -70,7 +69,7 @@ def resolve_launch(settings: Settings) -> Launch:
     first = r.render(port=0, api_key="x", slot_save_path=snapshots)
 
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        rung = launching.step_down(cfg, step, inp.caps, inp.kv_sizes, cost=r.cost())
+        rung = r.step_down(step)
         if rung is None:
             return None
         spec = r.render(port=port, api_key=api_key, cfg=rung,
