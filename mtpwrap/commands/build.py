@@ -159,6 +159,10 @@ def command(
     console.info(kv_note)
     if reused:
         console.info("nothing changed since the last build; reused it.")
+    elif "added_targets" in manifest.extra and manifest.extra["added_targets"]["targets"]:
+        added = manifest.extra["added_targets"]
+        console.info(f"added {', '.join(added['targets'])} to the cached build in "
+                     f"{added['seconds']:.0f} s; log: {manifest.log}")
     else:
         console.info(f"built in {manifest.build_seconds:.0f} s; log: {manifest.log}")
 
