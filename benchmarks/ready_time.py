@@ -106,12 +106,12 @@ from mtpwrap import cli
 from mtpwrap.commands import up
 from mtpwrap.config import settings
 from mtpwrap.run import instance
-from mtpwrap.run import service
+from mtpwrap.service import launch as up_launch
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()
-launch = service.resolve_launch(s)
-service.supervisor_config(s, launch)
-service.proxy_config(s, launch)
+launch = up_launch.resolve_launch(s)
+up_launch.supervisor_config(s, launch)
+up_launch.proxy_config(s, launch)
 print(time.process_time())
 """
 

@@ -13,6 +13,7 @@ from typing import Any
 from mtpwrap import paths
 from mtpwrap.build import toolchain
 from mtpwrap.config.objects import default_snapshot_dir
+from mtpwrap.config.table import env_name
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
 
@@ -233,7 +234,7 @@ def check_snapshots(directory: Path | None = None) -> Check:
     if directory is None:
         data = instance.read_instance() or {}
         recorded = data.get("persist_dir")
-        configured = os.environ.get("MTPWRAP_PERSIST_DIR")
+        configured = os.environ.get(env_name("persist.dir"))
         directory = Path(recorded or configured or default_snapshot_dir())
     if not directory.exists():
         return Check("KV snapshots", OK, f"{directory} does not exist yet (created 0700 by "

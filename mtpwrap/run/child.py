@@ -33,6 +33,25 @@ _OOM_PATTERNS = re.compile(
     re.IGNORECASE,
 )
 _BIND_PATTERNS = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
+_ERROR_WORDS = re.compile(r"error|failed|abort|out of memory|couldn't", re.IGNORECASE)
+#: llama.cpp's own log prefix: elapsed time, then the level letter ("0.00.036.626 W srv ...")
+_LEVEL_PREFIX = re.compile(r"^\s*(?:\d+\.\d+\.\d+\.\d+\s+)?([DIWE])\s")
+#: debug lines count as info: the journal keeps every line llama-server prints
+_LEVELS = {"D": logging.INFO, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+
+
+def line_level(line: str) -> int:
+    """The logging level of one llama-server line: its own level letter when it has one;
+    otherwise an error when it reads like one, a warning when it says so, else info (the
+    load log, GGUF metadata, per-request timings)."""
+    m = _LEVEL_PREFIX.match(line)
+    if m:
+        return _LEVELS[m.group(1)]
+    if _ERROR_WORDS.search(line):
+        return logging.ERROR
+    if re.match(r"\s*warn(ing)?\b", line, re.IGNORECASE):
+        return logging.WARNING
+    return logging.INFO
 
 
 @dataclass(frozen=True)
@@ -151,11 +170,11 @@ class ChildProcess:
                 child_log.info("llama-server[%d]: (%d lines not shown%s)", self.pid,
                                self._limiter.suppressed, where)
                 self._limiter.suppressed = 0
-            child_log.info("llama-server[%d]: %s", self.pid, line)
+            child_log.log(line_level(line), "llama-server[%d]: %s", self.pid, line)
 
     def last_error_line(self) -> str | None:
         for line in reversed(self.tail):
-            if re.search(r"error|failed|abort|out of memory|couldn't", line, re.IGNORECASE):
+            if _ERROR_WORDS.search(line):
                 return line.strip()[-200:]
         return self.tail[-1].strip()[-200:] if self.tail else None
 
