@@ -271,10 +271,12 @@ def _reporter(objects: bool = False) -> _Reporter:
 def _calibrate(variant: str) -> str:
     """Size each KV cache type from what this binary allocates (fork types have no standard)."""
     from mtpwrap.build import calibrate
+    from mtpwrap.decide import kv
     from mtpwrap.errors import MtpwrapError
 
     try:
         sizes = calibrate.calibrate_build(variant)
     except MtpwrapError as exc:
         return f"KV type sizes: not measured ({exc.message}); the built-in table is used."
-    return f"KV type sizes measured from the binary: {', '.join(sorted(sizes))}"
+    said = [f"KV type sizes measured from the binary: {', '.join(sorted(sizes))}"]
+    return "\n".join(said + kv.differences(sizes))
