@@ -17,6 +17,8 @@ in tests/helpers.py.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,39 +41,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "`integration`; mark them so the unit tier stays hermetic:\n  " + "\n  ".join(wrong))
 
 
-@pytest.fixture(scope="session")
-def vocabulary_tree() -> str | None:
+_HOMES: list[str] = []  # the unit tests' homes, removed when the session ends
+_VOCABULARY: list[str | None] = []
+
+
+def _vocabulary_tree() -> str | None:
     """An llama.cpp tree already extracted in the caller's cache, for the model writer's
     tokenizers: without it every unit test that writes a GGUF would fetch and unpack the
     pinned source (290 MB) into its own empty home. Only read, never fetched here; unused once
     the model writer needs no tree (it then has no `llama_source_dir`)."""
-    from mtpwrap import paths
-    from mtpwrap.build import tiny_gguf
+    if not _VOCABULARY:
+        from mtpwrap import paths
+        from mtpwrap.build import tiny_gguf
 
-    if not hasattr(tiny_gguf, "llama_source_dir"):
-        return None
-    trees = sorted(t for t in paths.sources_dir().glob("*/vendor/llama.cpp")
-                   if (t / "models").is_dir())
-    return str(trees[-1]) if trees else None
+        trees = sorted(t for t in paths.sources_dir().glob("*/vendor/llama.cpp")
+                       if (t / "models").is_dir())
+        use = hasattr(tiny_gguf, "llama_source_dir") and trees
+        _VOCABULARY.append(str(trees[-1]) if use else None)
+    return _VOCABULARY[0]
 
 
-@pytest.fixture(autouse=True)
-def unit_home(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-              monkeypatch: pytest.MonkeyPatch) -> Path | None:
-    """An empty MTPWRAP_HOME for every unit test; integration tests keep the shared caches."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A unit test runs in an empty MTPWRAP_HOME of its own, with no MTPWRAP_* variable of the
+    caller's and no build folder; integration tests keep the caller's environment and so the
+    shared caches. Set around the whole test, so that module and session fixtures a unit test
+    is the first to ask for are made in the unit environment too."""
+    if item.get_closest_marker("integration"):
+        yield
+        return
+    vocabulary = _vocabulary_tree()
+    with pytest.MonkeyPatch.context() as mp:
+        for key in [k for k in os.environ if k.startswith("MTPWRAP_")]:
+            mp.delenv(key)
+        home = Path(tempfile.mkdtemp(prefix="mtpwrap-home-"))
+        _HOMES.append(str(home))
+        mp.setenv("MTPWRAP_HOME", str(home))
+        mp.setenv("MTPWRAP_BUILD_DIR", str(home / "checkout-build"))
+        mp.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))
+        if vocabulary is not None:
+            mp.setenv("MTPWRAP_LLAMA_SOURCE", vocabulary)
+        yield
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for home in _HOMES:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture
+def unit_home(request: pytest.FixtureRequest) -> Path | None:
+    """The unit test's own MTPWRAP_HOME (None for an integration test)."""
     if request.node.get_closest_marker("integration"):
         return None
-    vocabulary = request.getfixturevalue("vocabulary_tree")
-    for key in list(os.environ):
-        if key.startswith("MTPWRAP_"):
-            monkeypatch.delenv(key)
-    home = tmp_path_factory.mktemp("mtpwrap-home")
-    monkeypatch.setenv("MTPWRAP_HOME", str(home))
-    monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(home / "checkout-build"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))
-    if vocabulary is not None:
-        monkeypatch.setenv("MTPWRAP_LLAMA_SOURCE", vocabulary)
-    return home
+    return Path(os.environ["MTPWRAP_HOME"])
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mtpwrap.cli import cli
 from mtpwrap.commands.up import command as up_command
 from mtpwrap.config import reference
 from mtpwrap.config.objects import (
@@ -25,7 +26,9 @@ from mtpwrap.config.table import (
     FEATURES,
     PERSIST,
     PROXY,
+    SECTIONS,
     SUPERVISOR,
+    TOP,
     Key,
     env_name,
     every_key,
@@ -87,7 +90,9 @@ def config_file(tmp_path: Path, dotted: str, value: Any) -> Path:
 
 def flags(dotted: str, value: Any) -> dict[str, Any]:
     """What `up`'s command line gives the loader for `--flag VALUE` (parsed by click)."""
-    ctx = up_command.make_context("up", [flag_name(dotted), text(value)])
+    # under the group's own context settings, as `mtpwrap up` parses it
+    parent = cli.make_context("mtpwrap", ["up"], resilient_parsing=True)
+    ctx = up_command.make_context("up", [flag_name(dotted), text(value)], parent=parent)
     return given(ctx.params)
 
 
@@ -148,7 +153,37 @@ def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, 
         assert fields[name].default == k.default, name
 
 
-def test_configuration_reference_is_current() -> None:
-    assert reference.TARGET.read_text(encoding="utf-8") == reference.render(), (
-        "docs/reference/configuration.md is not current: run "
-        "`python -m mtpwrap.config.reference`")
+def test_a_profiles_sections_come_below_flag_variable_and_file(tmp_path: Path) -> None:
+    cfg = config_file(tmp_path, "supervisor.wedge_s", 5.0)
+    s = load_settings(flags("proxy.max_n_probs", 3), env={"MTPWRAP_PROXY_QUEUE_SIZE": "11"},
+                      config=cfg)
+    profile_sup = {"wedge_s": 9.0, "backoff_max_s": 4.0}
+    sup = supervisor_config(s.layered("supervisor", profile_sup), near_edge=False)
+    assert (sup.wedge_s, sup.backoff_max_s, sup.max_failures) == (5.0, 4.0, 5)
+    profile_proxy = {"queue_size": 2, "max_n_probs": 7, "max_choices": 2}
+    proxy = ProxyConfig.from_mapping(s.layered("proxy", profile_proxy), "t")
+    assert (proxy.queue_size, proxy.max_n_probs, proxy.max_choices) == (11, 3, 2)
+
+
+def test_settings_hold_every_top_level_key() -> None:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    assert set(TOP) <= fields and set(SECTIONS) <= fields
+
+
+def test_reference_and_example_config_are_current() -> None:
+    for target, text in reference.generated().items():
+        assert target.read_text(encoding="utf-8") == text, (
+            f"{target.name} is not current: run `python -m mtpwrap.config.reference`")
+
+
+def test_example_config_sets_what_it_shows(tmp_path: Path) -> None:
+    """The shipped example loads and gives the table's defaults (its key file aside)."""
+    keys = tmp_path / "keys"
+    keys.write_text("example-key-0123456789\n")
+    text = reference.EXAMPLE.read_text().replace("/etc/mtpwrap/api-keys", str(keys))
+    cfg = tmp_path / "mtpwrap.yaml"
+    cfg.write_text(text)
+    s = load_settings({}, env={}, config=cfg)
+    for dotted, k in KEYS.items():
+        if dotted != "api_key_file":
+            assert built(s, dotted) == k.default, dotted

@@ -131,7 +131,7 @@ def test_slots_and_weight_become_maxconn_and_weight(tmp_path: Path) -> None:
     ("- 10.0.0.5:8080", "node 1: expected a mapping with host, port"),
     ("host: 10.0.0.5\nport: 8080", "expected a list of nodes"),
     ("[]", "expected a list of nodes"),
-    ("- {host: 10.0.0.5, port: [", "not valid YAML at line 2"),
+    ("- {host: 10.0.0.5, port: [", "fleet.yml':2: not valid YAML"),
 ])
 def test_bad_inventory_is_one_sentence_naming_file_and_key(tmp_path: Path, text: str,
                                                            needle: str) -> None:
@@ -146,7 +146,7 @@ def test_bad_inventory_is_one_sentence_naming_file_and_key(tmp_path: Path, text:
 def test_missing_inventory_is_one_sentence(tmp_path: Path) -> None:
     r = run_cli("fleet", "haproxy", "--inventory", str(tmp_path / "nope.yml"))
     assert r.returncode == 78, r.stderr
-    assert f"--inventory '{tmp_path / 'nope.yml'}': cannot be read" in r.stderr
+    assert f"--inventory '{tmp_path / 'nope.yml'}': no such file" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

@@ -7,14 +7,19 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mtpwrap.config.objects import PersistConfig
 from mtpwrap.config.settings import load_settings
+from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import persist, service
+from mtpwrap.run import persist
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.serve.info import ServeInfo
+from mtpwrap.service import launch as up_launch
+from mtpwrap.service import reload as reloading
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
@@ -90,49 +95,46 @@ def test_directory_problems_and_the_doctor_check(tmp_path: Path) -> None:
     assert doctor.check_snapshots(d).status == doctor.OK
 
 
-def argv(model: Path, *more: str) -> list[str]:
-    return ["llama-server", "-m", str(model), *more]
+def launch(model: Path, context: int = 4096, slots: int = 2, k: str = "q8_0", v: str = "q8_0",
+           **more: Any) -> LaunchConfig:
+    return LaunchConfig(profile="p", model=str(model), context=context, cache_k=k, cache_v=v,
+                        slots=slots, **more)
 
 
 def test_snapshots_fit_only_the_same_model_kv_types_and_no_smaller_slots(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 64)
-    base = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
-                                    "-ctv", "q8_0"))
+    base = persist.fingerprint(launch(model))
     assert base["slot_ctx"] == 2048 and base["type_k"] == "q8_0"
-    same = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
-                                    "-ctv", "q8_0", "--flash-attn", "on"))
+    same = persist.fingerprint(launch(model, flash_attn="on"))
     assert persist.incompatibility(base, same) is None
-    bigger = persist.fingerprint(argv(model, "-c", "8192", "-np", "1", "-ctk", "q8_0",
-                                      "-ctv", "q8_0"))
+    bigger = persist.fingerprint(launch(model, context=8192, slots=1))
     assert persist.incompatibility(base, bigger) is None
-    smaller = persist.fingerprint(argv(model, "-c", "4096", "-np", "4", "-ctk", "q8_0",
-                                       "-ctv", "q8_0"))
+    smaller = persist.fingerprint(launch(model, slots=4))
     assert "shrank (2048 -> 1024" in (persist.incompatibility(base, smaller) or "")
-    kv = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q4_0",
-                                  "-ctv", "q8_0"))
+    kv = persist.fingerprint(launch(model, k="q4_0"))
     assert "K cache type changed (q8_0 -> q4_0)" in (persist.incompatibility(base, kv) or "")
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF")
-    moved = persist.fingerprint(argv(other, "-c", "4096", "-np", "2", "-ctk", "q8_0",
-                                     "-ctv", "q8_0"))
+    moved = persist.fingerprint(launch(other))
     assert "model changed" in (persist.incompatibility(base, moved) or "")
     # The same path with other contents (a re-download, a new quantisation) is another model.
     model.write_bytes(b"GGUF" + b"\1" * 128)
-    changed = persist.fingerprint(argv(model, "-c", "4096", "-np", "2", "-ctk", "q8_0",
-                                       "-ctv", "q8_0"))
+    changed = persist.fingerprint(launch(model))
     assert "model changed" in (persist.incompatibility(base, changed) or "")
+    # A command whose launch is not known takes no snapshot and gives none.
+    assert "not known" in (persist.incompatibility(persist.fingerprint(None), changed) or "")
 
 
 def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "m.yaml"
     cfg.write_text("persist:\n  min_tokens: 512\n  dir: /srv/snaps\n")
     s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
-    pc = service.persist_config(s)
+    pc = up_launch.persist_config(s)
     assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
     assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
-    assert service.persist_config(off) is None
+    assert up_launch.persist_config(off) is None
     cfg.write_text("persist:\n  min_token: 512\n")
     with pytest.raises(ConfigError, match="persist.min_token: unknown key"):
         load_settings({}, env={}, config=cfg)
@@ -141,11 +143,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
         load_settings({}, env={}, config=cfg)
 
 
-def launch_with(argv_: list[str], proxy: dict | None = None) -> service.Launch:
+def launch_with(argv_: list[str], proxy: dict | None = None) -> up_launch.Launch:
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         return ChildSpec(argv=[*argv_, "--port", str(port)])
 
-    return service.Launch(factory=factory, info={"profile": "p"}, proxy=proxy or {})
+    return up_launch.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
 
 
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
@@ -159,11 +161,6 @@ def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
         launching.check_extra(caps, "profile extra_args", ["--slot-save-path=/tmp"])
     launching.check_extra(caps, "profile extra_args", ["--ctx-checkpoints", "0"])
-    launch = launch_with(["llama-server", "-m", "x.gguf"])
-    wrapped = service.with_slot_save_path(launch.factory, tmp_path)
-    spec = wrapped(1234, "key", 0)
-    assert spec is not None
-    assert list(spec.argv[-2:]) == ["--slot-save-path", str(tmp_path)]
 
 
 def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
@@ -171,13 +168,13 @@ def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
     cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
     s = load_settings({}, env={}, config=cfg)
     with pytest.raises(ConfigError, match="slot-actions would let clients"):
-        service.proxy_config(s, launch_with(["llama-server"]))
+        up_launch.proxy_config(s, launch_with(["llama-server"]))
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
-    assert "slot-actions" in service.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    assert "slot-actions" in up_launch.proxy_config(off, launch_with(["llama-server"])).enable_paths
     # A profile cannot open it either.
     plain = load_settings({}, env={}, config=None)
     with pytest.raises(ConfigError, match="slot-actions"):
-        service.proxy_config(plain, launch_with(["llama-server"],
+        up_launch.proxy_config(plain, launch_with(["llama-server"],
                                                 proxy={"enable_paths": ["slot-actions"]}))
 
 
@@ -187,12 +184,17 @@ def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
     cfg.write_text("profile: cpu-demo\nport: 8099\n")
     monkeypatch.setenv("MTPWRAP_DRAIN_S", "7")
     monkeypatch.setenv("MTPWRAP_API_KEYS", "secret-key-1")
-    s = load_settings({"host": "127.0.0.2"}, config=cfg)
-    inputs = service.reload_inputs(s)
-    assert inputs == {"cli": {"host": "127.0.0.2"}, "env": {"MTPWRAP_DRAIN_S": "7"},
+    s = load_settings({"host": "127.0.0.2", "supervisor.wedge_s": "5",
+                       "proxy.cors_origins": "https://a.example"}, config=cfg)
+    inputs = reloading.reload_inputs(s)
+    assert inputs == {"cli": {"host": "127.0.0.2", "supervisor.wedge_s": 5.0,
+                              "proxy.cors_origins": ["https://a.example"]},
+                      "env": {"MTPWRAP_DRAIN_S": "7"},
                       "config": str(cfg)}  # no key in the state file
     cfg.write_text("profile: cpu-demo\nport: 8100\n")
     monkeypatch.delenv("MTPWRAP_DRAIN_S")
-    again = service.reread_settings(inputs)
+    again = reloading.reread_settings(inputs)
     assert (again.host, again.port, again.drain_s) == ("127.0.0.2", 8100, 7.0)
+    assert again.supervisor["wedge_s"] == 5.0
+    assert again.proxy["cors_origins"] == ("https://a.example",)
     assert again.api_keys == ("secret-key-1",)

@@ -1,12 +1,13 @@
-"""docs/reference/configuration.md, written from the table.
+"""docs/reference/configuration.md and the example config, written from the table.
 
-    python -m mtpwrap.config.reference          # rewrite the page
-    python -m mtpwrap.config.reference --check  # exit 1 when it is not current
+    python -m mtpwrap.config.reference          # rewrite the page and deploy/mtpwrap.yaml
+    python -m mtpwrap.config.reference --check  # exit 1 when either is not current
 """
 
 from __future__ import annotations
 
 import sys
+import textwrap
 from pathlib import Path
 
 from mtpwrap import paths
@@ -22,11 +23,33 @@ from mtpwrap.config.table import (
 )
 
 TARGET = paths.repo_root() / "docs" / "reference" / "configuration.md"
+EXAMPLE = paths.repo_root() / "deploy" / "mtpwrap.yaml"
+
+#: values the example config shows instead of the default (set: written uncommented)
+EXAMPLE_VALUES: dict[str, tuple[str, bool]] = {
+    "api_key_file": ("/etc/mtpwrap/api-keys", True),
+    "model": ("/var/lib/mtpwrap/models/Qwen3.6-27B-Q4_K_M-mtp.gguf", False),
+    "binary": ("/opt/mtpwrap/build/cuda-sm89/bin/llama-server", False),
+    "hw_replay": ("/etc/mtpwrap/hw-recording.json", False),
+    "persist.dir": ("/var/lib/mtpwrap/kv-snapshots", False),
+}
+#: sections the example leaves commented out (their defaults suit most)
+EXAMPLE_QUIET = ("proxy",)
+
+EXAMPLE_HEADER = f"""\
+# {DEFAULT_CONFIG_FILE} — read by `mtpwrap up` (or pass --config FILE).
+# Generated from mtpwrap/config/table.py by `python -m mtpwrap.config.reference`: every key
+# with its default; docs/reference/configuration.md has the same in a table.
+# Precedence: command-line flag > MTPWRAP_* environment variable > this file > profile > default.
+# Every key has an environment twin: port -> MTPWRAP_PORT, supervisor.wedge_s ->
+# MTPWRAP_SUPERVISOR_WEDGE_S. Unknown keys are an error (exit 78), so a typo never goes unnoticed.
+"""
 
 HEADER = f"""# Configuration reference
 
 Generated from `mtpwrap/config/table.py` by `python -m mtpwrap.config.reference`; do not edit
-by hand (`tests/test_config_table.py` fails when this page is not current).
+by hand (`tests/test_config_table.py` fails when this page is not current). The example config
+`deploy/mtpwrap.yaml` is written from the same table.
 
 `mtpwrap up` reads each setting from, in this order: its flag, its `MTPWRAP_*` environment
 variable, the YAML config file (`--config FILE`, else `{DEFAULT_CONFIG_FILE}` when it
@@ -68,18 +91,52 @@ def render() -> str:
     return "\n".join(out)
 
 
+def _yaml_value(k: Key) -> str:
+    value = shown(k)
+    if k.kind == "list":
+        return "[" + ", ".join(k.default) + "]"
+    return value
+
+
+def _example_key(dotted: str, k: Key, indent: str, quiet: bool) -> list[str]:
+    name = dotted.rpartition(".")[2]
+    value, on = EXAMPLE_VALUES.get(dotted, (None if k.default is None else _yaml_value(k),
+                                            not quiet))
+    lines = [f"{indent}# {line}" for line in textwrap.wrap(k.help, 96 - len(indent))]
+    line = f"{name}: {value}" if value is not None else f"{name}:"
+    lines.append(f"{indent}{line}" if on and value is not None else f"{indent}# {line}")
+    return lines
+
+
+def render_example() -> str:
+    """deploy/mtpwrap.yaml: every key with its help and default."""
+    out = [EXAMPLE_HEADER]
+    for name, k in TOP.items():
+        out += _example_key(name, k, "", False)
+    for section, keys in SECTIONS.items():
+        out += ["", f"{section}:"]
+        for name, k in keys.items():
+            out += _example_key(f"{section}.{name}", k, "  ", section in EXAMPLE_QUIET)
+    return "\n".join(out) + "\n"
+
+
+def generated() -> dict[Path, str]:
+    return {TARGET: render(), EXAMPLE: render_example()}
+
+
 def main(argv: list[str]) -> int:
-    text = render()
-    if "--check" in argv:
-        current = TARGET.read_text(encoding="utf-8") if TARGET.exists() else ""
-        if current != text:
-            print(f"{TARGET} is not current: run python -m mtpwrap.config.reference",
-                  file=sys.stderr)
-            return 1
-        return 0
-    Path(TARGET).write_text(text, encoding="utf-8")
-    print(f"wrote {TARGET}")
-    return 0
+    stale = 0
+    for target, text in generated().items():
+        if "--check" in argv:
+            current = target.read_text(encoding="utf-8") if target.exists() else ""
+            if current != text:
+                print(f"{target} is not current: run python -m mtpwrap.config.reference",
+                      file=sys.stderr)
+                stale += 1
+            continue
+        Path(target).write_text(text, encoding="utf-8")
+        print(f"wrote {target}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

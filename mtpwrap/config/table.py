@@ -72,7 +72,8 @@ def _seconds(default: float, help: str, *, zero: str | None = None, positive: bo
 TOP: dict[str, Key] = {
     "profile": Key("str", "auto", "Profile name or file, or `auto` for this machine."),
     "model": Key("str", None, "Model path or name, overriding the profile's."),
-    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on."),
+    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on; 0.0.0.0 only with API "
+                                  "keys."),
     "port": Key("int", 8080, "Port of the HTTP front.", "", _port, "an integer 1..65535"),
     "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made)."),
     "hw_replay": Key("str", None, "A hardware recording (`mtpwrap hw --record`) to plan for "
@@ -83,7 +84,8 @@ TOP: dict[str, Key] = {
     "api_key_file": Key("str", None, "File with one client API key per line, optionally "
                                      "followed by its scopes; keys also come from "
                                      "MTPWRAP_API_KEYS (comma separated)."),
-    "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown."),
+    "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown (the unit's "
+                              "TimeoutStopSec covers it)."),
     "drain_grace_s": _seconds(0.0, "Before draining, seconds /readyz says 503 while requests "
                                    "are still taken, so a load balancer moves traffic away "
                                    "first.", zero="drain at once"),
@@ -100,7 +102,8 @@ SUPERVISOR: dict[str, Key] = {
                                 positive=True),
     "monitor_interval_s": _seconds(1.0, "Seconds between health checks while ready.",
                                    positive=True),
-    "backoff_initial_s": _seconds(1.0, "First wait before restarting a crashed llama-server.",
+    "backoff_initial_s": _seconds(1.0, "First wait before restarting a crashed llama-server "
+                                       "(then 2, 4 ... times as long).",
                                   positive=True),
     "backoff_max_s": _seconds(30.0, "Longest wait between restarts.", positive=True),
     "max_failures": Key("int", 5, "Crashes within failure_window_s before giving up (failed).",
@@ -111,7 +114,8 @@ SUPERVISOR: dict[str, Key] = {
     "oom_step_down": Key("tristate", "auto", "Step down to cheaper launches after "
                                              "out-of-memory starts; auto: on when the memory "
                                              "plan leaves the GPU near its edge."),
-    "stop_grace_s": _seconds(10.0, "Seconds llama-server gets after SIGTERM before SIGKILL."),
+    "stop_grace_s": _seconds(10.0, "Seconds llama-server gets after SIGTERM before SIGKILL of "
+                                   "its process group."),
     "wedge_s": _seconds(60.0, "No decode progress this long while requests are processing: "
                               "restart.", zero="off"),
     "rss_limit_mb": Key("int", 0, "llama-server's RSS + swap above this: drain and recycle it.",
@@ -127,9 +131,12 @@ SUPERVISOR: dict[str, Key] = {
 
 #: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
 PERSIST: dict[str, Key] = {
-    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts."),
-    "dir": Key("str", None, "Snapshot directory (default: <MTPWRAP_HOME>/kv-snapshots; under "
-                            "systemd /var/lib/mtpwrap/kv-snapshots)."),
+    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts (reload, "
+                                 "restart, recycle); false: every restart recomputes the "
+                                 "prompts."),
+    "dir": Key("str", None, "Snapshot directory, 0700 with files 0600 (default: "
+                            "<MTPWRAP_HOME>/kv-snapshots; under systemd "
+                            "/var/lib/mtpwrap/kv-snapshots)."),
     "min_tokens": Key("int", 2048, "Slots holding fewer tokens are not saved.", "tokens", _pos,
                       "an integer number of tokens >= 1"),
     "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",
@@ -152,37 +159,61 @@ FEATURES: tuple[str, ...] = (
 )
 
 #: the HTTP front (mtpwrap.config.objects.ProxyConfig checks the values' ranges)
+def _count(default: int, help: str, unit: str = "", *, zero: str | None = None,
+           positive: bool = True) -> Key:
+    """A whole number: >= 1 when `positive`, else >= 0 (`zero` says what 0 means)."""
+    what = f"an integer number of {unit}" if unit and unit not in ("s",) else "an integer"
+    if positive:
+        return Key("int", default, help, unit, _pos, f"{what} >= 1")
+    tail = f" (0: {zero})" if zero else ""
+    return Key("int", default, help, unit, _nonneg, f"{what} >= 0{tail}")
+
+
+def _features(v: tuple[str, ...]) -> bool:
+    return all(name in FEATURES for name in v)
+
+
+def _exact_origins(v: tuple[str, ...]) -> bool:
+    return "*" not in v
+
+
 PROXY: dict[str, Key] = {
     "allowed_hosts": Key("list", (), "Host names the front answers to (`*`: any); default: "
                                      "loopback names and the listen address."),
-    "max_body_bytes": Key("int", 8 * MiB, "Largest request body.", "bytes"),
-    "queue_size": Key("int", 32, "Requests waiting for a free slot beyond those running."),
-    "queue_timeout_s": Key("float", 30.0, "Longest wait in the queue before 503.", "s"),
-    "stream_stall_s": Key("float", 60.0, "A stream that sends nothing this long is cut.", "s"),
-    "prefill_stall_s": Key("float", 600.0, "Longest wait for the first token.", "s"),
-    "keepalive_s": Key("float", 15.0, "Seconds between keep-alive comments on a quiet stream.",
-                       "s"),
-    "write_timeout_s": Key("float", 30.0, "A client that reads nothing this long is dropped.",
-                           "s"),
-    "connect_timeout_s": Key("float", 5.0, "Connecting to llama-server.", "s"),
-    "retry_after_s": Key("int", 5, "Retry-After of a 503.", "s"),
+    "max_body_bytes": _count(8 * MiB, "Largest request body.", "bytes"),
+    "queue_size": _count(32, "Requests waiting for a free slot beyond those running.",
+                         positive=False),
+    "queue_timeout_s": _seconds(30.0, "Longest wait in the queue before 503.", positive=True),
+    "stream_stall_s": _seconds(60.0, "A stream that sends nothing this long is cut.",
+                               positive=True),
+    "prefill_stall_s": _seconds(600.0, "Longest wait for the first token.", positive=True),
+    "keepalive_s": _seconds(15.0, "Seconds between keep-alive comments on a quiet stream.",
+                            positive=True),
+    "write_timeout_s": _seconds(30.0, "A client that reads nothing this long is dropped.",
+                                positive=True),
+    "connect_timeout_s": _seconds(5.0, "Connecting to llama-server.", positive=True),
+    "retry_after_s": _count(5, "Retry-After of a 503, in seconds.", "s"),
     "enable_paths": Key("list", (), "Gated llama-server routes to open: "
-                                    + ", ".join(FEATURES) + "."),
-    "max_n_probs": Key("int", 100, "Most top tokens per position a request may ask for."),
-    "max_choices": Key("int", 1, "Most choices per request (`n`)."),
-    "max_predict": Key("int", 0, "Most tokens to generate per request (0: no cap beyond the "
-                                 "context).", "tokens"),
-    "header_timeout_s": Key("float", 10.0, "Time to a complete request head.", "s"),
-    "idle_timeout_s": Key("float", 30.0, "Idle keep-alive connections are closed after this.",
-                          "s"),
-    "max_connections": Key("int", 1024, "Open client connections."),
-    "max_header_bytes": Key("int", 32 * 1024, "Size of the request headers.", "bytes"),
-    "max_headers": Key("int", 64, "Number of request headers."),
+                                    + ", ".join(FEATURES) + ".", check=_features,
+                        expect="a list of strings, each one of " + ", ".join(FEATURES)),
+    "max_n_probs": _count(100, "Most top tokens per position a request may ask for.",
+                          positive=False),
+    "max_choices": _count(1, "Most choices per request (`n`)."),
+    "max_predict": _count(0, "Most tokens to generate per request.", "tokens", positive=False,
+                          zero="no cap beyond the context"),
+    "header_timeout_s": _seconds(10.0, "Time to a complete request head.", positive=True),
+    "idle_timeout_s": _seconds(30.0, "Idle keep-alive connections are closed after this.",
+                               positive=True),
+    "max_connections": _count(1024, "Open client connections."),
+    "max_header_bytes": _count(32 * 1024, "Size of the request headers.", "bytes"),
+    "max_headers": _count(64, "Number of request headers."),
     "metrics_public": Key("bool", False, "/metrics without an API key."),
     "healthz_public": Key("bool", False, "/healthz without an API key."),
-    "backend_metrics_timeout_s": Key("float", 5.0, "Reading llama-server's own /metrics.", "s"),
-    "cors_origins": Key("list", (), "Browser origins allowed to call the API (exact origins, "
-                                    "never `*`)."),
+    "backend_metrics_timeout_s": _seconds(5.0, "Reading llama-server's own /metrics.",
+                                          positive=True),
+    "cors_origins": Key("list", (), "Browser origins allowed to call the API.",
+                        check=_exact_origins,
+                        expect="a list of strings, each an exact origin (never `*`)"),
 }
 
 SECTIONS: dict[str, dict[str, Key]] = {

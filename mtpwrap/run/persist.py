@@ -26,12 +26,13 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtpwrap.config.objects import PersistConfig
+from mtpwrap.decide.launch import LaunchConfig
 
 log = logging.getLogger("mtpwrap.persist")
 
@@ -48,47 +49,37 @@ AUTO_SHARE = 0.25
 # --------------------------------------------------------------------------- compatibility
 
 
-def _flag(argv: Sequence[str], *flags: str) -> str | None:
-    for i, a in enumerate(argv):
-        for f in flags:
-            if a == f and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(f + "="):
-                return a.split("=", 1)[1]
-    return None
-
-
-def fingerprint(argv: Sequence[str]) -> dict[str, Any]:
-    """What a slot snapshot depends on, read from a llama-server command line: the model file
-    (its pinned sha256 when one is recorded beside it, else its size and modification time),
-    the K and V cache types and the context of one slot."""
-    model = _flag(argv, "-m", "--model")
-    ident: str | None = None
-    if model:
-        p = Path(model)
-        stamp = p.with_name(p.name + ".sha256")
-        try:
-            ident = stamp.read_text().split()[0] if stamp.is_file() else None
-        except (OSError, IndexError):
-            ident = None
-        if ident is None:
-            with contextlib.suppress(OSError):
-                st = p.stat()
-                ident = f"size {st.st_size}, mtime {st.st_mtime_ns}"
-    ctx = _flag(argv, "-c", "--ctx-size")
-    slots = _flag(argv, "-np", "--parallel") or "1"
-    per_slot = int(ctx) // max(1, int(slots)) if ctx and ctx.isdigit() and slots.isdigit() else 0
+def fingerprint(launch: LaunchConfig | None) -> dict[str, Any]:
+    """What a slot snapshot depends on, read from the child's launch: the model file (its
+    pinned sha256 when one is recorded beside it, else its size and modification time), the K
+    and V cache types and the context of one slot. None: a command of unknown launch, whose
+    snapshots fit nothing."""
+    if launch is None:
+        return {"model": None, "model_id": None, "type_k": None, "type_v": None,
+                "slot_ctx": 0, "slots": 1, "known": False}
+    p = Path(launch.model)
+    stamp = p.with_name(p.name + ".sha256")
+    try:
+        ident: str | None = stamp.read_text().split()[0] if stamp.is_file() else None
+    except (OSError, IndexError):
+        ident = None
+    if ident is None:
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            ident = f"size {st.st_size}, mtime {st.st_mtime_ns}"
+    slots = max(1, launch.slots)
     return {
-        "model": str(Path(model).resolve()) if model else None, "model_id": ident,
-        "type_k": _flag(argv, "-ctk", "--cache-type-k") or "f16",
-        "type_v": _flag(argv, "-ctv", "--cache-type-v") or "f16",
-        "slot_ctx": per_slot, "slots": int(slots) if slots.isdigit() else 1,
+        "model": str(p.resolve()), "model_id": ident,
+        "type_k": launch.cache_k, "type_v": launch.cache_v,
+        "slot_ctx": launch.context // slots, "slots": slots, "known": True,
     }
 
 
 def incompatibility(old: Mapping[str, Any], new: Mapping[str, Any]) -> str | None:
     """Why snapshots taken under `old` cannot go into a child launched as `new`; None if they
     can."""
+    if not (old.get("known") and new.get("known")):
+        return "the launch of one of the two commands is not known"
     if old.get("model") != new.get("model") or old.get("model_id") != new.get("model_id"):
         return f"the model changed ({old.get('model')} -> {new.get('model')})"
     for key, what in (("type_k", "K cache type"), ("type_v", "V cache type")):
@@ -225,10 +216,11 @@ class Carried:
                 "bytes": sum(s.size for s in self.snapshots), "save_s": round(self.save_s, 3)}
 
 
-async def save_slots(child: Any, store: SnapshotStore, argv: Sequence[str]) -> Carried:
-    """Save every slot of `child` holding at least `min_tokens` tokens."""
+async def save_slots(child: Any, store: SnapshotStore, launch: LaunchConfig | None) -> Carried:
+    """Save every slot of `child` (launched as `launch`) holding at least `min_tokens`
+    tokens."""
     t0 = time.perf_counter()
-    fp = fingerprint(argv)
+    fp = fingerprint(launch)
     kept: list[Snapshot] = []
     for slot in range(int(fp["slots"])):
         name = store.new_name(slot)
@@ -255,12 +247,12 @@ async def save_slots(child: Any, store: SnapshotStore, argv: Sequence[str]) -> C
 
 
 async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
-                        argv: Sequence[str]) -> dict[str, Any]:
+                        launch: LaunchConfig | None) -> dict[str, Any]:
     """Put carried snapshots into `child`; every file is deleted afterwards, restored or not."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"restored": 0, "tokens": 0, "skipped": None}
     try:
-        why = incompatibility(carried.fingerprint, fingerprint(argv))
+        why = incompatibility(carried.fingerprint, fingerprint(launch))
         if why is not None:
             report["skipped"] = why
             if carried.snapshots:

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import yaml
 
+from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.errors import ConfigError, MissingToolError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -146,14 +147,7 @@ def load_inventory(path: Path) -> list[Node]:
     """Nodes from a YAML file: a list of {host, port, slots, weight, name (optional)}, or a
     mapping whose `nodes` key holds that list."""
     where = f"--inventory {str(path)!r}"
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot be read ({e.strerror or e}).") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{where}: not valid YAML{at}.") from None
+    doc = read_yaml(path, where, what="inventory")
     if isinstance(doc, dict) and set(doc) == {"nodes"}:
         doc = doc["nodes"]
     if not isinstance(doc, list) or not doc:
