@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from mtpwrap.config.options import config_option, given, up_options
+from mtpwrap.config.options import SettingsCommand, config_option, given, up_options
 
 
-@click.command("up")
+@click.command("up", cls=SettingsCommand)
 @up_options
 @click.option("--no-plan", "no_plan", is_flag=True, default=None,
               help="Launch a GPU profile without the memory plan's check (say so in the "
