@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpwrap import proc
 from mtpwrap.bench import corpora, stats
-from mtpwrap.build import builder, spec_probe
+from mtpwrap.build import manifest as build_manifest
+from mtpwrap.build import spec_probe
+from mtpwrap.build.binary import find_binary
 from mtpwrap.decide import capabilities, launch, models
 from mtpwrap.decide.profiles import SpecAdapt
 from mtpwrap.proc import free_loopback_port, running_server
@@ -64,7 +66,7 @@ def quantized_draft(model: Path, work: Path) -> Path:
     out = work / (model.stem + ".Q2_K-draft.gguf")
     if out.is_file():
         return out
-    manifest = builder.load_manifest("cpu")
+    manifest = build_manifest.load_manifest("cpu")
     if manifest is None or "llama-quantize" not in manifest.binaries:
         raise SystemExit("no llama-quantize in the CPU build: run `mtpwrap build --cpu`.")
     proc.run([str(manifest.binary("llama-quantize")), "--allow-requantize", str(model),
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    binary = Path(os.environ.get("MTPWRAP_BINARY") or builder.find_binary())
+    binary = Path(os.environ.get("MTPWRAP_BINARY") or find_binary())
     model = args.model or Path(os.environ.get("MTPWRAP_DEMO_MODEL")
                                or models.ensure_demo_model())
     work = Path(tempfile.gettempdir()) / "mtpwrap-adaptive-spec"

@@ -90,7 +90,7 @@ if [[ -z "$server" ]]; then
     else
         say "building llama-server for this GPU (mtpwrap build)"
         timeout 480 "$py" -m mtpwrap build 2>&1 | tail -n 20 >>"$log"
-        server="$("$py" -c 'from mtpwrap.build import builder; print(builder.load_manifest().binary("llama-server"))')"
+        server="$("$py" -c 'from mtpwrap.build.manifest import load_manifest; print(load_manifest().binary("llama-server"))')"
     fi
 fi
 say "llama-server: $server"

@@ -123,9 +123,9 @@ def main() -> int:
     a = ap.parse_args()
     bin_dir = a.bin_dir
     if bin_dir is None:
-        from mtpwrap.build import builder
+        from mtpwrap.build import binary
 
-        bin_dir = builder.find_binary("llama-server").parent
+        bin_dir = binary.find_binary("llama-server").parent
     fit_bin, server_bin = bin_dir / "llama-fit-params", bin_dir / "llama-server"
     rows: list[dict[str, object]] = []
     worst: dict[str, float] = {}

@@ -106,12 +106,12 @@ from mtpwrap import cli
 from mtpwrap.commands import up
 from mtpwrap.config import settings
 from mtpwrap.run import instance
-from mtpwrap.run import service
+from mtpwrap.service import launch as up_launch
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()
-launch = service.resolve_launch(s)
-service.supervisor_config(s, launch)
-service.proxy_config(s, launch)
+launch = up_launch.resolve_launch(s)
+up_launch.supervisor_config(s, launch)
+up_launch.proxy_config(s, launch)
 print(time.process_time())
 """
 
@@ -135,10 +135,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from mtpwrap.build import builder
+    from mtpwrap.build.binary import find_binary
     from mtpwrap.models import known as models
 
-    binary = args.binary or builder.find_binary()
+    binary = args.binary or find_binary()
     model = args.model or models.ensure_demo_model()
     print(f"binary {binary}\nmodel  {model}\n")
     cols = ["direct /health", "direct 1 tok", "mtpwrap", "own", "overhead", "pre-spawn",

@@ -13,6 +13,7 @@ from typing import Any
 from mtpwrap import paths
 from mtpwrap.build import toolchain
 from mtpwrap.config.objects import default_snapshot_dir
+from mtpwrap.config.table import env_name
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
 
@@ -141,9 +142,10 @@ def check_disk(min_free_gib: float = 20.0) -> Check:
 
 def check_binary(snap: Any | None = None) -> Check:
     """The installed build: tried here, and compiled for every GPU present (`snap`: NVML)."""
-    from mtpwrap.build import builder
+    from mtpwrap.build import binary
+    from mtpwrap.build import manifest as build_manifest
 
-    m = builder.load_manifest()
+    m = build_manifest.load_manifest()
     if m is None:
         return Check(
             "llama-server build",
@@ -161,18 +163,18 @@ def check_binary(snap: Any | None = None) -> Check:
         return Check("llama-server build", MISSING,
                      detail + f"; its smoke test {smoke.get('status')}: {smoke.get('detail')}",
                      "mtpwrap build --force")
-    gaps = builder.uncovered_gpus(m, snap)
+    gaps = binary.uncovered_gpus(m, snap)
     if gaps:
-        return Check("llama-server build", MISSING, builder.coverage_problem(m, snap) or detail,
-                     builder.rebuild_command(m, gaps), hard=True)
+        return Check("llama-server build", MISSING, binary.coverage_problem(m, snap) or detail,
+                     binary.rebuild_command(m, gaps), hard=True)
     return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
 
 
 def check_cpu_isa() -> Check:
     """How the installed build's CPU backend was compiled, and why that one was kept."""
-    from mtpwrap.build import builder
+    from mtpwrap.build import manifest as build_manifest
 
-    m = builder.load_manifest()
+    m = build_manifest.load_manifest()
     if m is None:
         return Check("CPU configuration", WARNING, "no build yet", "mtpwrap build")
     tried = ", ".join(f"{a.get('cpu_isa')}: {a.get('smoke')}" for a in m.attempts)
@@ -232,7 +234,7 @@ def check_snapshots(directory: Path | None = None) -> Check:
     if directory is None:
         data = instance.read_instance() or {}
         recorded = data.get("persist_dir")
-        configured = os.environ.get("MTPWRAP_PERSIST_DIR")
+        configured = os.environ.get(env_name("persist.dir"))
         directory = Path(recorded or configured or default_snapshot_dir())
     if not directory.exists():
         return Check("KV snapshots", OK, f"{directory} does not exist yet (created 0700 by "

@@ -177,18 +177,19 @@ def packable_manifest(tmp_path: Path, identity: str | None = None,
                       sha: str | None = None) -> Any:
     """An installed cuda-sm89 build of the offline pin with real (small) binaries."""
     from mtpwrap import hashing
-    from mtpwrap.build import builder, source
+    from mtpwrap.build import planning, source
+    from mtpwrap.build.manifest import Manifest
 
     bin_dir = tmp_path / "made-here" / "bin"
     bin_dir.mkdir(parents=True)
     binaries = {}
-    for name in builder.TARGETS:
+    for name in planning.TARGETS:
         exe = bin_dir / name
         exe.write_text(f"#!/bin/sh\necho {name}\n")
         exe.chmod(0o755)
         binaries[name] = {"path": str(exe), "cache_path": str(exe),
                           "sha256": sha or hashing.sha256_file(exe)}
-    return builder.Manifest(
+    return Manifest(
         variant="cuda-sm89", source={"kind": "offline", "commit": "0c1e570",
                                      "identity": identity or source.offline_identity()},
         cmake_options={"GGML_CUDA": "ON"}, compiler="g++", cuda_version="13.0",

@@ -154,11 +154,11 @@ def test_a_carried_prebuilt_is_used_only_when_it_is_of_the_pin(tmp_path: Path,
                                                                pinned: bool) -> None:
     """`mtpwrap build --pack` on a machine that compiled, carried to the GPU machine: the script
     installs it instead of building when its manifest names the source pin, else builds."""
-    from mtpwrap.build import builder
+    from mtpwrap.build import prebuilt
     from tests.helpers import packable_manifest
 
     made = packable_manifest(tmp_path, identity=None if pinned else "offline:an-older-release")
-    archive = builder.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
+    archive = prebuilt.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
     out = tmp_path / "results"
     env = {k: v for k, v in os.environ.items() if k not in ("MTPWRAP_BINARY", "OUT")}
     env.update(PYTHON=sys.executable, GPU_CHECK_WORK=str(tmp_path / "work"),

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtpwrap import hashing
-from mtpwrap.build import builder, source, toolchain
+from mtpwrap.build import planning, source, toolchain
 from mtpwrap.errors import ConfigError
 from tests.helpers import cli_env, run_cli
 
@@ -37,7 +37,7 @@ def _fake_tree(tmp_path: Path, *markers: str) -> Path:
 
 
 def test_cpu_plan_has_the_recipe_options() -> None:
-    plan = builder.plan_build(cpu=True)
+    plan = planning.plan_build(cpu=True)
     assert plan.variant == "cpu"
     assert plan.options["CMAKE_BUILD_TYPE"] == "Release"
     assert plan.options["LLAMA_OPENSSL"] == "OFF"
@@ -56,7 +56,7 @@ def test_cuda_plan_uses_the_arch_and_the_toolkits_own_nvcc(
         "cuda_toolkit",
         lambda: toolchain.CudaToolkit("/usr/local/bin/nvcc", "12.8", root, True),
     )
-    plan = builder.plan_build(cuda_arch="89")
+    plan = planning.plan_build(cuda_arch="89")
     assert plan.variant == "cuda-sm89"
     assert plan.options["GGML_CUDA"] == "ON"
     assert plan.options["CMAKE_CUDA_ARCHITECTURES"] == "89"
@@ -66,18 +66,18 @@ def test_cuda_plan_uses_the_arch_and_the_toolkits_own_nvcc(
 
 def test_bad_cuda_arch_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--cuda-arch sm89x"):
-        builder.plan_build(cuda_arch="sm89x")
+        planning.plan_build(cuda_arch="sm89x")
 
 
 def test_cache_key_follows_options_but_not_the_launcher() -> None:
-    opts = builder.plan_build(cpu=True).options
-    k1 = builder.cache_key("offline:x", opts, "g++ 12")
-    assert k1 == builder.cache_key(
+    opts = planning.plan_build(cpu=True).options
+    k1 = planning.cache_key("offline:x", opts, "g++ 12")
+    assert k1 == planning.cache_key(
         "offline:x", {**opts, "CMAKE_CXX_COMPILER_LAUNCHER": "/x"}, "g++ 12"
     )
-    assert k1 != builder.cache_key("offline:x", {**opts, "GGML_NATIVE": "OFF"}, "g++ 12")
-    assert k1 != builder.cache_key("offline:y", opts, "g++ 12")
-    assert k1 != builder.cache_key("offline:x", opts, "clang 18")
+    assert k1 != planning.cache_key("offline:x", {**opts, "GGML_NATIVE": "OFF"}, "g++ 12")
+    assert k1 != planning.cache_key("offline:y", opts, "g++ 12")
+    assert k1 != planning.cache_key("offline:x", opts, "clang 18")
 
 
 def test_source_path_errors_name_the_flag(tmp_path: Path) -> None:
@@ -128,7 +128,7 @@ def test_build_from_a_path_writes_a_complete_manifest(
     assert manifest["version_output"].startswith("version: 42 (fake000)")
     assert manifest["cmake_options"]["CMAKE_BUILD_TYPE"] == "Release"
     assert manifest["compiler"] and manifest["built_at"] and manifest["architectures"]
-    for name in builder.TARGETS:
+    for name in planning.TARGETS:
         info = manifest["binaries"][name]
         assert Path(info["path"]).is_file()
         assert info["sha256"] == hashing.sha256_file(Path(info["path"]))
@@ -143,11 +143,61 @@ def test_failed_compile_shows_the_compiler_error_and_log(
     (tree / "server.cpp").write_text("int main( { this is not C++ }\n")
     r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)
     assert r.returncode == 1, r.stderr
-    assert "compiling llama-server, llama-fit-params, llama-quantize failed" in r.stderr
+    assert f"compiling {', '.join(planning.TARGETS)} failed" in r.stderr
     assert "server.cpp" in r.stderr  # the compiler's own lines are shown
     log = r.stderr.split("Full log: ")[1].split()[0]
     assert "error" in Path(log).read_text()
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.integration
+def test_a_tree_without_the_web_ui_bundle_builds_without_the_ui(
+    build_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Like a fork snapshot (no tools/server/public/bundle.js): LLAMA_BUILD_WEBUI=OFF, and the
+    manifest says the binary has no web UI; with the bundle, the UI is built in and served."""
+    tree = _fake_tree(tmp_path)
+    r = run_cli("build", "--cpu", "--source", str(tree), "--json", env=build_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    without = json.loads(r.stdout)
+    assert without["webui"]["in_binary"] is False
+    assert "bundle.js is missing" in without["webui"]["why"]
+    assert without["cmake_options"]["LLAMA_BUILD_WEBUI"] == "OFF"
+    assert without["configure"]["accepted"]["LLAMA_BUILD_WEBUI"] == "OFF"
+    assert _root_status(without) == 404
+    (tree / "tools" / "server" / "public").mkdir(parents=True)
+    (tree / "tools" / "server" / "public" / "bundle.js").write_text("/* ui */\n")
+    r = run_cli("build", "--cpu", "--source", str(tree), "--json", env=build_env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with_ui = json.loads(r.stdout)
+    assert with_ui["webui"]["in_binary"] is True
+    assert with_ui["cmake_options"]["LLAMA_BUILD_WEBUI"] == "ON"
+    assert _root_status(with_ui) == 200
+
+
+def _root_status(manifest: dict) -> int:
+    """What the built llama-server answers to GET / (its web UI, if it has one)."""
+    import httpx
+
+    from mtpwrap import proc
+
+    port = proc.free_loopback_port()
+    base = f"http://127.0.0.1:{port}"
+    server = manifest["binaries"]["llama-server"]["path"]
+    with proc.running_server([server, "--port", str(port)], base_url=base, timeout=60):
+        return httpx.get(base + "/", trust_env=False).status_code
+
+
+def test_trees_without_a_web_ui_option_are_given_none(tmp_path: Path) -> None:
+    options, record = planning.webui_options(tmp_path)
+    assert options == {} and record["in_binary"] is None
+    (tmp_path / "CMakeLists.txt").write_text(
+        'option(LLAMA_BUILD_UI        "llama: build the embedded Web UI for server" OFF)\n')
+    options, record = planning.webui_options(tmp_path)
+    assert options == {} and record["in_binary"] is False  # upstream: no prebuilt dist here
+    (tmp_path / "tools" / "ui" / "dist").mkdir(parents=True)
+    (tmp_path / "tools" / "ui" / "dist" / "index.html").write_text("<html></html>")
+    assert planning.webui_options(tmp_path)[1]["in_binary"] is True
 
 
 @pytest.mark.integration
@@ -161,6 +211,8 @@ def test_offline_build_is_complete_and_a_second_run_is_a_no_op(cpu_manifest: dic
     r = run_cli("build", "--cpu", timeout=120)
     assert r.returncode == 0, r.stderr
     assert "reused" in r.stderr
+    assert set(planning.TARGETS) <= set(cpu_manifest["binaries"])  # llama-perplexity too
+    assert cpu_manifest["webui"]["in_binary"] is False, cpu_manifest["webui"]
     assert log.stat().st_mtime_ns == before  # nothing was configured or compiled again
     server = Path(cpu_manifest["binaries"]["llama-server"]["path"])
     assert hashing.sha256_file(server) == cpu_manifest["binaries"]["llama-server"]["sha256"]
@@ -172,30 +224,30 @@ def test_offline_build_is_complete_and_a_second_run_is_a_no_op(cpu_manifest: dic
 def test_safe_isa_names_this_cpus_instruction_sets_and_turns_amx_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(builder, "_is_x86", lambda: True)
+    monkeypatch.setattr(planning, "_is_x86", lambda: True)
     flags = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni",
              "amx_tile", "amx_int8", "amx_bf16"}
-    safe = builder.isa_options("safe", flags)
+    safe = planning.isa_options("safe", flags)
     assert safe["GGML_NATIVE"] == "OFF"
     assert safe["GGML_AVX512"] == "ON" and safe["GGML_AVX512_VNNI"] == "ON"
     assert safe["GGML_AVX512_BF16"] == "OFF"  # not in this CPU's flags
     assert all(safe[o] == "OFF" for o in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"))
-    base = builder.isa_options("baseline", flags)
+    base = planning.isa_options("baseline", flags)
     assert base["GGML_AVX2"] == "ON" and base["GGML_FMA"] == "ON"
     assert base["GGML_AVX512"] == "OFF" and base["GGML_AMX_INT8"] == "OFF"
-    assert builder.isa_options("native", flags) == {"GGML_NATIVE": "ON"}
+    assert planning.isa_options("native", flags) == {"GGML_NATIVE": "ON"}
     with pytest.raises(ConfigError, match="--cpu-isa fastest"):
-        builder.isa_options("fastest", flags)
+        planning.isa_options("fastest", flags)
 
 
 def test_compiler_flags_from_the_environment_are_part_of_the_cache_key(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    opts = builder.plan_build(cpu=True).options
+    opts = planning.plan_build(cpu=True).options
     monkeypatch.delenv("CFLAGS", raising=False)
-    k1 = builder.cache_key("offline:x", opts, "g++ 12")
+    k1 = planning.cache_key("offline:x", opts, "g++ 12")
     monkeypatch.setenv("CFLAGS", "-march=x86-64-v3")
-    assert builder.cache_key("offline:x", opts, "g++ 12") != k1
+    assert planning.cache_key("offline:x", opts, "g++ 12") != k1
 
 
 @pytest.mark.integration
@@ -224,6 +276,23 @@ def test_a_build_that_crashes_is_never_installed_and_the_safe_one_is_kept(
     # The crashing build's own record says so, so it is never taken from the cache.
     cached = json.loads((Path(native["build_dir"]) / "manifest.json").read_text())
     assert cached["smoke"]["status"] == "crashed"
+    # A second build of the same tree on this CPU goes straight to safe: no native compile.
+    native_log = Path(native["build_dir"]) / "build.log"
+    before = native_log.stat().st_mtime_ns
+    again = run_cli("build", "--cpu", "--source", str(tree), "--json", env=build_env,
+                    timeout=300)
+    assert again.returncode == 0, again.stderr
+    second = json.loads(again.stdout)
+    assert [a["cpu_isa"] for a in second["attempts"]] == ["native", "safe"]
+    assert second["attempts"][0]["smoke"] == "crashed"
+    assert "remembered" in second["attempts"][0]["detail"]
+    assert "native build crashed here before" in again.stderr
+    assert "configure (native)" not in again.stderr
+    assert native_log.stat().st_mtime_ns == before
+    # --cpu-isa native still tries it
+    forced = run_cli("build", "--cpu", "--cpu-isa", "native", "--source", str(tree),
+                     env=build_env, timeout=300)
+    assert forced.returncode == 1 and "native: llama-server ended with signal 11" in forced.stderr
 
 
 @pytest.mark.integration
@@ -234,7 +303,9 @@ def test_when_every_configuration_crashes_nothing_is_installed(
     r = run_cli("build", "--cpu", "--source", str(tree), env=build_env, timeout=300)
     assert r.returncode == 1, r.stderr
     assert "every CPU configuration tried crashed" in r.stderr
-    for isa in ("native", "safe", "baseline"):
+    # a CPU whose instruction sets are exactly the AVX2 floor has no separate baseline build
+    same = planning.isa_options("safe") == planning.isa_options("baseline")
+    for isa in ("native", "safe") if same else ("native", "safe", "baseline"):
         assert f"{isa}: llama-server ended with signal 11 (SIGSEGV)" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (Path(build_env["MTPWRAP_BUILD_DIR"]) / "cpu" / "manifest.json").exists()
@@ -304,7 +375,7 @@ def test_the_real_build_passed_its_smoke_test_on_this_cpu(cpu_manifest: dict,
                                                           demo_model: Path) -> None:
     assert cpu_manifest["smoke"]["status"] == "passed", cpu_manifest["smoke"]
     assert cpu_manifest["smoke"]["tokens"] > 0
-    assert cpu_manifest["cpu_isa"] in builder.CPU_ISAS
+    assert cpu_manifest["cpu_isa"] in planning.CPU_ISAS
     kept = cpu_manifest["attempts"][-1]
     assert kept["cpu_isa"] == cpu_manifest["cpu_isa"] and kept["smoke"] == "passed"
     assert all(a["smoke"] == "crashed" for a in cpu_manifest["attempts"][:-1])

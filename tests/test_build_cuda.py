@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtpwrap import doctor, hashing
-from mtpwrap.build import builder, source, toolchain
+from mtpwrap.build import binary, builder, cmake, planning, prebuilt, source, toolchain
+from mtpwrap.build import manifest as build_manifest
 from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError, MissingToolError
 from tests.helpers import cli_env, packable_manifest, run_cli
@@ -45,11 +46,11 @@ def _toolkit(tmp_path: Path, *, driver: Path | None = None, wheel: bool = True,
 
 
 def test_several_architectures_are_parsed_once_in_order_and_name_the_variant() -> None:
-    assert builder.parse_cuda_archs("90, 89,89") == ["89", "90"]
-    assert builder.parse_cuda_archs("120a,86") == ["86", "120a"]
-    assert builder.cuda_variant(["89", "90"]) == "cuda-sm89-sm90"
+    assert planning.parse_cuda_archs("90, 89,89") == ["89", "90"]
+    assert planning.parse_cuda_archs("120a,86") == ["86", "120a"]
+    assert planning.cuda_variant(["89", "90"]) == "cuda-sm89-sm90"
     with pytest.raises(ConfigError, match=r"--cuda-arch 89,sm90: expected compute capabilities"):
-        builder.parse_cuda_archs("89,sm90")
+        planning.parse_cuda_archs("89,sm90")
 
 
 def test_bad_arch_list_is_one_sentence_and_exit_78(tmp_path: Path) -> None:
@@ -65,7 +66,7 @@ def test_without_a_driver_library_the_plan_links_with_no_vmm_and_says_what_it_co
 ) -> None:
     tk = _toolkit(tmp_path)
     monkeypatch.setattr(toolchain, "cuda_toolkit", lambda: tk)
-    plan = builder.plan_build(cuda_arch="90,89")
+    plan = planning.plan_build(cuda_arch="90,89")
     assert plan.variant == "cuda-sm89-sm90"
     assert plan.options["CMAKE_CUDA_ARCHITECTURES"] == "89;90"
     assert plan.options["GGML_CUDA_NO_VMM"] == "ON"
@@ -90,7 +91,7 @@ def test_with_the_toolkit_stub_vmm_stays_on(tmp_path: Path,
     stub.write_bytes(b"")
     monkeypatch.setattr(toolchain, "cuda_toolkit", lambda: _toolkit(tmp_path, driver=stub,
                                                                      wheel=False))
-    plan = builder.plan_build(cuda_arch="89")
+    plan = planning.plan_build(cuda_arch="89")
     assert "GGML_CUDA_NO_VMM" not in plan.options
     assert "CMAKE_LIBRARY_PATH" not in plan.options  # the toolkit has its own cuBLAS
     assert plan.cuda is not None and plan.cuda["driver_link"]["how"] == "toolkit stub"
@@ -126,7 +127,7 @@ def test_a_cublas_wheel_for_another_cuda_is_refused_with_the_fix(
     monkeypatch.setattr(toolchain, "cuda_toolkit",
                         lambda: _toolkit(tmp_path, wheel=False, cublas=False, mismatch=old))
     with pytest.raises(MissingToolError) as err:
-        builder.plan_build(cuda_arch="89")
+        planning.plan_build(cuda_arch="89")
     assert ("the installed nvidia-cublas 12.9.1.4 is for CUDA 12, but nvcc is 13.0"
             in err.value.message)
     assert "nvidia-cublas==13.*" in (err.value.hint or "")
@@ -137,7 +138,7 @@ def test_a_toolkit_without_cublas_names_the_cuda_extra(tmp_path: Path,
     monkeypatch.setattr(toolchain, "cuda_toolkit",
                         lambda: _toolkit(tmp_path, wheel=False, cublas=False))
     with pytest.raises(MissingToolError, match="--cuda-arch 90: .* lacks cuBLAS") as err:
-        builder.plan_build(cuda_arch="90")
+        planning.plan_build(cuda_arch="90")
     assert "pip install -e '.[cuda]'" in (err.value.hint or "")
     check = doctor.check_cuda()
     assert check.status == doctor.WARNING and ".[cuda]" in (check.fix or "")
@@ -158,13 +159,13 @@ def test_fork_options_are_set_only_for_the_fork(tmp_path: Path,
                                                 isolated_home: Path) -> None:
     tk = _toolkit(tmp_path)
     monkeypatch.setattr(toolchain, "cuda_toolkit", lambda: tk)
-    fork = builder.plan_build(cuda_arch="89", fork=True)
-    upstream = builder.plan_build(cuda_arch="89", fork=False)
-    for name in builder.FORK_CUDA_OPTIONS:
+    fork = planning.plan_build(cuda_arch="89", fork=True)
+    upstream = planning.plan_build(cuda_arch="89", fork=False)
+    for name in planning.FORK_CUDA_OPTIONS:
         assert name not in upstream.options
-        assert fork.options[name] == builder.FORK_CUDA_OPTIONS[name][0]
+        assert fork.options[name] == planning.FORK_CUDA_OPTIONS[name][0]
     assert fork.cuda is not None
-    assert set(fork.cuda["fork_options"]) == set(builder.FORK_CUDA_OPTIONS)
+    assert set(fork.cuda["fork_options"]) == set(planning.FORK_CUDA_OPTIONS)
 
 
 def test_fork_cuda_option_names_are_the_forks_own(repo_root: Path) -> None:
@@ -173,7 +174,7 @@ def test_fork_cuda_option_names_are_the_forks_own(repo_root: Path) -> None:
         pytest.skip(f"{source.SUBMODULE_PATH} is not initialised (needs GitHub)")
     declared = "\n".join(p.read_text(errors="replace")
                          for p in (tree.path / "ggml").rglob("CMakeLists.txt"))
-    for name in builder.FORK_CUDA_OPTIONS:
+    for name in planning.FORK_CUDA_OPTIONS:
         assert re.search(rf"(option|set)\s*\(\s*{name}\b", declared), name
 
 
@@ -195,11 +196,11 @@ def test_configure_only_refuses_options_the_tree_does_not_declare(tmp_path: Path
     assert result["accepted"]["CMAKE_BUILD_TYPE"] == "Release"
     assert result["rejected"]["LLAMA_OPENSSL"] == "CMake reported it as not used by the project"
     assert result["rejected"]["GGML_AVX2"] == "the project declares no such option"
-    assert "GGML_AVX2" not in builder.unused_variables(Path(result["log"]).read_text())
+    assert "GGML_AVX2" not in cmake.unused_variables(Path(result["log"]).read_text())
     assert "CMake did not take" in r.stderr and "LLAMA_OPENSSL" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "b").exists()  # nothing was built or installed
-    cache = builder.read_cmake_cache(Path(result["build_dir"]))
+    cache = cmake.read_cmake_cache(Path(result["build_dir"]))
     assert cache["GGML_NATIVE"] == ("BOOL", "OFF")
 
 
@@ -232,15 +233,15 @@ def test_cuda_configure_of_the_offline_source_takes_every_option(
     assert result["rejected"] == {}
     assert set(result["accepted"]) == set(opts)
     log = Path(result["log"]).read_text()
-    assert not set(builder.unused_variables(log)) & set(opts)
+    assert not set(cmake.unused_variables(log)) & set(opts)
     # The options recorded are the ones on the command line that ran, and CMake holds them.
     argv = result["argv"]
     assert [a for a in argv if a.startswith("-D")] == [f"-D{k}={v}" for k, v in opts.items()]
     assert f"$ {' '.join(argv)}" in log.splitlines()
-    cache = builder.read_cmake_cache(Path(result["build_dir"]))
+    cache = cmake.read_cmake_cache(Path(result["build_dir"]))
     assert cache["GGML_CUDA"][1] == "ON"
     assert cache["CMAKE_CUDA_ARCHITECTURES"][1] == archs.replace(",", ";")
-    assert result["variant"] == builder.cuda_variant(archs.split(","))
+    assert result["variant"] == planning.cuda_variant(archs.split(","))
     assert result["cuda"]["architectures"] == archs.split(",")
     cublas = Path(cache["CUDA_cublas_LIBRARY"][1])
     assert cublas.resolve().is_file(), cublas
@@ -277,8 +278,8 @@ def test_log_objects_prints_one_line_per_compiled_object(tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     objects = [line for line in r.stderr.splitlines()
                if re.search(r"build: \[\s*\d+%\] Building CXX object .*server\.cpp\.o$", line)]
-    # the fake tree compiles server.cpp once for llama-fit-params and once for llama-quantize
-    assert len(objects) == 2, r.stderr
+    # the fake tree compiles server.cpp once for each compiled tool (all but llama-server)
+    assert len(objects) == len(planning.TARGETS) - 1, r.stderr
     assert "compile (native): " not in r.stderr  # per object, not per 10 %
 
 
@@ -290,11 +291,11 @@ def _install(build_dir: Path, variant: str, archs: list[str]) -> None:
     bin_dir = build_dir / variant / "bin"
     bin_dir.mkdir(parents=True)
     binaries = {}
-    for name in builder.TARGETS:
+    for name in planning.TARGETS:
         (bin_dir / name).write_text("#!/bin/sh\n")
         (bin_dir / name).chmod(0o755)
         binaries[name] = {"path": str(bin_dir / name), "sha256": "x"}
-    m = builder.Manifest(variant=variant, source={"kind": "offline", "commit": "0c1e570"},
+    m = build_manifest.Manifest(variant=variant, source={"kind": "offline", "commit": "0c1e570"},
                        cmake_options={}, compiler="g++", cuda_version="13.0", architectures=archs,
                        binaries=binaries, version_output="", build_seconds=1.0,
                        built_at=f"2026-11-30T00:00:0{len(archs)}", cache_key=variant,
@@ -317,14 +318,14 @@ def test_a_build_without_the_gpus_arch_is_refused_with_the_build_that_has_it(
     assert "NVIDIA H100 80GB HBM3 (sm_90)" in check.detail and "sm_89 only" in check.detail
     assert check.fix == "mtpwrap build --cuda-arch 89,90"
     with pytest.raises(MissingToolError, match=r"Run `mtpwrap build --cuda-arch 89,90`"):
-        builder.find_binary(snap=h100)
+        binary.find_binary(snap=h100)
 
     assert doctor.check_binary(rtx4090).status == doctor.OK
-    assert builder.find_binary(snap=rtx4090) == tmp_path / "cuda-sm89" / "bin" / "llama-server"
+    assert binary.find_binary(snap=rtx4090) == tmp_path / "cuda-sm89" / "bin" / "llama-server"
 
     # With a build for both installed, the H100 gets that one.
     _install(tmp_path, "cuda-sm89-sm90", ["89", "90"])
-    assert builder.find_binary(snap=h100) == (tmp_path / "cuda-sm89-sm90" / "bin" /
+    assert binary.find_binary(snap=h100) == (tmp_path / "cuda-sm89-sm90" / "bin" /
                                             "llama-server")
 
 
@@ -332,19 +333,19 @@ def test_a_cpu_build_is_never_refused_for_a_gpu(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(tmp_path))
     _install(tmp_path, "cpu", ["x86_64"])
-    m = builder.load_manifest("cpu")
+    m = build_manifest.load_manifest("cpu")
     assert m is not None
-    assert builder.uncovered_gpus(m, hardware.load_snapshot(SNAPSHOTS / "h100.json")) == []
+    assert binary.uncovered_gpus(m, hardware.load_snapshot(SNAPSHOTS / "h100.json")) == []
 
 
 def test_a_cuda_build_is_smoke_tested_only_on_a_gpu_it_has_code_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server = tmp_path / "llama-server"  # never started: every case below is decided before
-    monkeypatch.setattr(builder, "present_gpu_archs", lambda snap=None: [])
+    monkeypatch.setattr(planning, "present_gpu_archs", lambda snap=None: [])
     none = builder._smoke_test(server, "cuda-sm89", tmp_path, ["89"])
     assert none["status"] == "skipped" and "no NVIDIA GPU is visible" in none["detail"]
-    monkeypatch.setattr(builder, "present_gpu_archs", lambda snap=None: ["90"])
+    monkeypatch.setattr(planning, "present_gpu_archs", lambda snap=None: ["90"])
     other = builder._smoke_test(server, "cuda-sm89", tmp_path, ["89"])
     assert other["status"] == "skipped"
     assert other["detail"] == ("the GPUs here (sm_90) are not among the build's architectures "
@@ -358,23 +359,23 @@ def test_a_packed_build_installs_elsewhere_byte_for_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made = packable_manifest(tmp_path)
-    archive = builder.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
+    archive = prebuilt.pack_prebuilt(made, tmp_path / "carry" / "cuda-sm89.tar.xz")
     target = tmp_path / "there"
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(target))
     none = hardware.load_snapshot(SNAPSHOTS / "none.json")
-    installed = builder.install_prebuilt(archive, snap=none)
+    installed = prebuilt.install_prebuilt(archive, snap=none)
     for name, info in installed.binaries.items():
         p = Path(info["path"])
         assert p.parent == target / "cuda-sm89" / "bin"
         assert p.read_bytes() == Path(made.binaries[name]["path"]).read_bytes()
         assert os.access(p, os.X_OK)
     assert installed.extra["prebuilt"]["archive"] == str(archive.resolve())
-    found = builder.load_manifest("cuda-sm89")
+    found = build_manifest.load_manifest("cuda-sm89")
     assert found is not None and found.to_dict() == installed.to_dict()
 
     h100 = hardware.load_snapshot(SNAPSHOTS / "h100.json")
     with pytest.raises(ConfigError, match=r"mtpwrap build --cuda-arch 89,90"):
-        builder.install_prebuilt(archive, snap=h100)
+        prebuilt.install_prebuilt(archive, snap=h100)
 
 
 @pytest.mark.slow
@@ -385,12 +386,12 @@ def test_the_backend_both_binaries_carry_is_packed_once(tmp_path: Path) -> None:
     for info in made.binaries.values():
         Path(info["path"]).write_bytes(blob)
         info["sha256"] = hashing.sha256_file(Path(info["path"]))
-    archive = builder.pack_prebuilt(made, tmp_path / "twice.tar.xz")
+    archive = prebuilt.pack_prebuilt(made, tmp_path / "twice.tar.xz")
     assert archive.stat().st_size < 13 * 2**20
 
 
 def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path) -> None:
-    archive = builder.pack_prebuilt(packable_manifest(tmp_path, identity="offline:0ld"),
+    archive = prebuilt.pack_prebuilt(packable_manifest(tmp_path, identity="offline:0ld"),
                                   tmp_path / "old.tar.xz")
     env = cli_env(MTPWRAP_BUILD_DIR=str(tmp_path / "b"))
     r = run_cli("build", "--from-prebuilt", str(archive), env=env)
@@ -406,11 +407,11 @@ def test_a_prebuilt_of_another_source_is_refused_in_one_sentence(tmp_path: Path)
 
 def test_a_prebuilt_whose_binary_changed_is_refused(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    archive = builder.pack_prebuilt(packable_manifest(tmp_path, sha="0" * 64),
+    archive = prebuilt.pack_prebuilt(packable_manifest(tmp_path, sha="0" * 64),
                                     tmp_path / "x.tar.xz")
     monkeypatch.setenv("MTPWRAP_BUILD_DIR", str(tmp_path / "b"))
     with pytest.raises(ConfigError, match="does not match the sha256"):
-        builder.install_prebuilt(archive, snap=hardware.load_snapshot(SNAPSHOTS / "none.json"))
+        prebuilt.install_prebuilt(archive, snap=hardware.load_snapshot(SNAPSHOTS / "none.json"))
     assert not list((tmp_path / "b").rglob("llama-server*"))
 
 
@@ -421,7 +422,7 @@ def test_a_prebuilt_whose_binary_changed_is_refused(tmp_path: Path,
 def test_the_cuda_build_made_here_answers_help_without_a_gpu() -> None:
     """Runs where benchmarks/cuda_build_check.sh (or `mtpwrap build --cuda-arch 89`) has
     installed a CUDA build: it links, parses its own --help, and was not smoke-tested here."""
-    cuda = [m for m in builder.installed_variants() if m.variant.startswith("cuda")
+    cuda = [m for m in build_manifest.installed_variants() if m.variant.startswith("cuda")
             and "prebuilt" not in m.extra and m.binary().is_file()]
     if not cuda:
         pytest.skip("no CUDA build installed under build/ (benchmarks/cuda_build_check.sh)")
@@ -433,5 +434,5 @@ def test_the_cuda_build_made_here_answers_help_without_a_gpu() -> None:
     assert "libcublas" in out and "libcudart" in out
     assert m.capabilities and len(m.capabilities["options"]) > 100
     assert m.configure and m.configure["rejected"] == {}
-    if not builder.present_gpu_archs():
+    if not planning.present_gpu_archs():
         assert m.smoke_status == "skipped" and "no NVIDIA GPU" in (m.smoke or {})["detail"]

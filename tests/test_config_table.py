@@ -26,7 +26,9 @@ from mtpwrap.config.table import (
     FEATURES,
     PERSIST,
     PROXY,
+    SECTIONS,
     SUPERVISOR,
+    TOP,
     Key,
     env_name,
     every_key,
@@ -149,6 +151,23 @@ def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, 
             continue
         assert name in fields, f"{cls.__name__} has no field for {name}"
         assert fields[name].default == k.default, name
+
+
+def test_a_profiles_sections_come_below_flag_variable_and_file(tmp_path: Path) -> None:
+    cfg = config_file(tmp_path, "supervisor.wedge_s", 5.0)
+    s = load_settings(flags("proxy.max_n_probs", 3), env={"MTPWRAP_PROXY_QUEUE_SIZE": "11"},
+                      config=cfg)
+    profile_sup = {"wedge_s": 9.0, "backoff_max_s": 4.0}
+    sup = supervisor_config(s.layered("supervisor", profile_sup), near_edge=False)
+    assert (sup.wedge_s, sup.backoff_max_s, sup.max_failures) == (5.0, 4.0, 5)
+    profile_proxy = {"queue_size": 2, "max_n_probs": 7, "max_choices": 2}
+    proxy = ProxyConfig.from_mapping(s.layered("proxy", profile_proxy), "t")
+    assert (proxy.queue_size, proxy.max_n_probs, proxy.max_choices) == (11, 3, 2)
+
+
+def test_settings_hold_every_top_level_key() -> None:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    assert set(TOP) <= fields and set(SECTIONS) <= fields
 
 
 def test_reference_and_example_config_are_current() -> None:

@@ -126,7 +126,7 @@ def test_split_models_count_every_shard(tmp_path: Path) -> None:
     # the writer names shards STEM-0000i-of-0000n.gguf
     w = GGUFWriter(tmp_path / "m.gguf", "llama", split_max_tensors=len(spec.tensors) // 2 + 1)
     tiny_gguf._add_meta(w, "llama", spec.meta)
-    tiny_gguf._add_tokenizer(w, spec.vocab, None)
+    tiny_gguf._add_tokenizer(w, spec.vocab, spec.n_vocab)
     for name, (arr, raw_dtype) in tiny_gguf._random_tensors(spec, 0):
         w.add_tensor(name, arr, raw_dtype=raw_dtype)
     w.write_header_to_file()

@@ -29,11 +29,15 @@ PORT = 18081
 
 
 def caps_of(name: str) -> Capabilities:
+    version = DATA / "help" / f"{name}.version.txt"  # none was recorded with fork-0bc0a27
     return Capabilities.from_help((DATA / "help" / f"{name}.txt").read_text(),
-                                  (DATA / "help" / f"{name}.version.txt").read_text())
+                                  version.read_text() if version.is_file() else "")
 
 
-CAPS = {"upstream": caps_of("upstream-0c1e570"), "fork": caps_of("fork-1c6e4ea")}
+#: upstream 0c1e570; the fork's successor 1c6e4ea (offers mtp and draft-mtp); the fork at
+#: 0bc0a27 as built here (offers mtp only)
+CAPS = {"upstream": caps_of("upstream-0c1e570"), "fork": caps_of("fork-1c6e4ea"),
+        "fork-0bc0a27": caps_of("fork-0bc0a27")}
 SHIPPED = {p.name: p for p in profiles.list_profiles(profiles.shipped_dirs())}
 SNAPS = {n: hardware.load_snapshot(DATA / "snapshots" / f"{n}.json") for n in SNAPSHOT_NAMES}
 
@@ -48,10 +52,11 @@ PINNED: dict[tuple[str, str], list[str]] = {
     ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
                             "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
                             "--spec-type", "mtp", "--spec-draft-n-max", "3",
-                            "--mlock", *QWEN_TAIL],
+                            "-ctkd", "tbq4_0", "-ctvd", "tbq4_0", "--mlock", *QWEN_TAIL],
     ("4090-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
                                 "-ctk", "q4_0", "-ctv", "q4_0", "--flash-attn", "on",
                                 "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
+                                "-ctkd", "q4_0", "-ctvd", "q4_0",
                                 "--load-mode", "mlock", *QWEN_TAIL],
     ("4090-128k-q8", "upstream"): ["-c", "131072", "-ngl", "99", "-np", "1", "-ub", "64",
                                    "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on",
@@ -96,11 +101,17 @@ PINNED: dict[tuple[str, str], list[str]] = {
                                 *QWEN_TAIL],
 }
 PINNED[("cpu-demo", "fork")] = PINNED[("cpu-demo", "upstream")]
+# The fork as built here (0bc0a27) spells every flag of these profiles as its successor does
+# (its own mtp, --mlock, -ctkd/-ctvd), so each argv is the same.
+for _name in SHIPPED:
+    PINNED[(_name, "fork-0bc0a27")] = PINNED[(_name, "fork")]
 
 #: warnings each (profile, binary) gives whatever the machine, as fragments.
 PINNED_WARNINGS: dict[tuple[str, str], list[str]] = {
     ("4090-262k", "upstream"): ["K KV type tbq4_0 is not offered", "V KV type tbq4_0 is not "
-                                "offered", "no 'mtp' spec type; using its 'draft-mtp'"],
+                                "offered", "no 'mtp' spec type; using its 'draft-mtp'",
+                                "draft K KV type tbq4_0 is not offered",
+                                "draft V KV type tbq4_0 is not offered"],
     ("3090-192k", "upstream"): ["K KV type tbq4_0 is not offered", "V KV type tbq4_0 is not "
                                 "offered", "no 'mtp' spec type; using its 'draft-mtp'"],
 }
@@ -174,7 +185,7 @@ def test_recipe_flags_against_fork() -> None:
 def test_upstream_falls_back_with_reasons() -> None:
     spec = build("4090-262k", "upstream", "rtx4090")
     kv_warn = [w for w in spec.warnings if "tbq4_0" in w]
-    assert len(kv_warn) == 2
+    assert len(kv_warn) == 4  # K, V, and the MTP context's K and V
     assert "-ctk allows f32, f16, bf16, q8_0, q4_0" in kv_warn[0]
     assert "falling back to q4_0" in kv_warn[0]
     reasons = {d.flag: d.reason for d in spec.decisions}
@@ -366,8 +377,9 @@ def _recorded_binary(tmp_path: Path, name: str) -> Path:
     exe = tmp_path / "llama-server"
     help_file = DATA / "help" / f"{name}.txt"
     version_file = DATA / "help" / f"{name}.version.txt"
+    version = f'cat "{version_file}"' if version_file.is_file() else "true"
     exe.write_text("#!/bin/sh\n"
-                   f'case "$1" in --help) cat "{help_file}";; --version) cat "{version_file}";;'
+                   f'case "$1" in --help) cat "{help_file}";; --version) {version};;'
                    " *) exit 1;; esac\n")
     exe.chmod(0o755)
     return exe
@@ -546,3 +558,125 @@ def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> 
     assert kv == ["f16", "q8_0", "q4_0"]  # context 2048 is below the floor: no halving
     assert launch.step_down(cfg, 0) is cfg
     assert launch.step_down(cfg, 99) is None
+
+
+# --------------------------------------------------------------------------- the model's KV
+
+
+def _shape_facts(tmp_path: Path, which: str) -> Any:
+    """The header of a shape-only GGUF with the attention shape of a real model: SmolLM2-135M
+    (the demo model: 3 KV heads of 64, rows of 192) or gemma-3-270m (1 KV head of 256)."""
+    from mtpwrap.build import tiny_gguf
+    from mtpwrap.decide.gguf_facts import read_facts
+
+    if which == "smollm2":
+        spec = tiny_gguf._llama_spec(name="SmolLM2-135M", n_embd=576, n_layer=30, n_head=9,
+                                     n_head_kv=3, n_ff=1536, n_ctx=8192, ftype="q4_0",
+                                     tied=True)
+    else:
+        spec = tiny_gguf._gemma3_spec(name="gemma-3-270m", n_embd=640, n_layer=18, n_head=4,
+                                      n_head_kv=1, head_dim=256, n_ff=2048, n_ctx=32768,
+                                      window=512, ftype="q4_0")
+    return read_facts(tiny_gguf.write_spec_shape_only(spec, tmp_path / f"{which}.gguf"))
+
+
+def _kv_profile(tmp_path: Path, k: str, v: str) -> profiles.Profile:
+    path = tmp_path / "kv-demo.yaml"
+    path.write_text((profiles.shipped_dirs()[1] / "cpu-demo.yaml").read_text()
+                    + f"kv:\n  k: [{k}]\n  v: [{v}]\n")
+    return profiles.load_file(path)
+
+
+@pytest.mark.parametrize("caps", ["fork", "fork-0bc0a27"])
+def test_kv_choice_asks_the_model(tmp_path: Path, caps: str) -> None:
+    prof = _kv_profile(tmp_path, "tbq4_0, q4_0", "tbq4_0, q4_0")
+    demo = launch.choose(prof, CAPS[caps], None, model=MODEL,
+                         facts=_shape_facts(tmp_path, "smollm2"))
+    assert (demo.cache_k, demo.cache_v) == ("q4_0", "q4_0")
+    assert "192" in demo.reason("cache_k") and "not a multiple" in demo.reason("cache_k")
+    assert any("tbq4_0" in w and "192" in w and "using q4_0" in w for w in demo.warnings)
+    gemma = launch.choose(prof, CAPS[caps], None, model=MODEL,
+                          facts=_shape_facts(tmp_path, "gemma"))
+    assert (gemma.cache_k, gemma.cache_v) == ("tbq4_0", "tbq4_0")
+    assert "the model admits" in gemma.reason("cache_k")
+    # without the header (a preview of a model not fetched) the binary alone decides
+    assert launch.choose(prof, CAPS[caps], None, model=MODEL).cache_k == "tbq4_0"
+
+
+def test_no_kv_type_the_model_admits_is_one_sentence(tmp_path: Path) -> None:
+    prof = _kv_profile(tmp_path, "tbq4_0, tbq3_0", "tbq4_0")
+    with pytest.raises(ConfigError) as info:
+        launch.choose(prof, CAPS["fork"], None, model=MODEL,
+                      facts=_shape_facts(tmp_path, "smollm2"))
+    msg = info.value.message
+    assert msg.startswith("K KV types tbq4_0, tbq3_0: the model admits none of them")
+    assert msg.count(". ") == 0 and msg.endswith(".") and "192" in msg
+    assert "q4_0" in (info.value.hint or "")
+
+
+def test_tbq3_v_sets_the_fork_switch_in_the_environment(tmp_path: Path) -> None:
+    prof = _kv_profile(tmp_path, "tbq4_0", "tbq3_0")
+    cfg = launch.choose(prof, CAPS["fork-0bc0a27"], None, model=MODEL,
+                        facts=_shape_facts(tmp_path, "gemma"))
+    spec = launch.render(cfg, CAPS["fork-0bc0a27"], port=PORT)
+    assert spec.env == {"LLAMA_ALLOW_TBQ3_KV": "1"}
+    assert spec.argv[spec.argv.index("-ctv") + 1] == "tbq3_0"
+    said = [d for d in spec.decisions if d.flag == "LLAMA_ALLOW_TBQ3_KV=1"]
+    assert said and "environment" in said[0].reason
+    # tbq3_0 for K only: no switch
+    k_only = launch.choose(_kv_profile(tmp_path, "tbq3_0", "tbq4_0"), CAPS["fork"], None,
+                           model=MODEL, facts=_shape_facts(tmp_path, "gemma"))
+    assert launch.render(k_only, CAPS["fork"], port=PORT).env == {}
+
+
+@pytest.mark.parametrize("extra", [["--tools", "all"], ["--tools-runtime", "docker"],
+                                   ["--agent"], ["-ag"], ["--mcp-servers-config", "m.json"],
+                                   ["--ui-mcp-proxy"], ["--webui-mcp-proxy"]])
+def test_tool_flags_need_allow_tools(extra: list[str]) -> None:
+    assert CAPS["upstream"].has(extra[0])  # upstream's recorded help has every one of them
+    with pytest.raises(ConfigError, match="act on this machine") as err:
+        build("cpu-demo", "upstream", "none", extra=extra)
+    assert "allow_tools: true" in (err.value.hint or "")
+    prof = dataclasses.replace(SHIPPED["cpu-demo"], allow_tools=True, extra_args=tuple(extra))
+    spec = spec_of(prof, CAPS["upstream"], None)
+    assert spec.argv[-len(extra):] == extra
+    assert any("shell and file access" in w for w in spec.warnings)
+
+
+def test_tools_in_a_profile_file_are_refused_unless_opted_in(tmp_path: Path) -> None:
+    path = tmp_path / "tools.yaml"
+    base = (profiles.shipped_dirs()[1] / "cpu-demo.yaml").read_text()
+    path.write_text(base + 'extra_args: ["--tools", "all"]\n')
+    with pytest.raises(ConfigError, match="--tools lets the model act on this machine"):
+        launch.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
+    path.write_text(base + 'extra_args: ["--tools", "all"]\nallow_tools: true\n')
+    cfg = launch.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
+    assert cfg.allow_tools and any("--tools" in w for w in cfg.warnings)
+
+
+def test_the_recipe_trade_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "both.yaml"
+    path.write_text((profiles.shipped_dirs()[1] / "4090-262k.yaml").read_text()
+                    .replace("  depth: 3\n", "  depth: 3\n  policy:\n    code: 3\n"
+                             "    en-prose: 1\n", 1))
+    prof = profiles.load_file(path)
+    fork = launch.choose(prof, CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
+    up = launch.choose(prof, CAPS["upstream"], SNAPS["rtx4090"], model=MODEL)
+    fork_note = [w for w in fork.warnings if "no one llama-server gives both" in w]
+    up_note = [w for w in up.warnings if "no one llama-server gives both" in w]
+    assert fork_note and "takes the fork's: TBQ KV and one fixed depth" in fork_note[0]
+    assert up_note and "takes upstream's: per-class depth" in up_note[0]
+    plain_recipe = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"],
+                                 model=MODEL)
+    assert not any("gives both" in w for w in plain_recipe.warnings)
+
+
+def test_step_down_takes_only_types_the_model_admits(tmp_path: Path) -> None:
+    prof = _kv_profile(tmp_path, "f16", "f16")
+    facts = _shape_facts(tmp_path, "smollm2")
+    cfg = launch.choose(prof, CAPS["fork"], None, model=MODEL, facts=facts)
+    kv_rungs = [r.cache_k for r in launch.ladder(cfg, CAPS["fork"], facts=facts)
+                if r.note and "KV" in r.note]
+    assert kv_rungs and not any(t.startswith("tbq") for t in kv_rungs)
+    unasked = [r.cache_k for r in launch.ladder(cfg, CAPS["fork"])]
+    assert "tbq4_0" in unasked  # without the header, the fork's types are rungs too

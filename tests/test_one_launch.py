@@ -21,7 +21,7 @@ from mtpwrap.cli import cli
 from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, MtpwrapError
-from mtpwrap.run import service
+from mtpwrap.service import launch as up_launch
 
 DATA = Path(__file__).resolve().parent / "data"
 SNAPSHOTS = sorted(p.stem for p in (DATA / "snapshots").glob("*.json"))
@@ -63,15 +63,17 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(snap)}, env={})
     try:
-        launch = service.resolve_launch(s)
+        launch = up_launch.resolve_launch(s)
     except ConfigError as exc:
         return EXIT_CONFIG, str(exc)
     if launch.deferred is not None:
         launch.deferred()
+    # `args` shows the launch without the snapshot directory of a running service
+    launch.slot_save_path = None
     spec = launch.factory(PORT, "internal-key", 0)
     assert spec is not None
     return 0, {"argv": spec.argv, "plan": launch.resolved.plan,
-               "memory_plan": launch.info["memory_plan"]}
+               "memory_plan": launch.info.memory_plan}
 
 
 @pytest.mark.parametrize("caps", sorted(HELP))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap.build import builder, patchset, source
+from mtpwrap.build import patchset, planning, source
 from mtpwrap.errors import BuildError, ConfigError
 
 
@@ -79,8 +79,8 @@ def test_opting_out() -> None:
 
 def test_cache_key_holds_the_patches_content() -> None:
     opts = {"GGML_NATIVE": "OFF"}
-    plain = builder.cache_key("offline:x", opts, "c++ 12")
-    one = builder.cache_key("offline:x", opts, "c++ 12", [["0001-a", "aa"]])
-    other = builder.cache_key("offline:x", opts, "c++ 12", [["0001-a", "bb"]])
+    plain = planning.cache_key("offline:x", opts, "c++ 12")
+    one = planning.cache_key("offline:x", opts, "c++ 12", [["0001-a", "aa"]])
+    other = planning.cache_key("offline:x", opts, "c++ 12", [["0001-a", "bb"]])
     assert len({plain, one, other}) == 3
-    assert builder.cache_key("offline:x", opts, "c++ 12", []) == plain
+    assert planning.cache_key("offline:x", opts, "c++ 12", []) == plain

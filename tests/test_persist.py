@@ -15,8 +15,11 @@ from mtpwrap.config.objects import PersistConfig
 from mtpwrap.config.settings import load_settings
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import persist, service
+from mtpwrap.run import persist
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.serve.info import ServeInfo
+from mtpwrap.service import launch as up_launch
+from mtpwrap.service import reload as reloading
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
@@ -123,28 +126,15 @@ def test_snapshots_fit_only_the_same_model_kv_types_and_no_smaller_slots(tmp_pat
     assert "not known" in (persist.incompatibility(persist.fingerprint(None), changed) or "")
 
 
-def test_the_child_command_carries_its_launch(tmp_path: Path) -> None:
-    """The command the supervisor starts names its launch, so snapshots are matched on the
-    launch's fields, and the snapshot directory flag keeps it."""
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    cfg = launch(model)
-    spec = service.with_slot_save_path(
-        lambda port, key, step: ChildSpec(argv=["llama-server", "-m", str(model)], launch=cfg),
-        tmp_path)(1234, "key", 0)
-    assert spec is not None and spec.launch is cfg
-    assert persist.fingerprint(spec.launch)["slot_ctx"] == 2048
-
-
 def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "m.yaml"
     cfg.write_text("persist:\n  min_tokens: 512\n  dir: /srv/snaps\n")
     s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
-    pc = service.persist_config(s)
+    pc = up_launch.persist_config(s)
     assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
     assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
-    assert service.persist_config(off) is None
+    assert up_launch.persist_config(off) is None
     cfg.write_text("persist:\n  min_token: 512\n")
     with pytest.raises(ConfigError, match="persist.min_token: unknown key"):
         load_settings({}, env={}, config=cfg)
@@ -153,11 +143,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
         load_settings({}, env={}, config=cfg)
 
 
-def launch_with(argv_: list[str], proxy: dict | None = None) -> service.Launch:
+def launch_with(argv_: list[str], proxy: dict | None = None) -> up_launch.Launch:
     def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
         return ChildSpec(argv=[*argv_, "--port", str(port)])
 
-    return service.Launch(factory=factory, info={"profile": "p"}, proxy=proxy or {})
+    return up_launch.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
 
 
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
@@ -171,11 +161,6 @@ def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--slot-save-path is set by mtpwrap"):
         launching.check_extra(caps, "profile extra_args", ["--slot-save-path=/tmp"])
     launching.check_extra(caps, "profile extra_args", ["--ctx-checkpoints", "0"])
-    launch = launch_with(["llama-server", "-m", "x.gguf"])
-    wrapped = service.with_slot_save_path(launch.factory, tmp_path)
-    spec = wrapped(1234, "key", 0)
-    assert spec is not None
-    assert list(spec.argv[-2:]) == ["--slot-save-path", str(tmp_path)]
 
 
 def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
@@ -183,13 +168,13 @@ def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
     cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
     s = load_settings({}, env={}, config=cfg)
     with pytest.raises(ConfigError, match="slot-actions would let clients"):
-        service.proxy_config(s, launch_with(["llama-server"]))
+        up_launch.proxy_config(s, launch_with(["llama-server"]))
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
-    assert "slot-actions" in service.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    assert "slot-actions" in up_launch.proxy_config(off, launch_with(["llama-server"])).enable_paths
     # A profile cannot open it either.
     plain = load_settings({}, env={}, config=None)
     with pytest.raises(ConfigError, match="slot-actions"):
-        service.proxy_config(plain, launch_with(["llama-server"],
+        up_launch.proxy_config(plain, launch_with(["llama-server"],
                                                 proxy={"enable_paths": ["slot-actions"]}))
 
 
@@ -201,14 +186,14 @@ def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
     monkeypatch.setenv("MTPWRAP_API_KEYS", "secret-key-1")
     s = load_settings({"host": "127.0.0.2", "supervisor.wedge_s": "5",
                        "proxy.cors_origins": "https://a.example"}, config=cfg)
-    inputs = service.reload_inputs(s)
+    inputs = reloading.reload_inputs(s)
     assert inputs == {"cli": {"host": "127.0.0.2", "supervisor.wedge_s": 5.0,
                               "proxy.cors_origins": ["https://a.example"]},
                       "env": {"MTPWRAP_DRAIN_S": "7"},
                       "config": str(cfg)}  # no key in the state file
     cfg.write_text("profile: cpu-demo\nport: 8100\n")
     monkeypatch.delenv("MTPWRAP_DRAIN_S")
-    again = service.reread_settings(inputs)
+    again = reloading.reread_settings(inputs)
     assert (again.host, again.port, again.drain_s) == ("127.0.0.2", 8100, 7.0)
     assert again.supervisor["wedge_s"] == 5.0
     assert again.proxy["cors_origins"] == ("https://a.example",)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mtpwrap import proc
@@ -35,12 +36,11 @@ time.sleep(600)
 
 
 def alive(pid: int) -> bool:
-    """True while /proc shows the process and it is not a zombie."""
+    """True while the process exists and is not a zombie."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def gone(pid: int, within: float = 5.0) -> bool:

@@ -12,8 +12,8 @@ import pytest
 
 from mtpwrap.config import settings
 from mtpwrap.decide import hardware
-from mtpwrap.run import service
 from mtpwrap.run.supervisor import State
+from mtpwrap.service import reload as reloading
 from tests.helpers import DATA, make
 
 
@@ -34,7 +34,8 @@ def test_a_reload_that_does_not_fit_is_refused_by_the_running_instance(
         await sup.start()
         assert await sup.wait_ready(10) is not None
         pid = sup.status().pid
-        res = await service.apply_reload("reload", sup, None, inputs, running, None)
+        res = await reloading.apply_reload(reloading.ReloadKind.RELOAD, sup, None, inputs,
+                                           running, None)
         assert res.outcome == "refused" and res.exit_code == 78 and res.launch is None
         assert "llama-server left as it was" in res.message
         assert "but the device has 8.00 GiB" in res.message

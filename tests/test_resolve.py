@@ -13,26 +13,94 @@ from mtpwrap.build import tiny_gguf
 from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import service
+from mtpwrap.run import persist
+from mtpwrap.service import launch as up_launch
 from tests.helpers import DATA
 
 
-def replay(tmp_path: Path, free_gib: float | None = None) -> Path:
-    """The recorded RTX 4090, with less memory free when asked."""
-    record = json.loads((DATA / "snapshots" / "rtx4090.json").read_text())
+def replay(tmp_path: Path, free_gib: float | None = None, gpu: str = "rtx4090") -> Path:
+    """A recorded GPU (the RTX 4090 unless told), with less memory free when asked."""
+    record = json.loads((DATA / "snapshots" / f"{gpu}.json").read_text())
     if free_gib is not None:
         record["devices"][0]["memory"]["free"] = int(free_gib * 2**30)
-    path = tmp_path / "rtx4090.json"
+    path = tmp_path / f"{gpu}.json"
     path.write_text(json.dumps(record))
     return path
 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None, plan: str | None = None) -> service.Launch:
+            free_gib: float | None = None, plan: str | None = None,
+            gpu: str = "rtx4090") -> up_launch.Launch:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
-                                "hw_replay": str(replay(tmp_path, free_gib)), "plan": plan},
-                               env={})
-    return service.resolve_launch(s)
+                                "hw_replay": str(replay(tmp_path, free_gib, gpu)),
+                                "plan": plan}, env={})
+    return up_launch.resolve_launch(s)
+
+
+def recorded_fork(tmp_path: Path, name: str) -> Path:
+    """A stand-in llama-server answering --help as a recorded fork build does (fork-0bc0a27:
+    the commit built here, mtp only; fork-1c6e4ea: its successor, mtp and draft-mtp). Never
+    calibrated: there is no manifest, so the KV sizes are the built-in table's."""
+    exe = tmp_path / name / "llama-server"
+    exe.parent.mkdir()
+    version = DATA / "help" / f"{name}.version.txt"
+    exe.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{DATA}/help/{name}.txt";; --version) '
+                   + (f'cat "{version}"' if version.is_file() else "true")
+                   + ";; *) exit 1;; esac\n")
+    exe.chmod(0o755)
+    return exe
+
+
+FORKS = ["fork-0bc0a27", "fork-1c6e4ea"]
+#: every shipped GPU profile and the recorded GPU it is meant for
+SHIPPED_GPU = [("3090-192k", "rtx3090"), ("4090-128k-q8", "rtx4090"), ("4090-262k", "rtx4090"),
+               ("5090-262k", "rtx5090"), ("h100-262k", "h100"), ("h200-262k", "h200")]
+MiB = 2**20
+
+
+@pytest.mark.parametrize("fork", FORKS)
+def test_the_recipe_plans_and_fits_on_a_4090_with_an_uncalibrated_fork(
+        tmp_path: Path, model_27b: Path, fork: str) -> None:
+    launch = resolve(tmp_path, "4090-262k", model_27b, recorded_fork(tmp_path, fork))
+    plan = launch.resolved.plan
+    assert plan is not None and plan.fits and plan.context == 262_144
+    # the fork reports ~20 GB for this launch on its own RTX 4090
+    assert 19 * 2**30 <= plan.total <= 22 * 2**30, plan.total / 2**30
+    rows = {r.name: r for r in plan.rows}
+    assert rows["main KV"].bytes == 4224 * MiB  # the fork's README: tbq4_0 at 262K
+    assert rows["MTP context KV"].bytes == 264 * MiB and "tbq4_0" in rows["MTP context KV"].note
+    assert rows["MTP compute"].bytes == 712 * MiB
+    assert rows["MTP head output"].bytes > 900 * MiB  # the head model's own output matrix
+    assert rows["margin"].bytes == 1024 * MiB and "--fit" in rows["margin"].note
+    spec = launch.factory(1, "k" * 20, 0)
+    assert spec is not None
+    argv = spec.argv
+    assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctkd") + 1] == "tbq4_0"
+    assert argv[argv.index("--spec-type") + 1] == "mtp"
+
+
+@pytest.mark.parametrize("fork", FORKS)
+@pytest.mark.parametrize(("profile", "gpu"), SHIPPED_GPU)
+def test_every_shipped_profile_fits_its_gpu_on_the_fork(tmp_path: Path, model_27b: Path,
+                                                        fork: str, profile: str,
+                                                        gpu: str) -> None:
+    launch = resolve(tmp_path, profile, model_27b, recorded_fork(tmp_path, fork), gpu=gpu)
+    plan = launch.resolved.plan
+    assert plan is not None and plan.fits, (profile, plan.total / MiB if plan else None)
+    assert plan.headroom is not None and plan.headroom >= 0
+
+
+def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: Path) -> None:
+    from tests.helpers import run_cli
+
+    r = run_cli("plan", "--profile", "4090-262k", "--model", str(model_27b), "--binary",
+                str(recorded_fork(tmp_path, "fork-0bc0a27")), "--hw-replay",
+                str(DATA / "snapshots" / "rtx4090.json"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] is True and d["config"]["type_k"] == "tbq4_0"
+    assert 19 * 2**30 <= d["total"] <= 22 * 2**30
 
 
 def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,
@@ -40,13 +108,35 @@ def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,
                                                          model_27b: Path) -> None:
     launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
     assert launch.deferred is None  # a GPU plan is made before anything starts
-    assert "GiB on the GPU at context 131,072" in launch.info["memory_plan"]
-    assert launch.info["kv"] == "q8_0 / q8_0" and launch.info["speculation"] == "mtp"
+    assert "GiB on the GPU at context 131,072" in launch.info.memory_plan
+    assert launch.info.kv == "q8_0 / q8_0" and launch.info.speculation == "mtp"
     spec = launch.factory(4321, "secret-key", 0)
     assert spec is not None
     assert spec.argv[spec.argv.index("--port") + 1] == "4321"
     assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1"
     assert "secret-key" not in spec.argv and "secret-key" in spec.env.values()
+
+
+def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
+        tmp_path: Path, fork_binary: Path, model_27b: Path) -> None:
+    from mtpwrap.config.objects import default_snapshot_dir
+
+    launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
+
+    def saves_in() -> str | None:
+        spec = launch.factory(4321, "secret-key", 0)
+        # the command names the launch it renders: snapshots are matched on its fields
+        assert spec is not None and launch.resolved is not None
+        assert spec.launch == launch.resolved.launch
+        assert persist.fingerprint(spec.launch)["slot_ctx"] == 131072 // spec.launch.slots
+        argv = list(spec.argv)
+        return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
+
+    assert saves_in() == str(default_snapshot_dir())  # persist.dir's default
+    launch.slot_save_path = tmp_path / "store"  # the directory the service opened
+    assert saves_in() == str(tmp_path / "store")
+    launch.slot_save_path = None  # persistence off
+    assert saves_in() is None
 
 
 def test_plan_that_does_not_fit_stops_before_the_start(tmp_path: Path,
@@ -74,7 +164,7 @@ def test_a_gpu_launch_that_cannot_be_planned_is_refused_unless_told(tmp_path: Pa
     assert "the memory plan could not be made (KV cache type 'tbqp4_0'" in str(info.value)
     assert "--no-plan" in str(info.value)
     launch = resolve(tmp_path, str(prof), model_27b, odd_binary, plan="skip")
-    assert launch.info["memory_plan"] == "skipped (--no-plan)"
+    assert launch.info.memory_plan == "skipped (--no-plan)"
     assert any("not checked against the GPU's free memory" in w for w in launch.warnings)
     spec = launch.factory(1, "k" * 20, 0)
     assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbqp4_0"]
@@ -99,15 +189,15 @@ def test_a_plan_that_does_not_fit_names_the_contexts_that_do(tmp_path: Path,
     smaller = tmp_path / "4090-128k-q8.yaml"
     smaller.write_text(shipped.read_text().replace("context: 131072", f"context: {fits_q8}"))
     launch = resolve(tmp_path, str(smaller), model_27b, fork_binary, free_gib=20)
-    assert f"at context {fits_q8:,}" in launch.info["memory_plan"]
+    assert f"at context {fits_q8:,}" in launch.info.memory_plan
 
 
 def test_cpu_profile_defers_the_plan(tmp_path: Path, fork_binary: Path) -> None:
     tiny = tiny_gguf.write_tiny_random(tmp_path / "tiny.gguf", arch="llama", mtp=False)
     launch = resolve(tmp_path, "cpu-demo", tiny, fork_binary)
-    assert launch.info["memory_plan"] is None and launch.deferred is not None
+    assert launch.info.memory_plan is None and launch.deferred is not None
     launch.deferred()
-    assert "GiB on the host at context 4,096" in launch.info["memory_plan"]
+    assert "GiB on the host at context 4,096" in launch.info.memory_plan
 
 
 def test_multi_slot_plans_one_kv_stream_per_slot(tmp_path: Path) -> None:
@@ -136,14 +226,14 @@ def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Pa
     """128K with q8_0 KV on a 4090: the plan fits with little to spare, so `auto` turns
     step-down on; each rung of the ladder plans fewer bytes than the one before."""
     roomy = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=80)
-    assert roomy.info["near_edge"] is False
+    assert roomy.info.near_edge is False
     s = settings.load_settings({}, env={})
-    assert service.supervisor_config(s, roomy).oom_step_down is False
+    assert up_launch.supervisor_config(s, roomy).oom_step_down is False
     tight = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)  # 23.5 GiB free
-    assert tight.info["near_edge"] is True
-    assert service.supervisor_config(s, tight).oom_step_down is True
+    assert tight.info.near_edge is True
+    assert up_launch.supervisor_config(s, tight).oom_step_down is True
     off = settings.load_settings({}, env={"MTPWRAP_SUPERVISOR_OOM_STEP_DOWN": "false"})
-    assert service.supervisor_config(off, tight).oom_step_down is False
+    assert up_launch.supervisor_config(off, tight).oom_step_down is False
 
     cost = tight.resolved.cost()
     assert cost is not None

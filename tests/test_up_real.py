@@ -7,9 +7,11 @@ recovery → a working completion → SIGTERM → clean exit with no process of 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mtpwrap import proc
 from tests.helpers import REPO, Instance, cli_env, run_cli
 
 pytestmark = pytest.mark.integration
@@ -262,3 +265,60 @@ def test_verbose_llama_server_needs_log_prompts_and_then_logs_prompts(
                                         profile=str(allowed))
     assert "warning: prompts and answers are logged" in own  # the summary says so
     assert CANARY in child  # the check above would have seen a leak through this path
+
+
+def test_a_terminal_gets_warnings_and_the_log_path_the_file_gets_everything(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path, free_port: int) -> None:
+    """`up` on a terminal (a pty): mtpwrap's own lines and llama-server's warnings and errors;
+    its load log and GGUF metadata only in llama-server.log, which the terminal names."""
+    import pty
+    import threading
+
+    from mtpwrap.run.child import line_level
+
+    home = tmp_path / "home"
+    env = cli_env(MTPWRAP_HOME=str(home), MTPWRAP_DRAIN_S="5")
+    master, slave = pty.openpty()
+    up = proc.start([sys.executable, "-m", "mtpwrap", "up", "--profile", "cpu-demo",
+                     "--binary", str(llama_server_bin), "--model", str(demo_model),
+                     "--port", str(free_port)], env=env, cwd=REPO, stdout=slave, stderr=slave)
+    os.close(slave)
+    seen = bytearray()
+    ready = threading.Event()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every writer of the terminal has gone
+                return
+            if not chunk:
+                return
+            seen.extend(chunk)
+            if b"ready in" in seen:
+                ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(180), seen.decode(errors="replace")
+        up.popen.send_signal(signal.SIGTERM)
+        assert up.wait(60) == 0
+        reader.join(10)
+    finally:
+        up.kill()
+        os.close(master)
+    terminal = seen.decode(errors="replace").replace("\r", "")
+    log_file = home / "logs" / "llama-server.log"
+    assert f"its full output is in {log_file}" in terminal
+    assert "llama_model_loader: - kv" not in terminal
+    # The file has every line (after its time stamp); the terminal the warnings and errors.
+    lines = [ln.split(" ", 2)[2] for ln in log_file.read_text().splitlines() if ln.strip()]
+    info = [ln for ln in lines if line_level(ln) < logging.WARNING]
+    loud = [ln for ln in lines if line_level(ln) >= logging.WARNING]
+    assert any("load_model" in ln or "loading model" in ln for ln in info), lines
+    assert len(info) >= 5, lines
+    shown = [ln for ln in info if f"]: {ln}" in terminal]
+    assert not shown, shown
+    for ln in loud:
+        assert f"]: {ln}" in terminal, ln

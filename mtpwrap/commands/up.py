@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from mtpwrap.config.options import config_option, given, up_options
+from mtpwrap.config.options import SettingsCommand, config_option, given, up_options
 
 
-@click.command("up")
+@click.command("up", cls=SettingsCommand)
 @up_options
 @click.option("--no-plan", "no_plan", is_flag=True, default=None,
               help="Launch a GPU profile without the memory plan's check (say so in the "
@@ -26,10 +26,10 @@ def command(no_plan: bool | None, config: Path | None, **settings_given: Any) ->
     profile's own sections, then the defaults (docs/reference/configuration.md lists them).
     """
     from mtpwrap.config import settings
-    from mtpwrap.run import service
+    from mtpwrap.service import up
 
     cli = given(settings_given)
     if no_plan:
         cli["plan"] = "skip"
     s = settings.load_settings(cli, config=config)
-    sys.exit(service.run_up(s))
+    sys.exit(up.run_up(s))

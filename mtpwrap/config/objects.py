@@ -13,7 +13,7 @@ from typing import Any
 from mtpwrap import paths
 from mtpwrap.config.apikeys import key_table
 from mtpwrap.config.coerce import convert
-from mtpwrap.config.table import FEATURES, PERSIST, PROXY, REFUSED, SUPERVISOR, TOP, Key, MiB
+from mtpwrap.config.table import PERSIST, PROXY, REFUSED, SUPERVISOR, TOP, Key, MiB
 from mtpwrap.errors import ConfigError
 
 _S = {name: key.default for name, key in SUPERVISOR.items()}
@@ -97,13 +97,8 @@ class PersistConfig:
 SET_BY_UP: dict[str, Key] = {
     "api_keys": Key("list", ()),
     "listen_host": Key("str", TOP["host"].default),
-    "max_concurrency": Key("int", 8),
+    "max_concurrency": Key("int", 8, check=lambda v: v >= 1, expect="an integer >= 1"),
 }
-
-_POSITIVE = ("max_body_bytes", "max_concurrency", "queue_timeout_s", "stream_stall_s",
-             "prefill_stall_s", "keepalive_s", "write_timeout_s", "connect_timeout_s",
-             "retry_after_s", "backend_metrics_timeout_s", "max_choices", "header_timeout_s",
-             "idle_timeout_s", "max_connections", "max_header_bytes", "max_headers")
 
 
 @dataclass(frozen=True)
@@ -149,26 +144,14 @@ class ProxyConfig:
     source: InitVar[str] = "proxy config"
 
     def __post_init__(self, source: str) -> None:
-        def bad(key: str, msg: str) -> ConfigError:
-            return ConfigError(f"{source}: proxy.{key}: {msg}")
-
-        for key in _POSITIVE:
-            if getattr(self, key) <= 0:
-                raise bad(key, f"must be greater than 0, got {getattr(self, key)}")
-        if self.queue_size < 0:
-            raise bad("queue_size", f"must be 0 or more, got {self.queue_size}")
-        if self.max_n_probs < 0:
-            raise bad("max_n_probs", f"must be 0 or more, got {self.max_n_probs}")
-        if self.max_predict < 0:
-            raise bad("max_predict", f"must be 0 (no cap) or more, got {self.max_predict}")
-        for name in self.enable_paths:
-            if name not in FEATURES:
-                raise bad("enable_paths", f"unknown feature {name!r}; known: {', '.join(FEATURES)}")
+        for name, k in (*PROXY.items(), *SET_BY_UP.items()):
+            value = getattr(self, name)
+            if not k.accepts(value):  # the table's rule, as the coercer applies it
+                raise ConfigError(f"{source}: proxy.{name}: expected {k.expected()}, got "
+                                  f"{value!r}.")
         if any(len(k) < 8 for k, _ in key_table(self.api_keys, f"{source}: proxy.api_keys")):
-            raise bad("api_keys", "each key must be at least 8 characters without spaces")
-        for o in self.cors_origins:
-            if o == "*":
-                raise bad("cors_origins", "'*' is not allowed; list the exact origins")
+            raise ConfigError(f"{source}: proxy.api_keys: each key must be at least 8 "
+                              "characters without spaces")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, source: str) -> ProxyConfig:

@@ -54,6 +54,23 @@ def up_options(f: F) -> F:
     return f
 
 
+class SettingsCommand(click.Command):
+    """A command whose help lists the settings' flags by section (`supervisor:`, ...), after
+    its other options."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        section_of = {param_name(d): d.rpartition(".")[0] for d, _ in every_key()}
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None and isinstance(param, click.Option):
+                groups.setdefault(section_of.get(param.name or "", ""), []).append(record)
+        for section, records in groups.items():
+            title = f"{section.capitalize()} settings" if section else "Options"
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
 def _metavar(k: Key) -> str:
     if k.choices:
         return "[" + "|".join(k.choices) + "]"

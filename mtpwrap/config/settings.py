@@ -60,6 +60,14 @@ class Settings:
     def proxy_source(self) -> str:
         return str(self.config_file) if self.config_file else "settings"
 
+    def layered(self, section: str, profile: Mapping[str, Any]) -> dict[str, Any]:
+        """A section's values that a flag, variable or the config file set, over a profile's
+        own section (checked with the table when the profile was read); the defaults are
+        left to the object built from it."""
+        values: dict[str, Any] = getattr(self, section)
+        own = {k: v for k, v in values.items() if self.sources[f"{section}.{k}"] != "default"}
+        return {**profile, **own}
+
     def value(self, dotted: str) -> Any:
         """A setting's value by its dotted key (`port`, `supervisor.wedge_s`)."""
         section, _, name = dotted.rpartition(".")

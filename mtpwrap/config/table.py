@@ -159,37 +159,61 @@ FEATURES: tuple[str, ...] = (
 )
 
 #: the HTTP front (mtpwrap.config.objects.ProxyConfig checks the values' ranges)
+def _count(default: int, help: str, unit: str = "", *, zero: str | None = None,
+           positive: bool = True) -> Key:
+    """A whole number: >= 1 when `positive`, else >= 0 (`zero` says what 0 means)."""
+    what = f"an integer number of {unit}" if unit and unit not in ("s",) else "an integer"
+    if positive:
+        return Key("int", default, help, unit, _pos, f"{what} >= 1")
+    tail = f" (0: {zero})" if zero else ""
+    return Key("int", default, help, unit, _nonneg, f"{what} >= 0{tail}")
+
+
+def _features(v: tuple[str, ...]) -> bool:
+    return all(name in FEATURES for name in v)
+
+
+def _exact_origins(v: tuple[str, ...]) -> bool:
+    return "*" not in v
+
+
 PROXY: dict[str, Key] = {
     "allowed_hosts": Key("list", (), "Host names the front answers to (`*`: any); default: "
                                      "loopback names and the listen address."),
-    "max_body_bytes": Key("int", 8 * MiB, "Largest request body.", "bytes"),
-    "queue_size": Key("int", 32, "Requests waiting for a free slot beyond those running."),
-    "queue_timeout_s": Key("float", 30.0, "Longest wait in the queue before 503.", "s"),
-    "stream_stall_s": Key("float", 60.0, "A stream that sends nothing this long is cut.", "s"),
-    "prefill_stall_s": Key("float", 600.0, "Longest wait for the first token.", "s"),
-    "keepalive_s": Key("float", 15.0, "Seconds between keep-alive comments on a quiet stream.",
-                       "s"),
-    "write_timeout_s": Key("float", 30.0, "A client that reads nothing this long is dropped.",
-                           "s"),
-    "connect_timeout_s": Key("float", 5.0, "Connecting to llama-server.", "s"),
-    "retry_after_s": Key("int", 5, "Retry-After of a 503.", "s"),
+    "max_body_bytes": _count(8 * MiB, "Largest request body.", "bytes"),
+    "queue_size": _count(32, "Requests waiting for a free slot beyond those running.",
+                         positive=False),
+    "queue_timeout_s": _seconds(30.0, "Longest wait in the queue before 503.", positive=True),
+    "stream_stall_s": _seconds(60.0, "A stream that sends nothing this long is cut.",
+                               positive=True),
+    "prefill_stall_s": _seconds(600.0, "Longest wait for the first token.", positive=True),
+    "keepalive_s": _seconds(15.0, "Seconds between keep-alive comments on a quiet stream.",
+                            positive=True),
+    "write_timeout_s": _seconds(30.0, "A client that reads nothing this long is dropped.",
+                                positive=True),
+    "connect_timeout_s": _seconds(5.0, "Connecting to llama-server.", positive=True),
+    "retry_after_s": _count(5, "Retry-After of a 503, in seconds.", "s"),
     "enable_paths": Key("list", (), "Gated llama-server routes to open: "
-                                    + ", ".join(FEATURES) + "."),
-    "max_n_probs": Key("int", 100, "Most top tokens per position a request may ask for."),
-    "max_choices": Key("int", 1, "Most choices per request (`n`)."),
-    "max_predict": Key("int", 0, "Most tokens to generate per request (0: no cap beyond the "
-                                 "context).", "tokens"),
-    "header_timeout_s": Key("float", 10.0, "Time to a complete request head.", "s"),
-    "idle_timeout_s": Key("float", 30.0, "Idle keep-alive connections are closed after this.",
-                          "s"),
-    "max_connections": Key("int", 1024, "Open client connections."),
-    "max_header_bytes": Key("int", 32 * 1024, "Size of the request headers.", "bytes"),
-    "max_headers": Key("int", 64, "Number of request headers."),
+                                    + ", ".join(FEATURES) + ".", check=_features,
+                        expect="a list of strings, each one of " + ", ".join(FEATURES)),
+    "max_n_probs": _count(100, "Most top tokens per position a request may ask for.",
+                          positive=False),
+    "max_choices": _count(1, "Most choices per request (`n`)."),
+    "max_predict": _count(0, "Most tokens to generate per request.", "tokens", positive=False,
+                          zero="no cap beyond the context"),
+    "header_timeout_s": _seconds(10.0, "Time to a complete request head.", positive=True),
+    "idle_timeout_s": _seconds(30.0, "Idle keep-alive connections are closed after this.",
+                               positive=True),
+    "max_connections": _count(1024, "Open client connections."),
+    "max_header_bytes": _count(32 * 1024, "Size of the request headers.", "bytes"),
+    "max_headers": _count(64, "Number of request headers."),
     "metrics_public": Key("bool", False, "/metrics without an API key."),
     "healthz_public": Key("bool", False, "/healthz without an API key."),
-    "backend_metrics_timeout_s": Key("float", 5.0, "Reading llama-server's own /metrics.", "s"),
-    "cors_origins": Key("list", (), "Browser origins allowed to call the API (exact origins, "
-                                    "never `*`)."),
+    "backend_metrics_timeout_s": _seconds(5.0, "Reading llama-server's own /metrics.",
+                                          positive=True),
+    "cors_origins": Key("list", (), "Browser origins allowed to call the API.",
+                        check=_exact_origins,
+                        expect="a list of strings, each an exact origin (never `*`)"),
 }
 
 SECTIONS: dict[str, dict[str, Key]] = {

@@ -17,32 +17,30 @@ environment variable the binary names for `--api-key` (`LLAMA_API_KEY`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import kv
+from mtpwrap.decide.extra_args import check_exposure, check_extra
+from mtpwrap.decide.ladder import ladder as ladder
+from mtpwrap.decide.ladder import step_down as step_down
 from mtpwrap.decide.vocab import (
-    CONTEXT_FLOOR,
-    DEFAULT_VERBOSITY,
     DEPTH_FLAGS,
     FULL_PRECISION_KV,
-    KV_TYPES,
     NGRAM_N_FLAGS,
-    RESERVED,
     SPEC_TYPES,
     SPELLINGS,
-    STEP_KV_TYPES,
-    VERBOSE,
-    VERBOSITY,
 )
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
+    from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
     from mtpwrap.decide.profiles import Profile
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -82,10 +80,13 @@ class LaunchConfig:
     verbosity: int | None = None
     log_prompts: bool = False  #: the profile allows logging what users send (-v, -lv > 3)
     allow_rpc: bool = False  #: the profile allows --rpc (unauthenticated remote backends)
+    allow_tools: bool = False  #: the profile allows tools that act on the machine (--tools …)
     kv_unified: bool | None = None  #: None: llama.cpp's default (unified when slots > 1)
     repack: bool | None = None  #: CPU weight repacking; None: llama.cpp's default (on)
     fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
     extra_args: tuple[str, ...] = ()
+    #: environment llama-server needs for this launch (e.g. the fork's tbq3_0 V switch)
+    env: tuple[tuple[str, str], ...] = ()
     #: field name → why it has its value (shown by `mtpwrap args`)
     why: tuple[tuple[str, str], ...] = ()
     warnings: tuple[str, ...] = ()
@@ -135,11 +136,14 @@ class RenderedLaunch:
 
 def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapshot | None, *,
            model: Path | str, draft_model: Path | str | None = None,
-           sized_types: Collection[str] | None = None) -> LaunchConfig:
+           sized_types: Collection[str] | None = None, facts: ModelFacts | None = None,
+           target: kv.Target | None = None) -> LaunchConfig:
     """The launch a profile asks for on this binary (`caps`) and machine.
 
     Without a binary (`caps` None: planning for a machine that is not this one), each KV list
     gives its first type with a known size (`sized_types`), and speculation its first spec type.
+    With the model's header (`facts`), each KV list gives its first type the model admits on
+    `target` too (mtpwrap.decide.kv), and the launch carries the environment that type needs.
     A profile's `context: max` gives 0 here; the memory plan sets it (see `resolve`).
     """
     why: dict[str, str] = {}
@@ -179,10 +183,11 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
         if getattr(profile, name) is not None:
             why[name] = what
 
-    k = _pick_kv(caps, "cache_k", profile.kv.k, "K", sized_types, warnings)
-    v = _pick_kv(caps, "cache_v", profile.kv.v, "V", sized_types, warnings)
-    why["cache_k"] = "K cache type: first of the profile's list this binary offers"
-    why["cache_v"] = "V cache type: first of the profile's list this binary offers"
+    # quantized V turns flash attention on below, so the model is asked with it on
+    ask = _KvChoice(caps, sized_types, facts,
+                    dataclasses.replace(target or kv.Target(), flash_attn="on"), warnings)
+    k, why["cache_k"] = ask.pick("cache_k", profile.kv.k, "K", "K")
+    v, why["cache_v"] = ask.pick("cache_v", profile.kv.v, "V", "V")
 
     fa = profile.flash_attn
     why["flash_attn"] = "flash attention from the profile"
@@ -206,18 +211,25 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
         slots=slots, gpu_layers=ngl, threads=profile.threads, batch=profile.batch,
         ubatch=profile.ubatch, flash_attn=fa, mlock=profile.mlock, no_warmup=profile.no_warmup,
         extra_args=tuple(profile.extra_args), log_prompts=profile.log_prompts,
-        allow_rpc=profile.allow_rpc)
+        allow_rpc=profile.allow_rpc, allow_tools=profile.allow_tools)
     if profile.mlock:
         why["mlock"] = "keep the weights in RAM (profile: mlock)"
     if profile.no_warmup:
         why["no_warmup"] = "skip the empty warm-up run (profile: no_warmup)"
     if profile.extra_args:
         why["extra_args"] = "profile extra_args, passed through"
-    cfg = _speculation(cfg, profile, caps, draft_model, sized_types, why, warnings)
+    cfg = _speculation(cfg, profile, draft_model, ask, why)
+    trade = _recipe_trade(profile, k)
+    if trade:
+        warnings.append(trade)
+    if ask.env:
+        why["env"] = "; ".join(f"{k}={v} in llama-server's environment" for k, v in ask.env.items())
+        cfg = dataclasses.replace(cfg, env=tuple(ask.env.items()))
     if caps is not None:
         check_extra(caps, "profile extra_args", cfg.extra_args)
     warnings += check_exposure("profile extra_args", cfg.extra_args,
-                               log_prompts=cfg.log_prompts, allow_rpc=cfg.allow_rpc)
+                               log_prompts=cfg.log_prompts, allow_rpc=cfg.allow_rpc,
+                               allow_tools=cfg.allow_tools)
     return dataclasses.replace(cfg, why=tuple(why.items()), warnings=tuple(warnings))
 
 
@@ -234,42 +246,78 @@ def _flag(caps: Capabilities, logical: str, why_needed: str,
     return spelled
 
 
-def _pick_kv(caps: Capabilities | None, logical: str, wanted: Sequence[str], what: str,
-             sized_types: Collection[str] | None, warnings: list[str]) -> str:
-    if caps is None:
-        if sized_types is None:
-            return wanted[0]
-        for i, t in enumerate(wanted):
-            if t in sized_types:
-                if i > 0:
-                    warnings.append(f"{what} KV type {', '.join(wanted[:i])} has no known size "
-                                    f"without a built binary; planning {t}")
-                return t
-        raise ConfigError(f"{what} KV types {', '.join(wanted)}: none has a known size; run "
-                          "`mtpwrap build` (it measures the binary's types) or edit the profile.")
-    flag = _flag(caps, logical, f"the profile sets the {what} KV type")
-    allowed = caps.allowed(flag)
-    if allowed is None:
-        warnings.append(f"{flag}: {caps.describe()} lists no allowed values; using "
-                        f"{wanted[0]} unchecked")
-        return wanted[0]
-    for i, t in enumerate(wanted):
-        if t in allowed:
-            if i > 0:
-                warnings.append(f"{what} KV type {', '.join(wanted[:i])} is not offered by this "
-                                f"llama-server ({flag} allows {', '.join(allowed)}); falling "
-                                f"back to {t}")
-            return t
-    raise ConfigError(
-        f"{flag}: {caps.describe()} offers none of the profile's {what} KV types "
-        f"({', '.join(wanted)}); it allows {', '.join(allowed)}.",
-        hint="Add one of those to the profile's list, or build the fork.")
+@dataclass
+class _KvChoice:
+    """What a KV list is checked against: the binary (or, without one, the known sizes) and,
+    when its header was read, the model on its target (mtpwrap.decide.kv.admits)."""
+
+    caps: Capabilities | None
+    sized_types: Collection[str] | None
+    facts: ModelFacts | None
+    target: kv.Target | None
+    warnings: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+    def offered(self, logical: str, wanted: Sequence[str], what: str) -> list[str]:
+        """The types of `wanted` this binary offers (or, without one, that have a size)."""
+        if self.caps is None:
+            if self.sized_types is None:
+                return list(wanted)
+            got = [t for t in wanted if t in self.sized_types]
+            if not got:
+                raise ConfigError(f"{what} KV types {', '.join(wanted)}: none has a known size; "
+                                  "run `mtpwrap build` (it measures the binary's types) or edit "
+                                  "the profile.")
+            if got[0] != wanted[0]:
+                skipped = wanted[:wanted.index(got[0])]
+                self.warnings.append(f"{what} KV type {', '.join(skipped)} has no known size "
+                                     f"without a built binary; planning {got[0]}")
+            return got
+        flag = _flag(self.caps, logical, f"the profile sets the {what} KV type")
+        allowed = self.caps.allowed(flag)
+        if allowed is None:
+            self.warnings.append(f"{flag}: {self.caps.describe()} lists no allowed values; "
+                                 f"using {wanted[0]} unchecked")
+            return [wanted[0]]
+        got = [t for t in wanted if t in allowed]
+        if not got:
+            raise ConfigError(
+                f"{flag}: {self.caps.describe()} offers none of the profile's {what} KV types "
+                f"({', '.join(wanted)}); it allows {', '.join(allowed)}.",
+                hint="Add one of those to the profile's list, or build the fork.")
+        if got[0] != wanted[0]:
+            skipped = wanted[:wanted.index(got[0])]
+            self.warnings.append(f"{what} KV type {', '.join(skipped)} is not offered by this "
+                                 f"llama-server ({flag} allows {', '.join(allowed)}); falling "
+                                 f"back to {got[0]}")
+        return got
+
+    def pick(self, logical: str, wanted: Sequence[str], what: str, role: str
+             ) -> tuple[str, str]:
+        """(type, reason): the first of `wanted` the binary offers and the model admits."""
+        offered = self.offered(logical, wanted, what)
+        source = "this binary offers" if self.caps is not None else "has a known size"
+        if self.facts is None:
+            return offered[0], f"{what} cache type: first of the profile's list {source}"
+        got, refused = kv.first_admitted(self.facts, offered, role, self.target)
+        if got is None:
+            raise ConfigError(
+                f"{what} KV types {', '.join(offered)}: the model admits none of them "
+                f"({refused[0].reason}).",
+                hint="Add a type it admits to the profile's list (q8_0 and q4_0 fit any head "
+                     "size that is a multiple of 32).")
+        for r in refused:
+            self.warnings.append(f"{r.reason}; using {got.kv_type}")
+        self.env.update(got.env)
+        reason = f"{what} cache type: first of the profile's list {source} and the model admits"
+        if refused:
+            reason += f" ({'; '.join(r.reason for r in refused)})"
+        return got.kv_type, reason
 
 
-def _speculation(cfg: LaunchConfig, profile: Profile, caps: Capabilities | None,
-                 draft_model: Path | str | None, sized_types: Collection[str] | None,
-                 why: dict[str, str], warnings: list[str]) -> LaunchConfig:
-    spec = profile.spec
+def _speculation(cfg: LaunchConfig, profile: Profile, draft_model: Path | str | None,
+                 ask: _KvChoice, why: dict[str, str]) -> LaunchConfig:
+    spec, caps, warnings = profile.spec, ask.caps, ask.warnings
     if spec.kind == "none":
         return cfg
     wanted = SPEC_TYPES[spec.kind]
@@ -309,13 +357,30 @@ def _speculation(cfg: LaunchConfig, profile: Profile, caps: Capabilities | None,
         changes["draft_model"] = str(draft_model or spec.draft_model)
         why["draft_model"] = "draft model from the profile"
     if spec.draft_kv is not None:
-        changes["draft_k"] = _pick_kv(caps, "draft_k", spec.draft_kv.k, "draft K", sized_types,
-                                      warnings)
-        changes["draft_v"] = _pick_kv(caps, "draft_v", spec.draft_kv.v, "draft V", sized_types,
-                                      warnings)
-        why["draft_k"] = "draft/MTP context K cache type (llama.cpp's default is f16)"
-        why["draft_v"] = "draft/MTP context V cache type (llama.cpp's default is f16)"
+        for name, role, wanted in (("draft_k", "K", spec.draft_kv.k),
+                                   ("draft_v", "V", spec.draft_kv.v)):
+            changes[name], reason = ask.pick(name, wanted, f"draft {role}", role)
+            why[name] = f"{reason}; the draft/MTP context's own (llama.cpp's default is f16)"
     return dataclasses.replace(cfg, **changes)
+
+
+def _recipe_trade(profile: Profile, chosen_k: str) -> str | None:
+    """The recipe's trade, named when a profile asks for both the fork's KV types and a draft
+    depth per request class: the fork's server takes one fixed depth (its probe says
+    `ignored`), upstream's takes the request's depth but has no TurboQuant KV."""
+    fork_kv = [t for t in (*profile.kv.k, *profile.kv.v)
+               if t in kv.TABLE and kv.TABLE[t].family in ("tbq", "rotor")]
+    if not fork_kv or not profile.spec.policy:
+        return None
+    side = ("the fork's: TBQ KV and one fixed depth for every request (spec.depth); "
+            "spec.policy is reported unsupported"
+            if chosen_k in fork_kv else
+            "upstream's: per-class depth with draft-mtp, and no TBQ KV (the profile's "
+            f"fallback {chosen_k})")
+    return (f"profile {profile.name} asks for TBQ KV ({fork_kv[0]}) and a draft depth per "
+            "request class (spec.policy); no one llama-server gives both — the fork has TBQ KV "
+            "and one fixed depth, upstream has draft-mtp, q4_0 KV and per-class depth. This "
+            f"launch takes {side}.")
 
 
 def _check_hardware(profile: Profile, snapshot: HardwareSnapshot | None,
@@ -332,22 +397,6 @@ def _check_hardware(profile: Profile, snapshot: HardwareSnapshot | None,
                         f"this machine has {have}")
 
 
-def check_extra(caps: Capabilities, source: str, args: Sequence[str]) -> None:
-    """Extra arguments may not take over what mtpwrap owns, nor use removed or unknown flags."""
-    for a in args:
-        if not a.startswith("-") or len(a) < 2 or a[1].isdigit():
-            continue  # a value, or a negative number
-        flag = a.split("=", 1)[0]
-        if flag in RESERVED:
-            raise ConfigError(f"{source}: {flag} is set by mtpwrap ({RESERVED[flag]}); "
-                              "remove it.")
-        if caps.is_removed(flag):
-            raise ConfigError(f"{source}: {flag} has been removed from llama.cpp and aborts "
-                              f"{caps.describe()}; see its --help for the replacement.")
-        if not caps.has(flag):
-            raise ConfigError(f"{source}: {caps.describe()} does not accept {flag}.")
-
-
 def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16",
           why: str, **fields: Any) -> LaunchConfig:
     """A launch that is no profile's (a smoke test, a measurement): `why` says what it is for."""
@@ -355,40 +404,6 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
                         cache_v=cache, slots=slots, **fields)
 
 
-
-
-def check_exposure(source: str, args: Sequence[str], *, log_prompts: bool,
-                   allow_rpc: bool) -> list[str]:
-    """Extra arguments that log what users send, or open an unauthenticated remote backend,
-    only where the profile says so (log_prompts, allow_rpc); the warnings to show when it
-    does."""
-    warnings: list[str] = []
-    args = list(args)
-    for i, a in enumerate(args):
-        flag, eq, value = a.partition("=")
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
-        if flag in VERBOSE or (flag in VERBOSITY and not (
-                value.isdigit() and int(value) <= DEFAULT_VERBOSITY)):
-            if not log_prompts:
-                raise ConfigError(
-                    f"{source}: {a} raises llama-server's log verbosity above its default "
-                    f"({DEFAULT_VERBOSITY}), which writes prompts and answers to the logs.",
-                    hint="Remove it, or set log_prompts: true in the profile if these logs may "
-                         "hold what users send.")
-            warnings.append(f"prompts and answers are logged ({source}: {a}; the profile sets "
-                            "log_prompts: true)")
-        elif flag == "--rpc":
-            if not allow_rpc:
-                raise ConfigError(
-                    f"{source}: --rpc sends work to llama.cpp RPC servers, which have no "
-                    "authentication and have had remote-code-execution bugs.",
-                    hint="Remove it, or set allow_rpc: true in the profile once the RPC "
-                         "servers sit on a network only this machine can reach.")
-            warnings.append(f"--rpc {value}: llama.cpp's RPC servers accept anyone who reaches "
-                            "them; keep them on a private network (the profile sets "
-                            "allow_rpc: true)")
-    return warnings
 
 
 # --------------------------------------------------------------------------- rendering
@@ -477,7 +492,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         if caps.first_of(SPELLINGS["no_webui"]):
             b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
 
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(cfg.env)
+    for name, value in cfg.env:
+        b.decisions.append(Decision(f"{name}={value}", None, r("env") or "environment"))
     secret: set[str] = set()
     if api_key is not None and serve:
         flag = _flag(caps, "api_key", "the proxy authenticates to llama-server with a key")
@@ -495,7 +512,7 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         check_extra(caps, source, args)
         if args is extra:
             exposure += check_exposure(source, args, log_prompts=cfg.log_prompts,
-                                       allow_rpc=cfg.allow_rpc)
+                                       allow_rpc=cfg.allow_rpc, allow_tools=cfg.allow_tools)
         b.args += list(args)
         if args:
             b.decisions.append(Decision(" ".join(args), None, f"{source}, passed through"))
@@ -506,110 +523,3 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
                       profile=cfg.profile, secret_env=frozenset(secret))
 
 
-# --------------------------------------------------------------------------- stepping down
-
-
-bits_per_value = kv.bits_per_value
-
-
-def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,
-           kv_sizes: Mapping[str, Any] | None = None,
-           cost: Callable[[LaunchConfig], int] | None = None) -> list[LaunchConfig]:
-    """The cheaper launches tried after out-of-memory starts, each cumulative: draft depth
-    down to 1, speculation off, each smaller KV type per value (among those the binary offers),
-    the context halved down to CONTEXT_FLOOR. With `cost` (planned bytes of a launch) the
-    groups go in the order of the bytes their first step saves, least first, and a step that
-    saves nothing is left out; without it, in that fixed order, leaving out steps that change
-    nothing."""
-    def depth(c: LaunchConfig) -> LaunchConfig | None:
-        if c.spec in ("mtp", "draft") and c.depth is not None and c.depth > 1:
-            return c.replace(depth=1, why={"depth": "step-down after out-of-memory"},
-                             note="draft depth 1")
-        return None
-
-    def no_spec(c: LaunchConfig) -> LaunchConfig | None:
-        if c.spec == "none":
-            return None
-        return c.replace(spec="none", spec_type=None, depth=None, p_min=None, ngram_n=None,
-                         draft_model=None, draft_k=None, draft_v=None,
-                         why={"spec_type": "step-down after out-of-memory"},
-                         note="no speculation")
-
-    def kv(c: LaunchConfig) -> LaunchConfig | None:
-        smaller = _smaller_kv(c, caps, kv_sizes)
-        if smaller is None:
-            return None
-        return c.replace(cache_k=smaller, cache_v=smaller, flash_attn="on",
-                         why={"cache_k": "step-down after out-of-memory",
-                              "cache_v": "step-down after out-of-memory",
-                              "flash_attn": f"quantized V cache ({smaller}) needs it"},
-                         note=f"KV {smaller}")
-
-    def context(c: LaunchConfig) -> LaunchConfig | None:
-        if c.context <= CONTEXT_FLOOR:
-            return None
-        n = max(CONTEXT_FLOOR, c.context // 2)
-        return c.replace(context=n, why={"context": "step-down after out-of-memory"},
-                         note=f"context {n}")
-
-    groups: list[tuple[Callable[[LaunchConfig], LaunchConfig | None], bool]] = [
-        (depth, False), (no_spec, False), (kv, True), (context, True)]  # (step, repeats)
-    if cost is not None:
-        base = cost(cfg)
-
-        def saved(step: Callable[[LaunchConfig], LaunchConfig | None]) -> int:
-            nxt = step(cfg)
-            return 0 if nxt is None else base - cost(nxt)
-
-        ranked = [(saved(g[0]), i, g) for i, g in enumerate(groups)]
-        groups = [g for s, _, g in sorted(ranked) if s > 0 or g[0] is context]
-    steps: list[LaunchConfig] = []
-    notes: list[str] = []
-    cur, cur_cost = cfg, cost(cfg) if cost is not None else 0
-    for step, repeats in groups:
-        while (nxt := step(cur)) is not None:
-            if cost is not None:
-                c = cost(nxt)
-                if c >= cur_cost:
-                    break  # saves nothing more
-                cur_cost = c
-            notes.append(nxt.note or "")
-            cur = dataclasses.replace(nxt, note=f"step-down {len(notes)}: " + ", ".join(notes))
-            steps.append(cur)
-            if not repeats:
-                break
-    return steps
-
-
-def _smaller_kv(cfg: LaunchConfig, caps: Capabilities | None,
-                kv_sizes: Mapping[str, Any] | None) -> str | None:
-    """The next smaller rung of STEP_KV_TYPES that the binary offers: the one with the most bits
-    per value (measured sizes win) below both of cfg's types."""
-    offered: Sequence[str] = STEP_KV_TYPES
-    if caps is not None:
-        flag = caps.first_of(SPELLINGS["cache_k"])
-        allowed = (caps.allowed(flag) if flag else None) or KV_TYPES
-        offered = [t for t in STEP_KV_TYPES if t in allowed]
-    try:
-        now = max(bits_per_value(cfg.cache_k, kv_sizes), bits_per_value(cfg.cache_v, kv_sizes))
-    except ConfigError:
-        return None
-    best: tuple[float, str] | None = None
-    for t in offered:
-        try:
-            bits = bits_per_value(t, kv_sizes)
-        except ConfigError:
-            continue  # a type without a known size cannot be shown to save anything
-        if bits < now and (best is None or bits > best[0]):
-            best = (bits, t)
-    return best[1] if best else None
-
-
-def step_down(cfg: LaunchConfig, step: int, caps: Capabilities | None = None,
-              kv_sizes: Mapping[str, Any] | None = None,
-              cost: Callable[[LaunchConfig], int] | None = None) -> LaunchConfig | None:
-    """`cfg` itself for step 0, the `step`-th rung of the ladder, or None past its end."""
-    if step <= 0:
-        return cfg
-    steps = ladder(cfg, caps, kv_sizes, cost)
-    return steps[step - 1] if step <= len(steps) else None

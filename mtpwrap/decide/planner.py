@@ -36,8 +36,13 @@ SPEC_KINDS = ("mtp", "draft", "ngram", "none")
 #: a fixed allowance per backend for what llama.cpp allocates outside the named buffers
 #: (CUDA context, cuBLAS workspace, graph metadata). Measured CUDA contexts are 300-500 MiB.
 BACKEND_OVERHEAD = {"cuda": 512 * MiB, "cpu": 0}
-#: kept free on the device (llama.cpp's --fit uses the same 1024 MiB margin).
+#: kept free on the device: llama.cpp's own --fit keeps the same (`--fit-target`, "default:
+#: 1024" in llama-server --help of upstream 0c1e570 and of the fork at 0bc0a27).
 DEFAULT_MARGIN = 1024 * MiB
+#: the compute buffer of the fork's MTP context on CUDA: "-ub 32 keeps MTP compute buffer at
+#: ~712 MiB" (README of Indras-Mirror/llama.cpp-mtp at 0bc0a27, Key Flags, measured there on an
+#: RTX 4090 with Qwen3.6-27B). The CPU-fitted estimate is far below it, so it is the floor.
+FORK_MTP_COMPUTE = 712 * MiB
 #: contexts tried by largest_context, besides the exact search.
 _CTX_STEP = 256
 
@@ -66,6 +71,12 @@ class PlanConfig:
     n_outputs: int | None = None
     #: spec "draft": the draft model's tensor bytes (on the device with the target)
     draft_weight_bytes: int = 0
+    #: the fork's own --spec-type mtp: the MTP head is a second model loaded from the same file
+    #: (tools/server/server-context.cpp, override_arch qwen35_mtp) with its own copy of the
+    #: output matrix (src/models/qwen35_mtp.cpp shares only token_embd and output_norm); its
+    #: context takes the main -ctk/-ctv and -ub (common_context_params_to_llama). Upstream's
+    #: draft-mtp runs the nextn block inside the target model.
+    mtp_head_model: bool = False
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -205,11 +216,36 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     else:
         layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
     total = max(out_phase, layer_phase)
-    if cfg.backend == "cuda" and cfg.flash_attn and type_k not in _F_TYPES:
+    type_v = cfg.type_v_draft if mtp_context else cfg.type_v
+    per_value = _dequant_bytes(facts, type_k, type_v, cfg)
+    if per_value:
         layers = facts.kv_layers or [0]
         nk, nv = max((facts.kv_row_values(il) for il in layers), key=sum)
-        total += 2 * n_ctx * (nk + nv)
+        total += per_value * n_ctx * (nk + nv)
+    if mtp_context and cfg.mtp_head_model and cfg.backend == "cuda":
+        total = max(total, FORK_MTP_COMPUTE)
     return int(total)
+
+
+def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig) -> int:
+    """Bytes per cached value of one layer's K and V that attention converts before it reads
+    them (a compute-buffer allowance, not a measurement):
+    - the fork's tbq4_0 K and V with head size 128 or 256 go into its fused CUDA kernel as they
+      are (ggml-cuda/fattn.cu, BEST_FATTN_KERNEL_MMA_TBQ4): nothing;
+    - the fork's planar/iso types are cast to f32 and then f16 on every backend
+      (src/llama-graph.cpp build_attn_mha): 4 + 2 bytes;
+    - any other quantized K on CUDA with flash attention is converted to f16: 2 bytes."""
+    if type_k in _F_TYPES or not cfg.flash_attn:
+        return 0
+    fams = {kv.TABLE[t].family for t in (type_k, type_v) if t in kv.TABLE}
+    if "rotor" in fams:
+        return 6
+    if cfg.backend != "cuda":
+        return 0
+    heads = {facts.kv_heads(il)[0] for il in facts.kv_layers}
+    if type_k == type_v == "tbq4_0" and heads <= set(kv.FUSED_HEADS):
+        return 0
+    return 2
 
 
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
@@ -274,14 +310,25 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
     if mtp:
         rows.append(Row("MTP weights", facts.mtp_bytes, gpu,
                         f"{facts.n_layer_nextn} nextn block(s), loaded only with MTP"))
+        if cfg.mtp_head_model:
+            # the head model's output layer: on the GPU once -ngl exceeds all its blocks
+            head_out = facts.output_bytes or facts.token_embd_bytes
+            on = gpu if cfg.n_gpu_layers > facts.n_layer_all else "host"
+            rows.append(Row("MTP head output", head_out, on,
+                            "the fork's MTP head model keeps its own output matrix; token "
+                            "embeddings are shared with the trunk (link_shared_tensors)"))
         mtp_layers = list(range(facts.n_layer, facts.n_layer_all))
         mtp_kv = kv_bytes(facts, mtp_layers, cells, streams, cfg.type_k_draft, cfg.type_v_draft,
                           cfg, kv_sizes)
         rows.append(Row("MTP context KV", mtp_kv, kv_on,
                         f"{len(mtp_layers)} layer(s), K {cfg.type_k_draft} / "
-                        f"V {cfg.type_v_draft} (-ctkd/-ctvd)"))
-        rows.append(Row("MTP compute", compute_bytes(facts, n_ctx, cfg, mtp_context=True), gpu,
-                        "estimate"))
+                        f"V {cfg.type_v_draft} "
+                        + ("(the fork's MTP context takes -ctk/-ctv)" if cfg.mtp_head_model
+                           else "(-ctkd/-ctvd)")))
+        mtp_compute = compute_bytes(facts, n_ctx, cfg, mtp_context=True)
+        rows.append(Row("MTP compute", mtp_compute, gpu,
+                        "the fork's published figure at -ub 32 (a floor)"
+                        if mtp_compute == FORK_MTP_COMPUTE else "estimate"))
     if cfg.spec == "draft" and cfg.draft_weight_bytes:
         rows.append(Row("draft model weights", cfg.draft_weight_bytes, gpu,
                         "the draft model (-md), all layers with the target's"))
@@ -292,7 +339,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                     "logits for one token per slot"))
     overhead = BACKEND_OVERHEAD[cfg.backend]
     if overhead:
-        rows.append(Row("overhead", overhead, gpu, f"{cfg.backend} context and workspace"))
+        rows.append(Row("overhead", overhead, gpu, f"{cfg.backend} context and workspace "
+                        "(an allowance above the 300-500 MiB CUDA contexts measured)"))
 
     total = sum(r.bytes for r in rows if r.where == gpu)
     host_total = sum(r.bytes for r in rows if r.where == "host")
@@ -302,7 +350,7 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
         headroom = device_memory_bytes - total - cfg.margin
         fits = headroom >= 0
     rows.append(Row("margin", cfg.margin if device_memory_bytes is not None else 0, gpu,
-                    "kept free"))
+                    "kept free (llama.cpp's --fit keeps 1024 MiB)"))
     return MemoryPlan(model=facts.path, architecture=facts.architecture, generic=facts.generic,
                       config=cfg, context=n_ctx, device_bytes=device_memory_bytes, rows=rows,
                       total=total, host_total=host_total, fits=fits, headroom=headroom,

@@ -125,6 +125,8 @@ class Profile:
     log_prompts: bool = False
     #: extra_args may pass --rpc (llama.cpp's RPC protocol has no authentication)
     allow_rpc: bool = False
+    #: extra_args may pass --tools, --agent, MCP flags (the model acts on the machine)
+    allow_tools: bool = False
     supervisor: Mapping[str, Any] = field(default_factory=dict)
     proxy: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
@@ -162,6 +164,7 @@ class Profile:
             "extra_args": list(self.extra_args),
             "log_prompts": self.log_prompts,
             "allow_rpc": self.allow_rpc,
+            "allow_tools": self.allow_tools,
             "supervisor": dict(self.supervisor),
             "proxy": dict(self.proxy),
             "source": self.source,
@@ -283,7 +286,7 @@ class _Checker:
 TOP_KEYS = (
     "name", "description", "hardware", "model", "context", "kv", "spec", "gpu_layers", "threads",
     "batch", "ubatch", "slots", "flash_attn", "mlock", "no_warmup", "extra_args",
-    "log_prompts", "allow_rpc", *FREE_SECTIONS,
+    "log_prompts", "allow_rpc", "allow_tools", *FREE_SECTIONS,
 )
 REQUIRED_KEYS = ("description", "model", "context")
 
@@ -369,6 +372,7 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
     no_warmup = c.boolean(data.get("no_warmup", False), "no_warmup")
     log_prompts = c.boolean(data.get("log_prompts", False), "log_prompts")
     allow_rpc = c.boolean(data.get("allow_rpc", False), "allow_rpc")
+    allow_tools = c.boolean(data.get("allow_tools", False), "allow_tools")
 
     extra = data.get("extra_args", [])
     if not isinstance(extra, list):
@@ -386,7 +390,7 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
         threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
         mlock=mlock, no_warmup=no_warmup, extra_args=tuple(str(a) for a in extra),
-        log_prompts=log_prompts, allow_rpc=allow_rpc,
+        log_prompts=log_prompts, allow_rpc=allow_rpc, allow_tools=allow_tools,
         supervisor=free["supervisor"], proxy=free["proxy"], source=where,
     )
 

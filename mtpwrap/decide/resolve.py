@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render
+from mtpwrap.decide import kv
+from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
 from mtpwrap.errors import ConfigError, MissingToolError
 
 if TYPE_CHECKING:
@@ -103,6 +104,13 @@ class Resolved:
             return None
         return self.plan_text + (f"; {self.measured_text}" if self.measured_text else "")
 
+    def step_down(self, step: int) -> LaunchConfig | None:
+        """The launch itself for step 0, else the `step`-th cheaper one after out-of-memory
+        starts (only KV types the binary offers and the model admits), None past the end."""
+        inp = self.inputs
+        return step_down(self.launch, step, inp.caps, inp.kv_sizes, cost=self.cost(),
+                         facts=self.facts, target=kv_target(inp))
+
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, cfg: LaunchConfig | None = None,
                slot_save_path: Path | str | None = None) -> RenderedLaunch:
@@ -137,14 +145,18 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
     unified pool is the default only when -np is left to "auto")."""
     from mtpwrap.decide.planner import PlanConfig
 
+    # the fork's own MTP (--spec-type mtp) is a second model whose context takes -ctk/-ctv
+    fork_mtp = cfg.spec_type == "mtp"
     ngl = cfg.gpu_layers
     return PlanConfig(
         n_ctx=cfg.context or int(facts.n_ctx_train or 4096),
         type_k=cfg.cache_k, type_v=cfg.cache_v, n_slots=cfg.slots,
         kv_unified=bool(cfg.kv_unified) or cfg.slots == 1, spec=cfg.spec,
         draft_weight_bytes=draft_weight_bytes,
-        draft_depth=cfg.depth or 3, type_k_draft=cfg.draft_k or "f16",
-        type_v_draft=cfg.draft_v or "f16", ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
+        draft_depth=cfg.depth or 3,
+        type_k_draft=cfg.cache_k if fork_mtp else cfg.draft_k or "f16",
+        type_v_draft=cfg.cache_v if fork_mtp else cfg.draft_v or "f16",
+        mtp_head_model=fork_mtp, ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
         flash_attn=cfg.flash_attn != "off",
         n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
         cpu_repack=cfg.repack is not False)
@@ -164,6 +176,27 @@ def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
     return set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
 
 
+def read_model(model: Path | str) -> ModelFacts | None:
+    """The model's header when the file is here and readable (a preview may name a model not
+    fetched yet; a damaged header is reported by the memory plan)."""
+    from mtpwrap.decide import gguf_facts
+
+    path = Path(model)
+    try:
+        return gguf_facts.read_facts(path) if path.is_file() else None
+    except ConfigError:
+        return None
+
+
+def kv_target(inp: Inputs) -> kv.Target:
+    """Where the KV cache will live, and what the build manifest records about the binary."""
+    cuda = on_device(inp.profile, inp.snapshot)
+    options = getattr(inp.manifest, "cmake_options", None) or {}
+    fa_all = options.get("GGML_CUDA_FA_ALL_QUANTS")
+    return kv.Target(backend="cuda" if cuda else "cpu",
+                     fa_all_quants=None if fa_all is None else str(fa_all).upper() == "ON")
+
+
 def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
             caps: Capabilities | None, model: Path | str, binary: Path | None = None,
             kv_sizes: dict[str, Any] | None = None, plan: bool | None = None,
@@ -178,9 +211,12 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
     """
     inp = inputs or Inputs(profile=profile, profile_reason="", snapshot=snapshot, caps=caps,
                            binary=binary, model=str(model), kv_sizes=kv_sizes)
+    facts = read_model(model)
     cfg = choose(profile, caps, snapshot, model=model,
-                 sized_types=sized_types(kv_sizes) if caps is None else None)
-    r = Resolved(inputs=inp, launch=cfg)
+                 sized_types=sized_types(kv_sizes) if caps is None else None, facts=facts,
+                 target=kv_target(inp))
+    cfg = cfg.replace(warnings=cfg.warnings + tuple(kv.differences(kv_sizes)))
+    r = Resolved(inputs=inp, launch=cfg, facts=facts)
     gpu = on_device(profile, snapshot)
     if plan or (plan is None and (profile.context == "max" or gpu)):
         ensure_plan(r, kv_limits=kv_limits, refuse=refuse)
@@ -209,7 +245,7 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
     device = device_bytes(prof, inp.snapshot)
     backend = "cuda" if on_device(prof, inp.snapshot) else "cpu"
     try:
-        facts = gguf_facts.read_facts(Path(r.launch.model))
+        facts = r.facts or gguf_facts.read_facts(Path(r.launch.model))
         draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
                  if r.launch.spec == "draft" and r.launch.draft_model else 0)
         pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft)
@@ -297,16 +333,17 @@ def find_server(explicit: str | Path | None, snapshot: HardwareSnapshot | None =
                                                    Any | None]:
     """(binary, its capabilities, its manifest when it is the built one). `--binary` /
     `MTPWRAP_BINARY` win over the build. Without a build and with required=False: all None."""
-    from mtpwrap.build import builder
+    from mtpwrap.build import manifest as build_manifest
+    from mtpwrap.build.binary import find_binary
     from mtpwrap.decide import capabilities
 
     try:
-        binary = builder.find_binary(explicit=explicit, snap=snapshot)
+        binary = find_binary(explicit=explicit, snap=snapshot)
     except MissingToolError:
         if required or explicit:
             raise
         return None, None, None
-    manifest = builder.load_manifest()
+    manifest = build_manifest.load_manifest()
     built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
     if manifest is not None and built != str(binary):
         manifest = None  # another binary: its own facts count

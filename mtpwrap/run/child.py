@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.build.smoke import judge_completion
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
 
@@ -32,6 +33,25 @@ _OOM_PATTERNS = re.compile(
     re.IGNORECASE,
 )
 _BIND_PATTERNS = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
+_ERROR_WORDS = re.compile(r"error|failed|abort|out of memory|couldn't", re.IGNORECASE)
+#: llama.cpp's own log prefix: elapsed time, then the level letter ("0.00.036.626 W srv ...")
+_LEVEL_PREFIX = re.compile(r"^\s*(?:\d+\.\d+\.\d+\.\d+\s+)?([DIWE])\s")
+#: debug lines count as info: the journal keeps every line llama-server prints
+_LEVELS = {"D": logging.INFO, "I": logging.INFO, "W": logging.WARNING, "E": logging.ERROR}
+
+
+def line_level(line: str) -> int:
+    """The logging level of one llama-server line: its own level letter when it has one;
+    otherwise an error when it reads like one, a warning when it says so, else info (the
+    load log, GGUF metadata, per-request timings)."""
+    m = _LEVEL_PREFIX.match(line)
+    if m:
+        return _LEVELS[m.group(1)]
+    if _ERROR_WORDS.search(line):
+        return logging.ERROR
+    if re.match(r"\s*warn(ing)?\b", line, re.IGNORECASE):
+        return logging.WARNING
+    return logging.INFO
 
 
 @dataclass(frozen=True)
@@ -150,11 +170,11 @@ class ChildProcess:
                 child_log.info("llama-server[%d]: (%d lines not shown%s)", self.pid,
                                self._limiter.suppressed, where)
                 self._limiter.suppressed = 0
-            child_log.info("llama-server[%d]: %s", self.pid, line)
+            child_log.log(line_level(line), "llama-server[%d]: %s", self.pid, line)
 
     def last_error_line(self) -> str | None:
         for line in reversed(self.tail):
-            if re.search(r"error|failed|abort|out of memory|couldn't", line, re.IGNORECASE):
+            if _ERROR_WORDS.search(line):
                 return line.strip()[-200:]
         return self.tail[-1].strip()[-200:] if self.tail else None
 
@@ -193,16 +213,7 @@ class ChildProcess:
             r = await self._http.post("/completion", json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
             return False, f"{type(exc).__name__}: {exc}", 0
-        if r.status_code != 200:
-            return False, f"HTTP {r.status_code}: {r.text[:200]}", 0
-        try:
-            data = r.json()
-        except ValueError:
-            return False, "the answer was not JSON", 0
-        if not isinstance(data, dict) or "content" not in data:
-            return False, "the answer had no content", 0
-        predicted = data.get("tokens_predicted")
-        return True, "", predicted if isinstance(predicted, int) else 0
+        return judge_completion(r)
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""

@@ -21,9 +21,7 @@ READY. A new command that does not start is replaced by the previous one.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import enum
 import logging
 import secrets
 import time
@@ -33,96 +31,36 @@ from typing import Any, Protocol
 
 from mtpwrap.config.objects import SupervisorConfig
 from mtpwrap.proc import describe_returncode, free_loopback_port
+from mtpwrap.run.backoff import RestartPolicy
+from mtpwrap.run.carrier import SlotCarrier
 from mtpwrap.run.child import (
     ChildProcess,
     ChildSpec,
     close_file_logger,
     make_file_logger,
 )
-from mtpwrap.run.persist import (
-    CHECKPOINT_IDLE_S,
-    Carried,
-    SnapshotStore,
-    fingerprint,
-    incompatibility,
-    restore_slots,
-    save_slots,
+from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.state import (
+    SHUTDOWN_STATES,
+    Ended,
+    Outcome,
+    ReloadPhase,
+    State,
+    SupervisorPort,
+    SupervisorStatus,
+    Upstream,
+    is_valid_transition,
 )
+from mtpwrap.run.wedge import WedgeWatch
 
 log = logging.getLogger("mtpwrap.supervisor")
 
 #: a readiness generation that keeps failing is logged once, then summed up at most this often
 PROBE_REPORT_S = 5.0
 
-
-class State(str, enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPING = "stopping"
-    BACKOFF = "backoff"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-_SHUTDOWN_STATES = (State.DRAINING, State.STOPPING, State.STOPPED)
-
-
-@dataclass(frozen=True)
-class Upstream:
-    base_url: str
-    api_key: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class SupervisorStatus:
-    state: State
-    reason: str | None
-    restarts: int
-    started_at: float | None
-    child_started_at: float | None
-    ready_since: float | None
-    last_exit: str | None
-    pid: int | None
-    upstream: Upstream | None
-    #: the step-down rung running now (0: the configured launch) and what it changed
-    step: int = 0
-    step_note: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
-        return {
-            "state": self.state.value,
-            "reason": self.reason,
-            "restarts": self.restarts,
-            "started_at": self.started_at,
-            "child_started_at": self.child_started_at,
-            "ready_since": self.ready_since,
-            "last_exit": self.last_exit,
-            "pid": self.pid,
-            "upstream": None if self.upstream is None else {
-                "base_url": self.upstream.base_url, "generation": self.upstream.generation},
-            "step_down": self.step, "step_down_note": self.step_note,
-        }
-
-
-def state_name(status: Any) -> str:
-    """The state of a status as a plain string ("ready", ...), whether it holds a State or,
-    as some doubles do, the string itself."""
-    s = getattr(status, "state", None)
-    return str(getattr(s, "value", s))
-
-
-class SupervisorPort(Protocol):
-    """What the front, its ops endpoints and its metrics need of a supervisor: the Supervisor
-    below, and every test double of it."""
-
-    def status(self) -> SupervisorStatus: ...
-
-    async def wait_ready(self, timeout: float) -> Upstream | None: ...
-
-    def report_stall(self, generation: int, reason: str) -> None: ...
+#: the vocabulary is defined in mtpwrap.run.state; these are the names the front imports
+__all__ = ["PROBE_REPORT_S", "LaunchFactory", "State", "Supervisor", "SupervisorConfig",
+           "SupervisorPort", "SupervisorStatus", "Upstream"]
 
 
 class LaunchFactory(Protocol):
@@ -132,23 +70,13 @@ class LaunchFactory(Protocol):
 
 
 @dataclass
-class _Outcome:
-    kind: str  # "exit" | "oom" | "stall" | "probe" | "wedge" | "health" | "stop"
-    #          # planned: "recycle" | "reload" | "restart"
-    detail: str
-
-
-_PLANNED = ("recycle", "reload", "restart")
-
-
-@dataclass
 class _Reload:
     """A requested swap of the child: `factory` None restarts with the current one."""
 
     factory: LaunchFactory | None
     drain_s: float
     done: asyncio.Future[tuple[bool, str]]
-    phase: str = "pending"  # pending -> draining -> starting
+    phase: ReloadPhase = ReloadPhase.PENDING
     previous: LaunchFactory | None = None
 
     def finish(self, ok: bool, message: str) -> None:
@@ -160,22 +88,14 @@ class Supervisor:
     def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None,
                  snapshots: SnapshotStore | None = None) -> None:
         self._factory = factory
-        #: where slots are saved across planned restarts (None: persistence off)
-        self.snapshots = snapshots
+        #: KV slots carried across restarts (a no-op without `snapshots`)
+        self.carrier = SlotCarrier(snapshots)
         #: requests the front is forwarding now; a planned restart waits for 0 (None: ask the
         #: child's /metrics only)
         self.busy: Callable[[], int] | None = None
-        #: the last save, restore and checkpoint, for the state file and /healthz
-        self.persist_report: dict[str, Any] = {}
-        #: called after `persist_report` changed (the service rewrites its state file)
-        self.on_persist: Callable[[], None] | None = None
         self._reload: _Reload | None = None
-        self._carried: Carried | None = None
         self._spec: ChildSpec | None = None
         self._was_ready = False
-        self._checkpoint: Carried | None = None  # the last one taken from the current child
-        self._checkpoint_mark = 0.0  # prompt tokens processed when it was taken
-        self._idle_since: float | None = None
         self.config = config or SupervisorConfig()
         self._state = State.STARTING
         self._reason: str | None = "not started yet"
@@ -191,10 +111,7 @@ class Supervisor:
         self._started_at: float | None = None
         self._ready_since: float | None = None
         self._last_exit: str | None = None
-        self._failures: collections.deque[tuple[float, str]] = collections.deque()
-        self._consecutive_oom = 0
-        self._step = 0
-        self._step_note: str | None = None
+        self._policy = RestartPolicy(self.config)
         self._stall_report: tuple[int, str] | None = None
         self._stop_grace = self.config.stop_grace_s
         self._file_logger = make_file_logger(self.config.log_file, self.config.log_max_bytes,
@@ -209,7 +126,7 @@ class Supervisor:
             child_started_at=child.started_at if child else None,
             ready_since=self._ready_since, last_exit=self._last_exit,
             pid=child.pid if child else None, upstream=self._upstream,
-            step=self._step, step_note=self._step_note,
+            step=self._policy.step, step_note=self._policy.step_note,
         )
 
     @property
@@ -239,7 +156,7 @@ class Supervisor:
         while True:
             if self._state is State.READY and self._upstream is not None:
                 return self._upstream
-            if self._state is State.FAILED or self._state in _SHUTDOWN_STATES:
+            if self._state is State.FAILED or self._state in SHUTDOWN_STATES:
                 return None
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -278,7 +195,7 @@ class Supervisor:
         if self._state is not State.READY or self._task is None:
             if factory is None:
                 return False, f"llama-server is {self._state.value}: nothing to restart"
-            self._factory, self._step = factory, 0
+            self._factory, self._policy.step = factory, 0
             return True, (f"llama-server is {self._state.value}; the new configuration "
                           "applies to its next start")
         rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future())
@@ -303,12 +220,15 @@ class Supervisor:
 
     # --- the single state setter --------------------------------------------------------
     def _set_state(self, new: State, reason: str | None) -> None:
+        """The one way to change state; `state.TRANSITIONS` says which changes are allowed."""
         old = self._state
-        if self._shutdown and new not in _SHUTDOWN_STATES:
-            # Once draining, nothing brings readiness back; keep only the news.
-            self._reason = reason
-            return
-        if old is State.STOPPED and new is not State.STOPPED:
+        if not is_valid_transition(old, new):
+            if old in SHUTDOWN_STATES:
+                # Once draining, nothing brings readiness back; keep only the news.
+                if old is not State.STOPPED:
+                    self._reason = reason
+            else:
+                log.warning("state %s -> %s refused (%s)", old.value, new.value, reason)
             return
         if new is old and reason == self._reason:
             return
@@ -332,30 +252,29 @@ class Supervisor:
         try:
             while not self._stop_requested:
                 outcome = await self._one_child()
-                if self._stop_requested or outcome.kind == "stop":
+                if self._stop_requested or outcome.kind is Outcome.STOP:
                     break
                 rl = self._reload
-                if outcome.kind in ("reload", "restart") and rl is not None:
-                    rl.phase, rl.previous = "starting", self._factory
+                if outcome.kind in (Outcome.RELOAD, Outcome.RESTART) and rl is not None:
+                    rl.phase, rl.previous = ReloadPhase.STARTING, self._factory
                     if rl.factory is not None:
-                        self._factory, self._step = rl.factory, 0
+                        self._factory, self._policy.step = rl.factory, 0
                     continue
-                if outcome.kind in _PLANNED:
+                if outcome.kind.planned:
                     continue  # planned: no failure, no delay
-                if self._checkpoint is not None:
-                    # Unplanned: the last checkpoint goes into the next child.
-                    self._forget(self._carried)
-                    self._carried, self._checkpoint = self._checkpoint, None
-                if rl is not None and rl.phase == "starting" and not self._was_ready:
+                self.carrier.crashed()  # unplanned: the last checkpoint goes into the next
+                if rl is not None and rl.phase is ReloadPhase.STARTING and not self._was_ready:
                     # The new command did not come up: back to the one that worked.
                     self._reload = None
                     if rl.previous is not None:
-                        self._factory, self._step = rl.previous, 0
+                        self._factory, self._policy.step = rl.previous, 0
                     rl.finish(False, f"the new llama-server did not start ({outcome.detail}); "
                                      "the previous configuration is starting again")
                     continue
-                delay = self._record_failure(outcome)
-                if delay is None:
+                delay = self._policy.record(
+                    outcome, lambda step: self._factory(0, "probe-key", step))
+                if isinstance(delay, str):
+                    self._set_state(State.FAILED, delay)
                     await self._wait_for_stop(None)  # FAILED: stay, report, wait for stop
                     break
                 self._set_state(State.BACKOFF, f"{outcome.detail}; restarting in {delay:g}s")
@@ -391,63 +310,17 @@ class Supervisor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), remaining)
 
-    def _record_failure(self, outcome: _Outcome) -> float | None:
-        """Remember a failure; the backoff delay, or None after entering FAILED."""
-        cfg = self.config
-        now = time.monotonic()
-        self._failures.append((now, outcome.kind))
-        while self._failures and now - self._failures[0][0] > cfg.failure_window_s:
-            self._failures.popleft()
-        ooms = sum(1 for _, k in self._failures if k == "oom")
-        crashes = len(self._failures) - ooms
-        if outcome.kind == "oom":
-            # GPU memory is often still held for a moment after a crash (the driver frees it
-            # asynchronously), so an out-of-memory start is retried, not fatal.
-            self._consecutive_oom += 1
-            if ooms >= cfg.oom_max_retries:
-                self._set_state(State.FAILED, f"out of GPU memory at load {ooms} times in "
-                                f"{cfg.failure_window_s:g}s; last: {outcome.detail}")
-                return None
-            if cfg.oom_step_down and self._consecutive_oom >= cfg.oom_step_after:
-                self._consecutive_oom = 0
-                self._try_step_down()
-        else:
-            self._consecutive_oom = 0
-            if crashes >= cfg.max_failures:
-                self._set_state(State.FAILED, f"llama-server failed {crashes} times in "
-                                f"{cfg.failure_window_s:g}s; last: {outcome.detail}")
-                return None
-        n = len(self._failures)
-        return min(cfg.backoff_max_s, cfg.backoff_initial_s * (2 ** (n - 1)))
-
-    def _try_step_down(self) -> None:
-        probe = self._factory(0, "probe-key", self._step + 1)
-        if probe is None:
-            log.warning("out of memory again, and there is no cheaper configuration left")
-            return
-        self._step += 1
-        self._step_note = probe.note or "cheaper configuration"
-        log.warning("out of memory at load; stepping down (step %d): %s", self._step,
-                    self._step_note)
-
-    def _reset_step_down(self, why: str) -> None:
-        """Back to the configured launch: a clean run means the memory pressure has gone (or
-        the operator changed something), so the next start tries the real thing again."""
-        if self._step:
-            log.info("step-down reset after %s: the next start uses the configured launch", why)
-        self._step, self._step_note = 0, None
-
-    async def _one_child(self) -> _Outcome:
+    async def _one_child(self) -> Ended:
         cfg = self.config
         port = free_loopback_port(cfg.host)
         key = secrets.token_urlsafe(32)
-        spec = self._factory(port, key, self._step)
+        spec = self._factory(port, key, self._policy.step)
         if spec is None:
             raise RuntimeError("the launch factory returned no command for step 0")
         self._generation += 1
         gen = self._generation
         self._spec, self._was_ready = spec, False
-        self._checkpoint_mark, self._idle_since = 0.0, None
+        self.carrier.new_child()
         base_url = f"http://{cfg.host}:{port}"
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
                         + (f", {spec.note}" if spec.note else ""))
@@ -457,7 +330,7 @@ class Supervisor:
                 lines_per_s=cfg.log_lines_per_s, log_file=cfg.log_file)
         except (OSError, ValueError) as exc:
             self._last_exit = "not started"
-            return _Outcome("exit", f"cannot start {spec.argv[0]}: {exc}")
+            return Ended(Outcome.EXIT, f"cannot start {spec.argv[0]}: {exc}")
         self._child = child
         self._upstream = Upstream(base_url, key, gen)
         log.info("llama-server started: pid %d, %s (generation %d)", child.pid, base_url, gen)
@@ -472,22 +345,22 @@ class Supervisor:
                 rc = await child.terminate(cfg.stop_grace_s)
                 self._last_exit = describe_returncode(rc)
                 self._child, self._upstream = None, None
-        if outcome.kind == "exit" and child.saw_oom and not loaded:
+        if outcome.kind is Outcome.EXIT and child.saw_oom and not loaded:
             # out of memory while loading; the same line from a served request is a crash
-            outcome = _Outcome("oom", outcome.detail)
-        elif loaded and outcome.kind in ("recycle", "stop"):
-            self._reset_step_down(f"a clean run ({outcome.kind})")
+            outcome = Ended(Outcome.OOM, outcome.detail)
+        elif loaded and outcome.kind in (Outcome.RECYCLE, Outcome.STOP):
+            self._policy.reset_step_down(f"a clean run ({outcome.kind.value})")
         return outcome
 
-    def _exit_outcome(self, child: ChildProcess, when: str) -> _Outcome:
+    def _exit_outcome(self, child: ChildProcess, when: str) -> Ended:
         rc = child.returncode
         assert rc is not None
         self._last_exit = describe_returncode(rc)
         line = child.last_error_line()
         detail = f"llama-server {when}: {self._last_exit}" + (f" ({line})" if line else "")
-        return _Outcome("exit", detail)
+        return Ended(Outcome.EXIT, detail)
 
-    async def _bring_up(self, child: ChildProcess) -> _Outcome | None:
+    async def _bring_up(self, child: ChildProcess) -> Ended | None:
         """Wait for /health 200 and a one-token answer. None when READY."""
         cfg = self.config
         last_health: int | None = -1
@@ -495,7 +368,7 @@ class Supervisor:
         probe_fails, reported_at = 0, 0.0  # failed readiness generations not yet logged
         while True:
             if self._stop_requested:
-                return _Outcome("stop", "stop requested")
+                return Ended(Outcome.STOP, "stop requested")
             if child.returncode is not None or await child.wait(0) is not None:
                 return self._exit_outcome(child, "exited while loading")
             code = await child.health(timeout=max(1.0, cfg.poll_interval_s * 10))
@@ -506,12 +379,12 @@ class Supervisor:
                     child.health_ok_at = time.time()
                 ok, why = await child.generate_one_token(cfg.probe_timeout_s)
                 if ok:
-                    self._consecutive_oom = 0
-                    await self._restore(child)
+                    self._policy.loaded()
+                    await self.carrier.restore(child, self._spec)
                     self._was_ready = True
                     self._set_state(State.READY, None)
                     rl = self._reload
-                    if rl is not None and rl.phase == "starting":
+                    if rl is not None and rl.phase is ReloadPhase.STARTING:
                         self._reload = None
                         rl.finish(True, "llama-server restarted with the new configuration"
                                   if rl.factory is not None else "llama-server restarted")
@@ -528,25 +401,24 @@ class Supervisor:
                         log.warning("readiness generation failed: %s (retrying)", why)
                     probe_fails, reported_at = 0, now
                 if time.monotonic() - max(progress, child.last_output) > cfg.load_stall_s:
-                    return _Outcome("probe", f"llama-server does not answer: {why}")
+                    return Ended(Outcome.PROBE, f"llama-server does not answer: {why}")
             stalled = time.monotonic() - max(progress, child.last_output)
             if stalled > cfg.load_stall_s:
-                return _Outcome("stall", f"llama-server made no loading progress for "
-                                f"{stalled:.0f}s")
+                return Ended(Outcome.STALL, f"llama-server made no loading progress for "
+                             f"{stalled:.0f}s")
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), cfg.poll_interval_s)
 
-    async def _watch(self, child: ChildProcess) -> _Outcome:
+    async def _watch(self, child: ChildProcess) -> Ended:
         """Watch a READY child until it exits or must be restarted."""
         cfg = self.config
         health_failures = 0
-        last_decode: float | None = None
-        no_progress_since: float | None = None
+        wedge = WedgeWatch(cfg.wedge_s)
         next_memory = time.monotonic()
         while True:
             if self._stop_requested:
-                return _Outcome("stop", "stop requested")
+                return Ended(Outcome.STOP, "stop requested")
             self._wake.clear()
             exited = child.returncode is not None
             if not exited:
@@ -555,21 +427,21 @@ class Supervisor:
                         _first(child.wait(None), self._wake.wait()), cfg.monitor_interval_s)
                 exited = child.returncode is not None
             if self._stop_requested:
-                return _Outcome("stop", "stop requested")
+                return Ended(Outcome.STOP, "stop requested")
             if exited:
                 return self._exit_outcome(child, "exited")
             rl = self._reload
-            if rl is not None and rl.phase == "pending":
-                rl.phase = "draining"
-                kind = "reload" if rl.factory is not None else "restart"
-                return await self._planned(child, kind, f"{kind}ing llama-server", rl.drain_s,
-                                           rl.factory)
+            if rl is not None and rl.phase is ReloadPhase.PENDING:
+                rl.phase = ReloadPhase.DRAINING
+                kind = Outcome.RELOAD if rl.factory is not None else Outcome.RESTART
+                return await self._planned(child, kind, f"{kind.value}ing llama-server",
+                                           rl.drain_s, rl.factory)
 
             if self._stall_report is not None:
                 _gen, why = self._stall_report
                 self._stall_report = None
-                if await self._confirm_wedge(child):
-                    return _Outcome("wedge", f"llama-server stopped producing tokens ({why})")
+                if await WedgeWatch.confirm(child, cfg.monitor_interval_s):
+                    return Ended(Outcome.WEDGE, f"llama-server stopped producing tokens ({why})")
                 log.info("stall report ignored: llama-server is still decoding")
                 continue
 
@@ -579,30 +451,15 @@ class Supervisor:
             else:
                 health_failures += 1
                 if health_failures >= cfg.health_failures:
-                    return _Outcome("health", f"/health failed {health_failures} times "
-                                    f"(last: {code or 'no answer'})")
+                    return Ended(Outcome.HEALTH, f"/health failed {health_failures} times "
+                                 f"(last: {code or 'no answer'})")
 
-            if cfg.wedge_s > 0:
-                m = await child.metrics()
-                processing = (m or {}).get("requests_processing", 0.0)
-                decode = (m or {}).get("n_decode_total")
-                now = time.monotonic()
-                busy = m is None or processing > 0  # a /metrics that hangs is a wedge sign
-                if m is None and last_decode is None:
-                    busy = False  # metrics are off: only the front's reports can tell
-                if busy and (decode is None or decode == last_decode):
-                    no_progress_since = no_progress_since or now
-                    if now - no_progress_since >= cfg.wedge_s:
-                        quiet = now - no_progress_since
-                        return _Outcome("wedge", f"no token progress for {quiet:.0f}s with "
-                                        f"{processing:g} requests processing")
-                else:
-                    no_progress_since = None
-                if decode is not None:
-                    last_decode = decode
+            wedged = await wedge.check(child)
+            if wedged is not None:
+                return Ended(Outcome.WEDGE, wedged)
 
-            if self.snapshots is not None and self.snapshots.config.checkpoints:
-                await self._maybe_checkpoint(child)
+            if self.carrier.checkpoints and self._spec is not None:
+                await self.carrier.maybe_checkpoint(child, self._spec, self._forwarding())
 
             if cfg.rss_limit_bytes and time.monotonic() >= next_memory:
                 next_memory = time.monotonic() + cfg.memory_interval_s
@@ -610,23 +467,14 @@ class Supervisor:
                 if used > cfg.rss_limit_bytes:
                     mib = 2**20
                     return await self._planned(
-                        child, "recycle", f"recycling llama-server: memory {used // mib} MiB "
+                        child, Outcome.RECYCLE, f"recycling llama-server: memory {used // mib} MiB "
                         f"> limit {cfg.rss_limit_bytes // mib} MiB", cfg.recycle_drain_s, None)
 
-    async def _confirm_wedge(self, child: ChildProcess) -> bool:
-        """A stalled stream means a wedged child only if the whole child stopped decoding."""
-        first = await child.metrics()
-        if first is None:
-            return True  # no metrics (or they hang): trust the front
-        await asyncio.sleep(min(2.0, max(0.2, self.config.monitor_interval_s)))
-        second = await child.metrics()
-        if second is None:
-            return True
-        return (second.get("requests_processing", 0) > 0
-                and second.get("n_decode_total") == first.get("n_decode_total"))
+    def _forwarding(self) -> int:
+        return self.busy() if self.busy is not None else 0
 
-    async def _planned(self, child: ChildProcess, kind: str, why: str, drain_s: float,
-                       factory: LaunchFactory | None) -> _Outcome:
+    async def _planned(self, child: ChildProcess, kind: Outcome, why: str, drain_s: float,
+                       factory: LaunchFactory | None) -> Ended:
         """A planned restart: stop routing new work here (requests wait in the front's queue),
         let in-flight requests finish (at most `drain_s`), then save the slots for the child
         that `factory` (None: the current one) will start."""
@@ -642,94 +490,18 @@ class Supervisor:
             if child.returncode is not None:
                 break
             busy = (m or {}).get("requests_processing", 0) + (m or {}).get("requests_deferred", 0)
-            forwarding = self.busy() if self.busy is not None else 0
+            forwarding = self._forwarding()
             idle = idle + 1 if m is not None and busy == 0 and forwarding == 0 else 0
             await asyncio.sleep(0.2)
         if idle < 2 and not self._stop_requested:
-            log.warning("%s: drain budget (%gs) spent with requests still running", kind,
-                        drain_s)
-        if (self.snapshots is not None and child.returncode is None
-                and not self._stop_requested):
-            await self._save(child, factory)
-        return _Outcome(kind, why)
-
-    async def _save(self, child: ChildProcess, factory: LaunchFactory | None) -> None:
-        """Save the child's slots when the next command can take them back."""
-        assert self.snapshots is not None and self._spec is not None
-        self._drop_checkpoint()  # the slots are saved afresh now
-        nxt = (factory or self._factory)(0, "probe-key", self._step if factory is None else 0)
-        why = None if nxt is None else incompatibility(fingerprint(self._spec.launch),
-                                                       fingerprint(nxt.launch))
-        if why is not None:
-            log.info("slots not saved: %s", why)
-            self._report({"saved": None, "skipped": why})
-            return
-        try:
-            carried = await save_slots(child, self.snapshots, self._spec.launch)
-        except OSError as exc:
-            log.warning("slots not saved: %s", exc)
-            return
-        self._forget(self._carried)
-        self._carried = carried if carried.snapshots else None
-        self._report({"saved": carried.to_dict()})
-
-    async def _maybe_checkpoint(self, child: ChildProcess) -> None:
-        """Save the slots in the background once enough new prompt has been processed and
-        llama-server has been idle for a while; the new checkpoint replaces the last."""
-        assert self.snapshots is not None and self._spec is not None
-        m = await child.metrics()
-        if m is None:
-            return
-        now = time.monotonic()
-        busy = (m.get("requests_processing", 0) + m.get("requests_deferred", 0)
-                + (self.busy() if self.busy is not None else 0))
-        if busy > 0:
-            self._idle_since = None
-            return
-        if self._idle_since is None:
-            self._idle_since = now
-        processed = m.get("prompt_tokens_total", 0.0)
-        if (now - self._idle_since < CHECKPOINT_IDLE_S
-                or processed - self._checkpoint_mark < self.snapshots.config.checkpoint_tokens):
-            return
-        self._checkpoint_mark = processed
-        try:
-            taken = await save_slots(child, self.snapshots, self._spec.launch)
-        except OSError as exc:
-            log.warning("checkpoint not taken: %s", exc)
-            return
-        old, self._checkpoint = self._checkpoint, taken if taken.snapshots else None
-        self._forget(old)
-        self._report({**self.persist_report, "checkpoint": taken.to_dict()})
-
-    def _report(self, report: dict[str, Any]) -> None:
-        self.persist_report = {**report, "at": time.time()}
-        if self.on_persist is not None:
-            try:
-                self.on_persist()
-            except Exception:  # a broken listener must not take the owner down
-                log.exception("persist listener failed")
-
-    def _drop_checkpoint(self) -> None:
-        old, self._checkpoint = self._checkpoint, None
-        self._forget(old)
-
-    def _forget(self, carried: Carried | None) -> None:
-        """Delete the files of snapshots that will not be restored."""
-        if carried is not None and self.snapshots is not None:
-            for snap in carried.snapshots:
-                self.snapshots.remove(snap.name)
-
-    async def _restore(self, child: ChildProcess) -> None:
-        carried, self._carried = self._carried, None
-        if carried is None or self.snapshots is None or self._spec is None:
-            return
-        try:
-            report = await restore_slots(child, self.snapshots, carried, self._spec.launch)
-        except OSError as exc:
-            log.warning("slots not restored: %s", exc)
-            return
-        self._report({**self.persist_report, "restored": report})
+            log.warning("%s: drain budget (%gs) spent with requests still running",
+                        kind.value, drain_s)
+        if (self.carrier.store is not None and self._spec is not None
+                and child.returncode is None and not self._stop_requested):
+            step = self._policy.step if factory is None else 0
+            nxt = (factory or self._factory)(0, "probe-key", step)
+            await self.carrier.save(child, self._spec, nxt)
+        return Ended(kind, why)
 
 
 async def _first(*aws: Any) -> None:

@@ -52,7 +52,7 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.apikeys import key_table
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.supervisor import SupervisorPort, state_name
+from mtpwrap.run.state import State, SupervisorPort
 from mtpwrap.serve import ops, spec_policy
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.policy import (
@@ -362,14 +362,14 @@ class Front:
 
     def _must_queue(self) -> bool:
         st = self.supervisor.status()
-        return self._active >= self.config.max_concurrency or state_name(st) != "ready"
+        return self._active >= self.config.max_concurrency or st.state is not State.READY
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Verdict,
                        t0: float) -> None:
         label, upstream_path = route.label, route.upstream_path
         # Shed before reading the body: overload is answered fast and costs no memory.
         if route.slot and self._must_queue() and self.queued >= self.config.queue_size:
-            ready = state_name(self.supervisor.status()) == "ready"
+            ready = self.supervisor.status().state is State.READY
             reason = "overload" if ready else "not_ready"
             self.metrics.shed.labels(reason).inc()
             await self._answer(send, 429 if ready else 503,
@@ -416,18 +416,18 @@ class Front:
         st = self.supervisor.status()
         if not ex.slot:
             # No slot needed (tokenize, props, models ...): only a ready child.
-            if state_name(st) == "ready" and st.upstream is not None:
+            if st.state is State.READY and st.upstream is not None:
                 return st.upstream
             up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
             if up is None:
                 self.metrics.shed.labels("not_ready").inc()
                 raise _Refusal(503, "not_ready", "The model is not ready; retry later.")
             return up
-        if not self._gate.locked() and state_name(st) == "ready" and st.upstream is not None:
+        if not self._gate.locked() and st.state is State.READY and st.upstream is not None:
             await self._gate.acquire()  # uncontended: returns without suspending
             return st.upstream
         if self.queued >= cfg.queue_size:
-            ready = state_name(st) == "ready"
+            ready = st.state is State.READY
             self.metrics.shed.labels("overload" if ready else "not_ready").inc()
             raise _Refusal(429 if ready else 503, "shed",
                            "The server is busy; retry later." if ready else
@@ -441,12 +441,12 @@ class Front:
                 up = await self.supervisor.wait_ready(max(0.0, deadline - loop.time()))
                 if up is None:
                     st = self.supervisor.status()
-                    state = state_name(st)
-                    reason = ("queue_timeout" if state in ("starting", "backoff")
+                    state = st.state
+                    reason = ("queue_timeout" if state in (State.STARTING, State.BACKOFF)
                               else "not_ready")
                     self.metrics.shed.labels(reason).inc()
                     raise _Refusal(503, reason,
-                                   f"The model is not ready ({state}); retry later.")
+                                   f"The model is not ready ({state.value}); retry later.")
                 try:
                     await asyncio.wait_for(self._gate.acquire(),
                                            max(0.0, deadline - loop.time()))
@@ -456,7 +456,7 @@ class Front:
                                    "The server is busy; retry later.") from None
                 # The child may have restarted while we waited for a slot: ask again.
                 st = self.supervisor.status()
-                if state_name(st) == "ready" and st.upstream is not None:
+                if st.state is State.READY and st.upstream is not None:
                     return st.upstream
                 # A restart (planned or not) began meanwhile: wait for the next child in
                 # the queue rather than send this request to the one that is going away.

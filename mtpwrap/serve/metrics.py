@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.run.supervisor import SupervisorStatus, state_name
+from mtpwrap.run.state import State, SupervisorStatus
 
 log = logging.getLogger("mtpwrap.metrics")
 
@@ -26,7 +26,6 @@ BACKEND_PREFIX = "mtpwrap_backend_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
                 0.5, 1, 2.5, 5)
-STATES = ("starting", "ready", "draining", "stopping", "backoff", "failed", "stopped")
 
 
 def gpu_samples() -> list[dict[str, Any]]:
@@ -77,11 +76,10 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Metric]:
         st = self._status()
-        state = state_name(st)
         g = GaugeMetricFamily("mtpwrap_supervisor_state", "1 for the supervisor's current state",
                               labels=["state"])
-        for s in STATES:
-            g.add_metric([s], 1.0 if state == s else 0.0)
+        for s in State:
+            g.add_metric([s.value], 1.0 if st.state is s else 0.0)
         yield g
         c = CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start")
         c.add_metric([], float(st.restarts))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.run.supervisor import state_name
+from mtpwrap.run.state import State
 from mtpwrap.serve.metrics import gpu_samples
 
 if TYPE_CHECKING:
@@ -30,11 +30,11 @@ async def livez(_request: Request) -> Response:
 
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     st = front.supervisor.status()
-    state = state_name(st)
+    state = st.state
     if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
-    if state != "ready" or st.upstream is None:
-        return False, {"status": state, "reason": st.reason or f"child is {state}"}
+    if state is not State.READY or st.upstream is None:
+        return False, {"status": state.value, "reason": st.reason or f"child is {state.value}"}
     return True, {"status": "ready", "generation": st.upstream.generation}
 
 
@@ -63,7 +63,7 @@ def health_document(front: Front) -> dict[str, Any]:
         })
     up = st.upstream
     return {
-        "state": state_name(st),
+        "state": st.state.value,
         "ready": ready,
         "draining": front.draining,
         "reason": st.reason,
@@ -76,7 +76,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
         "restarts": st.restarts,
         "step_down": {"step": st.step, "note": st.step_note},
-        "last_error": st.last_exit or (st.reason if state_name(st) in ("failed", "backoff")
+        "last_error": st.last_exit or (st.reason if st.state in (State.FAILED, State.BACKOFF)
                                        else None),
         "child_pid": st.pid,
         "generation": up.generation if up is not None else None,

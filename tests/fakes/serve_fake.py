@@ -1,4 +1,4 @@
-"""Run mtpwrap's `up` service loop (service.serve) over the fake llama-server.
+"""Run mtpwrap's `up` loop (mtpwrap.service.server.Service) over the fake llama-server.
 
 Usage: python -m tests.fakes.serve_fake PORT   (faults from FAKE_LLAMA_FAULTS, settings from
 MTPWRAP_* variables). The profile machinery is bypassed on purpose: this exercises the
@@ -13,8 +13,11 @@ import sys
 from pathlib import Path
 
 from mtpwrap.config import settings
-from mtpwrap.run import service
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.serve.info import ServeInfo
+from mtpwrap.service import up
+from mtpwrap.service.launch import Launch
+from mtpwrap.service.server import bind_public, serve
 
 FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 
@@ -26,11 +29,11 @@ def main() -> int:
         return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port", str(port)],
                          env={"LLAMA_API_KEY": api_key})
 
-    launch = service.Launch(factory=factory, info={"profile": "fake", "model": "fake.gguf",
-                                                  "binary": str(FAKE)})
-    service._configure_logging("info")
-    sock = service.bind_public(s.host, s.port)
-    return asyncio.run(service.serve(s, launch, sock))
+    launch = Launch(factory=factory,
+                    info=ServeInfo(profile="fake", model="fake.gguf", binary=str(FAKE)))
+    up.configure_logging("info")
+    sock = bind_public(s.host, s.port)
+    return asyncio.run(serve(s, launch, sock))
 
 
 if __name__ == "__main__":

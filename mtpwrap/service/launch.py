@@ -1,0 +1,182 @@
+"""What `up` decides before it starts anything: the launch (one resolve on this machine,
+binary and profile), the supervisor's, the front's and the snapshots' settings. Every check
+that can fail on bad input runs here, so a refusal starts nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtpwrap import paths
+from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import supervisor_config as build_supervisor_config
+from mtpwrap.config.settings import Settings
+from mtpwrap.errors import ConfigError
+from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.supervisor import LaunchFactory, Supervisor
+from mtpwrap.serve.info import ServeInfo
+
+if TYPE_CHECKING:
+    from mtpwrap.build.builder import Manifest
+    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.resolve import Resolved
+    from mtpwrap.serve.front import Front
+
+
+@dataclass
+class Launch:
+    """Everything `up` decided before starting anything."""
+
+    factory: LaunchFactory
+    info: ServeInfo  # static facts: summary, /healthz, state file
+    decisions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
+    proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
+    slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
+    #: work that only informs (the summary), run once llama-server is starting
+    deferred: Callable[[], None] | None = None
+    resolved: Resolved | None = None  #: the resolved launch this one renders
+    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence
+    #: off); the running service sets the directory of the store it opened
+    slot_save_path: Path | None = None
+
+
+def resolve_launch(settings: Settings) -> Launch:
+    """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
+    and the factory the supervisor calls for each start (port, key, step-down rung)."""
+    import dataclasses
+
+    from mtpwrap.decide import resolve
+
+    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
+                         replay=settings.hw_replay)
+    skip = settings.plan == "skip"
+    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    gpu = resolve.on_device(inp.profile, inp.snapshot)
+    warnings = list(inp.warnings)
+    if skip:
+        r.plan_text = "skipped (--no-plan)"
+        if gpu:
+            warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
+                            "checked against the GPU's free memory")
+    cfg = r.launch
+    pcfg = persist_config(settings)
+    snapshots = pcfg.directory if pcfg is not None else None
+    # spells every flag now: a bad one fails here
+    first = r.render(port=0, api_key="x", slot_save_path=snapshots)
+
+    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+        rung = r.step_down(step)
+        if rung is None:
+            return None
+        spec = r.render(port=port, api_key=api_key, cfg=rung,
+                        slot_save_path=result.slot_save_path)
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
+
+    info = ServeInfo(
+        profile=inp.profile.name, profile_reason=inp.profile_reason,
+        binary=str(inp.binary), commit=inp.commit, model=str(cfg.model),
+        context=cfg.context, kv=f"{cfg.cache_k} / {cfg.cache_v}",
+        speculation=cfg.spec_type or "none", near_edge=bool(r.near_edge),
+        memory_plan=r.memory_text, spec_policy=_spec_policy_info(inp.profile, inp.manifest))
+    result = Launch(factory=factory, info=info,
+                    decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
+                               for d in first.decisions],
+                    warnings=[*warnings, *first.warnings],
+                    supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
+                    slots=cfg.slots, resolved=r, slot_save_path=snapshots)
+    if not r.planned and not skip:
+        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
+        # made after llama-server has started, for the summary only.
+        def plan_later() -> None:
+            try:
+                text = resolve.ensure_plan(r).memory_text
+            except Exception as exc:  # informational only: never stop serving over it
+                text = f"not planned ({exc})"
+            result.info = dataclasses.replace(result.info, memory_plan=text)
+
+        result.deferred = plan_later
+    return result
+
+
+def _spec_policy_info(prof: Profile, manifest: Manifest | None) -> dict[str, Any] | None:
+    """What the front's speculation policy needs: the profile's spec and whether the binary
+    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
+    from mtpwrap.serve import spec_policy
+
+    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
+    return spec_policy.launch_info(prof.to_dict()["spec"], status)
+
+
+def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
+    """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
+    else the default."""
+    return {**settings.supervisor, **settings.layered("supervisor", launch.supervisor)}
+
+
+def child_log_file() -> Path:
+    """Where llama-server's whole output goes (rotated; `supervisor.log_*`)."""
+    return paths.log_dir() / "llama-server.log"
+
+
+def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
+    return build_supervisor_config(supervisor_values(settings, launch),
+                                   near_edge=launch.info.near_edge, log_file=child_log_file())
+
+
+def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
+    """The front's configuration, checked before anything starts (proxy.max_concurrency is
+    refused where a file sets it: the front sends llama-server at most its slots)."""
+    paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
+    if "slot-actions" in paths_on and settings.persist["enabled"]:
+        raise ConfigError(
+            f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
+            "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
+            "slot-actions, or turn snapshots off with persist.enabled: false.")
+    mapping = {"listen_host": settings.host, **settings.layered("proxy", launch.proxy),
+               "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
+    return ProxyConfig.from_mapping(mapping, settings.proxy_source)
+
+
+def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> Front:
+    # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
+    from mtpwrap.serve.front import Front
+
+    return Front(supervisor, config, launch.info.to_dict())
+
+
+def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
+    """Every check `up` makes before starting anything, for a new configuration: the launch,
+    the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
+    launch = resolve_launch(settings)
+    cfg = supervisor_config(settings, launch)
+    front_config = proxy_config(settings, launch)
+    return launch, cfg, front_config
+
+
+# --------------------------------------------------------------------------- KV snapshots
+
+def persist_config(settings: Settings) -> PersistConfig | None:
+    """The snapshot settings (`persist:`); None when persistence is off."""
+    cfg = PersistConfig(**settings.persist)
+    return cfg if cfg.enabled else None
+
+
+def open_snapshots(settings: Settings) -> SnapshotStore | None:
+    """The snapshot directory, created 0700 and emptied; None when persistence is off."""
+    pcfg = persist_config(settings)
+    if pcfg is None:
+        return None
+    store = SnapshotStore(pcfg)
+    try:
+        store.open()
+    except OSError as exc:
+        raise ConfigError(f"persist.dir: cannot use {pcfg.directory} for KV snapshots "
+                          f"({exc.strerror}).",
+                          hint="Point persist.dir at a directory the service user can create, "
+                               "or set persist.enabled: false.") from exc
+    return store

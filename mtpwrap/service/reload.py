@@ -1,0 +1,126 @@
+"""`mtpwrap reload` (SIGHUP) and `mtpwrap restart` (SIGUSR2) of a running `up`.
+
+`restart`: the same command again. `reload`: the settings and the profile are read again from
+what `up` was given (`reload_inputs`: the flags, the MTPWRAP_* variables that set a key, the
+config file), checked as `up` checks them, and the supervisor swaps llama-server for the new
+command; a refusal leaves the running child untouched. The listen address and the front's and
+the snapshots' settings change only when mtpwrap restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
+from mtpwrap.config.settings import Settings, load_settings
+from mtpwrap.errors import MtpwrapError
+from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.supervisor import Supervisor
+from mtpwrap.service.launch import Launch, persist_config, prepare
+
+
+class ReloadKind(str, enum.Enum):
+    RELOAD = "reload"  # SIGHUP: the configuration read again
+    RESTART = "restart"  # SIGUSR2: the same command again
+
+
+class ReloadOutcome(str, enum.Enum):
+    RUNNING = "running"
+    OK = "ok"
+    REFUSED = "refused"  # the new configuration did not pass `up`'s checks
+    FAILED = "failed"  # the new llama-server did not start; the previous one is back
+
+
+@dataclass
+class ReloadState:
+    """The last reload, for the state file and /healthz."""
+
+    generation: int = 0
+    kind: ReloadKind | None = None
+    result: ReloadOutcome | None = None
+    message: str | None = None
+    exit_code: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    def begin(self, kind: ReloadKind) -> None:
+        self.generation += 1
+        self.kind, self.result, self.started_at = kind, ReloadOutcome.RUNNING, time.time()
+        self.message = self.exit_code = self.finished_at = None
+
+    def end(self, res: ReloadResult) -> None:
+        self.result, self.message, self.exit_code = res.outcome, res.message, res.exit_code
+        self.finished_at = time.time()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["kind"] = self.kind.value if self.kind else None
+        out["result"] = self.result.value if self.result else None
+        return out
+
+
+@dataclass
+class ReloadResult:
+    outcome: ReloadOutcome
+    message: str
+    exit_code: int
+    launch: Launch | None = None
+    config: SupervisorConfig | None = None
+    settings: Settings | None = None
+
+
+def reload_inputs(settings: Settings) -> dict[str, Any]:
+    """What `load_settings` needs to read the same settings again: the flags given, the
+    MTPWRAP_* variables that set a key, the config file. No secrets (API keys are read from
+    their file or variable again)."""
+    cli: dict[str, Any] = {}
+    env: dict[str, str] = {}
+    for key, source in settings.sources.items():
+        if source.startswith("--"):
+            value = settings.value(key)
+            cli[key] = list(value) if isinstance(value, tuple) else value
+        elif source.startswith("MTPWRAP_") and source in os.environ:
+            env[source] = os.environ[source]
+    return {"cli": cli, "env": env,
+            "config": str(settings.config_file) if settings.config_file else None}
+
+
+def reread_settings(inputs: dict[str, Any]) -> Settings:
+    env = {**os.environ, **dict(inputs.get("env") or {})}
+    return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
+
+
+async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore | None,
+                       inputs: dict[str, Any], settings: Settings,
+                       front_config: ProxyConfig | None) -> ReloadResult:
+    """`restart`: the same command again. `reload`: re-read the settings and the profile,
+    check them like `up` does (a refusal leaves the running child untouched), then swap."""
+    if kind is ReloadKind.RESTART:
+        ok, message = await sup.reload(None, settings.drain_s)
+        return ReloadResult(ReloadOutcome.OK if ok else ReloadOutcome.FAILED, message,
+                            0 if ok else 1)
+    try:
+        new_settings = await asyncio.to_thread(reread_settings, inputs)
+        launch, cfg, new_front = await asyncio.to_thread(prepare, new_settings)
+    except MtpwrapError as exc:
+        return ReloadResult(ReloadOutcome.REFUSED,
+                            f"not reloaded, llama-server left as it was: {exc}", exc.exit_code)
+    notes = []
+    if (new_settings.host, new_settings.port) != (settings.host, settings.port):
+        notes.append("the listen address changes only when mtpwrap restarts")
+    if new_front != front_config:
+        notes.append("proxy settings change only when mtpwrap restarts")
+    if persist_config(new_settings) != (store.config if store is not None else None):
+        notes.append("persist settings change only when mtpwrap restarts")
+    # llama-server keeps the running store's directory (persist settings wait for a restart)
+    launch.slot_save_path = store.directory if store is not None else None
+    ok, message = await sup.reload(launch.factory, new_settings.drain_s)
+    message = "; ".join([message, *notes])
+    if not ok:
+        return ReloadResult(ReloadOutcome.FAILED, message, 1)
+    return ReloadResult(ReloadOutcome.OK, message, 0, launch, cfg, new_settings)

@@ -1,0 +1,99 @@
+"""`mtpwrap up`'s entry point: every check that can fail on bad input runs before anything
+starts; then the summary, and the service until it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from mtpwrap.config.settings import Settings
+from mtpwrap.errors import ConfigError
+from mtpwrap.run import instance
+from mtpwrap.run.child import child_log
+from mtpwrap.service.launch import Launch, child_log_file, persist_config, prepare
+from mtpwrap.service.server import bind_public, public_url, serve
+
+log = logging.getLogger("mtpwrap.runner")
+
+
+class _TerminalFilter(logging.Filter):
+    """On a terminal, llama-server's own info lines (its load log, GGUF metadata, timings)
+    stay in its log file; its warnings and errors, and mtpwrap's lines, show."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name != child_log.name or record.levelno >= logging.WARNING
+
+
+def configure_logging(level: str, child_log_file: Path | None = None) -> None:
+    """mtpwrap's log on stderr: everything for the journal (stderr not a terminal); on a
+    terminal, llama-server's warnings and errors only, and one line naming its full log."""
+    root = logging.getLogger()
+    if not any(getattr(h, "_mtpwrap", False) for h in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: "
+                                               "%(message)s"))
+        handler._mtpwrap = True  # type: ignore[attr-defined]
+        terminal = child_log_file is not None and handler.stream.isatty()
+        if terminal:
+            handler.addFilter(_TerminalFilter())
+        root.addHandler(handler)
+    else:
+        terminal = False
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # Access lines carry paths and client addresses, nothing the journal needs by default.
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if terminal:
+        log.info("llama-server's warnings and errors show here; its full output is in %s",
+                 child_log_file)
+
+
+def summary_lines(settings: Settings, launch: Launch) -> list[str]:
+    i = launch.info
+    keys = (f"{len(settings.api_keys)} API key(s) required" if settings.api_keys
+            else "no API keys: open to anyone who can reach it")
+    rows = [
+        ("profile", f"{i.profile} ({i.profile_reason})"),
+        ("binary", i.binary + (f" (commit {i.commit})" if i.commit else "")),
+        ("model", i.model),
+        ("context", i.context),
+        ("KV cache", i.kv),
+        ("speculation", i.speculation),
+        ("memory plan", i.memory_plan),
+        ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
+        ("logs", str(child_log_file())),
+        ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
+    ]
+    out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
+    out += [f"  warning: {w}" for w in launch.warnings]
+    return out
+
+
+def run_up(settings: Settings) -> int:
+    """`mtpwrap up`: every check that can fail on bad input runs before anything starts."""
+    configure_logging(settings.log_level, child_log_file=child_log_file())
+    previous = instance.read_instance()
+    if instance.instance_running(previous):
+        assert previous is not None
+        raise ConfigError(f"an mtpwrap instance is already running (pid {previous['pid']}, "
+                          f"{previous.get('url')}).",
+                          hint="Stop it with `mtpwrap down`, or set MTPWRAP_STATE_DIR to run "
+                               "another one beside it.")
+    instance.reap_leftovers(previous)
+    launch, _, front_config = prepare(settings)
+    sock = bind_public(settings.host, settings.port)
+
+    def announce() -> None:
+        from mtpwrap import console
+
+        if launch.deferred is not None:
+            launch.deferred()
+        for line in summary_lines(settings, launch):
+            console.out.print(line, markup=False)
+
+    try:
+        return asyncio.run(serve(settings, launch, sock, front_config=front_config,
+                                 announce=announce))
+    finally:
+        sock.close()
