@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mtpwrap.decide import kv
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
 from mtpwrap.errors import ConfigError, MissingToolError
+from mtpwrap.units import GiB
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from mtpwrap.decide.planner import MemoryPlan, PlanConfig
     from mtpwrap.decide.profiles import Profile
 
-GiB = 2**30
 
 
 @dataclass
