@@ -14,7 +14,7 @@ import pytest
 
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.models import pull
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, gguf_bytes, pull_env, run_cli
 from tests.hub_server import FakeHub, serve
 
 REPO = "acme/Tiny-GGUF"
@@ -22,28 +22,10 @@ TOKEN = "hf_TestSecretToken0123456789abcdef"
 MB = 1 << 20
 
 
-def gguf_bytes(n: int, seed: int = 0) -> bytes:
-    """A file that starts like a GGUF and then holds n pseudo-random bytes (no pattern a
-    resumed transfer could repeat by chance)."""
-    out, block = bytearray(b"GGUF\x03\x00\x00\x00"), hashlib.sha256(b"%d" % seed).digest()
-    while len(out) < n:
-        block = hashlib.sha256(block).digest()
-        out += block * 64
-    return bytes(out[:n])
-
-
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
     with serve() as h:
         yield h
-
-
-def pull_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
-    env = cli_env(MTPWRAP_HOME=str(home), HF_ENDPOINT=hub.hub_url, HF_HOME=str(home / "hf"))
-    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "MTPWRAP_MODELS_DIR", "HF_HUB_OFFLINE"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
 
 
 def leftovers(d: Path) -> list[str]:

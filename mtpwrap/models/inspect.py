@@ -15,13 +15,13 @@ from mtpwrap.decide import gguf_facts, kv
 from mtpwrap.decide.vocab import KV_TYPES, SPELLINGS
 from mtpwrap.errors import ConfigError
 from mtpwrap.models.pull import SPLIT
+from mtpwrap.units import GiB
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
 
-GiB = 2**30
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -130,7 +130,7 @@ def fitting_profiles(path: Path, snapshot: HardwareSnapshot | None, caps: Capabi
                                 kv_sizes=kv_sizes, plan=True, refuse=False,
                                 kv_limits=list(dict.fromkeys(p.kv.k)))
         except ConfigError as exc:
-            row["note"] = exc.message
+            row["note"] = str(exc)
             continue
         row.update(where="gpu" if resolve.on_device(prof, snapshot) else "host",
                    context=r.plan.context if r.plan else r.launch.context,
