@@ -130,7 +130,7 @@ def fitting_profiles(path: Path, snapshot: HardwareSnapshot | None, caps: Capabi
                                 kv_sizes=kv_sizes, plan=True, refuse=False,
                                 kv_limits=list(dict.fromkeys(p.kv.k)))
         except ConfigError as exc:
-            row["note"] = exc.message
+            row["note"] = str(exc)
             continue
         row.update(where="gpu" if resolve.on_device(prof, snapshot) else "host",
                    context=r.plan.context if r.plan else r.launch.context,
