@@ -51,11 +51,12 @@ def resolve_launch(settings: Settings) -> Launch:
     import dataclasses
 
     from mtpwrap.decide import resolve
+    from mtpwrap.run import inputs
 
-    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
-                         replay=settings.hw_replay)
+    inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
+                        replay=settings.hw_replay)
     skip = settings.plan == "skip"
-    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    r = inputs.resolve_inputs(inp, plan=False if skip else None)
     gpu = resolve.on_device(inp.profile, inp.snapshot)
     warnings = list(inp.warnings)
     if skip:
