@@ -112,12 +112,13 @@ def supervised_front_main(port: int, slots: int) -> None:
 
     sys.path.insert(0, str(REPO))
     from mtpwrap.serve.front import Front, ProxyConfig
+    from mtpwrap.serve.info import ServeInfo
 
     async def main() -> None:
         sup = RestartingSupervisor(free_port(), slots)
         cfg = ProxyConfig(max_concurrency=slots * 2, queue_size=slots * 4,
                           queue_timeout_s=60, retry_after_s=2)
-        front = Front(sup, cfg, {"profile": "load-report"})
+        front = Front(sup, cfg, ServeInfo(profile="load-report"))
         runner = asyncio.ensure_future(sup.run())
         server = uvicorn.Server(front.server_config(host="127.0.0.1", port=port))
         try:

@@ -137,9 +137,10 @@ def front_main(upstream: str, port: int, concurrency: int) -> None:
 
     sys.path.insert(0, str(REPO))
     from mtpwrap.serve.front import Front, ProxyConfig
+    from mtpwrap.serve.info import ServeInfo
 
     cfg = ProxyConfig(max_concurrency=concurrency, queue_size=concurrency * 2)
-    front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, {"profile": "bench"})
+    front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, ServeInfo(profile="bench"))
     kw = {}
     if os.environ.get("BENCH_UVICORN_HTTP"):
         kw["http"] = os.environ["BENCH_UVICORN_HTTP"]

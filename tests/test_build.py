@@ -188,6 +188,44 @@ def _root_status(manifest: dict) -> int:
         return httpx.get(base + "/", trust_env=False).status_code
 
 
+@pytest.mark.integration
+def test_a_cached_build_without_a_new_target_gets_only_that_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache entry recorded before llama-perplexity was a target is topped up in its own
+    folder: only the missing tool is compiled, and the tried server keeps its smoke result."""
+    from mtpwrap.build import builder
+
+    tree = _fake_tree(tmp_path)
+    model = tmp_path / "placeholder.gguf"
+    model.write_bytes(b"GGUF")
+    for key, value in (("MTPWRAP_HOME", tmp_path / "home"),
+                       ("MTPWRAP_BUILD_DIR", tmp_path / "build"), ("MTPWRAP_DEMO_MODEL", model)):
+        monkeypatch.setenv(key, str(value))
+    pinned = source.Source("offline", tree, "fake000", source.offline_identity(), str(tree),
+                           "the pinned offline source (here: the fake tree)")
+    monkeypatch.setattr(source, "offline_source", lambda reason="": pinned)
+    first, reused, _ = builder.build("offline", cpu=True, cpu_isa="safe", no_patches=True)
+    assert not reused and first.smoke_status == "passed"
+    # as an older mtpwrap left it: no llama-perplexity, in the record or the folder
+    record = Path(first.build_dir) / "manifest.json"
+    older = json.loads(record.read_text())
+    del older["binaries"]["llama-perplexity"]
+    record.write_text(json.dumps(older))
+    Path(first.build_dir, "bin", "llama-perplexity").unlink()
+    tried_at = older["smoke"]["seconds"]
+    again, reused, _ = builder.build("offline", cpu=True, cpu_isa="safe", no_patches=True)
+    assert not reused and again.build_dir == first.build_dir
+    assert again.extra["added_targets"]["targets"] == ["llama-perplexity"]
+    assert Path(again.binaries["llama-perplexity"]["path"]).is_file()
+    assert again.smoke is not None and again.smoke["seconds"] == tried_at  # not tried again
+    log = Path(again.log).read_text()
+    assert "Linking CXX executable bin/llama-perplexity" in log
+    assert "Building CXX object" not in log  # nothing else was compiled again
+    third, reused, _ = builder.build("offline", cpu=True, cpu_isa="safe", no_patches=True)
+    assert reused and third.cache_key == first.cache_key
+
+
 def test_trees_without_a_web_ui_option_are_given_none(tmp_path: Path) -> None:
     options, record = planning.webui_options(tmp_path)
     assert options == {} and record["in_binary"] is None

@@ -271,7 +271,7 @@ def test_the_front_sends_no_more_than_the_slots_and_queues_the_rest() -> None:
                 futs = [pool.submit(stream) for _ in range(8)]
                 peak_active = peak_queued = 0
                 while not all(f.done() for f in futs):
-                    peak_active = max(peak_active, srv.front._active)
+                    peak_active = max(peak_active, srv.front.forwarding)
                     peak_queued = max(peak_queued, srv.front.queued)
                     # requests that do not take a slot are not stuck behind the streams
                     assert httpx.get(srv.url + "/v1/models", headers=AUTH,

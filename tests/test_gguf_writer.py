@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mtpwrap.build import tiny_gguf
+from mtpwrap import paths
+from mtpwrap.build import tiny_gguf, tokenizer
 from mtpwrap.build.calibrate import parse_allocations, run_fit_params
 from mtpwrap.decide.gguf_facts import read_facts, read_header
 
@@ -53,6 +54,24 @@ def test_tiny_random_models_have_real_data_and_an_mtp_block(tmp_path: Path) -> N
     assert plain.n_layer_nextn == 0 and plain.mtp_bytes == 0
 
 
+def test_the_tokenizer_is_made_in_code_without_a_source_tree(tmp_path: Path) -> None:
+    vocab = tokenizer.vocabulary(2000)
+    assert len(vocab) == 2000 == len(set(vocab.tokens)) == len(vocab.token_type)
+    assert tuple(vocab.tokens[:256]) == tokenizer.byte_chars()  # every byte has a token
+    known = set(vocab.tokens)
+    for merge in vocab.merges:  # llama.cpp looks up both halves and the merged token
+        left, right = merge.split(" ")
+        assert {left, right, left + right} <= known, merge
+    assert vocab.tokens[vocab.bos] == tokenizer.BOS and vocab.tokens[vocab.eos] == tokenizer.EOS
+    assert vocab.token_type[vocab.eos] == tokenizer.TOKEN_CONTROL
+    # learnt from Korean text too: whole Hangul syllables and words are single tokens
+    hangul = "".join(tokenizer.byte_chars()[b] for b in "다".encode())
+    assert hangul in known
+    meta, _, _, _ = read_header(tiny_gguf.write_tiny_random(tmp_path / "t.gguf", arch="llama"))
+    assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "llama-bpe"
+    assert not paths.sources_dir().exists()  # no llama.cpp tree fetched or read
+
+
 # ----------------------------------------------------------------- llama.cpp loads them
 
 
@@ -86,6 +105,12 @@ def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, fre
         out = httpx.post(base + "/completion", timeout=120, json={
             "prompt": "The quick brown fox", "n_predict": 16, "temperature": 0}).json()
         assert out["timings"]["predicted_n"] > 0
+        # llama.cpp tokenizes with the writer's merges and gives the text back
+        said = "제1조 대한민국은 민주공화국이다. The tenant shall pay the rent."
+        ids = httpx.post(base + "/tokenize", timeout=30, json={"content": said}).json()["tokens"]
+        assert 0 < len(ids) < len(said.encode()) / 2
+        back = httpx.post(base + "/detokenize", timeout=30, json={"tokens": ids}).json()
+        assert back["content"].strip() == said
         metrics = httpx.get(base + "/metrics", timeout=10)
         assert metrics.status_code == 200
         values = {sample.name: sample.value

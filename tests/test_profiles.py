@@ -10,6 +10,7 @@ import pytest
 
 from mtpwrap.decide import hardware, profiles
 from mtpwrap.errors import EXIT_CONFIG, ConfigError
+from mtpwrap.units import GiB
 from tests.helpers import cli_env, run_cli
 
 REPO = Path(__file__).resolve().parent.parent
@@ -241,7 +242,7 @@ def test_select_with_no_match_lists_candidates() -> None:
 
 def test_too_little_memory_does_not_match() -> None:
     small = hardware.HardwareSnapshot(gpus=(hardware.GpuInfo(
-        index=0, name="NVIDIA GeForce RTX 4090 D", memory_total=16 * hardware.GIB),))
+        index=0, name="NVIDIA GeForce RTX 4090 D", memory_total=16 * GiB),))
     shipped = profiles.list_profiles(profiles.shipped_dirs())
     chosen, reason = profiles.select_profile(small, shipped)
     assert chosen.name == "cpu-demo" and "no GPU profile matches" in reason

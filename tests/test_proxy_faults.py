@@ -302,14 +302,14 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 
 
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
-    """Recorded NVML answers of an H200 go through hardware.gpu_metrics into both pages."""
+    """Recorded NVML answers of an H200 go through hardware.gpu_readings into both pages."""
     from mtpwrap.decide import hardware
     from mtpwrap.decide.hardware import RecordedNvml
     from tests.helpers import load_snapshot as load
 
-    real = hardware.gpu_metrics
-    monkeypatch.setattr(hardware, "gpu_metrics", lambda: real(RecordedNvml(load("h200"))))
-    expected = real(RecordedNvml(load("h200")))[0]
+    expected = hardware.gpu_metrics(RecordedNvml(load("h200")))[0]
+    real = hardware.gpu_readings
+    monkeypatch.setattr(hardware, "gpu_readings", lambda: real(RecordedNvml(load("h200"))))
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         assert metric(srv.url, "mtpwrap_gpu_memory_total_bytes", gpu="0") == \
             expected["memory_total"]
@@ -327,7 +327,7 @@ def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
     def boom():
         raise RuntimeError("NVML driver not loaded")
 
-    monkeypatch.setattr(hardware, "gpu_metrics", boom)
+    monkeypatch.setattr(hardware, "gpu_readings", boom)
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         text = HTTP.get(srv.url + "/metrics", headers=AUTH).text
         assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_" not in text

@@ -1,4 +1,4 @@
-"""The front's pure policy: settings validation, the path table, key parsing, host parsing."""
+"""The front's pure access rules: settings validation, the path table, key parsing, host parsing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from mtpwrap.config.apikeys import key_table, read_keys_file
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve.policy import (
+from mtpwrap.serve.access import (
     classify,
     derive_allowed_hosts,
     host_of,
@@ -104,7 +104,7 @@ def test_required_scope_per_route(method, path, scope):
 def test_every_allow_list_feature_has_a_scope():
     from mtpwrap.config.apikeys import SCOPES
     from mtpwrap.config.table import FEATURES
-    from mtpwrap.serve.policy import _EXACT, FEATURE_SCOPES
+    from mtpwrap.serve.access import _EXACT, FEATURE_SCOPES
 
     assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
     assert set(FEATURE_SCOPES.values()) <= set(SCOPES)

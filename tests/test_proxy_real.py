@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.proc import free_loopback_port as free_port
 from mtpwrap.serve.front import ProxyConfig
+from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import sse_events
 from tests.fakes.front_harness import LlamaChild, serve_front
 
@@ -77,8 +78,8 @@ def llama_spec(server_bin, model, tmp_path_factory):
 def _front_over(child: LlamaChild):
     cfg = ProxyConfig(api_keys=(KEY,), enable_paths=("slots",), stream_stall_s=120,
                       prefill_stall_s=300)
-    info = {"profile": "cpu-demo", "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "context": 8192,
-            "binary": {"build": 1, "commit": "0c1e570"}}
+    info = ServeInfo(profile="cpu-demo", model="SmolLM2-135M-Instruct.Q4_1.gguf", context=8192,
+                     binary="/opt/llama/bin/llama-server", commit="0c1e570")
     return serve_front(child.base_url, child.api_key, cfg, info=info, pid=child.proc.pid)
 
 
@@ -388,7 +389,7 @@ def test_metrics_reexport_backend_and_speculation(front_spec):
 def test_healthz_for_people(llama, front):
     h = HTTP.get(front.url + "/healthz", headers=front_headers()).json()
     assert h["state"] == "ready" and h["ready"] is True
-    assert h["profile"] == "cpu-demo" and h["binary"]["commit"] == "0c1e570"
+    assert h["profile"] == "cpu-demo" and h["commit"] == "0c1e570"
     assert h["context"] == 8192 and h["restarts"] == 0 and h["child_pid"] == llama.proc.pid
     assert h["uptime_s"] >= 0 and isinstance(h["gpu"], list)
 

@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 
-from mtpwrap.serve import policy
+from mtpwrap.serve import access
+from mtpwrap.serve.access import _EXACT
 from mtpwrap.serve.front import ProxyConfig
-from mtpwrap.serve.policy import _EXACT
+from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
 
@@ -94,7 +95,7 @@ def test_key_comparison_is_constant_time(fake, front, monkeypatch):
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(policy.hmac, "compare_digest", spy)
+    monkeypatch.setattr(access.hmac, "compare_digest", spy)
     HTTP.post(front.url + "/completion", json={}, headers={"x-api-key": "nope-nope-nope"})
     # every configured key is compared, even after a mismatch (no early exit)
     assert len(calls) == 2
@@ -360,3 +361,27 @@ def test_scoped_keys_come_from_the_key_file_and_a_bad_scope_stops_up(tmp_path):
     assert r.returncode == 78, r.stderr
     assert f"{keys} line 2: unknown scope 'dashboards'" in r.stderr
     assert OPS not in r.stderr + r.stdout and "Traceback" not in r.stderr
+
+
+# --------------------------------------------------------------------------- the web UI
+
+
+@pytest.mark.parametrize("bundle", [None, True, False])
+def test_the_webui_feature_says_when_the_build_has_no_bundle(fake, bundle, caplog):
+    """`webui` is opt-in; a build made without the web UI bundle (LLAMA_BUILD_WEBUI=OFF) gets a
+    404 that says so, and nothing reaches llama-server."""
+    cfg = ProxyConfig(api_keys=(KEY1,), enable_paths=("webui",))
+    caplog.set_level(logging.WARNING, logger="mtpwrap.proxy")
+    info = ServeInfo(profile="t", webui_bundle=bundle)
+    with serve_front(fake.base_url, fake.api_key, cfg, info=info) as (srv, _):
+        r = HTTP.get(srv.url + "/", headers={"x-api-key": KEY1})
+    if bundle is False:
+        assert r.status_code == 404
+        message = r.json()["error"]["message"]
+        assert message.startswith("The web UI is unavailable") and "LLAMA_BUILD_WEBUI=OFF" \
+            in message
+        assert fake.seen == []
+        assert any("enable_paths lists webui" in rec.message for rec in caplog.records)
+    else:
+        assert r.status_code == 200 and r.json()["path"] == "/"
+        assert [s.path for s in fake.seen] == ["/"]

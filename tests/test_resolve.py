@@ -109,7 +109,7 @@ def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,
     launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
     assert launch.deferred is None  # a GPU plan is made before anything starts
     assert "GiB on the GPU at context 131,072" in launch.info.memory_plan
-    assert launch.info.kv == "q8_0 / q8_0" and launch.info.speculation == "mtp"
+    assert launch.info.kv == "q8_0 / q8_0" and launch.info.speculation_type == "mtp"
     spec = launch.factory(4321, "secret-key", 0)
     assert spec is not None
     assert spec.argv[spec.argv.index("--port") + 1] == "4321"

@@ -26,7 +26,7 @@ from mtpwrap.build import builder, spec_probe
 from mtpwrap.decide import profiles
 from mtpwrap.proc import free_loopback_port
 from mtpwrap.serve.front import ProxyConfig
-from mtpwrap.serve.spec_policy import launch_info
+from mtpwrap.serve.info import ServeInfo
 from tests.fakes.front_harness import LlamaChild, serve_front
 
 pytestmark = pytest.mark.integration
@@ -130,8 +130,7 @@ def _front(llama: LlamaChild, per_request_depth: str, policy: dict):
                               "spec": {"kind": "draft", "depth": SERVER_DEPTH,
                                        "draft_model": "demo", "policy": policy}},
                              where="test profile")
-    info = {"profile": "t",
-            "spec_policy": launch_info(prof.to_dict()["spec"], per_request_depth)}
+    info = ServeInfo(profile="t", speculation=prof.spec, per_request_depth=per_request_depth)
     cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=120, prefill_stall_s=300)
     return serve_front(llama.base_url, llama.api_key, cfg, info=info, pid=llama.proc.pid)
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# The acceptance model lives in decide (the front's depth policy uses it too); its names stay
+# reachable here, where the benchmark's statistics are read.
+from mtpwrap.decide.acceptance import alpha_for_tokens_per_step as alpha_for_tokens_per_step
+from mtpwrap.decide.acceptance import expected_tokens_per_step as expected_tokens_per_step
+from mtpwrap.decide.acceptance import modelled_speedup as modelled_speedup
+
 #: Counter names as llama-server prints them on /metrics (with `--metrics`).
 M_PROMPT_TOKENS = "llamacpp:prompt_tokens_total"
 M_PREDICTED = "llamacpp:tokens_predicted_total"
@@ -84,32 +90,6 @@ class Counters:
         return asdict(self)
 
 
-def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """1 + α + α² + … + α^k."""
-    return sum(alpha**i for i in range(k + 1))
-
-
-def alpha_for_tokens_per_step(tokens_per_step: float, k: int, tol: float = 1e-12) -> float:
-    """The α in [0, 1] with 1 + α + … + α^k = tokens_per_step (bisection; the sum is monotone).
-
-    Clipped: ≤ 1 token per step gives 0, ≥ k + 1 gives 1.
-    """
-    if k < 1:
-        raise ValueError("draft depth k must be >= 1")
-    if tokens_per_step <= 1.0:
-        return 0.0
-    if tokens_per_step >= k + 1:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if expected_tokens_per_step(mid, k) < tokens_per_step:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
 @dataclass
 class SpecStats:
     depth: int
@@ -168,12 +148,6 @@ def fit_step_cost(points: list[tuple[int, float]]) -> tuple[float, float]:
     sxy = sum((k - mk) * (r - mr) for k, r in points)
     c = sxy / sxx
     return mr - c * mk, c
-
-
-def modelled_speedup(alpha: float, k: int, a: float, c: float) -> float:
-    """Speedup the cost model predicts: tokens per step ÷ (a + c·k) baseline steps."""
-    denom = a + c * k
-    return expected_tokens_per_step(alpha, k) / denom if denom > 0 else 0.0
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -21,8 +21,8 @@ from mtpwrap.build.manifest import load_manifest, update_manifest
 from mtpwrap.decide import launch
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import MissingToolError, RuntimeFailure
+from mtpwrap.units import MiB
 
-MiB = 1024 * 1024
 #: values per "block" in the stored sizes: every ggml block size divides 256, so bytes per 256
 #: values is an integer for every real type.
 CAL_BLOCK = 256

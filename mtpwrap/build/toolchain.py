@@ -54,10 +54,6 @@ def ccache() -> str | None:
     return shutil.which("ccache")
 
 
-#: The pip distributions that carry cuBLAS, by nvcc major version (`pip install -e '.[cuda]'`).
-CUBLAS_WHEELS = ("nvidia-cublas", "nvidia-cublas-cu{major}")
-
-
 @dataclass(frozen=True)
 class CublasWheel:
     """cuBLAS from an installed `nvidia-cublas` wheel: headers, versioned libraries."""

@@ -159,6 +159,10 @@ def command(
     console.info(kv_note)
     if reused:
         console.info("nothing changed since the last build; reused it.")
+    elif "added_targets" in manifest.extra and manifest.extra["added_targets"]["targets"]:
+        added = manifest.extra["added_targets"]
+        console.info(f"added {', '.join(added['targets'])} to the cached build in "
+                     f"{added['seconds']:.0f} s; log: {manifest.log}")
     else:
         console.info(f"built in {manifest.build_seconds:.0f} s; log: {manifest.log}")
 
@@ -267,10 +271,12 @@ def _reporter(objects: bool = False) -> _Reporter:
 def _calibrate(variant: str) -> str:
     """Size each KV cache type from what this binary allocates (fork types have no standard)."""
     from mtpwrap.build import calibrate
+    from mtpwrap.decide import kv
     from mtpwrap.errors import MtpwrapError
 
     try:
         sizes = calibrate.calibrate_build(variant)
     except MtpwrapError as exc:
         return f"KV type sizes: not measured ({exc.message}); the built-in table is used."
-    return f"KV type sizes measured from the binary: {', '.join(sorted(sizes))}"
+    said = [f"KV type sizes measured from the binary: {', '.join(sorted(sizes))}"]
+    return "\n".join(said + kv.differences(sizes))

@@ -10,6 +10,7 @@ import click
 from mtpwrap import console
 from mtpwrap.config.options import setting_option
 from mtpwrap.decide import hardware
+from mtpwrap.units import GiB
 
 
 @click.command("hw")
@@ -31,7 +32,7 @@ def command(as_json: bool, record_to: Path | None, replay: Path | None) -> None:
     if as_json:
         console.print_json(snap.to_dict())
         return
-    gib = hardware.GIB
+    gib = GiB
     rows = []
     for g in snap.gpus:
         cc = (f"{g.compute_capability[0]}.{g.compute_capability[1]}"

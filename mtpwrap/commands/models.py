@@ -199,3 +199,37 @@ def import_cmd(sources: tuple[Path, ...], sums: Path | None, link: bool,
 
     for path in importer.import_files(list(sources), dest=dest, sums=sums, link=link):
         click.echo(str(path))
+
+
+@command.command("graft")
+@click.option("--mtp-from", "base", required=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="The base model's GGUF, with its MTP (nextn) layers.")
+@click.argument("target", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "out", required=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The GGUF to write.")
+@click.option("--replace", is_flag=True, help="Replace a head the target has already.")
+def graft_cmd(base: Path, target: Path, out: Path, replace: bool) -> None:
+    """Give a fine-tune (TARGET) the MTP head of the model it was made from: the base's
+    trailing nextn blocks are copied in after checking that the two belong together."""
+    from mtpwrap.models import graft
+    from mtpwrap.models.progress import Report
+
+    bar: Any = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Report().bar_class("written")(desc=out.name, total=total)
+        bar.update(done - bar.n)
+
+    try:
+        graft.graft(base, target, out, replace=replace, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    from mtpwrap.models import inspect
+
+    mtp = inspect.describe(out)[0]["mtp"]
+    click.echo(f"{out}: MTP head {mtp['state']}, {mtp['layers']} nextn layer(s), "
+               f"{mtp['tensors']} tensors from {base.name}")

@@ -9,8 +9,7 @@ import click
 
 from mtpwrap.config.options import setting_option
 from mtpwrap.errors import ConfigError
-
-MiB = 1024 * 1024
+from mtpwrap.units import MiB
 
 #: memory a process can use on each card, MiB (the driver and display keep the rest).
 KNOWN_GPUS: dict[str, tuple[str, int]] = {

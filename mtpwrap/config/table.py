@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mtpwrap.units import MiB
+
 #: the config file read when no --config is given and it exists
 DEFAULT_CONFIG_FILE = "/etc/mtpwrap/mtpwrap.yaml"
 ENV_PREFIX = "MTPWRAP_"
@@ -149,9 +151,8 @@ PERSIST: dict[str, Key] = {
                              "an integer number of tokens >= 1"),
 }
 
-MiB = 1024 * 1024
 
-#: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.serve.policy maps
+#: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.serve.access maps
 #: each to its paths)
 FEATURES: tuple[str, ...] = (
     "slots", "slot-actions", "props-write", "lora-adapters", "backend-metrics", "webui",

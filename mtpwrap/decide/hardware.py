@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-GIB = 1024**3
+from mtpwrap.units import GiB
 
 #: NVML "clocks event" (throttle) reason bits, names as `nvidia-smi -q` prints them.
 THROTTLE_REASONS: dict[int, str] = {
@@ -62,11 +62,11 @@ class GpuInfo:
 
     @property
     def memory_total_gib(self) -> float | None:
-        return None if self.memory_total is None else self.memory_total / GIB
+        return None if self.memory_total is None else self.memory_total / GiB
 
     @property
     def memory_free_gib(self) -> float | None:
-        return None if self.memory_free is None else self.memory_free / GIB
+        return None if self.memory_free is None else self.memory_free / GiB
 
     @property
     def cuda_arch(self) -> str | None:
@@ -308,8 +308,27 @@ def _gpu_info(nvml: Any, err: type[BaseException], index: int,
     )
 
 
-def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
-    """Live per-GPU gauges for /metrics. No driver, no GPU or any NVML failure: an empty list."""
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU's live gauges, as NVML gives them now (unknown: None)."""
+
+    index: int
+    name: str | None = None
+    uuid: str | None = None
+    memory_used: int | None = None  # bytes
+    memory_total: int | None = None  # bytes
+    utilization_gpu: int | None = None  # percent
+    utilization_memory: int | None = None  # percent
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    throttle_reasons_mask: int | None = None
+    throttle_reasons: tuple[str, ...] = ()
+
+
+def gpu_readings(nvml: Any | None = None) -> list[GpuReading]:
+    """Live per-GPU gauges for /metrics and /healthz. No driver, no GPU or any NVML failure:
+    an empty list (or what was read before the failure)."""
     if nvml is None:
         nvml, _ = _load_nvml()
         if nvml is None:
@@ -319,7 +338,7 @@ def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
         nvml.nvmlInit()
     except Exception:  # a scrape must never fail because the GPU side did
         return []
-    out: list[dict[str, Any]] = []
+    out: list[GpuReading] = []
     try:
         for i in range(int(_query(nvml, err, "nvmlDeviceGetCount") or 0)):
             h = _query(nvml, err, "nvmlDeviceGetHandleByIndex", i)
@@ -332,21 +351,21 @@ def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
             reasons = _query(nvml, err, "nvmlDeviceGetCurrentClocksEventReasons", h)
             if reasons is None:
                 reasons = _query(nvml, err, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
-            out.append({
-                "index": i,
-                "name": _text(_query(nvml, err, "nvmlDeviceGetName", h)),
-                "uuid": _text(_query(nvml, err, "nvmlDeviceGetUUID", h)),
-                "memory_used": int(mem.used) if mem is not None else None,
-                "memory_total": int(mem.total) if mem is not None else None,
-                "utilization_gpu": int(util.gpu) if util is not None else None,
-                "utilization_memory": int(util.memory) if util is not None else None,
-                "temperature_c": _query(nvml, err, "nvmlDeviceGetTemperature", h,
-                                        NVML_TEMPERATURE_GPU),
-                "power_w": round(power_mw / 1000.0, 1) if power_mw is not None else None,
-                "power_limit_w": round(limit_mw / 1000.0, 1) if limit_mw is not None else None,
-                "throttle_reasons_mask": reasons,
-                "throttle_reasons": throttle_reason_names(reasons),
-            })
+            out.append(GpuReading(
+                index=i,
+                name=_text(_query(nvml, err, "nvmlDeviceGetName", h)),
+                uuid=_text(_query(nvml, err, "nvmlDeviceGetUUID", h)),
+                memory_used=int(mem.used) if mem is not None else None,
+                memory_total=int(mem.total) if mem is not None else None,
+                utilization_gpu=int(util.gpu) if util is not None else None,
+                utilization_memory=int(util.memory) if util is not None else None,
+                temperature_c=_query(nvml, err, "nvmlDeviceGetTemperature", h,
+                                     NVML_TEMPERATURE_GPU),
+                power_w=round(power_mw / 1000.0, 1) if power_mw is not None else None,
+                power_limit_w=round(limit_mw / 1000.0, 1) if limit_mw is not None else None,
+                throttle_reasons_mask=reasons,
+                throttle_reasons=tuple(throttle_reason_names(reasons)),
+            ))
     except Exception:
         # NVML can fail half-way (GPU fell off the bus); report what was read so far.
         return out
@@ -354,6 +373,12 @@ def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
     return out
+
+
+def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
+    """`gpu_readings` as JSON-ready dicts."""
+    return [{**asdict(r), "throttle_reasons": list(r.throttle_reasons)}
+            for r in gpu_readings(nvml)]
 
 
 def throttle_reason_names(mask: int | None) -> list[str]:

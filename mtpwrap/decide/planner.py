@@ -25,9 +25,7 @@ from typing import Any
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.errors import ConfigError
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from mtpwrap.units import GiB, MiB
 
 #: cache type -> (values per block, bytes per block): the built-in table (mtpwrap.decide.kv,
 #: each size with its source). Sizes measured from the binary (mtpwrap.calibrate) win.

@@ -22,13 +22,13 @@ from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
 from mtpwrap.errors import ConfigError, MissingToolError
+from mtpwrap.units import GiB
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.hardware import HardwareSnapshot
     from mtpwrap.decide.profiles import Profile
 
-GiB = 2**30
 
 
 @dataclass

@@ -15,13 +15,13 @@ from mtpwrap.decide import gguf_facts, kv
 from mtpwrap.decide.vocab import KV_TYPES, SPELLINGS
 from mtpwrap.errors import ConfigError
 from mtpwrap.models.pull import SPLIT
+from mtpwrap.units import GiB
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
 
-GiB = 2**30
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 

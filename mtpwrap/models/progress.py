@@ -35,7 +35,7 @@ class Report:
         console.err.print(f"{time.strftime('%H:%M:%S')} {self.clean(text)}",
                           markup=False, highlight=False)
 
-    def bar_class(self) -> type[Any]:
+    def bar_class(self, verb: str = "received") -> type[Any]:
         report = self
 
         class Bar:
@@ -72,7 +72,7 @@ class Report:
                     self.prog.__exit__(None, None, None)
                     self.prog = None
                 else:
-                    report.line(f"{self.desc}: {self._where()} received in "
+                    report.line(f"{self.desc}: {self._where()} {verb} in "
                                 f"{time.monotonic() - self.start:.0f} s")
 
             def __enter__(self) -> Bar:

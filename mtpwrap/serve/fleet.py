@@ -41,7 +41,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from pathlib import Path
 
 import yaml
 
+from mtpwrap import proc
 from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.errors import ConfigError, MissingToolError
 
@@ -386,8 +386,7 @@ def check_haproxy(text: str, haproxy: str = "haproxy") -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".cfg", prefix="mtpwrap-haproxy-") as f:
         f.write(text)
         f.flush()
-        r = subprocess.run([exe, "-c", "-f", f.name], capture_output=True, text=True,
-                           timeout=30, check=False)
+        r = proc.run([exe, "-c", "-f", f.name], timeout=30, what="haproxy -c")
     if r.returncode != 0:
         why = " ".join(ln.strip() for ln in (r.stderr + r.stdout).splitlines()
                        if "ALERT" in ln)[:800]
@@ -415,7 +414,7 @@ class PrometheusOptions:
 def render_prometheus(nodes: Sequence[Node], opts: PrometheusOptions) -> str:
     """prometheus.yml scraping every node (job `mtpwrap`, label `node`) and HAProxy."""
     every = _duration(opts.scrape_interval_s)
-    job: dict = {
+    job: dict[str, object] = {
         "job_name": "mtpwrap",
         "metrics_path": "/metrics",
         # A node's scrape reads llama-server's page too; it must end before the next one.

@@ -20,9 +20,14 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from mtpwrap.serve.replies import ASGIApp
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout",
             431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
@@ -159,8 +164,8 @@ def protocol_class(limits: ConnectionLimits) -> type[LimitedHttpToolsProtocol]:
     return type("FrontHttpProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})
 
 
-def uvicorn_config(app: Any, limits: ConnectionLimits, idle_timeout_s: float,
-                   **kwargs: Any) -> Any:
+def uvicorn_config(app: ASGIApp, limits: ConnectionLimits, idle_timeout_s: float,
+                   **kwargs: Any) -> uvicorn.Config:
     """The one uvicorn configuration of the front (runner and tests alike)."""
     import uvicorn
 

@@ -1,31 +1,52 @@
-"""What a launch tells the front, /healthz, the state file and `up`'s summary about itself."""
+"""What a launch tells the front, /healthz, the state file and `up`'s summary about itself.
+
+`ServeInfo` is built once per launch by the service that starts llama-server (and again after a
+reload); the front, `/healthz` and the draft-depth policy read its fields.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+
+from mtpwrap.decide.profiles import Speculation
+
+#: what `build/spec_probe` says of a binary and a request's own `speculative.n_max`
+PER_REQUEST_DEPTH = ("honoured", "ignored", "unknown")
 
 
 @dataclass(frozen=True)
 class ServeInfo:
     """Static facts of one launch (a reload brings a new one)."""
 
-    profile: str
-    profile_reason: str = ""
-    binary: str = ""
+    profile: str | None = None
+    profile_reason: str | None = None
+    #: the llama-server executable and the source commit it was built from
+    binary: str | None = None
     commit: str | None = None
-    model: str = ""
+    model: str | None = None
     context: int | None = None
-    kv: str = ""  # "K type / V type"
-    speculation: str = "none"
-    #: the memory plan leaves the GPU near its edge (the supervisor then steps down on OOM)
+    #: the KV cache types as rendered, "K / V"
+    kv: str | None = None
+    #: the rendered `--spec-type` ("none" when the launch does not speculate)
+    speculation_type: str = "none"
+    #: the profile's `spec:` section; None or kind "none" when it does not speculate
+    speculation: Speculation | None = None
+    #: whether the binary honours a request's own draft depth (one of PER_REQUEST_DEPTH) and
+    #: what the probe showed
+    per_request_depth: str = "unknown"
+    per_request_depth_detail: str = ""
+    #: the plan leaves the device near its edge (out-of-memory starts are likely)
     near_edge: bool = False
     memory_plan: str | None = None
-    #: the profile's speculation and whether the binary honours a request's own draft depth
-    #: (spec_policy.launch_info); None when the launch does not speculate
-    spec_policy: dict[str, Any] | None = None
+    #: llama-server's full log
+    log_file: str | None = None
+    #: whether the build carries llama-server's web UI bundle (None: not recorded)
+    webui_bundle: bool | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe, for /healthz and the state file."""
-        return dataclasses.asdict(self)
+    def __post_init__(self) -> None:
+        if self.per_request_depth not in PER_REQUEST_DEPTH:
+            object.__setattr__(self, "per_request_depth", "unknown")
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculation is not None and self.speculation.kind not in ("none", "")

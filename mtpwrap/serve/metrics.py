@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpwrap.decide import hardware
+from mtpwrap.decide.hardware import GpuReading
 from mtpwrap.run.state import State, SupervisorStatus
 
 log = logging.getLogger("mtpwrap.metrics")
@@ -28,40 +29,17 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.
                 0.5, 1, 2.5, 5)
 
 
-def gpu_samples() -> list[dict[str, Any]]:
-    """GPU readings through `mtpwrap.decide.hardware.gpu_metrics()`, or [] when that is unavailable.
+def gpu_samples() -> list[GpuReading]:
+    """GPU readings through `mtpwrap.decide.hardware.gpu_readings()`, or [] when unavailable.
 
-    The hardware module owns NVML; this is the one place the front calls it, guarded so that a
-    missing function, no driver or no GPU never breaks a scrape. Each reading becomes a dict.
+    The hardware module owns NVML; this is the one place the front calls it, guarded so that no
+    driver, no GPU or a failing call never breaks a scrape.
     """
     try:
-        from mtpwrap.decide import hardware
-
-        fn = getattr(hardware, "gpu_metrics", None)
-        if fn is None:
-            return []
-        readings = fn() or []
+        return hardware.gpu_readings()
     except Exception as err:
         log.debug("GPU metrics unavailable: %s", err)
         return []
-    out: list[dict[str, Any]] = []
-    for i, r in enumerate(readings):
-        if isinstance(r, dict):
-            d = dict(r)
-        else:
-            d = {k: getattr(r, k) for k in dir(r)
-                 if not k.startswith("_") and not callable(getattr(r, k))}
-        d.setdefault("index", i)
-        out.append(d)
-    return out
-
-
-def _first(d: dict[str, Any], *keys: str) -> float | None:
-    for k in keys:
-        v = d.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
 
 
 class _LiveCollector:
@@ -150,30 +128,29 @@ def _derived(families: list[Metric]) -> Iterator[Metric]:
         yield g
 
 
-def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
+#: (metric, help, reading, scale): the GPU gauges, each from one field of GpuReading
+_GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuReading], float | None], float], ...] = (
+    ("mtpwrap_gpu_memory_used_bytes", "GPU memory in use", lambda r: r.memory_used, 1.0),
+    ("mtpwrap_gpu_memory_total_bytes", "GPU memory in total", lambda r: r.memory_total, 1.0),
+    ("mtpwrap_gpu_utilization_ratio", "GPU busy fraction (0..1)",
+     lambda r: r.utilization_gpu, 0.01),
+    ("mtpwrap_gpu_temperature_celsius", "GPU temperature", lambda r: r.temperature_c, 1.0),
+    ("mtpwrap_gpu_power_watts", "GPU power draw", lambda r: r.power_w, 1.0),
+    ("mtpwrap_gpu_power_limit_watts", "GPU power limit", lambda r: r.power_limit_w, 1.0),
+)
+
+
+def _gpu_families(samples: list[GpuReading]) -> Iterator[Metric]:
     if not samples:
         return
-    specs = [
-        ("mtpwrap_gpu_memory_used_bytes", "GPU memory in use",
-         ("memory_used_bytes", "mem_used_bytes", "memory_used"), 1.0),
-        ("mtpwrap_gpu_memory_total_bytes", "GPU memory in total",
-         ("memory_total_bytes", "mem_total_bytes", "memory_total"), 1.0),
-        ("mtpwrap_gpu_utilization_ratio", "GPU busy fraction (0..1)",
-         ("utilization_gpu", "util_percent"), 0.01),
-        ("mtpwrap_gpu_temperature_celsius", "GPU temperature",
-         ("temperature_c", "temperature_celsius", "temperature"), 1.0),
-        ("mtpwrap_gpu_power_watts", "GPU power draw",
-         ("power_w", "power_watts", "power_draw_w", "power"), 1.0),
-        ("mtpwrap_gpu_power_limit_watts", "GPU power limit", ("power_limit_w",), 1.0),
-    ]
-    for name, doc, keys, scale in specs:
+    for name, doc, read, scale in _GPU_GAUGES:
         g = GaugeMetricFamily(name, doc, labels=["gpu"])
         any_value = False
         for s in samples:
-            v = _first(s, *keys)
+            v = read(s)
             if v is None:
                 continue
-            g.add_metric([str(s.get("index", 0))], v * scale)
+            g.add_metric([str(s.index)], float(v) * scale)
             any_value = True
         if any_value:
             yield g
@@ -181,11 +158,8 @@ def _gpu_families(samples: list[dict[str, Any]]) -> Iterator[Metric]:
                           labels=["gpu", "reason"])
     any_value = False
     for s in samples:
-        reasons = s.get("throttle_reasons") or ()
-        if isinstance(reasons, str):
-            reasons = [reasons]
-        for r in reasons:
-            g.add_metric([str(s.get("index", 0)), str(r)], 1.0)
+        for r in s.throttle_reasons:
+            g.add_metric([str(s.index), r], 1.0)
             any_value = True
     if any_value:
         yield g

@@ -51,26 +51,20 @@ def health_document(front: Front) -> dict[str, Any]:
     st = front.supervisor.status()
     now = time.time()
     ready, _ = readiness(front)
-    info = dict(front.info)
-    gpus = []
-    for g in gpu_samples():
-        gpus.append({
-            "index": g.get("index"),
-            "name": g.get("name"),
-            "memory_used_bytes": g.get("memory_used_bytes", g.get("memory_used")),
-            "memory_total_bytes": g.get("memory_total_bytes", g.get("memory_total")),
-            "temperature_c": g.get("temperature_c", g.get("temperature")),
-        })
+    info = front.info
+    gpus = [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
+             "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
+            for g in gpu_samples()]
     up = st.upstream
     return {
         "state": st.state.value,
         "ready": ready,
         "draining": front.draining,
         "reason": st.reason,
-        "profile": info.pop("profile", None),
-        "model": info.pop("model", None),
-        "context": info.pop("context", None),
-        "binary": info.pop("binary", None),
+        "profile": info.profile,
+        "model": info.model,
+        "context": info.context,
+        "binary": info.binary,
         "uptime_s": round(now - st.started_at, 1) if st.started_at else None,
         "child_uptime_s": round(now - st.child_started_at, 1) if st.child_started_at else None,
         "ready_for_s": round(now - st.ready_since, 1) if st.ready_since else None,
@@ -87,8 +81,16 @@ def health_document(front: Front) -> dict[str, Any]:
             "queue_size": front.config.queue_size,
         },
         "gpu": gpus,
-        **info,
-        **({"spec_policy": front.spec.snapshot()} if front.spec is not None else {}),
+        "profile_reason": info.profile_reason,
+        "commit": info.commit,
+        "kv": info.kv,
+        "speculation": info.speculation_type,
+        "near_edge": info.near_edge,
+        "memory_plan": info.memory_plan,
+        "log_file": info.log_file,
+        "webui_bundle": info.webui_bundle,
+        "reload": dict(front.reload) if front.reload is not None else None,
+        "spec_policy": front.depth.snapshot() if front.depth is not None else None,
     }
 
 

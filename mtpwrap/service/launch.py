@@ -21,7 +21,6 @@ from mtpwrap.serve.info import ServeInfo
 
 if TYPE_CHECKING:
     from mtpwrap.build.builder import Manifest
-    from mtpwrap.decide.profiles import Profile
     from mtpwrap.decide.resolve import Resolved
     from mtpwrap.serve.front import Front
 
@@ -78,12 +77,15 @@ def resolve_launch(settings: Settings) -> Launch:
                         slot_save_path=result.slot_save_path)
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
+    depth = _per_request_depth(inp.manifest)
     info = ServeInfo(
         profile=inp.profile.name, profile_reason=inp.profile_reason,
         binary=str(inp.binary), commit=inp.commit, model=str(cfg.model),
         context=cfg.context, kv=f"{cfg.cache_k} / {cfg.cache_v}",
-        speculation=cfg.spec_type or "none", near_edge=bool(r.near_edge),
-        memory_plan=r.memory_text, spec_policy=_spec_policy_info(inp.profile, inp.manifest))
+        speculation_type=cfg.spec_type or "none", speculation=inp.profile.spec,
+        per_request_depth=depth[0], per_request_depth_detail=depth[1],
+        near_edge=bool(r.near_edge),
+        memory_plan=r.memory_text, log_file=str(child_log_file()))
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
@@ -104,13 +106,11 @@ def resolve_launch(settings: Settings) -> Launch:
     return result
 
 
-def _spec_policy_info(prof: Profile, manifest: Manifest | None) -> dict[str, Any] | None:
-    """What the front's speculation policy needs: the profile's spec and whether the binary
-    honours a request's own draft depth (recorded by `mtpwrap build`; unknown otherwise)."""
-    from mtpwrap.serve import spec_policy
-
-    status = (manifest.spec_depth or {}).get("status") if manifest is not None else None
-    return spec_policy.launch_info(prof.to_dict()["spec"], status)
+def _per_request_depth(manifest: Manifest | None) -> tuple[str, str]:
+    """Whether the binary honours a request's own draft depth, as `mtpwrap build` probed it
+    (ServeInfo's fields; unknown for a binary it did not build)."""
+    probe = (manifest.spec_depth or {}) if manifest is not None else {}
+    return str(probe.get("status") or "unknown"), str(probe.get("detail") or "")
 
 
 def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
@@ -147,7 +147,7 @@ def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> F
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
     from mtpwrap.serve.front import Front
 
-    return Front(supervisor, config, launch.info.to_dict())
+    return Front(supervisor, config, launch.info)
 
 
 def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:

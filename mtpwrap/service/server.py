@@ -311,7 +311,7 @@ class Service:
                           profile=self.launch.info.profile, model=self.launch.info.model,
                           binary=self.launch.info.binary)
         if self.front is not None:
-            self.front.info.update(self.launch.info.to_dict())
+            self.front.info = self.launch.info
 
     # --- the state file and sd_notify -----------------------------------------------------
     def _base_record(self) -> dict[str, Any]:
@@ -329,7 +329,7 @@ class Service:
         st = sup.status()
         reload = self.reload_state.to_dict()
         if self.front is not None:
-            self.front.info["reload"] = reload
+            self.front.reload = reload
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **self._base, "child_pid": st.pid,
                 "child_pgid": st.pid, "updated_at": time.time(), "reload": reload,

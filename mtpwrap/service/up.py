@@ -55,11 +55,11 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
             else "no API keys: open to anyone who can reach it")
     rows = [
         ("profile", f"{i.profile} ({i.profile_reason})"),
-        ("binary", i.binary + (f" (commit {i.commit})" if i.commit else "")),
+        ("binary", f"{i.binary}" + (f" (commit {i.commit})" if i.commit else "")),
         ("model", i.model),
         ("context", i.context),
         ("KV cache", i.kv),
-        ("speculation", i.speculation),
+        ("speculation", i.speculation_type),
         ("memory plan", i.memory_plan),
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(child_log_file())),

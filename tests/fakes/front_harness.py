@@ -202,13 +202,13 @@ class LlamaChild:
 
 
 @contextlib.contextmanager
-def serve_front(base_url: str, api_key: str, config: Any, info: dict | None = None,
+def serve_front(base_url: str, api_key: str, config: Any, info: Any = None,
                 state: State = State.READY, pid: int | None = None):
     """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
     from mtpwrap.serve.front import Front
 
     sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
-    srv = FrontServer(lambda: Front(sup, config, info or {}), free_loopback_port(), sup).start()
+    srv = FrontServer(lambda: Front(sup, config, info), free_loopback_port(), sup).start()
     try:
         yield srv, sup
     finally:

@@ -1,4 +1,4 @@
-"""Request classes and the per-class speculation policy (serve/spec_policy), without a server:
+"""Request classes and the per-class speculation policy (serve/depth_policy), without a server:
 the classifier on the pinned corpora and real code, the policy's choices from observed counts."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from mtpwrap.decide import profiles
 from mtpwrap.decide.profiles import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import classify, classify_text, shares
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve import spec_policy
-from mtpwrap.serve.spec_policy import SpecPolicy
+from mtpwrap.serve import depth_policy
+from mtpwrap.serve.depth_policy import DepthPolicy
+from mtpwrap.serve.info import ServeInfo
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +43,7 @@ def test_english_licence_is_en_prose(english_licence: str) -> None:
 
 
 def test_python_source_is_code() -> None:
-    code = (REPO / "mtpwrap" / "bench" / "stats.py").read_text()
+    code = (REPO / "mtpwrap" / "decide" / "acceptance.py").read_text()
     body = code[code.index("def expected_tokens_per_step"):][:1500]
     assert "```" not in body
     assert classify_text(body) == "code"
@@ -86,12 +87,12 @@ def test_request_hints_win_over_text(korean_statute: str) -> None:
 # ------------------------------------------------------------------------ policy
 
 
-def _policy(**kw: object) -> SpecPolicy:
+def _policy(**kw: object) -> DepthPolicy:
     base: dict = {"supported": True, "server_depth": 8,
                   "adapt": SpecAdapt(overhead=1.0, per_draft=0.1, probe_share=0.25,
                                      half_life_tokens=64.0)}
     base.update(kw)
-    return SpecPolicy(**base)  # type: ignore[arg-type]
+    return DepthPolicy(**base)  # type: ignore[arg-type]
 
 
 KO = {"prompt": "대한민국의 주권은 국민에게 있고, 모든 권력은 국민으로부터 나온다."}
@@ -127,7 +128,7 @@ def test_learned_depth_follows_the_cost_model() -> None:
         pol.observe(d, drafted=8 * 4, accepted=8 * 3)  # acceptance 0.75 at the server's depth 8
     alpha = pol.state["ko-prose"].alpha
     assert alpha is not None and 0.8 < alpha < 1.0
-    want, _ = spec_policy.best_depth(alpha, 8, pol.adapt)
+    want, _ = depth_policy.best_depth(alpha, 8, pol.adapt)
     d = pol.decide(KO)
     assert (d.source, d.depth) == ("learned", want)
     assert want == max(range(1, 9), key=lambda k: stats.modelled_speedup(alpha, k, 1.0, 0.1))
@@ -168,9 +169,9 @@ def test_adapt_off_keeps_the_static_table() -> None:
 
 def test_inject_keeps_every_other_byte() -> None:
     body = b' {"prompt": "x",\n "n_predict": 4}'
-    out = spec_policy.inject(body, 2, None)
+    out = depth_policy.inject(body, 2, None)
     assert out == b' {"speculative.n_max":2,"prompt": "x",\n "n_predict": 4}'
-    assert json.loads(spec_policy.inject(b"{ }", 0, 0.5)) == {"speculative.n_max": 0,
+    assert json.loads(depth_policy.inject(b"{ }", 0, 0.5)) == {"speculative.n_max": 0,
                                                               "speculative.p_min": 0.5}
 
 
@@ -178,8 +179,8 @@ def test_draft_counts_from_a_stream_tail() -> None:
     tail = (b'data: {"choices":[],"timings":{"draft_n":7,"draft_n_accepted":3}}\n\n'
             b'data: {"choices":[],"timings":{"predicted_n":9,"draft_n":12,'
             b'"draft_n_accepted":5}}\n\ndata: [DONE]\n\n')
-    assert spec_policy.draft_counts(tail) == (12, 5)
-    assert spec_policy.draft_counts(b'{"content":"no timings"}') is None
+    assert depth_policy.draft_counts(tail) == (12, 5)
+    assert depth_policy.draft_counts(b'{"content":"no timings"}') is None
 
 
 def _profile(spec: dict) -> dict:
@@ -206,19 +207,37 @@ def test_profile_spec_policy_and_adapt_are_validated() -> None:
                           where="t.yaml")
 
 
-def test_launch_info_carries_the_profile_table_to_the_front() -> None:
+def test_serve_info_carries_the_profile_table_to_the_front() -> None:
     prof = profiles.validate(_profile({"kind": "ngram", "depth": 6,
                                        "policy": {"code": 4, "en-prose": "off"},
                                        "adapt": {"enabled": False, "per_draft": 0.3}}),
                              where="t.yaml")
-    info = {"spec_policy": spec_policy.launch_info(prof.to_dict()["spec"], "honoured")}
-    pol = spec_policy.from_info(json.loads(json.dumps(info)))  # as the state file keeps it
+    pol = depth_policy.for_launch(ServeInfo(speculation=prof.spec, per_request_depth="honoured"))
     assert pol is not None and pol.supported and pol.server_depth == 6
     assert pol.table == {"code": ClassPolicy(4), "en-prose": ClassPolicy(0)}
     assert pol.adapt == SpecAdapt(enabled=False, per_draft=0.3)
+    assert pol.snapshot()["status"] == "active" and "reason" not in pol.snapshot()
     none = profiles.validate(_profile({"kind": "none"}), where="t.yaml")
-    assert spec_policy.launch_info(none.to_dict()["spec"], "honoured") is None
-    assert spec_policy.from_info({"spec_policy": None}) is None
-    unknown = spec_policy.from_info(
-        {"spec_policy": spec_policy.launch_info(prof.to_dict()["spec"], None)})
+    assert depth_policy.for_launch(ServeInfo(speculation=none.spec,
+                                             per_request_depth="honoured")) is None
+    assert depth_policy.for_launch(ServeInfo()) is None
+    unknown = depth_policy.for_launch(ServeInfo(speculation=prof.spec))
     assert unknown is not None and not unknown.supported
+    assert "not known whether" in unknown.snapshot()["reason"]
+
+
+def test_a_binary_that_ignores_the_depth_says_unsupported_and_why() -> None:
+    """The fork's probe says `ignored`: no body is changed, and /healthz's table says why."""
+    prof = profiles.validate(_profile({"kind": "mtp", "depth": 3, "policy": {"en-prose": 2}}),
+                             where="t.yaml")
+    info = ServeInfo(speculation=prof.spec, per_request_depth="ignored",
+                     per_request_depth_detail="draft_n 41 with n_max 0")
+    pol = depth_policy.for_launch(info)
+    assert pol is not None and not pol.supported
+    d = pol.decide(EN)
+    assert (d.source, d.depth, d.effective_depth) == ("unsupported", None, 3)
+    assert d.header() == b"class=en-prose depth=3 source=unsupported"
+    snap = pol.snapshot()
+    assert snap["status"] == "unsupported"
+    assert "ignores a request's own speculative.n_max (draft_n 41 with n_max 0)" \
+        in snap["reason"] and "depth 3" in snap["reason"]

@@ -4,7 +4,7 @@ what the front has learned from earlier responses.
 Sources, first that applies:
 1. `client`: the request carries its own `speculative.*` fields; they are never touched;
 2. `learned` (spec.adapt on, the class observed): the depth that maximises the modelled speedup
-   (stats.modelled_speedup with the profile's step cost) at the class's estimated α, or no
+   (acceptance.modelled_speedup with the profile's step cost) at the class's estimated α, or no
    speculation when even the best depth is below break-even;
 3. `profile`: the profile's spec.policy entry for the class;
 4. `default`: nothing is sent; the server's configured depth applies.
@@ -13,12 +13,14 @@ probe_share), so that it is observed again and can come back.
 
 α is estimated per class from each response's `timings.draft_n` and `draft_n_accepted`: the
 acceptance rate r at depth k gives 1 + r·k tokens per verification step, and
-stats.alpha_for_tokens_per_step solves that for α (drafts that stop early make this an
+acceptance.alpha_for_tokens_per_step solves that for α (drafts that stop early make this an
 underestimate). The estimate is an exponentially weighted average over drafted tokens.
 
 The state is a fixed set of per-class records, touched only from the event loop: no locks.
 Acting needs a llama-server that honours a request's own depth (the 0001 patch, found by
-build/spec_probe); elsewhere every decision is `unsupported` and no body is changed.
+build/spec_probe). Elsewhere — a binary the probe found `ignored` (the TurboQuant + MTP fork,
+whose server the patch does not apply to) or one never probed — every decision is
+`unsupported`, no body is changed, and /healthz says why (`unsupported_reason`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtpwrap.bench import stats
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from mtpwrap.decide import acceptance
 from mtpwrap.decide.profiles import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import CLASSES, classify
+from mtpwrap.serve.info import ServeInfo
 
 HEADER = b"x-mtpwrap-spec"
 #: the routes whose requests generate text (and accept speculative.* fields)
@@ -48,7 +53,7 @@ _DRAFT_ACCEPTED = re.compile(rb'"draft_n_accepted"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True)
-class Decision:
+class DepthDecision:
     cls: str
     depth: int | None  # what the request was given; None: nothing sent (client's or server's)
     p_min: float | None
@@ -75,7 +80,7 @@ def best_depth(alpha: float, max_depth: int, adapt: SpecAdapt) -> tuple[int, flo
     (0, 1.0) when none beats no speculation."""
     best, speed = 0, 1.0
     for k in range(1, max_depth + 1):
-        s = stats.modelled_speedup(alpha, k, adapt.overhead, adapt.per_draft)
+        s = acceptance.modelled_speedup(alpha, k, adapt.overhead, adapt.per_draft)
         if s > speed:
             best, speed = k, s
     return best, speed
@@ -86,7 +91,7 @@ def alpha_from_response(drafted: int, accepted: int, depth: int) -> float | None
     if drafted <= 0 or depth < 1:
         return None
     rate = min(1.0, accepted / drafted)
-    return stats.alpha_for_tokens_per_step(1.0 + rate * depth, depth)
+    return acceptance.alpha_for_tokens_per_step(1.0 + rate * depth, depth)
 
 
 def client_fields(doc: dict[str, Any]) -> dict[str, Any]:
@@ -115,13 +120,16 @@ def draft_counts(tail: bytes) -> tuple[int, int] | None:
     return int(drafted[-1]), int(accepted[-1])
 
 
-class SpecPolicy:
+class DepthPolicy:
     """Decides each generation request's draft depth and learns from its response."""
 
     def __init__(self, *, supported: bool, server_depth: int | None,
                  table: dict[str, ClassPolicy] | None = None,
-                 adapt: SpecAdapt | None = None, metrics: Any = None) -> None:
+                 adapt: SpecAdapt | None = None, metrics: DepthMetrics | None = None,
+                 reason: str | None = None) -> None:
         self.supported = supported
+        #: why a request's own depth cannot be given (shown by /healthz), when it cannot
+        self.reason = reason if not supported else None
         self.server_depth = server_depth
         self.max_depth = server_depth or 8
         self.table = dict(table or {})
@@ -141,19 +149,19 @@ class SpecPolicy:
         every = max(1, round(1 / share))
         return st.requests % every == 0
 
-    def decide(self, doc: Any) -> Decision:
+    def decide(self, doc: Any) -> DepthDecision:
         cls = classify(doc)
         st = self.state[cls]
         st.requests += 1
         if not self.supported:
-            return self._count(st, Decision(cls, None, None, "unsupported", self.server_depth))
+            return self._count(st, DepthDecision(cls, None, None, "unsupported", self.server_depth))
         given = client_fields(doc) if isinstance(doc, dict) else {}
         if given:
             n_max = given.get("speculative.n_max")
             eff = n_max if isinstance(n_max, int) and not isinstance(n_max, bool) else None
             if eff is not None and self.server_depth is not None:
                 eff = min(eff, self.server_depth)
-            return self._count(st, Decision(cls, None, None, "client",
+            return self._count(st, DepthDecision(cls, None, None, "client",
                                             eff if eff is not None else self.server_depth))
         static = self.table.get(cls)
         if self.adapt.enabled and st.depth is not None:
@@ -161,13 +169,13 @@ class SpecPolicy:
         elif static is not None:
             depth, p_min, source = static.depth, static.p_min, "profile"
         else:
-            return self._count(st, Decision(cls, None, None, "default", self.server_depth))
+            return self._count(st, DepthDecision(cls, None, None, "default", self.server_depth))
         if depth == 0 and self.adapt.enabled and self._probe_now(st):
             depth, source = max(1, min(2, self.max_depth)), "probe"
         depth = min(depth, self.max_depth)
-        return self._count(st, Decision(cls, depth, p_min, source, depth))
+        return self._count(st, DepthDecision(cls, depth, p_min, source, depth))
 
-    def _count(self, st: _ClassState, d: Decision) -> Decision:
+    def _count(self, st: _ClassState, d: DepthDecision) -> DepthDecision:
         st.sources[d.source] = st.sources.get(d.source, 0) + 1
         if self.metrics is not None:
             self.metrics.spec_requests.labels(d.cls, d.source).inc()
@@ -175,7 +183,7 @@ class SpecPolicy:
 
     # ------------------------------------------------------------------ learning
 
-    def observe(self, d: Decision, drafted: int, accepted: int) -> None:
+    def observe(self, d: DepthDecision, drafted: int, accepted: int) -> None:
         """One response's timings.draft_n / draft_n_accepted for a request decided as `d`."""
         if d.source == "unsupported":
             return
@@ -230,41 +238,44 @@ class SpecPolicy:
                 "by_source": dict(st.sources),
             }
         return {"status": "active" if self.supported else "unsupported",
+                **({} if self.supported else {"reason": self.reason}),
                 "adapt": self.adapt.enabled,
                 "server_depth": self.server_depth, "classes": classes}
 
 
-def from_info(info: dict[str, Any], registry: Any = None) -> SpecPolicy | None:
-    """The policy for a front whose launch info has a `spec_policy` entry (see `launch_info`),
-    its instruments on `registry` when given; None when the server does not speculate."""
-    spec = info.get("spec_policy")
-    if not isinstance(spec, dict):
+def unsupported_reason(info: ServeInfo) -> str | None:
+    """Why this launch cannot give a request its own draft depth; None when it can."""
+    detail = f" ({info.per_request_depth_detail})" if info.per_request_depth_detail else ""
+    depth = info.speculation.depth if info.speculation is not None else None
+    server = f"the server's depth {depth}" if depth is not None else "the server's own depth"
+    if info.per_request_depth == "honoured":
         return None
-    table = {name: ClassPolicy(int(p["depth"]), p.get("p_min"))
-             for name, p in (spec.get("policy") or {}).items()}
-    adapt = SpecAdapt(**spec["adapt"]) if isinstance(spec.get("adapt"), dict) else SpecAdapt()
-    return SpecPolicy(supported=spec.get("per_request_depth") == "honoured",
-                      server_depth=spec.get("depth"), table=table, adapt=adapt,
-                      metrics=SpecMetrics(registry) if registry is not None else None)
+    if info.per_request_depth == "ignored":
+        return (f"this llama-server ignores a request's own speculative.n_max{detail}, so every "
+                f"request drafts at {server}; per-class depth needs a llama-server built with "
+                "the per-request-speculative patch (upstream llama.cpp through `mtpwrap build`)")
+    return (f"it is not known whether this llama-server honours a request's own "
+            f"speculative.n_max{detail or ' (no probe recorded by `mtpwrap build`)'}, so the "
+            f"front sends none and every request drafts at {server}")
 
 
-def launch_info(profile_spec: dict[str, Any], per_request_depth: str | None
-                ) -> dict[str, Any] | None:
-    """Launch info's `spec_policy` entry: the profile's spec (Profile.to_dict()["spec"]) and
-    whether the binary honours a request's own depth (Manifest.spec_depth's status); None when
-    the profile does not speculate."""
-    if profile_spec.get("kind") in (None, "none"):
+def for_launch(info: ServeInfo, registry: CollectorRegistry | None = None
+               ) -> DepthPolicy | None:
+    """The policy for a front serving `info`, its instruments on `registry` when given; None
+    when the launch does not speculate."""
+    spec = info.speculation
+    if spec is None or not info.speculates:
         return None
-    return {"kind": profile_spec["kind"], "depth": profile_spec.get("depth"),
-            "policy": profile_spec.get("policy") or {}, "adapt": profile_spec.get("adapt"),
-            "per_request_depth": per_request_depth or "unknown"}
+    return DepthPolicy(supported=info.per_request_depth == "honoured",
+                       reason=unsupported_reason(info), server_depth=spec.depth,
+                       table=dict(spec.policy), adapt=spec.adapt,
+                       metrics=DepthMetrics(registry) if registry is not None else None)
 
 
-class SpecMetrics:
+class DepthMetrics:
     """The policy's instruments, on the front's registry."""
 
-    def __init__(self, registry: Any) -> None:
-        from prometheus_client import Counter, Gauge
+    def __init__(self, registry: CollectorRegistry) -> None:
 
         self.spec_requests = Counter(
             "mtpwrap_spec_requests", "Generation requests by request class and the source of "

@@ -1,23 +1,20 @@
-"""What the HTTP front lets through: its settings, the path allow-list, key checks, body guards.
+"""Who may do what through the HTTP front: the path allow-list, hosts, keys and their scopes,
+and `Access`, the one check of a request line against them.
 
-Pure functions and data, no I/O and no ASGI imports, so they are tested with tables.
+Pure functions and data, no I/O and no ASGI imports, so they are tested with tables; the guard
+in front of the app (serve/front.py) asks `Access.check` and answers what it says.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
-import math
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from mtpwrap.config.apikeys import KeyTable
+from mtpwrap.config.apikeys import KeyTable, key_table
 from mtpwrap.config.objects import ProxyConfig
-
-MiB = 1024 * 1024
 
 # ---------------------------------------------------------------------------------------------
 # The allow-list. Every llama-server route the front forwards is named here; anything else is
@@ -186,122 +183,6 @@ def key_scopes(presented: str | None, keys: KeyTable) -> frozenset[str] | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Bodies
-# ---------------------------------------------------------------------------------------------
-
-class BadBody(Exception):
-    """A request body the front refuses (400), with a message for the client."""
-
-
-#: JSON nested deeper than this is refused: no request llama-server understands comes close,
-#: and a parser that recurses (Python's does) must never meet thousands of levels.
-MAX_JSON_DEPTH = 64
-
-
-def _no_constant(name: str) -> Any:
-    raise BadBody(f"The request body contains {name}, which is not a JSON number; send a "
-                  "finite number.")
-
-
-def parse_json_body(body: bytes) -> Any:
-    """The body as JSON, or BadBody with one sentence: never another exception."""
-    try:
-        doc = json.loads(body, parse_constant=_no_constant)
-    except BadBody:
-        raise
-    except UnicodeDecodeError as err:
-        raise BadBody("The request body is not valid UTF-8 JSON.") from err
-    except json.JSONDecodeError as err:
-        raise BadBody(
-            f"The request body is not valid JSON: {err.msg} "
-            f"at line {err.lineno} column {err.colno}."
-        ) from err
-    except RecursionError as err:
-        raise BadBody(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.") \
-            from err
-    except ValueError as err:  # e.g. an integer of more than 4300 digits
-        raise BadBody(f"The request body has a number that cannot be read: {err}.") from err
-    _check_depth(doc)
-    return doc
-
-
-def _check_depth(doc: Any) -> None:
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise BadBody(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.")
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
-
-
-def _number(doc: Mapping[str, Any], key: str) -> float | None:
-    """A numeric field as llama-server would read it; None when absent or not a number
-    (llama-server then uses its default). Non-finite values are refused here."""
-    v = doc.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    if isinstance(v, float) and not math.isfinite(v):
-        raise BadBody(f"{key} must be a finite number, got {v}.")
-    return v
-
-
-def _check_range(doc: Mapping[str, Any], keys: tuple[str, ...], low: int, high: int | None,
-                 what: str) -> None:
-    for key in keys:
-        v = _number(doc, key)
-        if v is None:
-            continue
-        if v < low or (high is not None and v > high):
-            bound = f"{low}..{high}" if high is not None else f"{low} or more"
-            raise BadBody(f"{key} must be {bound} ({what}), got {_short(v)}.")
-
-
-def _short(v: float) -> str:
-    text = str(v)
-    return text if len(text) <= 24 else text[:20] + "…"
-
-
-#: Every spelling of the fields that size a response, by what they size.
-PROBS_FIELDS = ("n_probs", "top_logprobs")
-CHOICE_FIELDS = ("n", "n_cmpl")
-PREDICT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens")
-
-
-def check_fields(doc: Any, max_n_probs: int, max_choices: int = 1, max_predict: int = 0
-                 ) -> None:
-    """Refuse fields with values that have crashed, corrupted or flooded llama-server.
-
-    negative `n_discard` (out-of-bounds write); huge `n_probs`/`top_logprobs`/integer
-    `logprobs` (the legacy completions spelling) — a 75 MB answer for 16 tokens; more choices
-    than allowed (`n`, `n_cmpl`); more tokens than allowed under any of their names; slot ids
-    below -1 (out-of-range index); `n_keep` below -1; NaN and infinities anywhere among these.
-    """
-    if not isinstance(doc, dict):
-        return
-    _check_range(doc, ("n_discard",), 0, None, "tokens to discard")
-    _check_range(doc, PROBS_FIELDS, 0, max_n_probs, "top tokens per position")
-    lp = doc.get("logprobs")
-    if not isinstance(lp, bool):
-        _check_range(doc, ("logprobs",), 0, max_n_probs, "top tokens per position")
-    _check_range(doc, CHOICE_FIELDS, 1, max_choices, "choices per request")
-    _check_range(doc, PREDICT_FIELDS, -1, max_predict or None, "tokens to generate")
-    _check_range(doc, ("id_slot", "slot_id"), -1, None, "-1 is any slot")
-    _check_range(doc, ("n_keep",), -1, None, "-1 keeps the whole prompt")
-
-
-def error_body(status: int, message: str, kind: str, path: str) -> bytes:
-    """An error in the shape of the API the client called: Anthropic's for /v1/messages,
-    else OpenAI's, which llama-server's native endpoints share."""
-    if path.startswith("/v1/messages"):
-        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}
-                          ).encode()
-    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
-
-
-# ---------------------------------------------------------------------------------------------
 # Hosts
 # ---------------------------------------------------------------------------------------------
 
@@ -340,3 +221,66 @@ def host_of(header: str) -> str:
     if h.count(":") == 1:
         return h.rsplit(":", 1)[0]
     return h
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------
+
+#: probes carry no key and reveal only up/ready (answered whatever the Host)
+OPEN_PATHS = frozenset({"/livez", "/readyz"})
+
+
+@dataclass(frozen=True)
+class Denial:
+    """A request refused before anything else looks at it."""
+
+    status: int
+    reason: str          # the `mtpwrap_refused` label
+    message: str
+    #: close the connection after the answer: always, or only when a body was declared
+    close: bool | None = None
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class Access:
+    """The host names, keys and open pages of one front (from its ProxyConfig)."""
+
+    keys: KeyTable = ()
+    hosts: frozenset[str] | None = None
+    metrics_public: bool = False
+    healthz_public: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: ProxyConfig) -> Access:
+        return cls(keys=key_table(cfg.api_keys, "proxy.api_keys"),
+                   hosts=derive_allowed_hosts(cfg), metrics_public=cfg.metrics_public,
+                   healthz_public=cfg.healthz_public)
+
+    def check(self, method: str, path: str, headers: Mapping[str, str]) -> Denial | None:
+        """None when the request may go on; else what to answer. `headers`: lower-case names,
+        the first value of each."""
+        if "transfer-encoding" in headers and "content-length" in headers:
+            # RFC 9112 §6.1: a sign of request smuggling; the parser refuses it too.
+            return Denial(400, "bad_request", "Content-Length and Transfer-Encoding together "
+                          "are not allowed.", close=True)
+        # Probes (/livez, /readyz) answer whatever Host a balancer or kubelet sends: they carry
+        # no key and reveal only up/ready, so DNS rebinding gains nothing from them.
+        if (self.hosts is not None and path not in OPEN_PATHS
+                and host_of(headers.get("host", "")) not in self.hosts):
+            return Denial(421, "host", "This server does not answer for that Host.", close=True)
+        needs_key = bool(self.keys) and path not in OPEN_PATHS and not (
+            (path == "/metrics" and self.metrics_public)
+            or (path == "/healthz" and self.healthz_public))
+        if not needs_key:
+            return None
+        scopes = key_scopes(presented_key(headers), self.keys)
+        if scopes is None:
+            # Without a key nothing of the body is read: the connection closes after the 401.
+            return Denial(401, "auth", "Invalid or missing API key.",
+                          headers=((b"www-authenticate", b"Bearer"),))
+        if (need := required_scope(method, path)) not in scopes:
+            return Denial(403, "scope", f"This API key may not use {path}: that needs a key "
+                          f"with the {need} scope.")
+        return None

@@ -1,0 +1,359 @@
+"""The exchange with llama-server: one forwarded request, relayed to the client as it arrives.
+
+The relay sends the request through one `httpx.AsyncClient` (HTTP/1.1, a fresh connection per
+request) and passes the answer on chunk by chunk, without buffering: status and body byte for
+byte, response headers except hop-by-hop ones (`Connection`, `Keep-Alive`,
+`Transfer-Encoding`), `Access-Control-*` (llama-server reflects any `Origin`) and
+`Server`/`Date` (uvicorn sets them). Added: `X-Accel-Buffering: no` on event streams and the
+draft-depth header on generations the depth policy decided. On the way in only
+`Content-Type`, `Accept` and `User-Agent` pass, and the child's internal key is sent as
+`Authorization: Bearer`.
+
+Faults. A request is never retried once its body may have reached the child (a generation is not
+idempotent); only a refused connect is retried, once. If the child dies or the loopback link
+breaks mid-stream, or a stream makes no progress within its budget (`prefill_stall_s` before the
+first chunk, `stream_stall_s` after), the client gets a terminal SSE event
+`data: {"error": {...}}` and the stream ends without `[DONE]`; a stall is reported to the
+supervisor. A client that goes away, before or after the first token, cancels the upstream
+request at once (the connection to the child is closed, which llama-server treats as a cancel).
+A client that does not read gets `write_timeout_s` per write, bounded by uvicorn's write buffer.
+While a streamed request waits for its first token, `: keep-alive` SSE comments go out every
+`keepalive_s` (the 200 event-stream headers are sent early for that; a later upstream error then
+arrives as an error event instead of an HTTP status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.run.supervisor import SupervisorPort, Upstream
+from mtpwrap.serve import depth_policy
+from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
+from mtpwrap.serve.metrics import FrontMetrics
+from mtpwrap.serve.replies import Receive, Replies, Scope, Send, error_kind
+
+log = logging.getLogger("mtpwrap.proxy")
+
+#: The client headers llama-server uses; nothing else is forwarded (the body's length and the
+#: internal key are set by the front itself).
+_FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
+_DROP_RESPONSE = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate",
+    "trailer", "upgrade",
+})
+_KEEPALIVE = b": keep-alive\n\n"
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+
+@dataclass(eq=False)  # identity: one exchange is one request (kept in a dict while open)
+class Exchange:
+    """Mutable state of one forwarded request, shared by its worker and its watch."""
+
+    label: str
+    stream: bool
+    t0: float
+    phase: str = "queued"            # queued -> headers -> body -> done
+    started: bool = False            # http.response.start sent to the client
+    committed_sse: bool = False      # we sent event-stream headers before the child answered
+    sse: bool = False
+    at_boundary: bool = True         # the last byte sent ends an SSE event
+    in_send: bool = False
+    send_started: float = 0.0
+    first_chunk: bool = False
+    last_progress: float = 0.0
+    last_chunk_at: float = 0.0
+    last_keepalive: float = 0.0
+    cancel_reason: str | None = None
+    status: int = 0
+    generation: int | None = None
+    slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
+    depth: DepthDecision | None = None  # the draft depth chosen for this request
+    tail: bytes = b""                # the response's last bytes, while `depth` is set
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def upstream_client(config: ProxyConfig) -> httpx.AsyncClient:
+    """The one client the front talks to llama-server with."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
+                              write=config.write_timeout_s, pool=config.queue_timeout_s),
+        # No keep-alive to the child: llama-server 0c1e570 closes kept-alive connections
+        # under the client's feet (measured: 12 of 80 requests on reused connections got
+        # "Server disconnected without sending a response", 0 of 80 on fresh ones), and a
+        # generation sent on such a connection cannot be retried. A loopback connect costs
+        # a fraction of a millisecond.
+        limits=httpx.Limits(max_connections=config.max_concurrency + 4,
+                            max_keepalive_connections=0),
+        trust_env=False,  # an HTTP_PROXY in the environment must never see loopback traffic
+        follow_redirects=False,
+    )
+
+
+class Relay:
+    """Sends exchanges to llama-server and relays their answers (see the module docstring)."""
+
+    def __init__(self, supervisor: SupervisorPort, config: ProxyConfig, metrics: FrontMetrics,
+                 replies: Replies, client: httpx.AsyncClient,
+                 depth: DepthPolicy | None) -> None:
+        self.supervisor = supervisor
+        self.config = config
+        self.metrics = metrics
+        self.replies = replies
+        self.client = client
+        self.depth = depth
+        self.tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
+                                  config.write_timeout_s / 4))
+
+    # ------------------------------------------------------------------ sending
+
+    def _upstream_headers(self, scope: Scope, api_key: str) -> list[tuple[bytes, bytes]]:
+        headers = [(k, v) for k, v in scope["headers"] if k in _FORWARD_REQUEST]
+        headers.append((b"accept-encoding", b"identity"))
+        headers.append((b"authorization", b"Bearer " + api_key.encode()))
+        return headers
+
+    async def _send_upstream(self, ex: Exchange, scope: Scope, body: bytes, upstream: Upstream,
+                             path: str) -> httpx.Response:
+        qs = scope.get("query_string", b"")
+        for attempt in (1, 2):
+            url = upstream.base_url + path + (("?" + qs.decode("latin-1")) if qs else "")
+            req = self.client.build_request(
+                scope["method"], url, headers=self._upstream_headers(scope, upstream.api_key),
+                content=body)
+            ex.generation = upstream.generation
+            try:
+                return await self.client.send(req, stream=True)
+            except httpx.ConnectError:
+                # Nothing reached the child; one retry is safe (a restart may have just moved it).
+                self.metrics.upstream_errors.labels("connect").inc()
+                if attempt == 2:
+                    raise
+                up = await self.supervisor.wait_ready(min(5.0, self.config.queue_timeout_s))
+                if up is None:
+                    raise
+                upstream = up
+        raise AssertionError("unreachable")
+
+    async def exchange(self, ex: Exchange, scope: Scope, send: Send, body: bytes, path: str,
+                       upstream: Upstream) -> None:
+        loop = asyncio.get_running_loop()
+        ex.phase = "headers"
+        ex.last_progress = loop.time()
+        try:
+            resp = await self._send_upstream(ex, scope, body, upstream, path)
+        except httpx.HTTPError as err:
+            await self._upstream_failed(ex, send, err)
+            return
+        try:
+            await self._relay(ex, resp, send, loop)
+        except httpx.HTTPError as err:
+            await self._upstream_failed(ex, send, err)
+        finally:
+            await resp.aclose()
+
+    # ------------------------------------------------------------------ relaying
+
+    async def _error_as_event(self, ex: Exchange, resp: httpx.Response, send: Send) -> None:
+        """Headers already went out as an event stream: the child's error becomes an event."""
+        raw = await resp.aread()
+        try:
+            err = json.loads(raw).get("error") or {"message": raw.decode()[:500]}
+        except (ValueError, AttributeError):
+            err = {"message": raw.decode("utf-8", "replace")[:500]}
+        err.setdefault("code", resp.status_code)
+        await send({"type": "http.response.body",
+                    "body": b"data: " + json.dumps({"error": err}).encode() + b"\n\n"})
+        ex.phase = "done"
+        await send({"type": "http.response.body", "body": b""})
+        self.replies.record(ex.label, resp.status_code, ex.t0)
+
+    def _response_headers(self, ex: Exchange, resp: httpx.Response,
+                          sse: bool) -> list[tuple[bytes, bytes]]:
+        headers = [(k.lower(), v) for k, v in resp.headers.raw
+                   if k.decode("latin-1").lower() not in _DROP_RESPONSE
+                   and not k.lower().startswith(b"access-control-")]
+        if sse and not any(k == b"x-accel-buffering" for k, _ in headers):
+            headers.append((b"x-accel-buffering", b"no"))
+        if ex.depth is not None:
+            headers.append((depth_policy.HEADER, ex.depth.header()))
+        return headers
+
+    async def _relay(self, ex: Exchange, resp: httpx.Response, send: Send,
+                     loop: asyncio.AbstractEventLoop) -> None:
+        ctype = resp.headers.get("content-type", "")
+        ex.status = resp.status_code
+        sse = ctype.startswith("text/event-stream")
+        async with ex.send_lock:
+            if ex.committed_sse:
+                if resp.status_code != 200 or not sse:
+                    await self._error_as_event(ex, resp, send)
+                    return
+            else:
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": self._response_headers(ex, resp, sse)})
+                ex.started = True
+        ex.sse = sse
+        ex.phase = "body"
+        ttft = self.metrics.ttft.labels(ex.label)
+        itl = self.metrics.itl.labels(ex.label)
+        async for chunk in resp.aiter_raw():
+            now = loop.time()
+            if not ex.first_chunk:
+                ex.first_chunk = True
+                if sse:
+                    ttft.observe(time.perf_counter() - ex.t0)
+            elif sse:
+                itl.observe(now - ex.last_chunk_at)
+            ex.last_chunk_at = ex.last_progress = now
+            if ex.depth is not None:
+                ex.tail = (ex.tail + chunk)[-depth_policy.TAIL_BYTES:]
+            # The watch enforces write_timeout_s on this send (a timer per chunk would cost
+            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
+            async with ex.send_lock:
+                ex.in_send = True
+                ex.send_started = now
+                try:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                finally:
+                    ex.in_send = False
+                ex.at_boundary = chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")
+        ex.phase = "done"
+        await send({"type": "http.response.body", "body": b""})
+        self.replies.record(ex.label, resp.status_code, ex.t0)
+        self._observe_depth(ex)
+
+    def _observe_depth(self, ex: Exchange) -> None:
+        if self.depth is None or ex.depth is None or ex.status != 200:
+            return
+        counts = depth_policy.draft_counts(ex.tail)
+        ex.tail = b""
+        if counts is not None:
+            self.depth.observe(ex.depth, *counts)
+
+    # ------------------------------------------------------------------ ending badly
+
+    async def _upstream_failed(self, ex: Exchange, send: Send, err: Exception) -> None:
+        kind = type(err).__name__
+        self.metrics.upstream_errors.labels(kind).inc()
+        message = ("The model server closed the connection before finishing the response "
+                   f"({kind}).")
+        if ex.phase == "headers" and not ex.started:
+            await self.replies.error(send, 502, message, ex.label, ex.t0)
+            return
+        self.metrics.cancelled.labels("upstream_error").inc()
+        await self._end_with_error(ex, send, 502, message)
+
+    async def _end_with_error(self, ex: Exchange, send: Send, status: int, message: str) -> None:
+        """End a started response so that no client can take it for a complete one."""
+        ex.phase = "done"
+        self.replies.record(ex.label, status, ex.t0)
+        if ex.sse or ex.committed_sse:
+            event = b"data: " + json.dumps(
+                {"error": {"code": status, "message": message,
+                           "type": error_kind(status)}}).encode()
+            prefix = b"" if ex.at_boundary else b"\n\n"
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": prefix + event + b"\n\n"}), 1.0)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b""}), 1.0)
+            return
+        # A plain body cut in the middle: leave the response incomplete so the client's HTTP
+        # layer reports it (uvicorn closes the connection without the final chunk).
+
+    async def finish_cancelled(self, ex: Exchange, send: Send) -> None:
+        """Answer (or end) a request whose worker was cancelled for `ex.cancel_reason`."""
+        reason = ex.cancel_reason or "client_disconnect"
+        self.metrics.cancelled.labels(reason).inc()
+        if reason in ("client_disconnect", "slow_reader"):
+            # nginx's "client closed request"; for a slow reader, returning with the response
+            # incomplete makes uvicorn close the connection.
+            self.replies.record(ex.label, 499, ex.t0)
+            return
+        if reason == "shutdown":
+            message = ("The server is shutting down and its drain time ran out; the request "
+                       "was stopped before it finished. Retry it.")
+            if not ex.started:
+                await self.replies.error(send, 503, message, ex.label, ex.t0, retry=True,
+                                         close=True)
+            else:
+                await self._end_with_error(ex, send, 503, message)
+            return
+        # stall
+        budget = self.config.stream_stall_s if ex.first_chunk else self.config.prefill_stall_s
+        message = f"The model made no progress for {budget:g} s; the request was stopped."
+        if ex.stream and ex.generation is not None:
+            try:
+                self.supervisor.report_stall(
+                    ex.generation, f"no progress on {ex.label} for {budget:g} s")
+            except Exception as err:
+                log.warning("could not report a stall: %s", err)
+        if not ex.started:
+            await self.replies.error(send, 504, message, ex.label, ex.t0)
+            return
+        await self._end_with_error(ex, send, 504, message)
+
+    # ------------------------------------------------------------------ watching
+
+    async def watch(self, ex: Exchange, receive: Receive, send: Send,
+                    worker: asyncio.Task[None]) -> None:
+        """Watch the client for a disconnect, and the child for progress, while the worker runs.
+
+        Cancelling the worker closes its upstream response, which closes the connection to the
+        child: that is how llama-server learns that the client is gone.
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        while not worker.done():
+            try:
+                msg = await asyncio.wait_for(receive(), self.tick)
+                if msg["type"] == "http.disconnect":
+                    if ex.phase == "done":
+                        return  # uvicorn says "disconnect" once the response is complete
+                    ex.cancel_reason = "client_disconnect"
+                    worker.cancel()
+                    return
+                continue
+            except asyncio.TimeoutError:
+                pass
+            if ex.in_send:
+                if loop.time() - ex.send_started >= cfg.write_timeout_s:
+                    ex.cancel_reason = "slow_reader"
+                    worker.cancel()
+                    return
+                continue
+            if ex.phase not in ("headers", "body"):
+                continue
+            idle = loop.time() - ex.last_progress
+            budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
+            if idle >= budget:
+                ex.cancel_reason = "stall"
+                worker.cancel()
+                return
+            quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
+            if ex.stream and quiet >= cfg.keepalive_s and ex.at_boundary:
+                ex.last_keepalive = loop.time()
+                await self._keepalive(ex, send)
+
+    async def _keepalive(self, ex: Exchange, send: Send) -> None:
+        async with ex.send_lock:
+            if not ex.at_boundary or ex.in_send or ex.phase == "done":
+                return
+            if not ex.started:
+                ex.committed_sse = ex.started = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": list(_SSE_HEADERS)})
+            elif not (ex.sse or ex.committed_sse):
+                return
+            await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})

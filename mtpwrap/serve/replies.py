@@ -1,0 +1,81 @@
+"""The front's own answers (errors in the caller's API shape) and the per-request record.
+
+Every room of the front — the access guard, admission, the relay — answers and records through
+one `Replies`, so a refusal looks and counts the same wherever it is decided.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from mtpwrap.serve.metrics import FrontMetrics
+
+# The ASGI types, as the ASGI spec writes them (its messages are plain mappings).
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+access_log = logging.getLogger("mtpwrap.access")
+
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          421: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_kind(status: int) -> str:
+    """The error's `type` for a status, as OpenAI's and Anthropic's APIs name them."""
+    return _KINDS.get(status, "unavailable_error")
+
+
+def declares_body(scope: Scope) -> bool:
+    """The request says a body follows (so a refusal closes instead of reading it)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return True
+    return False
+
+
+def error_body(status: int, message: str, kind: str, path: str) -> bytes:
+    """An error in the shape of the API the client called: Anthropic's for /v1/messages,
+    else OpenAI's, which llama-server's native endpoints share."""
+    if path.startswith("/v1/messages"):
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}
+                          ).encode()
+    return json.dumps({"error": {"code": status, "message": message, "type": kind}}).encode()
+
+
+class Replies:
+    """Answers the front gives itself, and the one record of each finished request."""
+
+    def __init__(self, metrics: FrontMetrics, retry_after_s: int) -> None:
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+
+    async def error(self, send: Send, status: int, message: str, label: str, t0: float,
+                    retry: bool = False, close: bool = False,
+                    extra: list[tuple[bytes, bytes]] | None = None,
+                    path: str | None = None) -> None:
+        body = error_body(status, message, error_kind(status), path or label)
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if retry:
+            headers.append((b"retry-after", str(self.retry_after_s).encode()))
+        if close:
+            headers.append((b"connection", b"close"))
+        headers += extra or []
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.record(label, status, t0)
+
+    def record(self, label: str, status: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        self.metrics.requests.labels(label, str(status)).inc()
+        self.metrics.duration.labels(label).observe(dt)
+        # Route pattern and status only: never the query, headers or body (privacy).
+        access_log.info("%s %d %.3fs", label, status, dt)
