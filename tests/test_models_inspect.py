@@ -62,6 +62,7 @@ def test_demo_model(demo_model: Path) -> None:
     # a GPU profile with MTP on a model without a head is refused by the planner's check
     assert not profiles["4090-262k"]["fits"]
     assert "no MTP (nextn) layers" in profiles["4090-262k"]["note"]
+    assert "mtpwrap models graft" in profiles["4090-262k"]["note"]
 
 
 def test_shape_only_qwen36_27b(shape_27b: Path) -> None:

@@ -246,6 +246,21 @@ def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig)
     return 2
 
 
+def require_mtp_head(facts: ModelFacts, who: str = "--spec-type mtp") -> None:
+    """MTP speculation needs the model's nextn blocks: declared in the metadata and present as
+    tensors (a fine-tune often keeps the key and loses the blocks)."""
+    if facts.has_mtp and facts.mtp_bytes > 0:
+        return
+    what = ("has no MTP (nextn) layers" if not facts.has_mtp else
+            f"declares {facts.n_layer_nextn} MTP (nextn) layer(s) but holds none of their "
+            "tensors")
+    raise ConfigError(
+        f"{facts.path}: the model {what}, so {who} cannot be used.",
+        hint="Give it the head of the model it was made from with `mtpwrap models graft "
+             "--mtp-from BASE.gguf MODEL.gguf -o OUT.gguf`, or choose another speculative "
+             "mode (spec.kind) or model.")
+
+
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
          kv_sizes: dict[str, Any] | None = None) -> MemoryPlan:
     """The full plan for one configuration."""
@@ -259,9 +274,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         f"{facts.n_ctx_train}")
     gpu = "gpu" if cfg.backend == "cuda" else "host"
     mtp = cfg.spec == "mtp"
-    if mtp and not facts.has_mtp:
-        raise ConfigError(f"{facts.path}: the model has no MTP (nextn) layers, so --spec-type "
-                          "mtp cannot be used; choose another speculative mode or model.")
+    if mtp:
+        require_mtp_head(facts)
 
     # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
     # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).

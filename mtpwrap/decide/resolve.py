@@ -207,6 +207,12 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                  sized_types=sized_types(kv_sizes) if caps is None else None, facts=facts,
                  target=kv_target(inp))
     cfg = cfg.replace(warnings=cfg.warnings + tuple(kv.differences(kv_sizes)))
+    if cfg.spec == "mtp" and facts is not None:
+        # planned or not (--no-plan), an MTP launch needs the model's head: llama-server
+        # would otherwise fail at load, after the service said it was starting
+        from mtpwrap.decide import planner
+
+        planner.require_mtp_head(facts, f"profile {profile.name}'s spec.kind: mtp")
     r = Resolved(inputs=inp, launch=cfg, facts=facts)
     gpu = on_device(profile, snapshot)
     if plan or (plan is None and (profile.context == "max" or gpu)):

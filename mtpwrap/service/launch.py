@@ -20,7 +20,7 @@ from mtpwrap.run.supervisor import LaunchFactory, Supervisor
 from mtpwrap.serve.info import ServeInfo
 
 if TYPE_CHECKING:
-    from mtpwrap.build.builder import Manifest
+    from mtpwrap.build.manifest import Manifest
     from mtpwrap.decide.resolve import Resolved
     from mtpwrap.serve.front import Front
 
