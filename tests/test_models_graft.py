@@ -151,3 +151,26 @@ def test_the_grafted_model_drafts_in_llama_server_like_its_base(
         (base["draft_n"], base["draft_n_accepted"])
     log = (tmp_path / "ft-grafted.log").read_text()
     assert "adding speculative implementation 'draft-mtp'" in log
+
+
+@pytest.mark.integration
+def test_an_mtp_profile_on_a_headless_model_names_graft_even_without_a_plan(
+        tiny: dict[str, Path], tmp_path: Path, llama_server_bin: Path) -> None:
+    from tests.helpers import REPO, cli_env
+
+    prof = tmp_path / "cpu-mtp.yaml"
+    prof.write_text((REPO / "profiles" / "cpu-demo.yaml").read_text().replace(
+        "spec:\n  kind: none", "spec:\n  kind: mtp\n  depth: 2").replace("slots: 2", "slots: 1"))
+    env = cli_env(MTPWRAP_HOME=str(tmp_path / "h"), MTPWRAP_BINARY=str(llama_server_bin))
+    for cmd in (["args"], ["args", "--no-plan"], ["up", "--no-plan", "--port", "1"]):
+        r = run_cli(*cmd, "--profile", str(prof), "--model", str(tiny["fine-tune"]), env=env)
+        assert r.returncode == 78, (cmd, r.stderr)
+        assert f"{tiny['fine-tune']}: the model has no MTP (nextn) layers, so profile cpu-mtp's " \
+               "spec.kind: mtp cannot be used." in r.stderr, (cmd, r.stderr)
+        assert "mtpwrap models graft --mtp-from BASE.gguf" in r.stderr
+        assert "Traceback" not in r.stderr
+    # once grafted, the same profile renders its MTP flags
+    out = graft.graft(tiny["base"], tiny["fine-tune"], tmp_path / "grafted.gguf")
+    r = run_cli("args", "--no-plan", "--profile", str(prof), "--model", str(out), env=env)
+    assert r.returncode == 0, r.stderr
+    assert "--spec-type draft-mtp" in r.stdout

@@ -6,7 +6,6 @@ import datetime as _dt
 import os
 import platform
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap import hashing
+from mtpwrap import hashing, proc
 from mtpwrap.bench import corpora, stats, tokenclass
 from mtpwrap.bench.runner import (
     BenchConfig,
@@ -103,11 +102,10 @@ def hardware_snapshot() -> dict:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run(
-                [smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            out = proc.run([smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
+                            "--format=csv,noheader"], timeout=20)
             snap["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-        except (OSError, subprocess.TimeoutExpired):
+        except proc.ProcError:
             snap["gpus"] = []
     else:
         snap["gpus"] = []
@@ -136,10 +134,8 @@ def build_provenance(binary: Path | None) -> dict:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = f"{Path(binary).parent}:{env.get('LD_LIBRARY_PATH', '')}"
         try:
-            out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                                 timeout=30, env=env)
-            prov["version"] = (out.stdout + out.stderr).strip().splitlines()[-2:]
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            prov["version"] = proc.version(binary, timeout=30, env=env).splitlines()[-2:]
+        except proc.ProcError as exc:
             prov["version"] = [f"unavailable: {exc}"]
     return prov
 
