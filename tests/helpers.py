@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,16 +42,10 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
+) -> proc.Completed:
     """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
-    return subprocess.run(
-        [sys.executable, "-m", "mtpwrap", *args],
-        env=env or cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(cwd or REPO),
-    )
+    return proc.run([sys.executable, "-m", "mtpwrap", *args], env=env or cli_env(),
+                    timeout=timeout, cwd=cwd or REPO)
 
 
 def require_tool(name: str, package: str) -> str:
