@@ -46,7 +46,8 @@ from mtpwrap.bench import corpora, stats
 from mtpwrap.build import manifest as build_manifest
 from mtpwrap.build import spec_probe
 from mtpwrap.build.binary import find_binary
-from mtpwrap.decide import capabilities, launch, models
+from mtpwrap.build.probe import probe
+from mtpwrap.decide import launch, models
 from mtpwrap.decide.profiles import SpecAdapt
 from mtpwrap.proc import free_loopback_port, running_server
 from mtpwrap.serve.depth_policy import DepthPolicy
@@ -127,7 +128,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{port}"
     cfg = launch.plain(model, context=4096, threads=2, why="adaptive speculation benchmark",
                        **spec)
-    argv = launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
+    argv = launch.render(cfg, probe(binary), binary=binary, port=port).argv
     load = workload(args.per_class)
     calib = workload(1, skip=args.per_class)
     with running_server(argv, base_url=base, timeout=300):

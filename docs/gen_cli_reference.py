@@ -24,8 +24,8 @@ HEADER = """# Command-line reference
 
 Generated from each command's `--help` by `python docs/gen_cli_reference.py`; do not edit by
 hand (`tests/test_docs.py` fails when this page is not current). Every option that names an
-environment variable reads it when the flag is not given; see also the
-[exit codes](exit-codes.md).
+environment variable reads it when the flag is not given; see also
+[configuration](configuration.md) and [exit codes](exit-codes.md).
 """
 
 

@@ -42,23 +42,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _HOMES: list[str] = []  # the unit tests' homes, removed when the session ends
-_VOCABULARY: list[str | None] = []
-
-
-def _vocabulary_tree() -> str | None:
-    """An llama.cpp tree already extracted in the caller's cache, for the model writer's
-    tokenizers: without it every unit test that writes a GGUF would fetch and unpack the
-    pinned source (290 MB) into its own empty home. Only read, never fetched here; unused once
-    the model writer needs no tree (it then has no `llama_source_dir`)."""
-    if not _VOCABULARY:
-        from mtpwrap import paths
-        from mtpwrap.build import tiny_gguf
-
-        trees = sorted(t for t in paths.sources_dir().glob("*/vendor/llama.cpp")
-                       if (t / "models").is_dir())
-        use = hasattr(tiny_gguf, "llama_source_dir") and trees
-        _VOCABULARY.append(str(trees[-1]) if use else None)
-    return _VOCABULARY[0]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -70,7 +53,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if item.get_closest_marker("integration"):
         yield
         return
-    vocabulary = _vocabulary_tree()
     with pytest.MonkeyPatch.context() as mp:
         for key in [k for k in os.environ if k.startswith("MTPWRAP_")]:
             mp.delenv(key)
@@ -79,8 +61,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         mp.setenv("MTPWRAP_HOME", str(home))
         mp.setenv("MTPWRAP_BUILD_DIR", str(home / "checkout-build"))
         mp.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))
-        if vocabulary is not None:
-            mp.setenv("MTPWRAP_LLAMA_SOURCE", vocabulary)
         yield
 
 

@@ -5,19 +5,22 @@ conftest or from each other."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
 from mtpwrap import proc
+
+if TYPE_CHECKING:
+    from tests.hub_server import FakeHub
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -39,16 +42,10 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
+) -> proc.Completed:
     """Run `python -m mtpwrap ARGS` as a person would, from this checkout."""
-    return subprocess.run(
-        [sys.executable, "-m", "mtpwrap", *args],
-        env=env or cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=str(cwd or REPO),
-    )
+    return proc.run([sys.executable, "-m", "mtpwrap", *args], env=env or cli_env(),
+                    timeout=timeout, cwd=cwd or REPO)
 
 
 def require_tool(name: str, package: str) -> str:
@@ -196,3 +193,24 @@ def packable_manifest(tmp_path: Path, identity: str | None = None,
         architectures=["89"], binaries=binaries, version_output="", build_seconds=1.0,
         built_at="2026-11-30T00:00:00", cache_key="k", build_dir=str(bin_dir.parent), log="",
         smoke={"status": "skipped", "detail": "no GPU"})
+
+
+# --------------------------------------------------------------------------- a model hub
+
+
+def gguf_bytes(n: int, seed: int = 0) -> bytes:
+    """A file that starts like a GGUF and then holds n pseudo-random bytes (no pattern a
+    resumed transfer could repeat by chance)."""
+    out, block = bytearray(b"GGUF\x03\x00\x00\x00"), hashlib.sha256(b"%d" % seed).digest()
+    while len(out) < n:
+        block = hashlib.sha256(block).digest()
+        out += block * 64
+    return bytes(out[:n])
+
+
+def pull_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
+    env = cli_env(MTPWRAP_HOME=str(home), HF_ENDPOINT=hub.hub_url, HF_HOME=str(home / "hf"))
+    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "MTPWRAP_MODELS_DIR", "HF_HUB_OFFLINE"):
+        env.pop(name, None)
+    env.update(extra)
+    return env

@@ -6,9 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, gguf_bytes, pull_env, run_cli
 from tests.hub_server import serve
-from tests.test_models_pull import gguf_bytes, pull_env
 
 
 def usb(tmp_path: Path, files: dict[str, bytes], *, sums: dict[str, str] | None = None) -> Path:

@@ -62,6 +62,7 @@ def test_demo_model(demo_model: Path) -> None:
     # a GPU profile with MTP on a model without a head is refused by the planner's check
     assert not profiles["4090-262k"]["fits"]
     assert "no MTP (nextn) layers" in profiles["4090-262k"]["note"]
+    assert "mtpwrap models graft" in profiles["4090-262k"]["note"]
 
 
 def test_shape_only_qwen36_27b(shape_27b: Path) -> None:
@@ -98,13 +99,13 @@ def test_without_a_gpu_the_gpu_profiles_are_named_not_planned(shape_27b: Path,
 
 @pytest.mark.integration
 def test_the_kv_types_are_the_built_binarys(shape_27b: Path, llama_server_bin: Path) -> None:
-    from mtpwrap.decide import capabilities
+    from mtpwrap.build.probe import probe
 
     r = run_cli("models", "inspect", str(shape_27b), "--json", "--binary",
                 str(llama_server_bin), env=cli_env())
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    caps = capabilities.probe(llama_server_bin)
+    caps = probe(llama_server_bin)
     assert [row["type"] for row in info["kv"]] == list(caps.allowed("-ctk") or ())
     assert "llama-server (version " in info["kv_types_from"]
 

@@ -14,7 +14,7 @@ import pytest
 
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.models import pull
-from tests.helpers import cli_env, run_cli
+from tests.helpers import cli_env, gguf_bytes, pull_env, run_cli
 from tests.hub_server import FakeHub, serve
 
 REPO = "acme/Tiny-GGUF"
@@ -22,28 +22,10 @@ TOKEN = "hf_TestSecretToken0123456789abcdef"
 MB = 1 << 20
 
 
-def gguf_bytes(n: int, seed: int = 0) -> bytes:
-    """A file that starts like a GGUF and then holds n pseudo-random bytes (no pattern a
-    resumed transfer could repeat by chance)."""
-    out, block = bytearray(b"GGUF\x03\x00\x00\x00"), hashlib.sha256(b"%d" % seed).digest()
-    while len(out) < n:
-        block = hashlib.sha256(block).digest()
-        out += block * 64
-    return bytes(out[:n])
-
-
 @pytest.fixture
 def hub() -> Iterator[FakeHub]:
     with serve() as h:
         yield h
-
-
-def pull_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
-    env = cli_env(MTPWRAP_HOME=str(home), HF_ENDPOINT=hub.hub_url, HF_HOME=str(home / "hf"))
-    for name in ("HF_TOKEN", "HF_TOKEN_PATH", "MTPWRAP_MODELS_DIR", "HF_HUB_OFFLINE"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
 
 
 def leftovers(d: Path) -> list[str]:
@@ -244,3 +226,40 @@ def test_unknown_repository_and_revision(hub: FakeHub, tmp_path: Path) -> None:
     assert r.returncode == 78 and f"{REPO} on {hub.hub_url} has no revision v9." in r.stderr
     r = run_cli("models", "pull", "no-slash", env=env)
     assert r.returncode == 78 and "a repository is OWNER/NAME" in r.stderr
+
+
+def test_a_bar_on_a_terminal_timestamped_lines_on_a_pipe(hub: FakeHub, tmp_path: Path) -> None:
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO as CHECKOUT
+
+    hub.add(REPO, "Tiny-Q3_K_M.gguf", gguf_bytes(12 * MB, seed=6))
+    piped = run_cli("models", "pull", REPO, env=pull_env(hub, tmp_path / "a"))
+    assert piped.returncode == 0, piped.stderr
+    lines = piped.stderr.strip().splitlines()
+    assert lines and all(re.match(r"\d\d:\d\d:\d\d ", line) for line in lines), lines
+    assert any("Tiny-Q3_K_M.gguf: 13 MB of 13 MB (100 %) received in" in x for x in lines)
+    env = pull_env(hub, tmp_path / "b")
+    env.pop("NO_COLOR", None)
+    leader, follower = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "mtpwrap", "models", "pull", REPO],
+                         stdin=follower, stdout=follower, stderr=follower, env=env,
+                         cwd=str(CHECKOUT))
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(leader)
+    assert p.wait(timeout=60) == 0, seen[-2000:]
+    text = seen.decode(errors="replace")
+    assert "━" in text and "100%" in text  # rich's bar, redrawn in place
+    assert "received in" not in text

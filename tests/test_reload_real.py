@@ -10,7 +10,6 @@ import os
 import shlex
 import signal
 import stat
-import subprocess
 import sys
 import threading
 import time
@@ -89,7 +88,7 @@ class Served:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def reload(self, command: str = "reload") -> subprocess.CompletedProcess[str]:
+    def reload(self, command: str = "reload") -> proc.Completed:
         return run_cli(command, env=self.env, timeout=300)
 
     def metric(self, name: str, **labels: str) -> float:

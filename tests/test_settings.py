@@ -110,5 +110,8 @@ def test_missing_model_is_one_sentence_and_nothing_starts(tmp_path: Path) -> Non
     assert r.returncode == EXIT_CONFIG
     assert "missing.gguf" in r.stderr and "Traceback" not in r.stderr
     assert not (home / "state" / "instance.json").exists()
-    r = run_cli("up", "--binary", str(tmp_path / "nope"), env=cli_env(MTPWRAP_HOME=str(home)))
+    model = tmp_path / "m.gguf"  # here, so nothing is fetched before the binary is checked
+    model.write_bytes(b"GGUF")
+    r = run_cli("up", "--binary", str(tmp_path / "nope"), "--model", str(model),
+                env=cli_env(MTPWRAP_HOME=str(home)))
     assert r.returncode == EXIT_CONFIG and "nope" in r.stderr

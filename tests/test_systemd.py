@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -173,7 +174,11 @@ def test_shipped_unit_is_the_generated_one(tmp_path: Path) -> None:
     shipped = (REPO / "deploy" / "mtpwrap.service").read_text()
     opts = systemd.UnitOptions(exec_start=["/opt/mtpwrap/.venv/bin/mtpwrap", "up", "--config",
                                            "/etc/mtpwrap/mtpwrap.yaml"])
-    assert shipped == systemd.render_unit(opts), "regenerate deploy/mtpwrap.service"
+    assert shipped == systemd.render_unit(opts), (
+        "regenerate it: mtpwrap service print --exec-start '/opt/mtpwrap/.venv/bin/mtpwrap up "
+        "--config /etc/mtpwrap/mtpwrap.yaml' > deploy/mtpwrap.service")
+    r = run_cli("service", "print", "--exec-start", shlex.join(opts.exec_start))
+    assert r.returncode == 0 and r.stdout == shipped  # the command the message names
 
 
 def test_shipped_example_config_loads(tmp_path: Path) -> None:

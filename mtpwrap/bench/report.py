@@ -10,7 +10,9 @@ from pathlib import Path
 from mtpwrap.bench import stats, tokenclass
 from mtpwrap.units import MiB
 
-LANG_NAMES = {"ko": "Korean", "en": "English"}
+LANG_NAMES = {"ko": "Korean", "en": "English", "ruling": "Korean rulings",
+              "statute": "Korean statutes", "interpretation": "Korean FSC interpretations",
+              "licence": "English licences"}
 
 DEFINITIONS = {
     "prefill t/s": "prompt tokens ÷ prompt time, from the server's `timings` (prompt_n, "
@@ -188,6 +190,7 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
                  f"{LANG_NAMES.get(k, k)} — {v['source']}, {len(v['documents'])} documents"
                  + (f", archive sha256 `{v['archive_sha256'][:16]}…`" if v.get("archive_sha256")
                     else "") for k, v in prov["corpora"].items()) + ".",
+             "", *[v["attribution"] for v in prov["corpora"].values() if v.get("attribution")],
              "",
              f"Counts reconcile with llama-server's own counters: "
              f"**{'yes' if s['reconciled'] else 'NO'}**.", ""]

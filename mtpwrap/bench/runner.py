@@ -98,18 +98,20 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
 def default_profile() -> Profile:
     """The profile a benchmark derives its cells from when none is named: the one `up` would
     choose on this machine."""
-    from mtpwrap.decide import profiles, resolve
+    from mtpwrap.decide import profiles
+    from mtpwrap.run.inputs import load_snapshot
 
-    return profiles.select_profile(resolve.load_snapshot(None))[0]
+    return profiles.select_profile(load_snapshot(None))[0]
 
 
 def resolve_profile(prof: Profile, *, binary: Path, model: Path,
                     caps: Capabilities | None = None) -> tuple[LaunchConfig, Capabilities]:
     """A profile's launch on this binary, resolved as `up` resolves it (no hardware check, no
     memory plan: a measurement, not a service)."""
-    from mtpwrap.decide import capabilities, resolve
+    from mtpwrap.build.probe import probe
+    from mtpwrap.decide import resolve
 
-    caps = caps or capabilities.probe(binary)
+    caps = caps or probe(binary)
     r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
     return r.launch, caps
 

@@ -6,7 +6,6 @@ import datetime as _dt
 import os
 import platform
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from mtpwrap import hashing
+from mtpwrap import hashing, proc
 from mtpwrap.bench import corpora, stats, tokenclass
 from mtpwrap.bench.runner import (
     BenchConfig,
@@ -103,11 +102,10 @@ def hardware_snapshot() -> dict:
     smi = shutil.which("nvidia-smi")
     if smi:
         try:
-            out = subprocess.run(
-                [smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
-                 "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+            out = proc.run([smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
+                            "--format=csv,noheader"], timeout=20)
             snap["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-        except (OSError, subprocess.TimeoutExpired):
+        except proc.ProcError:
             snap["gpus"] = []
     else:
         snap["gpus"] = []
@@ -136,10 +134,8 @@ def build_provenance(binary: Path | None) -> dict:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = f"{Path(binary).parent}:{env.get('LD_LIBRARY_PATH', '')}"
         try:
-            out = subprocess.run([str(binary), "--version"], capture_output=True, text=True,
-                                 timeout=30, env=env)
-            prov["version"] = (out.stdout + out.stderr).strip().splitlines()[-2:]
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            prov["version"] = proc.version(binary, timeout=30, env=env).splitlines()[-2:]
+        except proc.ProcError as exc:
             prov["version"] = [f"unavailable: {exc}"]
     return prov
 
@@ -172,7 +168,7 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
         "lang": lang,
         "context": ctx,
         "prompt_tokens": prompt.n_tokens,
-        "prompt_documents": prompt.documents,
+        "prompt_documents": [{"name": n, "sha256": h, "tokens": k} for n, h, k in prompt.used],
         "generated_tokens": res.n,
         "prefill_tokens_per_s": t.get("prompt_per_second"),
         "decode_tokens_per_s": t.get("predicted_per_second"),
@@ -287,7 +283,12 @@ def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
                 continue
             if progress:
                 progress(f"{cfg.name} {lang} {ctx}", 1)
-            prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            try:
+                prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            except corpora.CorpusTooSmall as exc:
+                results["cells"].append({"config": cfg.name, "lang": lang, "context": ctx,
+                                         "skipped": str(exc)})
+                continue
             before = client.metrics()
             res = client.complete(prompt.tokens, plan.n_predict)
             after = client.metrics()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import hashing, paths
-from mtpwrap.build import cmake, patchset, planning, smoke, source, spec_probe
+from mtpwrap.build import cmake, patchset, planning, smoke, source, spec_probe, toolchain
 from mtpwrap.build.cmake import ProgressFn
 from mtpwrap.build.manifest import (
     MANIFEST,
@@ -174,7 +174,7 @@ class _Job:
     src: source.Source | None
     applied: list[patchset.Patch]
     patch_records: list[dict[str, Any]]
-    compiler: str
+    compiler: str | None  #: the C++ compiler's version line (part of the cache key)
     jobs: int | None
     progress: ProgressFn | None
     force: bool
@@ -212,7 +212,9 @@ def _compile(job: _Job, plan: Plan, key: str, build_dir: Path,
              earlier: Manifest | None) -> Manifest:
     """Compile `plan`; with `earlier` (a cached build lacking some TARGETS), only what is
     missing is compiled, and its smoke result stays when llama-server did not change."""
-    tree = _patched_source(job.resolved(), job.applied, build_dir, job.force)
+    src = job.resolved()  # a bad source is a configuration error, told before a missing tool
+    cmake.preflight()
+    tree = _patched_source(src, job.applied, build_dir, job.force)
     manifest = cmake.compile_plan(plan, tree, job.why, key, build_dir, job.compiler, job.jobs,
                                   job.progress, job.force)
     manifest.patches = job.patch_records
@@ -290,7 +292,6 @@ def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool) ->
 def _job(source_spec: str | None, allow_unpinned: bool, no_patches: bool,
          skip_patches: tuple[str, ...], jobs: int | None, progress: ProgressFn | None,
          force: bool, note: NoteFn | None) -> _Job:
-    compiler = cmake.preflight()
     # The patch set is for the pinned sources; a --source PATH tree is built as it is.
     own_tree = source_spec not in (None, "", "auto", "offline", "submodule")
     applied, opted_out = patchset.select(no_patches or own_tree, skip_patches)
@@ -308,8 +309,8 @@ def _job(source_spec: str | None, allow_unpinned: bool, no_patches: bool,
     else:
         src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
         identity, why = src.identity, src.reason
-    return _Job(source_spec, allow_unpinned, identity, why, src, applied, records, compiler,
-                jobs, progress, force, note or (lambda _msg: None))
+    return _Job(source_spec, allow_unpinned, identity, why, src, applied, records,
+                toolchain.cxx_version(), jobs, progress, force, note or (lambda _msg: None))
 
 
 def build(
@@ -337,9 +338,9 @@ def build(
     The patch set (patchset) is applied unless `no_patches`; `skip_patches` opts out of some.
     `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
     """
+    plans = _plans(cpu, cuda_arch, cpu_isa, planning.source_is_fork(source_spec))
     job = _job(source_spec, allow_unpinned, no_patches, skip_patches, jobs, progress, force,
                note)
-    plans = _plans(cpu, cuda_arch, cpu_isa, planning.source_is_fork(source_spec))
     tried: list[dict[str, Any]] = []
     for i, plan in enumerate(plans):
         seen = _remembered(job, plan) if cpu_isa is None and i + 1 < len(plans) else None
@@ -409,10 +410,10 @@ def configure_only(
 
     Returns (and writes to configure.json there) the plan, the argv and which options CMake
     took; a build with the same options later reuses the configured folder."""
-    compiler = cmake.preflight()
     plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or CPU_ISAS[0],
                                fork=planning.source_is_fork(source_spec))
     src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
+    compiler = cmake.preflight()
     # the patch set is for the pinned sources; a --source PATH tree is configured as it is
     applied = patchset.select()[0] if src.kind in ("offline", "submodule") else []
     key = planning.cache_key(src.identity, plan.options, compiler, patchset.key_part(applied))

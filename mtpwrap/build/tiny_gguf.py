@@ -93,6 +93,19 @@ class _Builder:
                                                                    self.ftype)))
 
 
+def _moe_ffn(b: _Builder, il: int, n_embd: int, moe: dict[str, int]) -> None:
+    """A qwen35moe layer's routed experts and its shared expert."""
+    ne, nf, nfs = moe["n_expert"], moe["n_ff_exp"], moe["n_ff_shexp"]
+    b.t(f"blk.{il}.ffn_gate_inp.weight", n_embd, ne, il=il)
+    b.t(f"blk.{il}.ffn_gate_exps.weight", n_embd, nf, ne, il=il)
+    b.t(f"blk.{il}.ffn_up_exps.weight", n_embd, nf, ne, il=il)
+    b.t(f"blk.{il}.ffn_down_exps.weight", nf, n_embd, ne, il=il)
+    b.t(f"blk.{il}.ffn_gate_inp_shexp.weight", n_embd, il=il)
+    b.t(f"blk.{il}.ffn_gate_shexp.weight", n_embd, nfs, il=il)
+    b.t(f"blk.{il}.ffn_up_shexp.weight", n_embd, nfs, il=il)
+    b.t(f"blk.{il}.ffn_down_shexp.weight", nfs, n_embd, il=il)
+
+
 def _qwen35_spec(*, name: str, n_embd: int, n_layer: int, n_nextn: int, n_head: int,
                  n_head_kv: int, head_dim: int, n_ff: int, d_conv: int, d_state: int,
                  n_group: int, n_v_heads: int, n_vocab: int | None, n_ctx: int,
@@ -137,15 +150,7 @@ def _qwen35_spec(*, name: str, n_embd: int, n_layer: int, n_nextn: int, n_head: 
 
     def ffn(il: int) -> None:
         if moe:
-            ne, nf, nfs = moe["n_expert"], moe["n_ff_exp"], moe["n_ff_shexp"]
-            b.t(f"blk.{il}.ffn_gate_inp.weight", n_embd, ne, il=il)
-            b.t(f"blk.{il}.ffn_gate_exps.weight", n_embd, nf, ne, il=il)
-            b.t(f"blk.{il}.ffn_up_exps.weight", n_embd, nf, ne, il=il)
-            b.t(f"blk.{il}.ffn_down_exps.weight", nf, n_embd, ne, il=il)
-            b.t(f"blk.{il}.ffn_gate_inp_shexp.weight", n_embd, il=il)
-            b.t(f"blk.{il}.ffn_gate_shexp.weight", n_embd, nfs, il=il)
-            b.t(f"blk.{il}.ffn_up_shexp.weight", n_embd, nfs, il=il)
-            b.t(f"blk.{il}.ffn_down_shexp.weight", nfs, n_embd, il=il)
+            _moe_ffn(b, il, n_embd, moe)
         else:
             b.t(f"blk.{il}.ffn_gate.weight", n_embd, n_ff, il=il)
             b.t(f"blk.{il}.ffn_up.weight", n_embd, n_ff, il=il)

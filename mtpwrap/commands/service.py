@@ -13,11 +13,15 @@ from mtpwrap.config.table import DEFAULT_CONFIG_FILE
 
 
 def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
-             drain_s: float, drain_grace_s: float, stop_grace_s: float) -> object:
+             drain_s: float, drain_grace_s: float, stop_grace_s: float,
+             exec_start: str | None) -> object:
+    import shlex
+
     from mtpwrap.run import systemd
 
+    argv = shlex.split(exec_start) if exec_start else systemd.default_exec_start(config, profile)
     return systemd.UnitOptions(
-        exec_start=systemd.default_exec_start(config, profile), user=user, group=user,
+        exec_start=argv, user=user, group=user,
         watchdog_s=watchdog_s, drain_s=drain_s, drain_grace_s=drain_grace_s,
         stop_grace_s=stop_grace_s)
 
@@ -28,6 +32,11 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _common(f: _F) -> _F:
     for opt in reversed([
         setting_option("profile", default=None, help="Profile the unit serves."),
+        click.option("--exec-start", default=None,
+                     help="The command line ExecStart runs (default: this Python's `mtpwrap "
+                          "up` with --config and --profile); deploy/mtpwrap.service is "
+                          "`--exec-start '/opt/mtpwrap/.venv/bin/mtpwrap up --config "
+                          f"{DEFAULT_CONFIG_FILE}'`."),
         click.option("--config", envvar="MTPWRAP_CONFIG", default=DEFAULT_CONFIG_FILE,
                      show_default=True, help="Config file the unit passes to `mtpwrap up`."),
         click.option("--user", envvar="MTPWRAP_SERVICE_USER", default="mtpwrap",

@@ -62,8 +62,16 @@ def convert(raw: Any, key: Key, where: str, name: str, *, strict: bool = False) 
         ok, value = _parse(raw, key.kind)
     if not ok or not key.accepts(value):
         raise ConfigError(f"{where}: {name}: expected {key.expected()}, got {raw!r}.",
-                          hint=f"Fix {name} in {where}.")
+                          hint=_fix(where, name))
     return value
+
+
+def _fix(where: str, name: str) -> str | None:
+    if where.startswith("--"):
+        return None  # the flag is on the command line just typed
+    if where.startswith("MTPWRAP_"):
+        return f"Fix or unset {where}."
+    return f"Fix {name} in {where}."
 
 
 def check_names(section: str, names: Iterable[Any], where: str) -> None:

@@ -547,10 +547,6 @@ class RecordedNvml:
         return self._dev(h, "clocks_event_reasons")
 
 
-def snapshot_from_record(data: Mapping[str, Any], source: str = "recording") -> HardwareSnapshot:
-    return snapshot(RecordedNvml(data, source=source))
-
-
 def load_snapshot(path: str | Path) -> HardwareSnapshot:
     """A snapshot from a file: an NVML recording (replayed) or a saved `to_dict()`."""
     import json

@@ -246,6 +246,21 @@ def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig)
     return 2
 
 
+def require_mtp_head(facts: ModelFacts, who: str = "--spec-type mtp") -> None:
+    """MTP speculation needs the model's nextn blocks: declared in the metadata and present as
+    tensors (a fine-tune often keeps the key and loses the blocks)."""
+    if facts.has_mtp and facts.mtp_bytes > 0:
+        return
+    what = ("has no MTP (nextn) layers" if not facts.has_mtp else
+            f"declares {facts.n_layer_nextn} MTP (nextn) layer(s) but holds none of their "
+            "tensors")
+    raise ConfigError(
+        f"{facts.path}: the model {what}, so {who} cannot be used.",
+        hint="Give it the head of the model it was made from with `mtpwrap models graft "
+             "--mtp-from BASE.gguf MODEL.gguf -o OUT.gguf`, or choose another speculative "
+             "mode (spec.kind) or model.")
+
+
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
          kv_sizes: dict[str, Any] | None = None) -> MemoryPlan:
     """The full plan for one configuration."""
@@ -259,9 +274,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         f"{facts.n_ctx_train}")
     gpu = "gpu" if cfg.backend == "cuda" else "host"
     mtp = cfg.spec == "mtp"
-    if mtp and not facts.has_mtp:
-        raise ConfigError(f"{facts.path}: the model has no MTP (nextn) layers, so --spec-type "
-                          "mtp cannot be used; choose another speculative mode or model.")
+    if mtp:
+        require_mtp_head(facts)
 
     # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
     # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).
@@ -420,37 +434,3 @@ def check_fits(p: MemoryPlan) -> None:
         f"device plus a {p.config.margin / GiB:.2f} GiB margin, but the device has "
         f"{p.device_bytes / GiB:.2f} GiB (short by {-p.headroom / GiB:.2f} GiB).{hint}"
     )
-
-
-def profile_settings(prof: Any, kv_sizes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plan settings a profile (mtpwrap.profiles.Profile) implies.
-
-    The KV lists are preferences: the first type with a known size (built in, or measured from
-    the binary) is planned. `context` stays "max" when the profile says so; resolve it with
-    largest_context() once the device is known.
-    """
-    known = set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
-
-    def first_known(types: tuple[str, ...], key: str) -> str:
-        for t in types:
-            if t in known:
-                return t
-        raise ConfigError(f"profile {prof.name}: {key}: none of {', '.join(types)} is a cache "
-                          "type with a known size; run `mtpwrap build` (it measures the "
-                          "binary's types) or edit the profile.")
-
-    spec = prof.spec.kind if prof.spec.kind in ("mtp", "draft", "ngram") else "none"
-    draft = prof.spec.draft_kv
-    return {
-        "model": prof.model,
-        "context": prof.context,
-        "kv": first_known(prof.kv.k, "kv.k"),
-        "spec": spec,
-        "depth": prof.spec.depth or 3,
-        "kv_draft": first_known(draft.k, "spec.draft_kv.k") if draft else "f16",
-        "slots": prof.slots,
-        "ubatch": prof.ubatch or 512,
-        "batch": prof.batch or 2048,
-        "flash_attn": prof.flash_attn != "off",
-        "ngl": prof.gpu_layers if isinstance(prof.gpu_layers, int) else 999,
-    }

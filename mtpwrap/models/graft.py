@@ -19,15 +19,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtpwrap.errors import ConfigError, RuntimeFailure
+from mtpwrap.models.inspect import in_head
 
-_BLK = re.compile(r"^blk\.(\d+)\.")
 #: keys of ours recording a grafted head's origin
 GRAFT_KEYS = ("mtpwrap.graft.mtp_from", "mtpwrap.graft.mtp_from_name",
               "mtpwrap.graft.mtp_from_sha256", "mtpwrap.graft.mtp_from_repo",
@@ -71,8 +70,7 @@ class Model:
         return self.value(f"{self.arch}.{key}")
 
     def head_tensors(self) -> list[Any]:
-        return [t for t in self.reader.tensors
-                if (m := _BLK.match(t.name)) and int(m.group(1)) >= self.trunk]
+        return [t for t in self.reader.tensors if in_head(t.name, self.trunk)]
 
     def vocab(self) -> int:
         n = self.arch_value("vocab_size")
@@ -160,8 +158,7 @@ def check_together(base: Model, target: Model) -> None:
         raise differ("tokenizer (tokenizer.ggml.tokens)", "another token list", "one token list")
     shapes = {t.name: tuple(int(x) for x in t.shape) for t in base.reader.tensors}
     for t in target.reader.tensors:
-        mt = _BLK.match(t.name)
-        if mt and int(mt.group(1)) >= target.trunk:
+        if in_head(t.name, target.trunk):
             continue
         want = shapes.get(t.name)
         if want is not None and want != tuple(int(x) for x in t.shape):
@@ -219,8 +216,7 @@ def write(base: Model, target: Model, tmp: Path,
           progress: Callable[[int, int], None] | None = None) -> None:
     from gguf import GGUFWriter
 
-    keep = [t for t in target.reader.tensors
-            if not ((m := _BLK.match(t.name)) and int(m.group(1)) >= target.trunk)]
+    keep = [t for t in target.reader.tensors if not in_head(t.name, target.trunk)]
     tensors = [(t, target.reader) for t in keep] + [(t, base.reader)
                                                    for t in base.head_tensors()]
     writer = GGUFWriter(tmp, target.arch, endianess=target.reader.endianess)

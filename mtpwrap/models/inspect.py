@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 _BLK = re.compile(r"^blk\.(\d+)\.")
 
 
+def in_head(tensor_name: str, trunk_layers: int) -> bool:
+    """Whether a tensor belongs to a block after the trunk: the MTP (nextn) head."""
+    m = _BLK.match(tensor_name)
+    return m is not None and int(m.group(1)) >= trunk_layers
+
+
 def _shards(path: Path, meta: dict[str, Any]) -> list[Path]:
     n = int(meta.get("split.count", 1) or 1)
     m = SPLIT.match(path.name)
@@ -36,8 +42,7 @@ def _shards(path: Path, meta: dict[str, Any]) -> list[Path]:
 def mtp_state(facts: ModelFacts, tensors: Sequence[gguf_facts.TensorInfo]) -> dict[str, Any]:
     """The MTP (nextn) head as the metadata declares it and as the tensors hold it: a fine-tune
     that lost its head may still declare one."""
-    head = [t for t in tensors
-            if (m := _BLK.match(t.name)) and int(m.group(1)) >= facts.n_layer]
+    head = [t for t in tensors if in_head(t.name, facts.n_layer)]
     present = facts.n_layer_nextn > 0 and bool(head)
     state = ("yes" if present else "declared, but its tensors are missing"
              if facts.n_layer_nextn else "no")
@@ -130,7 +135,7 @@ def fitting_profiles(path: Path, snapshot: HardwareSnapshot | None, caps: Capabi
                                 kv_sizes=kv_sizes, plan=True, refuse=False,
                                 kv_limits=list(dict.fromkeys(p.kv.k)))
         except ConfigError as exc:
-            row["note"] = exc.message
+            row["note"] = str(exc)
             continue
         row.update(where="gpu" if resolve.on_device(prof, snapshot) else "host",
                    context=r.plan.context if r.plan else r.launch.context,

@@ -253,6 +253,8 @@ def fetch_bytes(url: str, headers: dict[str, str], f: RemoteFile, dest: Path,
     from huggingface_hub.file_download import http_get
 
     part = partial_path(dest, f)
+    if f.size is not None and part.is_file() and part.stat().st_size > f.size:
+        part.unlink()  # longer than the file: not a prefix of it
     try:
         with _open_part(part) as out:
             http_get(url, out, resume_size=out.tell(), headers=headers, expected_size=f.size,

@@ -20,7 +20,7 @@ from mtpwrap.run.supervisor import LaunchFactory, Supervisor
 from mtpwrap.serve.info import ServeInfo
 
 if TYPE_CHECKING:
-    from mtpwrap.build.builder import Manifest
+    from mtpwrap.build.manifest import Manifest
     from mtpwrap.decide.resolve import Resolved
     from mtpwrap.serve.front import Front
 
@@ -50,11 +50,12 @@ def resolve_launch(settings: Settings) -> Launch:
     import dataclasses
 
     from mtpwrap.decide import resolve
+    from mtpwrap.run import inputs
 
-    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
-                         replay=settings.hw_replay)
+    inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
+                        replay=settings.hw_replay)
     skip = settings.plan == "skip"
-    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    r = inputs.resolve_inputs(inp, plan=False if skip else None)
     gpu = resolve.on_device(inp.profile, inp.snapshot)
     warnings = list(inp.warnings)
     if skip:
