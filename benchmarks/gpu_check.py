@@ -24,8 +24,9 @@ if str(REPO) not in sys.path:
 
 from mtpwrap import proc  # noqa: E402
 from mtpwrap.bench.runner import BenchConfig, cell_launch  # noqa: E402
+from mtpwrap.build.probe import probe  # noqa: E402
 from mtpwrap.decide import launch, profiles  # noqa: E402
-from mtpwrap.decide.capabilities import Capabilities, probe  # noqa: E402
+from mtpwrap.decide.capabilities import Capabilities  # noqa: E402
 
 KV_TYPES = ("f16", "q8_0", "q4_0")
 CONTEXTS = (1024, 8192, 32768)

@@ -410,12 +410,13 @@ def llama_paths() -> tuple[Path, Path]:
 
 def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> proc.Process:
-    from mtpwrap.decide import capabilities, launch
+    from mtpwrap.build.probe import probe
+    from mtpwrap.decide import launch
 
     binary, model = llama_paths()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, why="benchmark upstream")
-    spec = launch.render(cfg, capabilities.probe(binary), binary=binary, port=port,
+    spec = launch.render(cfg, probe(binary), binary=binary, port=port,
                          api_key=INTERNAL_KEY, extra=extra or [])
     srv = proc.start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env={**env, **spec.env},
                        timeout=180)

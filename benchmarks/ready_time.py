@@ -53,10 +53,11 @@ def poll(url: str, deadline: float) -> float | None:
 def direct(binary: Path, model: Path) -> tuple[float, float]:
     """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
     from mtpwrap.decide import profiles, resolve
+    from mtpwrap.run.inputs import find_server
 
     port, key = free_port(), secrets.token_urlsafe(16)
     r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
-                        caps=resolve.find_server(binary)[1], model=model, binary=binary,
+                        caps=find_server(binary)[1], model=model, binary=binary,
                         plan=False)
     spec = r.render(port=port, api_key=key)
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mtpwrap.decide import capabilities
+from mtpwrap.build.probe import probe
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 
@@ -150,7 +150,7 @@ def test_parser_handles_long_heads_and_hints() -> None:
 
 
 def _runner(results: dict[str, Any]) -> Any:
-    def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         r = results[cmd[1]]
         if isinstance(r, BaseException):
             raise r
@@ -167,18 +167,18 @@ def _fake_binary(tmp_path: Path) -> Path:
 
 def test_probe_missing_binary(tmp_path: Path) -> None:
     with pytest.raises(MissingToolError, match="does not exist"):
-        capabilities.probe(tmp_path / "nope")
+        probe(tmp_path / "nope")
 
 
 def test_probe_timeout_and_failure(tmp_path: Path) -> None:
     exe = _fake_binary(tmp_path)
     hang = _runner({"--help": subprocess.TimeoutExpired([str(exe)], 1)})
     with pytest.raises(RuntimeFailure, match="did not finish"):
-        capabilities.probe(exe, timeout=1, runner=hang)
+        probe(exe, timeout=1, runner=hang)
     fail = _runner({"--help": subprocess.CompletedProcess([], 1, "", "error: libggml.so: cannot "
                                                                     "open shared object file")})
     with pytest.raises(RuntimeFailure, match="exited with code 1: error: libggml.so"):
-        capabilities.probe(exe, runner=fail)
+        probe(exe, runner=fail)
 
 
 def test_probe_real_timeout(tmp_path: Path) -> None:
@@ -187,7 +187,7 @@ def test_probe_real_timeout(tmp_path: Path) -> None:
     exe.write_text("#!/bin/sh\nexec sleep 30\n")
     exe.chmod(0o755)
     with pytest.raises(RuntimeFailure, match="did not finish within 0.5 s"):
-        capabilities.probe(exe, timeout=0.5)
+        probe(exe, timeout=0.5)
 
 
 def test_probe_not_a_llama_server(tmp_path: Path) -> None:
@@ -195,13 +195,13 @@ def test_probe_not_a_llama_server(tmp_path: Path) -> None:
     exe.write_text("#!/bin/sh\necho hello\n")
     exe.chmod(0o755)
     with pytest.raises(RuntimeFailure, match="listed no options"):
-        capabilities.probe(exe)
+        probe(exe)
 
 
 @pytest.mark.integration
 def test_live_binary_matches_recorded_upstream_help(llama_server_bin: Path,
                                                     upstream: Capabilities) -> None:
-    live = capabilities.probe(llama_server_bin)
+    live = probe(llama_server_bin)
     assert live.binary == str(llama_server_bin)
     assert live.commit == upstream.commit == "0c1e570"
     assert live.options == upstream.options

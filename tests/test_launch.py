@@ -336,9 +336,9 @@ def test_cpu_demo_argv_starts_real_llama_server(llama_server_bin: Path, demo_mod
     import httpx
     import openai
 
-    from mtpwrap.decide import capabilities
+    from mtpwrap.build.probe import probe
 
-    caps = capabilities.probe(llama_server_bin)
+    caps = probe(llama_server_bin)
     key = "internal-" + os.urandom(8).hex()
     spec = spec_of(SHIPPED["cpu-demo"], caps, SNAPS["none"], model=demo_model, port=free_port,
                    api_key=key)
@@ -494,10 +494,10 @@ def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_
     model drafting for itself (docs/facts.md §2 saw acceptance 1.0 this way)."""
     import httpx
 
-    from mtpwrap.decide import capabilities
+    from mtpwrap.build.probe import probe
 
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
-    spec = spec_of(prof, capabilities.probe(llama_server_bin), None, model=demo_model,
+    spec = spec_of(prof, probe(llama_server_bin), None, model=demo_model,
                    draft_model=demo_model, port=free_port)
     base = f"http://127.0.0.1:{free_port}"
     with running_server(spec.argv, base_url=base, env=spec.env, log_path=tmp_path / "server.log",
@@ -680,3 +680,44 @@ def test_step_down_takes_only_types_the_model_admits(tmp_path: Path) -> None:
     assert kv_rungs and not any(t.startswith("tbq") for t in kv_rungs)
     unasked = [r.cache_k for r in launch.ladder(cfg, CAPS["fork"])]
     assert "tbq4_0" in unasked  # without the header, the fork's types are rungs too
+
+
+def _without(help_name: str, flag_line_start: str) -> Capabilities:
+    """A recorded help text with one option's block removed."""
+    lines = (DATA / "help" / f"{help_name}.txt").read_text().splitlines()
+    i = next(n for n, x in enumerate(lines) if x.startswith(flag_line_start))
+    j = i + 1
+    while lines[j].startswith(" "):
+        j += 1
+    return Capabilities.from_help("\n".join(lines[:i] + lines[j:]), "")
+
+
+def test_fit_params_rendering_leaves_out_what_it_lacks_and_names_it() -> None:
+    """The fork's llama-fit-params rejects --spec-type: its command line leaves the speculation
+    flags out and says so; a memory flag it lacks is still refused."""
+    cfg = launch.choose(SHIPPED["4090-262k"], CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
+    fit_caps = _without("fork-0bc0a27", "--spec-type")
+    spec = launch.render(cfg, fit_caps, serve=False)
+    assert spec.dropped == ["--spec-type mtp"]
+    for flag in ("--spec-type", "--spec-draft-n-max", "-ctkd", "--port", "--metrics"):
+        assert flag not in spec.argv
+    assert spec.argv[spec.argv.index("-ctk") + 1] == "tbq4_0"
+    no_mlock = _without("fork-0bc0a27", "--mlock")
+    assert launch.render(cfg, no_mlock, serve=False).dropped == ["--mlock"]
+    with pytest.raises(ConfigError, match="--spec-type"):
+        launch.render(cfg, fit_caps)  # llama-server itself: refused, never dropped
+    with pytest.raises(ConfigError, match="-ub"):
+        launch.render(cfg, _without("fork-0bc0a27", "-ub,"), serve=False)
+
+
+@pytest.mark.integration
+def test_the_demo_model_takes_q4_0_from_a_tbq_list(demo_model: Path, tmp_path: Path) -> None:
+    """The real demo model's header (SmolLM2-135M: rows of 192) against the fork as built
+    here: tbq4_0 would crash llama-server at context creation, q4_0 serves."""
+    from mtpwrap.decide.gguf_facts import read_facts
+
+    prof = _kv_profile(tmp_path, "tbq4_0, q4_0", "tbq4_0, q4_0")
+    cfg = launch.choose(prof, CAPS["fork-0bc0a27"], None, model=demo_model,
+                        facts=read_facts(demo_model))
+    assert (cfg.cache_k, cfg.cache_v) == ("q4_0", "q4_0")
+    assert f"{demo_model.name}'s K row (head size × KV heads) is 192" in cfg.reason("cache_k")

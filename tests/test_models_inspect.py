@@ -99,13 +99,13 @@ def test_without_a_gpu_the_gpu_profiles_are_named_not_planned(shape_27b: Path,
 
 @pytest.mark.integration
 def test_the_kv_types_are_the_built_binarys(shape_27b: Path, llama_server_bin: Path) -> None:
-    from mtpwrap.decide import capabilities
+    from mtpwrap.build.probe import probe
 
     r = run_cli("models", "inspect", str(shape_27b), "--json", "--binary",
                 str(llama_server_bin), env=cli_env())
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
-    caps = capabilities.probe(llama_server_bin)
+    caps = probe(llama_server_bin)
     assert [row["type"] for row in info["kv"]] == list(caps.allowed("-ctk") or ())
     assert "llama-server (version " in info["kv_types_from"]
 

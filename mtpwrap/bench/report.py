@@ -8,8 +8,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.units import MiB
 
-LANG_NAMES = {"ko": "Korean", "en": "English"}
+LANG_NAMES = {"ko": "Korean", "en": "English", "ruling": "Korean rulings",
+              "statute": "Korean statutes", "interpretation": "Korean FSC interpretations",
+              "licence": "English licences"}
 
 DEFINITIONS = {
     "prefill t/s": "prompt tokens ÷ prompt time, from the server's `timings` (prompt_n, "
@@ -124,8 +127,8 @@ def _kv_bpv(results: dict) -> dict:
             cells = kv["cells"] * kv.get("streams", 1)
             n_k = cells * kv["layers"] * geo["n_head_kv"] * geo["key_length"]
             n_v = cells * kv["layers"] * geo["n_head_kv"] * geo["value_length"]
-            rec["k_bytes_per_value"] = kv["k_mib"] * 2**20 / n_k
-            rec["v_bytes_per_value"] = kv["v_mib"] * 2**20 / n_v
+            rec["k_bytes_per_value"] = kv["k_mib"] * MiB / n_k
+            rec["v_bytes_per_value"] = kv["v_mib"] * MiB / n_v
         out[name] = rec
     return out
 
@@ -187,6 +190,7 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
                  f"{LANG_NAMES.get(k, k)} — {v['source']}, {len(v['documents'])} documents"
                  + (f", archive sha256 `{v['archive_sha256'][:16]}…`" if v.get("archive_sha256")
                     else "") for k, v in prov["corpora"].items()) + ".",
+             "", *[v["attribution"] for v in prov["corpora"].values() if v.get("attribution")],
              "",
              f"Counts reconcile with llama-server's own counters: "
              f"**{'yes' if s['reconciled'] else 'NO'}**.", ""]

@@ -10,7 +10,7 @@ from mtpwrap.errors import ConfigError
 
 def server_binary(explicit: str | Path | None) -> Path:
     """--binary, `MTPWRAP_BINARY`, or the installed build's llama-server."""
-    from mtpwrap.decide.resolve import find_server
+    from mtpwrap.run.inputs import find_server
 
     binary, _caps, _manifest = find_server(explicit)
     assert binary is not None

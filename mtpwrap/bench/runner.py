@@ -98,18 +98,20 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
 def default_profile() -> Profile:
     """The profile a benchmark derives its cells from when none is named: the one `up` would
     choose on this machine."""
-    from mtpwrap.decide import profiles, resolve
+    from mtpwrap.decide import profiles
+    from mtpwrap.run.inputs import load_snapshot
 
-    return profiles.select_profile(resolve.load_snapshot(None))[0]
+    return profiles.select_profile(load_snapshot(None))[0]
 
 
 def resolve_profile(prof: Profile, *, binary: Path, model: Path,
                     caps: Capabilities | None = None) -> tuple[LaunchConfig, Capabilities]:
     """A profile's launch on this binary, resolved as `up` resolves it (no hardware check, no
     memory plan: a measurement, not a service)."""
-    from mtpwrap.decide import capabilities, resolve
+    from mtpwrap.build.probe import probe
+    from mtpwrap.decide import resolve
 
-    caps = caps or capabilities.probe(binary)
+    caps = caps or probe(binary)
     r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
     return r.launch, caps
 
@@ -161,7 +163,9 @@ def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
     port = port or _free_port(host)
     spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])
     # The build ships its shared libraries next to the binary.
-    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # The launch's own environment too (e.g. the fork's switch for a tbq3_0 V cache).
+    env = {**spec.env,
+           "LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     return start_server(spec.argv, base_url=f"http://{host}:{port}", env=env,
                         log_path=Path(log_path) if log_path else None, timeout=timeout,
                         what=what)

@@ -168,7 +168,7 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
         "lang": lang,
         "context": ctx,
         "prompt_tokens": prompt.n_tokens,
-        "prompt_documents": prompt.documents,
+        "prompt_documents": [{"name": n, "sha256": h, "tokens": k} for n, h, k in prompt.used],
         "generated_tokens": res.n,
         "prefill_tokens_per_s": t.get("prompt_per_second"),
         "decode_tokens_per_s": t.get("predicted_per_second"),
@@ -283,7 +283,12 @@ def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
                 continue
             if progress:
                 progress(f"{cfg.name} {lang} {ctx}", 1)
-            prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            try:
+                prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
+            except corpora.CorpusTooSmall as exc:
+                results["cells"].append({"config": cfg.name, "lang": lang, "context": ctx,
+                                         "skipped": str(exc)})
+                continue
             before = client.metrics()
             res = client.complete(prompt.tokens, plan.n_predict)
             after = client.metrics()

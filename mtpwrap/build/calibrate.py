@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import proc
-from mtpwrap.build import tiny_gguf
+from mtpwrap.build import probe, tiny_gguf
 from mtpwrap.build.manifest import load_manifest, update_manifest
-from mtpwrap.decide import capabilities, launch
+from mtpwrap.decide import launch
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 from mtpwrap.units import MiB
@@ -131,7 +131,7 @@ def fit_params_binary(binary: Path) -> Path:
 def accepted_cache_types(binary: Path, timeout: float = 30) -> list[str]:
     """The `-ctk` values the binary lists in --help ("allowed values: f32, f16, ...")."""
 
-    caps = capabilities.probe(binary, timeout=timeout)
+    caps = probe.probe(binary, timeout=timeout)
     flag = caps.first_of(("-ctk", "--cache-type-k"))
     if flag is None:
         raise RuntimeFailure(f"{binary}: --help does not list --cache-type-k; is this a "
@@ -155,11 +155,15 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
     return log
 
 
+def fit_params_launch(fit_bin: Path, cl: Any) -> launch.RenderedLaunch:
+    """A launch as llama-fit-params takes it; what it lacks (and does not size memory) is left
+    out and named in `dropped`."""
+    return launch.render(cl, probe.probe(fit_bin), binary=fit_bin, serve=False)
+
+
 def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
     """The flags of a launch as llama-fit-params takes them (after its -m MODEL)."""
-
-    spec = launch.render(cl, capabilities.probe(fit_bin), binary=fit_bin, serve=False)
-    return spec.argv[3:]
+    return fit_params_launch(fit_bin, cl).argv[3:]
 
 
 def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int,
@@ -249,7 +253,7 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     repacking copies every quantized weight into RAM.
     """
 
-    caps = capabilities.probe(server_bin)
+    caps = probe.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
                              no_warmup=True, threads=2, verbosity=4)
     cmd = launch.render(cl, caps, binary=server_bin, port=port).argv

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import hashing, proc
-from mtpwrap.build import source, toolchain
+from mtpwrap.build import probe, source, toolchain
 from mtpwrap.build.manifest import Manifest
 from mtpwrap.build.planning import TARGETS, Plan, flag_env, webui_options
-from mtpwrap.decide import capabilities as decide_capabilities
 from mtpwrap.errors import BuildError, MissingToolError
 
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
@@ -84,7 +83,7 @@ def _version_output(binary: Path) -> str:
 def capabilities(binary: Path) -> dict[str, Any] | None:
     """What the binary's --help offers (decide.capabilities), or None when it cannot say."""
     try:
-        return decide_capabilities.probe(binary).to_dict()
+        return probe.probe(binary).to_dict()
     except Exception:
         return None
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import proc
-from mtpwrap.build import tiny_gguf
-from mtpwrap.decide import capabilities, launch
+from mtpwrap.build import probe, tiny_gguf
+from mtpwrap.decide import launch
 from mtpwrap.errors import MtpwrapError
 from mtpwrap.models import known as models
 
@@ -74,7 +74,7 @@ def smoke_model(work_dir: Path) -> Path:
 def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     """The smallest launch that loads the model and computes: one slot, a short context."""
     cfg = launch.plain(model, context=512, gpu_layers=99 if gpu else 0, why="smoke test")
-    return launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
+    return launch.render(cfg, probe.probe(binary), binary=binary, port=port).argv
 
 
 def _generate(client: Any, key: str, timeout: float) -> tuple[bool, str, int]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import proc
-from mtpwrap.decide import capabilities, launch
+from mtpwrap.build.probe import probe as probe_help
+from mtpwrap.decide import launch
 from mtpwrap.errors import MtpwrapError
 
 PROMPT = ("Article 1 (Purpose) The purpose of this Act is to protect the rights of tenants. "
@@ -29,7 +30,7 @@ def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
     cfg = launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
                        spec_type="draft-simple", depth=4, draft_model=str(model),
                        why="draft-depth probe")
-    return launch.render(cfg, capabilities.probe(binary), binary=binary, port=port).argv
+    return launch.render(cfg, probe_help(binary), binary=binary, port=port).argv
 
 
 def draft_counts(base_url: str, extra: dict[str, Any], timeout: float = 120.0

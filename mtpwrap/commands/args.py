@@ -25,12 +25,12 @@ def command(profile_name: str, model: str | None, binary: Path | None, replay: P
             port: int | None, no_plan: bool, as_json: bool) -> None:
     """Print the llama-server command line for a profile, and why each flag is there."""
     from mtpwrap import console
-    from mtpwrap.decide import resolve
+    from mtpwrap.run import inputs
 
-    inp = resolve.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
+    inp = inputs.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
     # a model that is not here cannot be planned: the preview shows the argv without a plan
     here = Path(inp.model).is_file()
-    r = resolve.resolve_inputs(inp, plan=False if no_plan or not here else None)
+    r = inputs.resolve_inputs(inp, plan=False if no_plan or not here else None)
     spec = r.render(port=port)
     warnings = inp.warnings + spec.warnings
     assert inp.caps is not None

@@ -31,7 +31,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               help="Compressed KV type for the 'compressed KV' cells.")
 @click.option("--contexts", default=None, envvar="MTPWRAP_BENCH_CONTEXTS",
               help=f"Prompt lengths in tokens (default {FULL_CONTEXTS}, clipped to the model).")
-@click.option("--langs", default="ko,en", envvar="MTPWRAP_BENCH_LANGS", show_default=True)
+@click.option("--langs", default="ko,en", envvar="MTPWRAP_BENCH_LANGS", show_default=True,
+              help="Corpora: ko, en (small, offline), or the domains ruling, statute,"
+              " interpretation (Korean) and licence (English), fetched as pinned wheels.")
 @click.option("--n-predict", type=click.IntRange(8, 4096), default=None,
               envvar="MTPWRAP_BENCH_N_PREDICT", help="Tokens generated per request.")
 @click.option("--concurrency", default="1,2", envvar="MTPWRAP_BENCH_CONCURRENCY",
@@ -56,12 +58,14 @@ def command(quick: bool, url: str | None, api_key: str | None, model: str | None
     latency under load and compressed-KV quality; write JSON, Markdown and PNG."""
     from mtpwrap import console
     from mtpwrap.bench import report, resolve, suite
+    from mtpwrap.bench.corpora import DOMAINS
     from mtpwrap.bench.runner import BenchConfig
     from mtpwrap.errors import ConfigError
 
     lang_list = [g for g in langs.replace(" ", "").split(",") if g]
-    if not lang_list or any(g not in ("ko", "en") for g in lang_list):
-        raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
+    known = ("ko", "en", *DOMAINS)
+    if not lang_list or any(g not in known for g in lang_list):
+        raise ConfigError(f"--langs must list corpora among {', '.join(known)}, got {langs!r}.")
     ctx_list = resolve.int_list(contexts or ("512,2048" if quick else FULL_CONTEXTS),
                                 "--contexts")
     conc = resolve.int_list(concurrency, "--concurrency")

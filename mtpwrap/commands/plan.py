@@ -131,12 +131,13 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
     from mtpwrap.decide import profiles, resolve
+    from mtpwrap.run import inputs
 
     if not (model or profile):
         raise ConfigError("--model or --profile is required: which GGUF should be planned?")
     base = profiles.load_profile(profile) if profile else None
     gpu_name = (gpu or ("auto" if replay or base is None else _gpu_for_profile(base))).lower()
-    snap = (resolve.load_snapshot(replay) if gpu_name in ("auto", "cpu")
+    snap = (inputs.load_snapshot(replay) if gpu_name in ("auto", "cpu")
             else gpu_snapshot(gpu_name))
     if base is None:
         base = profiles.validate({"name": "plan", "description": "mtpwrap plan --model",
@@ -149,7 +150,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         changes["hardware"] = {"requires_gpu": False}
         changes["gpu_layers"] = 0
     prof = profiles.with_overrides(base, changes, where="mtpwrap plan flags")
-    inp = resolve.gather(prof, model=model, binary=binary, snapshot=snap, need_binary=False)
+    inp = inputs.gather(prof, model=model, binary=binary, snapshot=snap, need_binary=False)
     if base.name == "plan" and not context:
         # no profile and no --context: the model's own trained length
         from mtpwrap.decide.gguf_facts import read_facts
@@ -157,12 +158,12 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         trained = read_facts(Path(inp.model)).n_ctx_train or 4096
         inp.profile = profiles.with_overrides(prof, {"context": max(256, trained)},
                                               where="mtpwrap plan")
-    r = resolve.resolve_inputs(inp, plan=True, kv_limits=resolve.limit_types(inp.kv_sizes),
-                               refuse=False)
+    r = inputs.resolve_inputs(inp, plan=True, refuse=False,
+                              kv_limits=resolve.limit_types(inp.kv_sizes, inp.caps))
     if r.plan is None:
         raise ConfigError(f"{inp.model}: {r.plan_text}")
     if measure and inp.caps is not None and r.measured_text is None:
-        resolve.measure(r, refuse=False)
+        inputs.measure(r, refuse=False)
     p = r.plan
     device = resolve.device_bytes(inp.profile, snap)
     desc = (snap.gpus[0].name or "GPU 0") if device is not None else "CPU (host memory)"

@@ -53,8 +53,8 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     """Sweep speculation settings on a short workload and recommend the fastest measured one."""
     from mtpwrap import console
     from mtpwrap.bench import resolve, tune
-    from mtpwrap.decide.resolve import gather
     from mtpwrap.errors import ConfigError
+    from mtpwrap.run.inputs import gather
 
     lang_list = [g for g in langs.replace(" ", "").split(",") if g]
     if not lang_list or any(g not in ("ko", "en") for g in lang_list):

@@ -1,4 +1,5 @@
-"""What a built llama-server accepts, read from its own `--help` and `--version`.
+"""What a built llama-server accepts, read from its own `--help` and `--version` (the text;
+`mtpwrap.build.probe` runs the binary).
 
 llama.cpp prints every option as a block: the spellings and a value hint on the first line, the
 help text indented to column 40 below (or after) it, ending with `(env: NAME)` when the option
@@ -14,13 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-import subprocess
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from mtpwrap.errors import MissingToolError, RuntimeFailure
 
 HELP_COLUMN = 40
 _FLAG_RE = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -285,41 +283,3 @@ def parse_help(help_text: str) -> list[OptionInfo]:
     if cur:
         infos.append(_finish(*cur, section))
     return infos
-
-
-# --------------------------------------------------------------------------- probing
-
-Runner = Callable[..., "subprocess.CompletedProcess[str]"]
-
-
-def probe(binary: Path | str, *, timeout: float = 30.0,
-          runner: Runner = subprocess.run) -> Capabilities:
-    """Run `binary --help` and `binary --version` and parse what they print."""
-    path = Path(binary)
-    if not path.is_file():
-        raise MissingToolError(f"llama-server binary {path} does not exist.",
-                               hint="Run `mtpwrap build`, or pass --binary PATH.")
-
-    def run(arg: str) -> subprocess.CompletedProcess[str]:
-        try:
-            proc = runner([str(path), arg], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired as exc:
-            raise RuntimeFailure(f"{path} {arg} did not finish within {timeout:g} s.") from exc
-        except OSError as exc:
-            raise MissingToolError(f"cannot run {path}: {exc.strerror or exc}.",
-                                   hint="Check that it is an executable llama-server.") from exc
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or [""]
-            raise RuntimeFailure(f"{path} {arg} exited with code {proc.returncode}: {tail[0]}")
-        return proc
-
-    # --help goes to stdout; backend-loading chatter goes to stderr and is not part of it.
-    help_proc = run("--help")
-    help_text = help_proc.stdout if (help_proc.stdout or "").strip() else (help_proc.stderr or "")
-    version_proc = run("--version")
-    version_text = (version_proc.stdout or "") + (version_proc.stderr or "")
-    caps = Capabilities.from_help(help_text, version_text, binary=path)
-    if not caps.infos:
-        raise RuntimeFailure(f"{path} --help listed no options; is it a llama-server?")
-    return caps

@@ -118,6 +118,8 @@ class RenderedLaunch:
     profile: str | None = None
     #: environment names whose values are secrets (shown as "***" by to_dict()).
     secret_env: frozenset[str] = frozenset()
+    #: flags left out because this binary lacks them (render(serve=False) only)
+    dropped: list[str] = field(default_factory=list)
 
     def to_dict(self, *, reveal: bool = False) -> dict[str, Any]:
         env = {k: (v if reveal or k not in self.secret_env else "***")
@@ -409,20 +411,32 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
 # --------------------------------------------------------------------------- rendering
 
 
+#: what sizes the memory llama-fit-params reports: it must take all of these
+_MEMORY_FLAGS = frozenset({"model", "context", "gpu_layers", "slots", "batch", "ubatch",
+                           "cache_k", "cache_v", "flash_attn"})
+
+
 class _Argv:
-    def __init__(self, caps: Capabilities) -> None:
+    def __init__(self, caps: Capabilities, *, lenient: bool = False) -> None:
         self.caps = caps
+        self.lenient = lenient  #: drop (and name) a flag the binary lacks, unless it sizes memory
         self.args: list[str] = []
         self.decisions: list[Decision] = []
+        self.dropped: list[str] = []
 
     def add(self, logical: str, value: Any, reason: str, *, spellings: tuple[str, ...] = ()
-            ) -> None:
+            ) -> bool:
+        text = None if value is None else str(value)
+        names = spellings or SPELLINGS[logical]
+        if self.lenient and logical not in _MEMORY_FLAGS and self.caps.first_of(names) is None:
+            self.dropped.append(names[0] + ("" if text is None else f" {text}"))
+            return False
         spelled = _flag(self.caps, logical, reason, spellings)
         self.args.append(spelled)
-        text = None if value is None else str(value)
         if text is not None:
             self.args.append(text)
         self.decisions.append(Decision(spelled, text, reason))
+        return True
 
 
 def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
@@ -430,9 +444,11 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
            extra: Sequence[str] = (), serve: bool = True,
            slot_save_path: Path | str | None = None) -> RenderedLaunch:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
-    serve=False: only the model and memory flags (llama-fit-params serves nothing).
+    serve=False: for llama-fit-params, which serves nothing: no serving flags, and a flag it
+    lacks that does not size memory (e.g. --spec-type on the fork's) is left out and named in
+    `dropped` instead of refused.
     slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots."""
-    b = _Argv(caps)
+    b = _Argv(caps, lenient=not serve)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
     if serve:
@@ -449,8 +465,7 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
     b.add("cache_k", cfg.cache_k, r("cache_k"))
     b.add("cache_v", cfg.cache_v, r("cache_v"))
     b.add("flash_attn", cfg.flash_attn, r("flash_attn"))
-    if cfg.spec_type is not None:
-        b.add("spec_type", cfg.spec_type, r("spec_type"))
+    if cfg.spec_type is not None and b.add("spec_type", cfg.spec_type, r("spec_type")):
         if cfg.depth is not None and cfg.spec_type in DEPTH_FLAGS:
             b.add("depth", cfg.depth, r("depth"), spellings=DEPTH_FLAGS[cfg.spec_type])
         if cfg.ngram_n is not None and cfg.spec_type in NGRAM_N_FLAGS:
@@ -520,6 +535,6 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
     return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
-                      profile=cfg.profile, secret_env=frozenset(secret))
+                          profile=cfg.profile, secret_env=frozenset(secret), dropped=b.dropped)
 
 

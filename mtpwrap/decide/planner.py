@@ -434,37 +434,3 @@ def check_fits(p: MemoryPlan) -> None:
         f"device plus a {p.config.margin / GiB:.2f} GiB margin, but the device has "
         f"{p.device_bytes / GiB:.2f} GiB (short by {-p.headroom / GiB:.2f} GiB).{hint}"
     )
-
-
-def profile_settings(prof: Any, kv_sizes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Plan settings a profile (mtpwrap.profiles.Profile) implies.
-
-    The KV lists are preferences: the first type with a known size (built in, or measured from
-    the binary) is planned. `context` stays "max" when the profile says so; resolve it with
-    largest_context() once the device is known.
-    """
-    known = set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
-
-    def first_known(types: tuple[str, ...], key: str) -> str:
-        for t in types:
-            if t in known:
-                return t
-        raise ConfigError(f"profile {prof.name}: {key}: none of {', '.join(types)} is a cache "
-                          "type with a known size; run `mtpwrap build` (it measures the "
-                          "binary's types) or edit the profile.")
-
-    spec = prof.spec.kind if prof.spec.kind in ("mtp", "draft", "ngram") else "none"
-    draft = prof.spec.draft_kv
-    return {
-        "model": prof.model,
-        "context": prof.context,
-        "kv": first_known(prof.kv.k, "kv.k"),
-        "spec": spec,
-        "depth": prof.spec.depth or 3,
-        "kv_draft": first_known(draft.k, "spec.draft_kv.k") if draft else "f16",
-        "slots": prof.slots,
-        "ubatch": prof.ubatch or 512,
-        "batch": prof.batch or 2048,
-        "flash_attn": prof.flash_attn != "off",
-        "ngl": prof.gpu_layers if isinstance(prof.gpu_layers, int) else 999,
-    }

@@ -1,31 +1,33 @@
 """One resolved launch: profile + hardware snapshot + capabilities (+ model facts and measured KV
-sizes) → the `LaunchConfig` and its memory plan, with the reasons.
+sizes) → the `LaunchConfig` and its memory plan, with the reasons. Pure: the inputs are found,
+and llama-fit-params asked, by `mtpwrap.run.inputs`.
 
 `resolve` is the only caller of the planner. `up`, `args`, `plan`, `bench` and `tune` all go
 through it, with the snapshot and the capabilities passed in, so they cannot disagree about a
-profile. `gather` finds those inputs the way every command does (the binary, its manifest and
-capabilities, the snapshot or a recording of one, the profile, the model).
+profile. `mtpwrap.run.inputs.gather` finds those inputs the way every command does (the
+binary, its manifest and capabilities, the snapshot or a recording of one, the profile, the
+model).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide import kv
+from mtpwrap.decide import gguf_facts, kv, planner
+from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
+from mtpwrap.decide.planner import MemoryPlan, PlanConfig
+from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
 from mtpwrap.units import GiB
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
-    from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
-    from mtpwrap.decide.planner import MemoryPlan, PlanConfig
     from mtpwrap.decide.profiles import Profile
 
 
@@ -75,8 +77,6 @@ class Resolved:
         and checks its steps with it); None when there is no plan to ask."""
         if self.plan is None or self.facts is None:
             return None
-        from mtpwrap.decide import planner
-
         facts, pc0, kv_sizes = self.facts, self.plan.config, self.inputs.kv_sizes
         device = self.plan.device_bytes
 
@@ -143,8 +143,6 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
     """The planner's view of a launch: llama.cpp's defaults where the launch leaves one open.
     llama-server with an explicit -np keeps one KV stream per slot unless -kvu is given (its
     unified pool is the default only when -np is left to "auto")."""
-    from mtpwrap.decide.planner import PlanConfig
-
     # the fork's own MTP (--spec-type mtp) is a second model whose context takes -ctk/-ctv
     fork_mtp = cfg.spec_type == "mtp"
     ngl = cfg.gpu_layers
@@ -162,25 +160,24 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
         cpu_repack=cfg.repack is not False)
 
 
-def limit_types(kv_sizes: dict[str, Any] | None) -> list[str]:
-    """The KV types `mtpwrap plan` lists the largest context for."""
-    from mtpwrap.decide.planner import supported_kv_types
-
-    types = list(kv_sizes) if kv_sizes else supported_kv_types()
+def limit_types(kv_sizes: dict[str, Any] | None, caps: Capabilities | None = None
+                ) -> list[str]:
+    """The KV types `mtpwrap plan` lists the largest context for: the measured ones, else
+    upstream's, plus those of the binary's own (the fork's) that the built-in table sizes."""
+    types = list(kv_sizes) if kv_sizes else planner.supported_kv_types()
+    flag = caps.first_of(SPELLINGS["cache_k"]) if caps is not None else None
+    offered = (caps.allowed(flag) if caps is not None and flag else None) or ()
+    types += [t for t in kv.TABLE if t in offered and t not in types]
     return [t for t in types if t not in ("f32", "bf16")]
 
 
 def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
-    from mtpwrap.decide.planner import BUILTIN_KV_TYPES
-
-    return set(BUILTIN_KV_TYPES) | set(kv_sizes or {})
+    return set(planner.BUILTIN_KV_TYPES) | set(kv_sizes or {})
 
 
 def read_model(model: Path | str) -> ModelFacts | None:
     """The model's header when the file is here and readable (a preview may name a model not
     fetched yet; a damaged header is reported by the memory plan)."""
-    from mtpwrap.decide import gguf_facts
-
     path = Path(model)
     try:
         return gguf_facts.read_facts(path) if path.is_file() else None
@@ -234,8 +231,6 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                 hint="Run `mtpwrap build` (it measures the binary's KV types), choose KV types "
                      "the planner knows, or pass --no-plan (MTPWRAP_PLAN=skip) to launch "
                      "unchecked.")
-        if refuse and r.plan is not None and gpu:
-            measure(r)  # llama.cpp's own figures decide where the binary can give them
     return r
 
 
@@ -245,8 +240,6 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
     cannot size this configuration; raises ConfigError when it does not fit the device."""
     if r.planned and kv_limits is None:
         return r
-    from mtpwrap.decide import gguf_facts, planner
-
     prof, inp = r.profile, r.inputs
     device = device_bytes(prof, inp.snapshot)
     backend = "cuda" if on_device(prof, inp.snapshot) else "cpu"
@@ -289,133 +282,3 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
         text += f", headroom {p.headroom / GiB:.2f} GiB"
     r.plan_text = text
     return r
-
-
-def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Resolved:
-    """Ask the built binary: llama-fit-params with this launch's exact flags reads the model's
-    header and prints the buffers llama.cpp would allocate (nothing is allocated). The figures
-    go next to the plan's (`measured`); where there is a device, the verdict uses them: a
-    launch llama.cpp itself sizes beyond the free memory is refused. Without the binary or the
-    model file, `measured_text` says why nothing was measured."""
-    from mtpwrap.build import calibrate
-    from mtpwrap.errors import MtpwrapError
-
-    inp = r.inputs
-    if inp.binary is None or not Path(r.launch.model).is_file():
-        r.measured_text = "not measured (no built binary or no model file here)"
-        return r
-    try:
-        fit = calibrate.fit_params_binary(inp.binary)
-        args = calibrate.fit_params_args(fit, r.launch)
-        a = calibrate.parse_allocations(calibrate.run_fit_params(fit, Path(r.launch.model),
-                                                                 args, timeout=timeout))
-    except (MtpwrapError, OSError, subprocess.SubprocessError) as exc:
-        r.measured_text = f"not measured ({exc})"
-        return r
-    r.measured = {"weights": a.model_total, "kv": a.kv_total, "recurrent": a.recurrent_total,
-                  "compute": sum(a.compute_per_context) or a.compute_total,
-                  "output": a.output}
-    total = sum(r.measured.values())
-    r.measured["total"] = total
-    r.measured_text = f"{total / GiB:.2f} GiB measured by llama-fit-params"
-    device = device_bytes(r.profile, inp.snapshot)
-    if (refuse and device is not None and r.plan is not None
-            and total + r.plan.config.margin > device):
-        raise ConfigError(
-            f"{r.launch.model}: llama.cpp itself sizes this launch (context "
-            f"{r.launch.context:,}, KV {r.launch.cache_k}/{r.launch.cache_v}) at "
-            f"{total / GiB:.2f} GiB plus a {r.plan.config.margin / GiB:.2f} GiB margin, but the "
-            f"device has {device / GiB:.2f} GiB free (the analytic plan said "
-            f"{r.plan.total / GiB:.2f} GiB).",
-            hint="Lower the context or choose a smaller KV type in the profile.")
-    return r
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def find_server(explicit: str | Path | None, snapshot: HardwareSnapshot | None = None,
-                *, required: bool = True) -> tuple[Path | None, Capabilities | None,
-                                                   Any | None]:
-    """(binary, its capabilities, its manifest when it is the built one). `--binary` /
-    `MTPWRAP_BINARY` win over the build. Without a build and with required=False: all None."""
-    from mtpwrap.build import manifest as build_manifest
-    from mtpwrap.build.binary import find_binary
-    from mtpwrap.decide import capabilities
-
-    try:
-        binary = find_binary(explicit=explicit, snap=snapshot)
-    except MissingToolError:
-        if required or explicit:
-            raise
-        return None, None, None
-    manifest = build_manifest.load_manifest()
-    built = manifest.binaries.get("llama-server", {}).get("path") if manifest else None
-    if manifest is not None and built != str(binary):
-        manifest = None  # another binary: its own facts count
-    caps = (capabilities.Capabilities.from_dict(manifest.capabilities)
-            if manifest is not None and manifest.capabilities else capabilities.probe(binary))
-    return binary, caps, manifest
-
-
-def load_snapshot(replay: str | Path | None) -> HardwareSnapshot:
-    """This machine through NVML, or a recording of one (`--replay`, MTPWRAP_HW_REPLAY)."""
-    from mtpwrap.decide import hardware
-
-    return hardware.load_snapshot(Path(replay)) if replay else hardware.snapshot()
-
-
-def load_profile(name: str, snapshot: HardwareSnapshot) -> tuple[Profile, str]:
-    from mtpwrap.decide import profiles
-
-    if name == "auto":
-        return profiles.select_profile(snapshot)
-    return profiles.load_profile(name), "chosen with --profile"
-
-
-def find_model(name: str, *, what: str, fetch: bool) -> tuple[str, str | None]:
-    """(path, warning). fetch=False: a preview; the demo model is not downloaded and a missing
-    model is a warning (shown as given)."""
-    from mtpwrap.models import known as models
-
-    if fetch:
-        return str(models.resolve_model(name, what=what)), None
-    known = models.known_model(name)
-    if known is not None:
-        there = models.cached(known) or known.path()
-        if Path(there).is_file():
-            return str(there), None
-        return str(there), (f"the model {known.name} is not fetched yet ({there}); "
-                            f"`mtpwrap models get {known.name}` gets it")
-    try:
-        return str(models.resolve_model(name, what=what)), None
-    except ConfigError as exc:
-        return name, f"{exc} (shown as given)"
-
-
-def gather(profile: str | Profile, *, model: str | None = None, binary: str | Path | None = None,
-           replay: str | Path | None = None, snapshot: HardwareSnapshot | None = None,
-           fetch: bool = True, need_binary: bool = True) -> Inputs:
-    """Everything a command needs before `resolve`, found the same way for every command."""
-    from mtpwrap.build import calibrate
-
-    snap = snapshot if snapshot is not None else load_snapshot(replay)
-    if isinstance(profile, str):
-        prof, why = load_profile(profile, snap)
-    else:
-        prof, why = profile, "given"
-    what = "--model" if model else f"profile {prof.name}: model"
-    path, warning = find_model(model or prof.model, what=what, fetch=fetch)
-    exe, caps, manifest = find_server(binary, snap, required=need_binary)
-    commit = manifest.commit if manifest is not None else (caps.commit if caps else None)
-    return Inputs(profile=prof, profile_reason=why, snapshot=snap, caps=caps, binary=exe,
-                  model=path, commit=commit, kv_sizes=calibrate.load_kv_sizes(manifest),
-                  warnings=[warning] if warning else [], manifest=manifest)
-
-
-def resolve_inputs(inp: Inputs, *, plan: bool | None = None,
-                   kv_limits: Sequence[str] | None = None, refuse: bool = True) -> Resolved:
-    """`resolve` on gathered inputs."""
-    return resolve(inp.profile, snapshot=inp.snapshot, caps=inp.caps, model=inp.model,
-                   binary=inp.binary, kv_sizes=inp.kv_sizes, plan=plan, kv_limits=kv_limits,
-                   inputs=inp, refuse=refuse)

@@ -20,7 +20,7 @@ from mtpwrap.run.supervisor import LaunchFactory, Supervisor
 from mtpwrap.serve.info import ServeInfo
 
 if TYPE_CHECKING:
-    from mtpwrap.build.builder import Manifest
+    from mtpwrap.build.manifest import Manifest
     from mtpwrap.decide.resolve import Resolved
     from mtpwrap.serve.front import Front
 
@@ -50,11 +50,12 @@ def resolve_launch(settings: Settings) -> Launch:
     import dataclasses
 
     from mtpwrap.decide import resolve
+    from mtpwrap.run import inputs
 
-    inp = resolve.gather(settings.profile, model=settings.model, binary=settings.binary,
-                         replay=settings.hw_replay)
+    inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
+                        replay=settings.hw_replay)
     skip = settings.plan == "skip"
-    r = resolve.resolve_inputs(inp, plan=False if skip else None)
+    r = inputs.resolve_inputs(inp, plan=False if skip else None)
     gpu = resolve.on_device(inp.profile, inp.snapshot)
     warnings = list(inp.warnings)
     if skip:
@@ -77,6 +78,7 @@ def resolve_launch(settings: Settings) -> Launch:
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     depth = _per_request_depth(inp.manifest)
+    webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
     info = ServeInfo(
         profile=inp.profile.name, profile_reason=inp.profile_reason,
         binary=str(inp.binary), commit=inp.commit, model=str(cfg.model),
@@ -84,7 +86,8 @@ def resolve_launch(settings: Settings) -> Launch:
         speculation_type=cfg.spec_type or "none", speculation=inp.profile.spec,
         per_request_depth=depth[0], per_request_depth_detail=depth[1],
         near_edge=bool(r.near_edge),
-        memory_plan=r.memory_text, log_file=str(child_log_file()))
+        memory_plan=r.memory_text, log_file=str(child_log_file()),
+        webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""))
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],

@@ -177,11 +177,12 @@ class LlamaChild:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120) -> LlamaChild:
-        from mtpwrap.decide import capabilities, launch
+        from mtpwrap.build.probe import probe
+        from mtpwrap.decide import launch
         from mtpwrap.proc import start_server
 
         cfg = launch.plain(self.model, context=4096, slots=2, threads=2, why="test upstream")
-        argv = launch.render(cfg, capabilities.probe(self.binary), binary=self.binary,
+        argv = launch.render(cfg, probe(self.binary), binary=self.binary,
                              port=self.port, extra=self.extra).argv
         # the key travels in the environment, not argv
         self.server = start_server(argv, base_url=self.base_url, timeout=timeout,

@@ -1,0 +1,65 @@
+"""Asking a built binary what it accepts: `--help` and `--version`, parsed by
+`mtpwrap.decide.capabilities` (which only reads text and never starts a process)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from mtpwrap import proc
+from mtpwrap.decide.capabilities import Capabilities
+from mtpwrap.errors import MissingToolError, RuntimeFailure
+
+
+class _Ran(Protocol):
+    @property
+    def returncode(self) -> int: ...
+    @property
+    def stdout(self) -> str: ...
+    @property
+    def stderr(self) -> str: ...
+
+
+#: how a command is run: proc.run, or a stand-in that returns or raises what a binary can
+Runner = Callable[[list[str], float], _Ran]
+
+
+def _run_proc(argv: list[str], timeout: float) -> _Ran:
+    return proc.run(argv, timeout=timeout)
+
+
+def probe(binary: Path | str, *, timeout: float = 30.0, runner: Runner = _run_proc
+          ) -> Capabilities:
+    """Run `binary --help` and `binary --version` and parse what they print."""
+    path = Path(binary)
+    if not path.is_file():
+        raise MissingToolError(f"llama-server binary {path} does not exist.",
+                               hint="Run `mtpwrap build`, or pass --binary PATH.")
+
+    def run(arg: str) -> _Ran:
+        try:
+            done = runner([str(path), arg], timeout)
+        except (subprocess.TimeoutExpired, proc.CommandTimedOut) as exc:
+            raise RuntimeFailure(f"{path} {arg} did not finish within {timeout:g} s.") from exc
+        except proc.CommandMissing as exc:
+            raise MissingToolError(f"cannot run {path}: {exc.message}",
+                                   hint="Check that it is an executable llama-server.") from exc
+        except OSError as exc:
+            raise MissingToolError(f"cannot run {path}: {exc.strerror or exc}.",
+                                   hint="Check that it is an executable llama-server.") from exc
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or [""]
+            raise RuntimeFailure(f"{path} {arg} exited with code {done.returncode}: {tail[0]}")
+        return done
+
+    # --help goes to stdout; backend-loading chatter goes to stderr and is not part of it.
+    help_done = run("--help")
+    help_text = help_done.stdout if (help_done.stdout or "").strip() else (help_done.stderr or "")
+    version_done = run("--version")
+    version_text = (version_done.stdout or "") + (version_done.stderr or "")
+    caps = Capabilities.from_help(help_text, version_text, binary=path)
+    if not caps.infos:
+        raise RuntimeFailure(f"{path} --help listed no options; is it a llama-server?")
+    return caps
