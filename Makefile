@@ -34,6 +34,7 @@ up: build model
 lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks docs
 	$(BIN)/mypy mtpwrap
+	$(BIN)/lint-imports --no-cache
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
 # time; the fleet tests run HAProxy and Prometheus (with promtool) for real. Installed with

@@ -3,7 +3,7 @@
 A mixed workload (Korean legal text from the pinned konlpy corpus, English licence texts from
 /usr/share/common-licenses, C++ from the pinned offline llama.cpp source) is served by one
 patched llama-server (it must honour `speculative.n_max`; see patches/llama.cpp) at each static
-draft depth (0, 1, 2, 3, 4, 8) and with serve/spec_policy's adaptive policy, request by request in
+draft depth (0, 1, 2, 3, 4, 8) and with serve/depth_policy's adaptive policy, request by request in
 rotating order, so every configuration sees the same machine load. Depth 0 is run twice ("0'")
 and the difference between the two is printed as the noise.
 
@@ -50,7 +50,7 @@ from mtpwrap.build.probe import probe
 from mtpwrap.decide import launch, models
 from mtpwrap.decide.profiles import SpecAdapt
 from mtpwrap.proc import free_loopback_port, running_server
-from mtpwrap.serve import spec_policy
+from mtpwrap.serve.depth_policy import DepthPolicy
 
 STATIC = (0, 1, 2, 3, 4, 8)
 SERVER_DEPTH = 8
@@ -138,7 +138,7 @@ def main() -> None:
             raise SystemExit(f"{binary} does not honour speculative.n_max (drafted "
                              f"{probe_zero} with n_max 0): build it with the patch set.")
         a, c = calibrate(base, [p for ps in calib.values() for p in ps])
-        policy = spec_policy.SpecPolicy(
+        policy = DepthPolicy(
             supported=True, server_depth=SERVER_DEPTH,
             adapt=SpecAdapt(overhead=max(a, 0.1), per_draft=max(c, 0.0), probe_share=0.1,
                             half_life_tokens=128.0))

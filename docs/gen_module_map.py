@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "architecture.md"
 BEGIN, END = "<!-- module map: begin -->", "<!-- module map: end -->"
 # Bottom layer first, as in the layer diagram.
-ORDER = ["config", "proc", "errors", "paths", "console", "hashing", "settings", "fetch", "decide",
-         "models", "build", "run", "service", "serve", "bench", "doctor", "commands", "cli"]
+ORDER = ["config", "proc", "errors", "paths", "console", "hashing", "units", "decide", "models",
+         "build", "run", "service", "serve", "bench", "doctor", "commands", "cli"]
 
 
 def first_sentence(path: Path) -> str:
@@ -36,6 +36,8 @@ def render() -> str:
     for name in [*[n for n in ORDER if n in entries], *sorted(set(entries) - set(ORDER))]:
         path = entries[name]
         if path.is_file():
+            if out and out[-1].startswith("|"):
+                out.append("")
             out.append(f"- **`mtpwrap/{path.name}`** — {first_sentence(path)}")
             continue
         init = path / "__init__.py"

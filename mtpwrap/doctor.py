@@ -14,6 +14,7 @@ from mtpwrap import paths
 from mtpwrap.build import toolchain
 from mtpwrap.config.objects import default_snapshot_dir
 from mtpwrap.config.table import env_name
+from mtpwrap.units import GiB
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
 
@@ -51,7 +52,7 @@ def check_gpus(snap: Any | None = None) -> list[Check]:
     for i, g in enumerate(gpus):
         total = getattr(g, "memory_total", None)
         cc = getattr(g, "compute_capability", None)
-        mem = f"{total / 2**30:.1f} GiB" if total else "memory unknown"
+        mem = f"{total / GiB:.1f} GiB" if total else "memory unknown"
         ccs = f"sm_{cc[0]}{cc[1]}" if cc else "compute capability unknown"
         checks.append(
             Check(
@@ -121,7 +122,7 @@ def check_ccache() -> Check:
 def check_disk(min_free_gib: float = 20.0) -> Check:
     where = paths.home()
     probe = where if where.exists() else Path.home()
-    free = shutil.disk_usage(probe).free / 2**30
+    free = shutil.disk_usage(probe).free / GiB
     if free < 2:
         return Check(
             "free disk",

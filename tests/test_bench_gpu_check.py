@@ -109,6 +109,7 @@ def test_result_folder_from_out_variable(tmp_path: Path) -> None:
     assert (tmp_path / "from-env" / "gpu_check.json").exists()
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_dry_run_from_a_bare_python_with_the_wheelhouse(tmp_path: Path, repo_root: Path) -> None:
     """A lent GPU machine has no network and no project venv: `make wheelhouse` plus the

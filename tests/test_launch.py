@@ -708,3 +708,16 @@ def test_fit_params_rendering_leaves_out_what_it_lacks_and_names_it() -> None:
         launch.render(cfg, fit_caps)  # llama-server itself: refused, never dropped
     with pytest.raises(ConfigError, match="-ub"):
         launch.render(cfg, _without("fork-0bc0a27", "-ub,"), serve=False)
+
+
+@pytest.mark.integration
+def test_the_demo_model_takes_q4_0_from_a_tbq_list(demo_model: Path, tmp_path: Path) -> None:
+    """The real demo model's header (SmolLM2-135M: rows of 192) against the fork as built
+    here: tbq4_0 would crash llama-server at context creation, q4_0 serves."""
+    from mtpwrap.decide.gguf_facts import read_facts
+
+    prof = _kv_profile(tmp_path, "tbq4_0, q4_0", "tbq4_0, q4_0")
+    cfg = launch.choose(prof, CAPS["fork-0bc0a27"], None, model=demo_model,
+                        facts=read_facts(demo_model))
+    assert (cfg.cache_k, cfg.cache_v) == ("q4_0", "q4_0")
+    assert f"{demo_model.name}'s K row (head size × KV heads) is 192" in cfg.reason("cache_k")

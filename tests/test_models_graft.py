@@ -124,13 +124,46 @@ def test_a_mismatch_is_refused_naming_the_field(tiny: dict[str, Path], tmp_path:
     os.unlink(target)
 
 
+def echo(src: Path, dst: Path) -> Path:
+    """A copy of a tiny qwen35 model whose trunk and head both predict from the current token
+    alone: every block's output projections are zero (the residual stream is the token's
+    embedding) and the head's eh_proj passes the embedding half through. Its head then drafts
+    exactly what its trunk will say, so acceptance is high and depends on the head."""
+    import re
+    import shutil
+
+    import numpy as np
+
+    shutil.copyfile(src, dst)
+    _meta, infos, data_offset, _ = gguf_facts.read_header(dst)
+    with dst.open("r+b") as f:
+        for t in infos:
+            data: bytes | None = None
+            if re.search(r"\.(attn_output|ssm_out|ffn_down)\.weight$", t.name):
+                data = bytes(t.n_bytes)
+            elif t.name.endswith(".nextn.eh_proj.weight"):
+                n = min(t.shape)  # (2 × n_embd inputs, n_embd outputs)
+                w = np.zeros((n, 2 * n), dtype=np.float16)
+                w[np.arange(n), np.arange(n)] = 1  # the embedding comes first
+                data = w.tobytes()
+            if data is not None:
+                assert len(data) == t.n_bytes
+                f.seek(data_offset + t.offset)
+                f.write(data)
+    return dst
+
+
 @pytest.mark.integration
 def test_the_grafted_model_drafts_in_llama_server_like_its_base(
         tiny: dict[str, Path], tmp_path: Path, llama_server_bin: Path) -> None:
     from mtpwrap.bench.runner import BenchConfig, Client, launch_config
 
-    own = graft.graft(tiny["base"], tiny["own-trunk"], tmp_path / "own-grafted.gguf")
-    other = graft.graft(tiny["base"], tiny["fine-tune"], tmp_path / "ft-grafted.gguf")
+    base = echo(tiny["base"], tmp_path / "base-echo.gguf")
+    trunk = echo(tiny["own-trunk"], tmp_path / "trunk-echo.gguf")  # the base's trunk, no head
+    grafted = graft.graft(base, trunk, tmp_path / "grafted.gguf")
+    # the same trunk with a random head, and the base's head on a fine-tune's trunk
+    control = graft.graft(tiny["other-head"], trunk, tmp_path / "control.gguf")
+    tuned = graft.graft(tiny["base"], tiny["fine-tune"], tmp_path / "tuned.gguf")
 
     def greedy(model: Path) -> dict[str, int]:
         url, stop = launch_config(BenchConfig("mtp", spec="mtp", depth=3),
@@ -144,12 +177,15 @@ def test_the_grafted_model_drafts_in_llama_server_like_its_base(
             client.close()
             stop()
 
-    base, mine, theirs = greedy(tiny["base"]), greedy(own), greedy(other)
-    assert mine["draft_n"] > 0 and theirs["draft_n"] > 0
-    # the base's own trunk under the base's head: the very same drafts and acceptances
-    assert (mine["draft_n"], mine["draft_n_accepted"]) == \
-        (base["draft_n"], base["draft_n_accepted"])
-    log = (tmp_path / "ft-grafted.log").read_text()
+    want, got, ctl, ft = (greedy(m) for m in (base, grafted, control, tuned))
+    assert want["draft_n_accepted"] > 0, want
+    # the base's head on the base's trunk: the very same drafts and acceptances
+    assert (got["draft_n"], got["draft_n_accepted"]) == \
+        (want["draft_n"], want["draft_n_accepted"])
+    # what was accepted is the grafted head's doing: another head on that trunk is not
+    assert ctl["draft_n"] > 0 and ctl["draft_n_accepted"] < want["draft_n_accepted"]
+    assert ft["draft_n"] > 0
+    log = (tmp_path / "tuned.log").read_text()
     assert "adding speculative implementation 'draft-mtp'" in log
 
 

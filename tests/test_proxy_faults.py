@@ -332,3 +332,29 @@ def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
         text = HTTP.get(srv.url + "/metrics", headers=AUTH).text
         assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_" not in text
         assert HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"] == []
+
+
+def test_the_chunk_gap_histogram_reads_like_prometheus_clients_own():
+    """The relay's per-chunk histogram (one bisect per chunk) exposes the same samples as a
+    prometheus_client Histogram given the same observations, bucket edges included."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from mtpwrap.serve.metrics import _ITL_BUCKETS, GapHistogram
+
+    gaps = [0.0, 0.0005, 0.0007, 0.01, 0.0100001, 0.3, 5, 7.5, 0.02, 0.02]
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    fast = GapHistogram("mtpwrap_inter_token_seconds", "gaps", _ITL_BUCKETS)
+    ours.register(fast)
+    ref = Histogram("mtpwrap_inter_token_seconds", "gaps", ["route"], buckets=_ITL_BUCKETS,
+                    registry=theirs)
+    for route in ("/v1/chat/completions", "/completion"):
+        for g in gaps:
+            fast.labels(route).observe(g)
+            ref.labels(route).observe(g)
+
+    def samples(reg):
+        return sorted(line for line in generate_latest(reg).decode().splitlines()
+                      if line and not line.startswith("#") and "_created" not in line)
+
+    assert samples(ours) == samples(theirs)
+    assert any('le="0.0005"' in s and s.endswith(" 2.0") for s in samples(ours))

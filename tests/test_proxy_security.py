@@ -368,11 +368,13 @@ def test_scoped_keys_come_from_the_key_file_and_a_bad_scope_stops_up(tmp_path):
 
 @pytest.mark.parametrize("bundle", [None, True, False])
 def test_the_webui_feature_says_when_the_build_has_no_bundle(fake, bundle, caplog):
-    """`webui` is opt-in; a build made without the web UI bundle (LLAMA_BUILD_WEBUI=OFF) gets a
-    404 that says so, and nothing reaches llama-server."""
+    """`webui` is opt-in; a build made without the web UI bundle (LLAMA_BUILD_WEBUI=OFF, as the
+    manifest records it) gets a 404 that says so, and nothing reaches llama-server."""
     cfg = ProxyConfig(api_keys=(KEY1,), enable_paths=("webui",))
     caplog.set_level(logging.WARNING, logger="mtpwrap.proxy")
-    info = ServeInfo(profile="t", webui_bundle=bundle)
+    why = "tools/server/public/bundle.js is missing from the source tree, so it was built " \
+        "with LLAMA_BUILD_WEBUI=OFF"
+    info = ServeInfo(profile="t", webui=bundle, webui_why=why if bundle is False else "")
     with serve_front(fake.base_url, fake.api_key, cfg, info=info) as (srv, _):
         r = HTTP.get(srv.url + "/", headers={"x-api-key": KEY1})
     if bundle is False:

@@ -101,6 +101,10 @@ def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: 
     d = json.loads(r.stdout)
     assert d["fits"] is True and d["config"]["type_k"] == "tbq4_0"
     assert 19 * 2**30 <= d["total"] <= 22 * 2**30
+    # the fork's own types are listed with the largest context each fits
+    assert d["largest_context"]["tbq4_0"] == 262_144
+    assert d["largest_context"]["q4_0"] < 262_144
+    assert set(d["largest_context"]) >= {"tbq3_0", "planar3_0", "iso4_0"}
 
 
 def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.units import MiB
 
 LANG_NAMES = {"ko": "Korean", "en": "English", "ruling": "Korean rulings",
               "statute": "Korean statutes", "interpretation": "Korean FSC interpretations",
@@ -126,8 +127,8 @@ def _kv_bpv(results: dict) -> dict:
             cells = kv["cells"] * kv.get("streams", 1)
             n_k = cells * kv["layers"] * geo["n_head_kv"] * geo["key_length"]
             n_v = cells * kv["layers"] * geo["n_head_kv"] * geo["value_length"]
-            rec["k_bytes_per_value"] = kv["k_mib"] * 2**20 / n_k
-            rec["v_bytes_per_value"] = kv["v_mib"] * 2**20 / n_v
+            rec["k_bytes_per_value"] = kv["k_mib"] * MiB / n_k
+            rec["v_bytes_per_value"] = kv["v_mib"] * MiB / n_v
         out[name] = rec
     return out
 

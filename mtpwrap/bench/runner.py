@@ -163,7 +163,9 @@ def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
     port = port or _free_port(host)
     spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])
     # The build ships its shared libraries next to the binary.
-    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # The launch's own environment too (e.g. the fork's switch for a tbq3_0 V cache).
+    env = {**spec.env,
+           "LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     return start_server(spec.argv, base_url=f"http://{host}:{port}", env=env,
                         log_path=Path(log_path) if log_path else None, timeout=timeout,
                         what=what)

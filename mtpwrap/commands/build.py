@@ -6,6 +6,8 @@ from typing import Any
 
 import click
 
+from mtpwrap.units import MiB
+
 
 @click.command("build")
 @click.option(
@@ -136,7 +138,7 @@ def command(
 
         packed = pack_prebuilt(manifest, Path(pack))
         console.info(f"packed {manifest.variant} into {packed} "
-                     f"({packed.stat().st_size / 2**20:.0f} MiB)")
+                     f"({packed.stat().st_size / MiB:.0f} MiB)")
 
     if as_json:
         console.print_json(manifest.to_dict())

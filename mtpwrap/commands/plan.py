@@ -158,8 +158,8 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         trained = read_facts(Path(inp.model)).n_ctx_train or 4096
         inp.profile = profiles.with_overrides(prof, {"context": max(256, trained)},
                                               where="mtpwrap plan")
-    r = inputs.resolve_inputs(inp, plan=True, kv_limits=resolve.limit_types(inp.kv_sizes),
-                               refuse=False)
+    r = inputs.resolve_inputs(inp, plan=True, refuse=False,
+                              kv_limits=resolve.limit_types(inp.kv_sizes, inp.caps))
     if r.plan is None:
         raise ConfigError(f"{inp.model}: {r.plan_text}")
     if measure and inp.caps is not None and r.measured_text is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide.vocab import FULL_PRECISION_KV, TBQ3_V_ENV
@@ -173,7 +174,7 @@ def admits(facts: ModelFacts, t: str, role: str = "K", target: Target | None = N
     and llama.cpp's own checks at context creation (src/llama-context.cpp
     llama_init_from_model), so a refusal here is a start that would have failed there."""
     tg = target or Target()
-    where = f"{facts.name or facts.architecture}"
+    where = Path(facts.path).name or facts.architecture
 
     def no(why: str) -> Admission:
         return Admission(t, role, False, f"{role} cache type {t}: {why}")

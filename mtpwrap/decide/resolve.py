@@ -21,6 +21,7 @@ from mtpwrap.decide import gguf_facts, kv, planner
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
+from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
 from mtpwrap.units import GiB
 
@@ -159,9 +160,14 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
         cpu_repack=cfg.repack is not False)
 
 
-def limit_types(kv_sizes: dict[str, Any] | None) -> list[str]:
-    """The KV types `mtpwrap plan` lists the largest context for."""
+def limit_types(kv_sizes: dict[str, Any] | None, caps: Capabilities | None = None
+                ) -> list[str]:
+    """The KV types `mtpwrap plan` lists the largest context for: the measured ones, else
+    upstream's, plus those of the binary's own (the fork's) that the built-in table sizes."""
     types = list(kv_sizes) if kv_sizes else planner.supported_kv_types()
+    flag = caps.first_of(SPELLINGS["cache_k"]) if caps is not None else None
+    offered = (caps.allowed(flag) if caps is not None and flag else None) or ()
+    types += [t for t in kv.TABLE if t in offered and t not in types]
     return [t for t in types if t not in ("f32", "bf16")]
 
 

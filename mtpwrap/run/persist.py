@@ -33,6 +33,7 @@ from typing import Any
 
 from mtpwrap.config.objects import PersistConfig
 from mtpwrap.decide.launch import LaunchConfig
+from mtpwrap.units import MiB
 
 log = logging.getLogger("mtpwrap.persist")
 
@@ -195,7 +196,7 @@ class SnapshotStore:
             gone.append(name)
         if gone:
             log.warning("snapshot directory above %d MiB: removed %d oldest snapshot(s)",
-                        self.max_bytes // 2**20, len(gone))
+                        self.max_bytes // MiB, len(gone))
         return gone
 
 
@@ -239,7 +240,7 @@ async def save_slots(child: Any, store: SnapshotStore, launch: LaunchConfig | No
     gone = set(store.evict())
     carried.snapshots = [s for s in kept if s.name not in gone]
     if carried.snapshots:
-        mb = sum(s.size for s in carried.snapshots) / 2**20
+        mb = sum(s.size for s in carried.snapshots) / MiB
         log.info("saved %d slot(s), %d tokens, %.1f MiB in %.3fs",
                  len(carried.snapshots), sum(s.tokens for s in carried.snapshots), mb,
                  carried.save_s)

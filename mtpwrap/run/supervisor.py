@@ -52,6 +52,7 @@ from mtpwrap.run.state import (
     is_valid_transition,
 )
 from mtpwrap.run.wedge import WedgeWatch
+from mtpwrap.units import MiB
 
 log = logging.getLogger("mtpwrap.supervisor")
 
@@ -465,10 +466,9 @@ class Supervisor:
                 next_memory = time.monotonic() + cfg.memory_interval_s
                 used = child.memory_bytes()
                 if used > cfg.rss_limit_bytes:
-                    mib = 2**20
                     return await self._planned(
-                        child, Outcome.RECYCLE, f"recycling llama-server: memory {used // mib} MiB "
-                        f"> limit {cfg.rss_limit_bytes // mib} MiB", cfg.recycle_drain_s, None)
+                        child, Outcome.RECYCLE, f"recycling llama-server: memory {used // MiB} MiB "
+                        f"> limit {cfg.rss_limit_bytes // MiB} MiB", cfg.recycle_drain_s, None)
 
     def _forwarding(self) -> int:
         return self.busy() if self.busy is not None else 0

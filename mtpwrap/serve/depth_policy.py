@@ -59,10 +59,13 @@ class DepthDecision:
     p_min: float | None
     source: str  # client | learned | probe | profile | default | unsupported
     effective_depth: int | None  # the depth the drafts were made at, as far as known
+    #: for `unsupported`: why, as one token (probe-ignored, not-probed); /healthz has the sentence
+    why: str | None = None
 
     def header(self) -> bytes:
         shown = self.effective_depth if self.effective_depth is not None else "server"
-        return f"class={self.cls} depth={shown} source={self.source}".encode()
+        why = f" why={self.why}" if self.why else ""
+        return f"class={self.cls} depth={shown} source={self.source}{why}".encode()
 
 
 @dataclass
@@ -126,10 +129,12 @@ class DepthPolicy:
     def __init__(self, *, supported: bool, server_depth: int | None,
                  table: dict[str, ClassPolicy] | None = None,
                  adapt: SpecAdapt | None = None, metrics: DepthMetrics | None = None,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, why: str | None = None) -> None:
         self.supported = supported
-        #: why a request's own depth cannot be given (shown by /healthz), when it cannot
+        #: why a request's own depth cannot be given, when it cannot: a sentence for /healthz
+        #: and a token for the response header
         self.reason = reason if not supported else None
+        self.why = (why or "not-probed") if not supported else None
         self.server_depth = server_depth
         self.max_depth = server_depth or 8
         self.table = dict(table or {})
@@ -154,7 +159,8 @@ class DepthPolicy:
         st = self.state[cls]
         st.requests += 1
         if not self.supported:
-            return self._count(st, DepthDecision(cls, None, None, "unsupported", self.server_depth))
+            return self._count(st, DepthDecision(cls, None, None, "unsupported", self.server_depth,
+                                                 self.why))
         given = client_fields(doc) if isinstance(doc, dict) else {}
         if given:
             n_max = given.get("speculative.n_max")
@@ -178,7 +184,7 @@ class DepthPolicy:
     def _count(self, st: _ClassState, d: DepthDecision) -> DepthDecision:
         st.sources[d.source] = st.sources.get(d.source, 0) + 1
         if self.metrics is not None:
-            self.metrics.spec_requests.labels(d.cls, d.source).inc()
+            self.metrics.requests.labels(d.cls, d.source).inc()
         return d
 
     # ------------------------------------------------------------------ learning
@@ -191,8 +197,8 @@ class DepthPolicy:
         st.drafted += max(0, drafted)
         st.accepted += max(0, min(accepted, drafted))
         if self.metrics is not None and drafted > 0:
-            self.metrics.spec_drafted.labels(d.cls).inc(drafted)
-            self.metrics.spec_accepted.labels(d.cls).inc(max(0, min(accepted, drafted)))
+            self.metrics.drafted.labels(d.cls).inc(drafted)
+            self.metrics.accepted.labels(d.cls).inc(max(0, min(accepted, drafted)))
         depth = d.effective_depth
         sample = alpha_from_response(drafted, accepted, depth or 0)
         if sample is not None:
@@ -207,9 +213,9 @@ class DepthPolicy:
             return
         st = self.state[cls]
         if st.alpha is not None:
-            self.metrics.spec_alpha.labels(cls).set(st.alpha)
+            self.metrics.alpha.labels(cls).set(st.alpha)
         chosen = self.current_depth(cls)
-        self.metrics.spec_depth.labels(cls).set(-1 if chosen is None else chosen)
+        self.metrics.depth.labels(cls).set(-1 if chosen is None else chosen)
 
     def current_depth(self, cls: str) -> int | None:
         """The depth the class's next request would get (None: the server's own)."""
@@ -243,6 +249,10 @@ class DepthPolicy:
                 "server_depth": self.server_depth, "classes": classes}
 
 
+#: the header's token for a probe result that leaves the policy unsupported
+_WHY = {"ignored": "probe-ignored", "unknown": "not-probed"}
+
+
 def unsupported_reason(info: ServeInfo) -> str | None:
     """Why this launch cannot give a request its own draft depth; None when it can."""
     detail = f" ({info.per_request_depth_detail})" if info.per_request_depth_detail else ""
@@ -263,12 +273,13 @@ def for_launch(info: ServeInfo, registry: CollectorRegistry | None = None
                ) -> DepthPolicy | None:
     """The policy for a front serving `info`, its instruments on `registry` when given; None
     when the launch does not speculate."""
-    spec = info.speculation
-    if spec is None or not info.speculates:
+    section = info.speculation
+    if section is None or not info.speculates:
         return None
     return DepthPolicy(supported=info.per_request_depth == "honoured",
-                       reason=unsupported_reason(info), server_depth=spec.depth,
-                       table=dict(spec.policy), adapt=spec.adapt,
+                       reason=unsupported_reason(info), why=_WHY.get(info.per_request_depth),
+                       server_depth=section.depth,
+                       table=dict(section.policy), adapt=section.adapt,
                        metrics=DepthMetrics(registry) if registry is not None else None)
 
 
@@ -277,19 +288,19 @@ class DepthMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
 
-        self.spec_requests = Counter(
+        self.requests = Counter(
             "mtpwrap_spec_requests", "Generation requests by request class and the source of "
             "their draft depth (client, learned, probe, profile, default, unsupported)",
             ["request_class", "source"], registry=registry)
-        self.spec_drafted = Counter(
+        self.drafted = Counter(
             "mtpwrap_spec_drafted_tokens", "Draft tokens llama-server reported (timings.draft_n)",
             ["request_class"], registry=registry)
-        self.spec_accepted = Counter(
+        self.accepted = Counter(
             "mtpwrap_spec_accepted_tokens", "Accepted draft tokens llama-server reported "
             "(timings.draft_n_accepted)", ["request_class"], registry=registry)
-        self.spec_alpha = Gauge(
+        self.alpha = Gauge(
             "mtpwrap_spec_alpha", "Estimated per-position draft acceptance α of the class",
             ["request_class"], registry=registry)
-        self.spec_depth = Gauge(
+        self.depth = Gauge(
             "mtpwrap_spec_depth", "Draft depth the class's next request gets (0 off, -1 the "
             "server's own)", ["request_class"], registry=registry)

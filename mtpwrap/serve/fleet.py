@@ -80,12 +80,12 @@ class Node:
         return f"{host}:{self.port}"
 
 
-def parse_address(spec: str, what: str) -> tuple[str, int]:
+def parse_address(entry: str, what: str) -> tuple[str, int]:
     """`HOST:PORT` (IPv6 in brackets) -> (host, port); `what` names the flag in the error."""
-    host, sep, port = spec.strip().rpartition(":")
+    host, sep, port = entry.strip().rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{what} {spec!r}: expected HOST:PORT with a port from 1 to 65535, "
+        raise ConfigError(f"{what} {entry!r}: expected HOST:PORT with a port from 1 to 65535, "
                           "for example 127.0.0.1:8080.")
     return host, int(port)
 
@@ -115,10 +115,10 @@ def _node(name: str, host: str, port: int, slots: object, weight: object, where:
                 where)
 
 
-def parse_node(spec: str, index: int) -> Node:
+def parse_node(entry: str, index: int) -> Node:
     """One `[NAME=]HOST:PORT[,slots=N][,weight=W]`; the name defaults to node<index>."""
-    where = f"node {spec!r}"
-    first, *extras = spec.strip().split(",")
+    where = f"node {entry!r}"
+    first, *extras = entry.strip().split(",")
     name, eq, addr = first.partition("=")
     if not eq:
         name, addr = f"node{index}", first
@@ -174,12 +174,12 @@ def load_inventory(path: Path) -> list[Node]:
     return nodes
 
 
-def parse_nodes(specs: Iterable[str], inventory: Path | None = None) -> list[Node]:
+def parse_nodes(entries: Iterable[str], inventory: Path | None = None) -> list[Node]:
     """Every node: those in `inventory` (a YAML file), then each `[NAME=]HOST:PORT[,slots=N]
-    [,weight=W]` of `specs`; names default to node1, node2, ... and must differ."""
+    [,weight=W]` of `entries`; names default to node1, node2, ... and must differ."""
     nodes = load_inventory(inventory) if inventory is not None else []
-    for spec in specs:
-        nodes.append(parse_node(spec, len(nodes) + 1))
+    for entry in entries:
+        nodes.append(parse_node(entry, len(nodes) + 1))
     if not nodes:
         raise ConfigError("no nodes: give each mtpwrap node as HOST:PORT[,slots=N][,weight=W] "
                           "(also --node, or MTPWRAP_FLEET_NODES separated by spaces), or "

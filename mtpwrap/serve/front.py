@@ -106,8 +106,8 @@ class Front:
         if self.depth is not None and self.depth.reason is not None and (
                 self.depth.table or self.depth.adapt.enabled):
             log.warning("per-class draft depth is unsupported: %s", self.depth.reason)
-        if "webui" in self._enabled and self.info.webui_bundle is False:
-            log.warning("proxy.enable_paths lists webui, but %s", _NO_WEBUI)
+        if "webui" in self._enabled and self.info.webui is False:
+            log.warning("proxy.enable_paths lists webui, but %s", self._no_webui())
 
     # ----------------------------------------------------------------------------- lifecycle
 
@@ -199,8 +199,9 @@ class Front:
         t0 = time.perf_counter()
         method = scope["method"]
         route = classify(method, scope.get("raw_path") or scope["path"].encode(), self._enabled)
-        if not route.status and route.label in _WEBUI_PATHS and self.info.webui_bundle is False:
-            route = Verdict(404, route.label, message=f"The web UI is unavailable: {_NO_WEBUI}.")
+        if not route.status and route.label in _WEBUI_PATHS and self.info.webui is False:
+            route = Verdict(404, route.label,
+                            message=f"The web UI is unavailable: {self._no_webui()}.")
         if route.status:
             self.metrics.refused.labels("path").inc()
             # The body is not read: close rather than read a refused upload to its end.
@@ -310,6 +311,10 @@ class Front:
         finally:
             self.admission.done()
 
+    def _no_webui(self) -> str:
+        why = self.info.webui_why or "the build's manifest records no web UI"
+        return f"this llama-server has no web UI ({why})"
+
     def _decide_depth(self, label: str, doc: object, body: bytes
                       ) -> tuple[DepthDecision | None, bytes]:
         """The draft depth for a generation request, and the body that carries it (the
@@ -321,11 +326,6 @@ class Front:
         if decision.depth is not None:
             body = depth_policy.inject(body, decision.depth, decision.p_min)
         return decision, body
-
-
-_NO_WEBUI = ("this llama-server was built without its web UI bundle (LLAMA_BUILD_WEBUI=OFF, "
-             "recorded in the build's manifest); build from a source tree that has "
-             "tools/server/public to serve it")
 
 
 class AccessGuard:

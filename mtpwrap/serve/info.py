@@ -40,8 +40,10 @@ class ServeInfo:
     memory_plan: str | None = None
     #: llama-server's full log
     log_file: str | None = None
-    #: whether the build carries llama-server's web UI bundle (None: not recorded)
-    webui_bundle: bool | None = None
+    #: whether llama-server serves its own web UI, and why, as `mtpwrap build` recorded it
+    #: (None: not recorded)
+    webui: bool | None = None
+    webui_why: str = ""
 
     def __post_init__(self) -> None:
         if self.per_request_depth not in PER_REQUEST_DEPTH:

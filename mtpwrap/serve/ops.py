@@ -88,7 +88,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "near_edge": info.near_edge,
         "memory_plan": info.memory_plan,
         "log_file": info.log_file,
-        "webui_bundle": info.webui_bundle,
+        "webui": info.webui,
         "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
     }

@@ -25,6 +25,7 @@ arrives as an error event instead of an HTTP status).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -50,6 +51,9 @@ _DROP_RESPONSE = frozenset({
     "trailer", "upgrade",
 })
 _KEEPALIVE = b": keep-alive\n\n"
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+#: the response's last chunks kept for the depth policy (its timings are in the final event)
+_TAIL_CHUNKS = 64
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -73,14 +77,16 @@ class Exchange:
     send_started: float = 0.0
     first_chunk: bool = False
     last_progress: float = 0.0
-    last_chunk_at: float = 0.0
     last_keepalive: float = 0.0
     cancel_reason: str | None = None
     status: int = 0
     generation: int | None = None
     slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
     depth: DepthDecision | None = None  # the draft depth chosen for this request
-    tail: bytes = b""                # the response's last bytes, while `depth` is set
+    #: the response's last chunks (references, not copies), while `depth` is set
+    tail: collections.deque[bytes] | None = None
+    #: held while the front's own bytes (headers, a keep-alive comment) are written; the relay
+    #: takes it only when it is held (see `_relay`)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -206,39 +212,54 @@ class Relay:
                 ex.started = True
         ex.sse = sse
         ex.phase = "body"
-        ttft = self.metrics.ttft.labels(ex.label)
-        itl = self.metrics.itl.labels(ex.label)
-        async for chunk in resp.aiter_raw():
-            now = loop.time()
-            if not ex.first_chunk:
-                ex.first_chunk = True
-                if sse:
-                    ttft.observe(time.perf_counter() - ex.t0)
-            elif sse:
-                itl.observe(now - ex.last_chunk_at)
-            ex.last_chunk_at = ex.last_progress = now
-            if ex.depth is not None:
-                ex.tail = (ex.tail + chunk)[-depth_policy.TAIL_BYTES:]
-            # The watch enforces write_timeout_s on this send (a timer per chunk would cost
-            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
-            async with ex.send_lock:
-                ex.in_send = True
-                ex.send_started = now
-                try:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                finally:
-                    ex.in_send = False
-                ex.at_boundary = chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n")
+        await self._body(ex, resp, send, loop)
         ex.phase = "done"
         await send({"type": "http.response.body", "body": b""})
         self.replies.record(ex.label, resp.status_code, ex.t0)
         self._observe_depth(ex)
 
+    async def _body(self, ex: Exchange, resp: httpx.Response, send: Send,
+                    loop: asyncio.AbstractEventLoop) -> None:
+        """Pass the body on as it arrives. Per chunk only what the watch and the inter-chunk
+        histogram need: the time, one bisect, a reference to the chunk when the depth policy
+        reads the tail, whether it ends an SSE event."""
+        clock = loop.time
+        lock = ex.send_lock
+        sse = ex.sse
+        gaps = self.metrics.itl.labels(ex.label)
+        tail = ex.tail = collections.deque(maxlen=_TAIL_CHUNKS) if ex.depth is not None else None
+        last = 0.0
+        async for chunk in resp.aiter_raw():
+            now = clock()
+            if ex.first_chunk:
+                if sse:
+                    gaps.observe(now - last)
+            else:
+                ex.first_chunk = True
+                if sse:
+                    self.metrics.ttft.labels(ex.label).observe(time.perf_counter() - ex.t0)
+            last = ex.last_progress = now
+            if tail is not None:
+                tail.append(chunk)
+            if lock.locked():  # a keep-alive comment is being written: let it end first
+                async with lock:
+                    pass
+            # The watch enforces write_timeout_s on this send (a timer per chunk would cost
+            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
+            # A keep-alive comment is only written while no send is in progress.
+            ex.in_send = True
+            ex.send_started = now
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            finally:
+                ex.in_send = False
+            ex.at_boundary = chunk.endswith(_EVENT_ENDS)
+
     def _observe_depth(self, ex: Exchange) -> None:
-        if self.depth is None or ex.depth is None or ex.status != 200:
+        if self.depth is None or ex.depth is None or ex.status != 200 or not ex.tail:
             return
-        counts = depth_policy.draft_counts(ex.tail)
-        ex.tail = b""
+        counts = depth_policy.draft_counts(b"".join(ex.tail)[-depth_policy.TAIL_BYTES:])
+        ex.tail = None
         if counts is not None:
             self.depth.observe(ex.depth, *counts)
 

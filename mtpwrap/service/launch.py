@@ -78,6 +78,7 @@ def resolve_launch(settings: Settings) -> Launch:
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     depth = _per_request_depth(inp.manifest)
+    webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
     info = ServeInfo(
         profile=inp.profile.name, profile_reason=inp.profile_reason,
         binary=str(inp.binary), commit=inp.commit, model=str(cfg.model),
@@ -85,7 +86,8 @@ def resolve_launch(settings: Settings) -> Launch:
         speculation_type=cfg.spec_type or "none", speculation=inp.profile.spec,
         per_request_depth=depth[0], per_request_depth_detail=depth[1],
         near_edge=bool(r.near_edge),
-        memory_plan=r.memory_text, log_file=str(child_log_file()))
+        memory_plan=r.memory_text, log_file=str(child_log_file()),
+        webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""))
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
