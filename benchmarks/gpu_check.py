@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from mtpwrap import proc  # noqa: E402
+from mtpwrap.bench import gpu_plan  # noqa: E402
 from mtpwrap.bench.runner import BenchConfig, cell_launch  # noqa: E402
 from mtpwrap.build.probe import probe  # noqa: E402
 from mtpwrap.decide import launch, profiles  # noqa: E402
@@ -126,6 +127,15 @@ def planner(model: Path, contexts: tuple[int, ...], gpu: str = "auto") -> list[d
     return out
 
 
+def speed_plan(model: Path) -> dict:
+    """The speed-only cells, with the bandwidth NVML reports when a GPU is present."""
+    from mtpwrap.decide import gguf_facts, hardware
+
+    snap = hardware.snapshot()
+    bw = next((g.memory_bandwidth for g in snap.gpus if g.memory_bandwidth), None)
+    return gpu_plan.plan(gguf_facts.read_facts(model), bandwidth=bw)
+
+
 def launch_context(contexts: tuple[int, ...], n_predict: int = 64) -> int:
     """The -c every cell is launched with (see `command_lines`)."""
     return (max(contexts) + n_predict + 64 + 255) // 256 * 256
@@ -175,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                        "bytes": model.stat().st_size if model else None,
                        "seconds_to_write": round(time.monotonic() - t0, 2)}
     if model:
+        result["gpu_plan"] = speed_plan(model)
+        (out / "gpu_plan.txt").write_text("\n".join(gpu_plan.describe(result["gpu_plan"]))
+                                          + "\n")
         result["commands"] = command_lines(args.server_bin, model, contexts)
         # The planner reads only the GGUF header: its prediction is made on any machine.
         result["planner"] = planner(model, contexts, args.plan_gpu)

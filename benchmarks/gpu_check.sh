@@ -10,7 +10,8 @@
 # Everything goes into one folder: the first argument, else $OUT, else ./gpu-check-TIMESTAMP.
 #
 # usage: benchmarks/gpu_check.sh [--dry-run] [RESULT_DIR]
-#   --dry-run            CPU-side parts only: folder, model file, command lines; no build, no GPU
+#   --dry-run            CPU-side parts only: folder, model file, command lines, and the plan of
+#                        the speed-only cells with their expected minutes; no build, no GPU
 #   MTPWRAP_BINARY a llama-server to use instead of building
 #   GPU_CHECK_PREBUILT   a carried build (`mtpwrap build --cuda-arch 90 --pack FILE`) to install
 #                        instead of building; default: the newest .prebuilt/*.tar.xz. Refused (and
@@ -101,6 +102,7 @@ say "shape-real model, speed matrix, planner vs allocations"
 rc=0
 timeout 420 "$py" "$here/gpu_check.py" "${args[@]}" >>"$log" 2>&1 || rc=$?
 say "speed matrix finished with exit code $rc"
+if [[ -f "$out/gpu_plan.txt" ]]; then tee -a "$log" <"$out/gpu_plan.txt"; fi
 
 if (( ! dry_run )); then
     left=$(( 600 - ($(date +%s) - start) ))

@@ -83,6 +83,10 @@ def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     result = json.loads((out / "gpu_check.json").read_text())
     assert result["dry_run"] is True and result["server_bin"] == "/opt/llama-server"
     assert p.returncode == 0, p.stdout + p.stderr
+    # the speed-only cells with their expected minutes, printed
+    assert "GPU speed-only cells" in p.stdout and "KV q4_0  fill  131072" in p.stdout
+    assert " min of a 10-minute budget inside the 15-minute lease" in p.stdout
+    assert result["gpu_plan"]["expected_s"] <= 600
     model = Path(result["model"]["path"])
     # Sparse: the full 27B length on disk in a few blocks.
     st = model.stat()
@@ -177,3 +181,63 @@ def test_a_carried_prebuilt_is_used_only_when_it_is_of_the_pin(tmp_path: Path,
     else:
         assert "the carried build was refused: " in log and "but the pin is" in log
         assert "dry run: no build" in log and not server.exists()
+
+
+@pytest.fixture(scope="module")
+def shape_facts(tmp_path_factory: pytest.TempPathFactory):
+    from mtpwrap.build import tiny_gguf
+    from mtpwrap.decide import gguf_facts
+
+    path = tmp_path_factory.mktemp("shape") / "qwen3.6-27b.gguf"
+    return gguf_facts.read_facts(tiny_gguf.write_shape_only(path))
+
+
+def test_speed_plan_fits_the_budget_inside_the_lease(shape_facts) -> None:
+    from mtpwrap.bench import gpu_plan
+
+    p = gpu_plan.plan(shape_facts)
+    cells = [(c["kv"], c["context"]) for c in p["cells"]]
+    for kv in ("f16", "q8_0", "q4_0"):
+        assert (kv, 32_768) in cells and (kv, 131_072) in cells
+    assert p["speculation"] == "off"
+    assert p["expected_s"] <= gpu_plan.BUDGET_S <= gpu_plan.LEASE_S - 300
+    assert p["expected_s"] == pytest.approx(
+        p["setup_s"] + sum(c["expected_s"] for c in p["cells"]), abs=0.5)
+    # 262K is in the plan only when it fits, and said when it is not
+    assert (262_144 in {c["context"] for c in p["cells"]}) != bool(p["left_out"])
+    # a tighter budget drops the optional length, saying why
+    tight = gpu_plan.plan(shape_facts, budget_s=p["expected_s"] - 1)
+    assert all(c["context"] < 262_144 for c in tight["cells"])
+
+
+def test_roofline_falls_with_fill_and_rises_with_smaller_kv(shape_facts) -> None:
+    from mtpwrap.bench import gpu_plan
+
+    bw = 4.8e12
+    f16_32k = gpu_plan.roofline(shape_facts, "f16", 32_768, bw)
+    assert gpu_plan.roofline(shape_facts, "f16", 131_072, bw) < f16_32k
+    assert gpu_plan.roofline(shape_facts, "q4_0", 32_768, bw) > f16_32k
+    # 16 attention layers, 4 KV heads of 256 values, K and V, 2 bytes each
+    assert gpu_plan.kv_bytes_per_token(shape_facts, "f16") == 16 * 2 * 4 * 256 * 2
+    weights = gpu_plan.weight_bytes(shape_facts) + gpu_plan.state_bytes(shape_facts)
+    assert f16_32k == pytest.approx(bw / (weights + 32_768 * 16 * 2 * 4 * 256 * 2))
+
+
+def test_what_the_gpu_check_carries_is_within_the_limit(repo_root: Path) -> None:
+    from mtpwrap.bench import gpu_plan
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True,
+                             text=True, check=True).stdout.split()
+    items = gpu_plan.carry(repo_root, tracked)
+    assert items[0]["bytes"] > 100_000  # the tree itself is counted
+    total = sum(i["bytes"] for i in items)
+    assert total <= gpu_plan.CARRY_LIMIT, items
+
+
+def test_nvml_bandwidth_is_bus_width_times_double_rate_clock() -> None:
+    from mtpwrap.decide.hardware import GpuInfo
+
+    # an H200's NVML: 6144-bit bus, 3201 MHz maximum memory clock
+    assert GpuInfo(0, memory_bus_width=6144, memory_clock_max_mhz=3201).memory_bandwidth \
+        == pytest.approx(4.917e12, rel=1e-3)
+    assert GpuInfo(0).memory_bandwidth is None

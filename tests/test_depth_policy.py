@@ -223,6 +223,7 @@ def test_serve_info_carries_the_profile_table_to_the_front() -> None:
     assert depth_policy.for_launch(ServeInfo()) is None
     unknown = depth_policy.for_launch(ServeInfo(speculation=prof.spec))
     assert unknown is not None and not unknown.supported
+    assert unknown.decide({"prompt": "x"}).header().endswith(b"source=unsupported why=not-probed")
     assert "not known whether" in unknown.snapshot()["reason"]
 
 
@@ -236,7 +237,7 @@ def test_a_binary_that_ignores_the_depth_says_unsupported_and_why() -> None:
     assert pol is not None and not pol.supported
     d = pol.decide(EN)
     assert (d.source, d.depth, d.effective_depth) == ("unsupported", None, 3)
-    assert d.header() == b"class=en-prose depth=3 source=unsupported"
+    assert d.header() == b"class=en-prose depth=3 source=unsupported why=probe-ignored"
     snap = pol.snapshot()
     assert snap["status"] == "unsupported"
     assert "ignores a request's own speculative.n_max (draft_n 41 with n_max 0)" \

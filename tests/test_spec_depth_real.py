@@ -194,7 +194,8 @@ def test_front_on_an_unpatched_binary_says_unsupported(llama: LlamaChild) -> Non
         r = httpx.post(srv.url + "/completion", timeout=300,
                        json={"prompt": PROMPT, "n_predict": 8, "temperature": 0.0},
                        headers={"authorization": f"Bearer {KEY}"})
-        assert r.headers["x-mtpwrap-spec"] == "class=en-prose depth=8 source=unsupported"
+        assert r.headers["x-mtpwrap-spec"] == \
+            "class=en-prose depth=8 source=unsupported why=probe-ignored"
         assert r.json()["timings"]["draft_n"] > 0  # the table's 0 was not sent
         health = httpx.get(srv.url + "/healthz", headers={"authorization": f"Bearer {KEY}"},
                            timeout=30).json()

@@ -40,6 +40,7 @@ THROTTLE_REASONS: dict[int, str] = {
 
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_CLOCK_MEM = 2
 
 
 
@@ -59,6 +60,16 @@ class GpuInfo:
     temperature_c: int | None = None
     utilization_gpu: int | None = None  # percent
     utilization_memory: int | None = None  # percent
+    memory_bus_width: int | None = None  # bits
+    memory_clock_max_mhz: int | None = None
+
+    @property
+    def memory_bandwidth(self) -> float | None:
+        """Peak memory bandwidth in bytes/s from what NVML reports: bus width × the maximum
+        memory clock × 2 (double data rate)."""
+        if not self.memory_bus_width or not self.memory_clock_max_mhz:
+            return None
+        return self.memory_bus_width / 8 * self.memory_clock_max_mhz * 1e6 * 2
 
     @property
     def memory_total_gib(self) -> float | None:
@@ -305,6 +316,8 @@ def _gpu_info(nvml: Any, err: type[BaseException], index: int,
         temperature_c=q("nvmlDeviceGetTemperature", NVML_TEMPERATURE_GPU),
         utilization_gpu=int(util.gpu) if util is not None else None,
         utilization_memory=int(util.memory) if util is not None else None,
+        memory_bus_width=q("nvmlDeviceGetMemoryBusWidth"),
+        memory_clock_max_mhz=q("nvmlDeviceGetMaxClockInfo", NVML_CLOCK_MEM),
     )
 
 

@@ -59,10 +59,13 @@ class DepthDecision:
     p_min: float | None
     source: str  # client | learned | probe | profile | default | unsupported
     effective_depth: int | None  # the depth the drafts were made at, as far as known
+    #: for `unsupported`: why, as one token (probe-ignored, not-probed); /healthz has the sentence
+    why: str | None = None
 
     def header(self) -> bytes:
         shown = self.effective_depth if self.effective_depth is not None else "server"
-        return f"class={self.cls} depth={shown} source={self.source}".encode()
+        why = f" why={self.why}" if self.why else ""
+        return f"class={self.cls} depth={shown} source={self.source}{why}".encode()
 
 
 @dataclass
@@ -126,10 +129,12 @@ class DepthPolicy:
     def __init__(self, *, supported: bool, server_depth: int | None,
                  table: dict[str, ClassPolicy] | None = None,
                  adapt: SpecAdapt | None = None, metrics: DepthMetrics | None = None,
-                 reason: str | None = None) -> None:
+                 reason: str | None = None, why: str | None = None) -> None:
         self.supported = supported
-        #: why a request's own depth cannot be given (shown by /healthz), when it cannot
+        #: why a request's own depth cannot be given, when it cannot: a sentence for /healthz
+        #: and a token for the response header
         self.reason = reason if not supported else None
+        self.why = (why or "not-probed") if not supported else None
         self.server_depth = server_depth
         self.max_depth = server_depth or 8
         self.table = dict(table or {})
@@ -154,7 +159,8 @@ class DepthPolicy:
         st = self.state[cls]
         st.requests += 1
         if not self.supported:
-            return self._count(st, DepthDecision(cls, None, None, "unsupported", self.server_depth))
+            return self._count(st, DepthDecision(cls, None, None, "unsupported", self.server_depth,
+                                                 self.why))
         given = client_fields(doc) if isinstance(doc, dict) else {}
         if given:
             n_max = given.get("speculative.n_max")
@@ -243,6 +249,10 @@ class DepthPolicy:
                 "server_depth": self.server_depth, "classes": classes}
 
 
+#: the header's token for a probe result that leaves the policy unsupported
+_WHY = {"ignored": "probe-ignored", "unknown": "not-probed"}
+
+
 def unsupported_reason(info: ServeInfo) -> str | None:
     """Why this launch cannot give a request its own draft depth; None when it can."""
     detail = f" ({info.per_request_depth_detail})" if info.per_request_depth_detail else ""
@@ -267,7 +277,8 @@ def for_launch(info: ServeInfo, registry: CollectorRegistry | None = None
     if section is None or not info.speculates:
         return None
     return DepthPolicy(supported=info.per_request_depth == "honoured",
-                       reason=unsupported_reason(info), server_depth=section.depth,
+                       reason=unsupported_reason(info), why=_WHY.get(info.per_request_depth),
+                       server_depth=section.depth,
                        table=dict(section.policy), adapt=section.adapt,
                        metrics=DepthMetrics(registry) if registry is not None else None)
 
