@@ -11,9 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.build import toolchain
+from mtpwrap.build import binary, source, toolchain
+from mtpwrap.build import manifest as build_manifest
 from mtpwrap.config.objects import default_snapshot_dir
 from mtpwrap.config.table import env_name
+from mtpwrap.decide import hardware
+from mtpwrap.errors import ConfigError
+from mtpwrap.models import known as models
+from mtpwrap.run import instance, persist
 from mtpwrap.units import GiB
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
@@ -33,8 +38,6 @@ class Check:
 
 def check_gpus(snap: Any | None = None) -> list[Check]:
     if snap is None:
-        from mtpwrap.decide import hardware
-
         snap = hardware.snapshot()
     gpus = list(getattr(snap, "gpus", ()) or ())
     if not gpus:
@@ -143,8 +146,6 @@ def check_disk(min_free_gib: float = 20.0) -> Check:
 
 def check_binary(snap: Any | None = None) -> Check:
     """The installed build: tried here, and compiled for every GPU present (`snap`: NVML)."""
-    from mtpwrap.build import binary
-    from mtpwrap.build import manifest as build_manifest
 
     m = build_manifest.load_manifest()
     if m is None:
@@ -173,7 +174,6 @@ def check_binary(snap: Any | None = None) -> Check:
 
 def check_cpu_isa() -> Check:
     """How the installed build's CPU backend was compiled, and why that one was kept."""
-    from mtpwrap.build import manifest as build_manifest
 
     m = build_manifest.load_manifest()
     if m is None:
@@ -186,7 +186,6 @@ def check_cpu_isa() -> Check:
 
 def check_pin() -> Check:
     """The fork pin (the superproject's gitlink) against what vendor/ holds."""
-    from mtpwrap.build import source
 
     pinned, held = source.pin_status()
     if held.startswith("empty"):
@@ -200,9 +199,6 @@ def check_pin() -> Check:
 
 
 def check_model(model: str | None) -> Check:
-    from mtpwrap.errors import ConfigError
-    from mtpwrap.models import known as models
-
     if model:
         try:
             p = models.resolve_model(model)
@@ -230,7 +226,6 @@ def check_snapshots(directory: Path | None = None) -> Check:
     owned by the service user. Default: the running instance's, else persist.dir's default."""
     import os
 
-    from mtpwrap.run import instance, persist
 
     if directory is None:
         data = instance.read_instance() or {}
@@ -251,8 +246,6 @@ def check_snapshots(directory: Path | None = None) -> Check:
 
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
     if snap is None:
-        from mtpwrap.decide import hardware
-
         snap = hardware.snapshot()
     return [
         *check_gpus(snap),

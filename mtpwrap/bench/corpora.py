@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpwrap.build import source
 from mtpwrap.errors import ConfigError, IntegrityError
 from mtpwrap.models import fetch
 
@@ -395,7 +396,6 @@ def _chunks(text: str, size: int, count: int, skip: int = 0) -> list[str]:
 def class_workload(per_class: int, skip: int = 0) -> dict[str, list[str]]:
     """Passages per request class (mtpwrap.decide.request_class): Korean statutes (ko-prose),
     English licences (en-prose), C++ of the pinned llama.cpp source (code)."""
-    from mtpwrap.build import source
 
     ko, en = load("ko"), load("en")
     tree = source.offline_source().path

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import ConfigError
+from mtpwrap.models import known as models
+from mtpwrap.run.inputs import find_server
 
 
 def server_binary(explicit: str | Path | None) -> Path:
     """--binary, `MTPWRAP_BINARY`, or the installed build's llama-server."""
-    from mtpwrap.run.inputs import find_server
 
     binary, _caps, _manifest = find_server(explicit)
     assert binary is not None
@@ -22,13 +24,11 @@ def model_path(explicit: str | None) -> Path:
         p = Path(explicit).expanduser()
         if p.is_file():
             return p
-        from mtpwrap.models import known as models
 
         return Path(models.resolve_model(explicit))
     env = os.environ.get("MTPWRAP_DEMO_MODEL")
     if env and Path(env).is_file():
         return Path(env)
-    from mtpwrap.models import known as models
 
     return Path(models.ensure_demo_model())
 
@@ -55,7 +55,6 @@ def float_list(value: str, what: str) -> list[float]:
 
 def model_context(model: Path) -> int | None:
     """The training context from the GGUF header (contexts above it are clipped)."""
-    from mtpwrap.decide.gguf_facts import read_facts
 
     try:
         return read_facts(Path(model)).n_ctx_train or None

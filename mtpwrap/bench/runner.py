@@ -20,9 +20,12 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.build.probe import probe
+from mtpwrap.decide import launch, profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.proc import free_loopback_port as _free_port
+from mtpwrap.run.inputs import load_snapshot
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
@@ -89,7 +92,6 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
     """`base` with the cell's knobs and any other profile `keys` (model, context, slots,
     threads, ...) replaced; None values leave the profile's own. `drafter`: the draft model of
     a draft cell that names none (the target itself)."""
-    from mtpwrap.decide import profiles
 
     changes = {**cfg.overrides(drafter), **{k: v for k, v in keys.items() if v is not None}}
     return profiles.with_overrides(base, changes, where=f"benchmark configuration {cfg.name!r}")
@@ -98,8 +100,6 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
 def default_profile() -> Profile:
     """The profile a benchmark derives its cells from when none is named: the one `up` would
     choose on this machine."""
-    from mtpwrap.decide import profiles
-    from mtpwrap.run.inputs import load_snapshot
 
     return profiles.select_profile(load_snapshot(None))[0]
 
@@ -108,8 +108,6 @@ def resolve_profile(prof: Profile, *, binary: Path, model: Path,
                     caps: Capabilities | None = None) -> tuple[LaunchConfig, Capabilities]:
     """A profile's launch on this binary, resolved as `up` resolves it (no hardware check, no
     memory plan: a measurement, not a service)."""
-    from mtpwrap.build.probe import probe
-    from mtpwrap.decide import resolve
 
     caps = caps or probe(binary)
     r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
@@ -157,7 +155,6 @@ def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
                  extra: list[str] | None = None, timeout: float = 300.0,
                  what: str = "llama-server") -> ServerProcess:
     """Render `cl` for this binary and start it (its own process group; ready at /health)."""
-    from mtpwrap.decide import launch
     from mtpwrap.proc import start_server
 
     port = port or _free_port(host)

@@ -25,6 +25,9 @@ from mtpwrap.bench.runner import (
     parse_kv_log,
     rejection_points,
 )
+from mtpwrap.build import manifest as build_manifest
+from mtpwrap.decide import hardware, profiles
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import ConfigError, RuntimeFailure
 
 SCHEMA = 1
@@ -94,8 +97,6 @@ def hardware_snapshot() -> dict:
     except Exception:  # psutil missing is not worth failing a benchmark over
         pass
     try:
-        from mtpwrap.decide import hardware
-
         snap["nvml"] = hardware.snapshot().to_dict()
     except Exception as exc:  # NVML missing or broken: the rest of the snapshot stands
         snap["nvml_error"] = f"{type(exc).__name__}: {exc}"
@@ -115,8 +116,6 @@ def hardware_snapshot() -> dict:
 def build_provenance(binary: Path | None) -> dict:
     prov: dict = {"binary": str(binary) if binary else None}
     try:
-        from mtpwrap.build import manifest as build_manifest
-
         manifest = build_manifest.load_manifest()
         if manifest is not None and (binary is None
                                      or Path(manifest.binary("llama-server")) == Path(binary)):
@@ -144,8 +143,6 @@ def profile_provenance(name: str | None) -> dict | None:
     if not name:
         return None
     try:
-        from mtpwrap.decide import profiles
-
         return dict(profiles.load_profile(name).to_dict())
     except Exception as exc:
         return {"name": name, "error": f"{type(exc).__name__}: {exc}"}
@@ -231,7 +228,6 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
     base = None
     if not plan.url:
         from mtpwrap.bench.runner import default_profile
-        from mtpwrap.decide import profiles
 
         # every cell is this profile with the cell's overrides: a launch `up` could run
         base = profiles.load_profile(plan.profile) if plan.profile else default_profile()
@@ -326,7 +322,6 @@ def _model_provenance(model: Path | None) -> dict | None:
 
 def kv_geometry(model: Path) -> dict | None:
     """KV heads and head sizes from the GGUF header, to turn logged KV MiB into bytes/value."""
-    from mtpwrap.decide.gguf_facts import read_facts
 
     try:
         facts = read_facts(Path(model))

@@ -26,6 +26,8 @@ from mtpwrap.bench.runner import (
     resolve_profile,
     start_launch,
 )
+from mtpwrap.build import spec_probe
+from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -157,7 +159,6 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
     draft depth (0 = off) on ONE server: the profile at the deepest depth, each request asking
     for its own `speculative.n_max` (the patched build honours it; another is refused). The
     best depth per class becomes the profile's `spec.policy` with --write."""
-    from mtpwrap.build import spec_probe
 
     if plan.kind == "ngram":
         raise ConfigError("--per-class tunes draft or mtp speculation; n-gram drafting has no "
@@ -218,7 +219,6 @@ def _complete(base: str, text: str, n_predict: int, depth: int) -> dict:
 def write_class_policy(result: dict, plan: TunePlan) -> Path:
     """Save the measured per-class depths as the profile's `spec.policy`, in the very profile
     the sweep served (so `up` runs the same command line), validated, written atomically."""
-    from mtpwrap.decide import profiles
 
     prof = setting_profile(plan, BenchConfig(**result["config"]))
     data = profiles.to_yaml(prof)
@@ -231,7 +231,6 @@ def write_class_policy(result: dict, plan: TunePlan) -> Path:
 def _write_profile(data: dict, name: str) -> Path:
     import yaml
 
-    from mtpwrap.decide import profiles
 
     path = override_path(name)
     profiles.validate(data, where=str(path), expected_name=name)
@@ -250,7 +249,6 @@ def write_override(result: dict, plan: TunePlan) -> Path:
     """Save the best measured setting as a user profile override: the very profile it was
     measured with (validated), written atomically."""
 
-    from mtpwrap.decide import profiles
 
     best = result["best"]
     c = best["config"] if "config" in best else next(

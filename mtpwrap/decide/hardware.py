@@ -23,6 +23,7 @@ from mtpwrap.decide.nvml_replay import NVML_TEMPERATURE_GPU
 from mtpwrap.decide.nvml_replay import RECORD_FORMAT as RECORD_FORMAT
 from mtpwrap.decide.nvml_replay import RecordedNvml as RecordedNvml
 from mtpwrap.decide.nvml_replay import RecordedNvmlError as RecordedNvmlError
+from mtpwrap.errors import ConfigError
 from mtpwrap.units import GiB
 
 #: NVML "clocks event" (throttle) reason bits, names as `nvidia-smi -q` prints them.
@@ -461,7 +462,6 @@ def load_snapshot(path: str | Path) -> HardwareSnapshot:
     """A snapshot from a file: an NVML recording (replayed) or a saved `to_dict()`."""
     import json
 
-    from mtpwrap.errors import ConfigError
 
     p = Path(path)
     try:

@@ -29,6 +29,7 @@ from mtpwrap.decide.profile_types import KvTypes as KvTypes
 from mtpwrap.decide.profile_types import Profile as Profile
 from mtpwrap.decide.profile_types import SpecAdapt as SpecAdapt
 from mtpwrap.decide.profile_types import Speculation as Speculation
+from mtpwrap.decide.request_class import CLASSES
 from mtpwrap.decide.vocab import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError
 
@@ -321,7 +322,6 @@ def with_overrides(profile: Profile, changes: Mapping[str, Any], *, where: str) 
 
 def _spec_policy(c: _Checker, raw: Any) -> tuple[tuple[str, ClassPolicy], ...]:
     """spec.policy: {class: off | depth | {depth, p_min}} for the classes of request_class."""
-    from mtpwrap.decide.request_class import CLASSES
 
     if raw is None:
         return ()

@@ -216,7 +216,6 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
     if cfg.spec == "mtp" and facts is not None:
         # planned or not (--no-plan), an MTP launch needs the model's head: llama-server
         # would otherwise fail at load, after the service said it was starting
-        from mtpwrap.decide import planner
 
         planner.require_mtp_head(facts, f"profile {profile.name}'s spec.kind: mtp")
     r = Resolved(inputs=inp, launch=cfg, facts=facts)

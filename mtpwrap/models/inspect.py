@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide import gguf_facts, kv
+from mtpwrap.decide import gguf_facts, kv, profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPELLINGS
 from mtpwrap.errors import ConfigError
 from mtpwrap.models.pull import SPLIT
@@ -118,7 +118,6 @@ def fitting_profiles(path: Path, snapshot: HardwareSnapshot | None, caps: Capabi
                      kv_sizes: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Each shipped (and user) profile with this model: fits or not, at which context and KV
     type, and how much memory, on `snapshot` — through `resolve`."""
-    from mtpwrap.decide import profiles, resolve
 
     rows = []
     for p in profiles.list_profiles():

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
+from mtpwrap.errors import RuntimeFailure
 
 log = logging.getLogger("mtpwrap.instance")
 
@@ -137,7 +138,6 @@ def instance_report() -> dict[str, Any]:
 
 def stop_instance(timeout: float | None = None, force: bool = False) -> int | None:
     """SIGTERM the running instance and wait for it; its pid, or None when none runs."""
-    from mtpwrap.errors import RuntimeFailure
 
     data = read_instance()
     if not instance_running(data):
@@ -170,7 +170,6 @@ def request_reload(kind: str, timeout: float) -> dict[str, Any]:
     """Ask the running instance to reload (SIGHUP) or restart llama-server (SIGUSR2) and wait
     for the outcome it records in the state file: {"result": "ok"|"refused"|"failed",
     "message": ..., "exit_code": ...}."""
-    from mtpwrap.errors import RuntimeFailure
 
     data = read_instance()
     if not instance_running(data):

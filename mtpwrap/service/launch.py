@@ -13,7 +13,9 @@ from mtpwrap import paths
 from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings
+from mtpwrap.decide import resolve
 from mtpwrap.errors import ConfigError
+from mtpwrap.run import inputs
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.run.persist import SnapshotStore
 from mtpwrap.run.supervisor import LaunchFactory, Supervisor
@@ -49,8 +51,6 @@ def resolve_launch(settings: Settings) -> Launch:
     and the factory the supervisor calls for each start (port, key, step-down rung)."""
     import dataclasses
 
-    from mtpwrap.decide import resolve
-    from mtpwrap.run import inputs
 
     inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
                         replay=settings.hw_replay)
