@@ -78,15 +78,26 @@ def test_tbq_needs_a_fused_head_size() -> None:
     assert kv.admits(GEMMA3_270M, "tbq4_0", "K").admitted
 
 
+CUDA = kv.Target(backend="cuda")
+
+
 def test_rotor_types_check_the_head_size_and_fa_all_quants_on_cuda() -> None:
-    assert not kv.admits(facts(head=64, n_kv=2), "planar3_0").admitted
+    assert not kv.admits(facts(head=64, n_kv=2), "planar3_0", target=CUDA).admitted
     cuda_off = kv.Target(backend="cuda", fa_all_quants=False)
     a = kv.admits(GEMMA3_270M, "iso4_0", "V", cuda_off)
     assert not a.admitted and "GGML_CUDA_FA_ALL_QUANTS" in a.reason
     assert kv.admits(GEMMA3_270M, "iso4_0", "V", kv.Target(backend="cuda",
                                                            fa_all_quants=True)).admitted
-    assert kv.admits(GEMMA3_270M, "iso4_0", "V", kv.Target(backend="cpu",
-                                                           fa_all_quants=False)).admitted
+    # on the CPU the fork's rotor types crash llama-server at warm-up (measured at 0bc0a27)
+    a = kv.admits(GEMMA3_270M, "iso4_0", "V", kv.Target(backend="cpu", fa_all_quants=False))
+    assert not a.admitted and "SIGSEGV" in a.reason
+
+
+def test_tbq3_0_on_the_cpu_is_admitted_with_the_measured_warning() -> None:
+    a = kv.admits(GEMMA3_270M, "tbq3_0", "K", kv.Target(backend="cpu"))
+    assert a.admitted and "unusable" in a.reason
+    assert "unusable" not in kv.admits(GEMMA3_270M, "tbq3_0", "K",
+                                       kv.Target(backend="cuda")).reason
 
 
 def test_upstream_types_need_whole_blocks_per_head() -> None:
@@ -122,5 +133,5 @@ def test_first_admitted_names_the_refusals() -> None:
 def test_real_27b_header_admits_the_recipe_types(shape_27b: Path) -> None:
     f = read_facts(shape_27b)
     for t in ("tbq4_0", "tbq3_0", "planar4_0", "q4_0", "turbo4"):
-        assert kv.admits(f, t, "K").admitted, t
-        assert kv.admits(f, t, "V").admitted, t
+        assert kv.admits(f, t, "K", CUDA).admitted, t
+        assert kv.admits(f, t, "V", CUDA).admitted, t

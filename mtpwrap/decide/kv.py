@@ -214,8 +214,15 @@ def admits(facts: ModelFacts, t: str, role: str = "K", target: Target | None = N
     if kt.family == "rotor" and tg.backend == "cuda" and tg.fa_all_quants is False:
         return no("on CUDA needs a build with GGML_CUDA_FA_ALL_QUANTS=ON, and the build "
                   "manifest records it off")
+    if kt.family == "rotor" and tg.backend == "cpu":
+        return no("the fork's CPU path crashes with it (llama-server exits with SIGSEGV at "
+                  "warm-up, measured at 0bc0a27: docs/measurements/fork-0bc0a27.md); it is "
+                  "for CUDA builds")
     env: tuple[tuple[str, str], ...] = ()
     notes = []
+    if t == "tbq3_0" and tg.backend == "cpu":
+        notes.append("on the CPU its output was measured unusable (gibberish at 0bc0a27, "
+                     "docs/measurements/fork-0bc0a27.md): prefer tbq4_0 or q4_0 there")
     if t == "tbq3_0" and role == "V":
         env = ((TBQ3_V_ENV, "1"),)
         notes.append(f"the fork takes it for V only with {TBQ3_V_ENV}=1, which the launch sets")
