@@ -21,8 +21,8 @@ from mtpwrap.errors import ConfigError, IntegrityError
 from mtpwrap.models import fetch
 
 SUBMODULE_PATH = "vendor/llama.cpp-mtp"
-SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-turboq-mtp.git"
-SUBMODULE_COMMIT = "1c6e4ea7b0c736b50661dc795def6c426f0ef237"
+SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-mtp.git"
+SUBMODULE_COMMIT = "0bc0a270d43e6e0ed6b30386d278e45b6dc6dd9f"
 
 OFFLINE_PACKAGE = "llama-cpp-python"
 OFFLINE_VERSION = "0.3.36"
