@@ -97,10 +97,14 @@ def test_with_a_draft_model_the_answer_and_drafting_survive(llama_server_bin: Pa
                                                             demo_model: Path,
                                                             tmp_path: Path) -> None:
     # Only the target context is in the slot file; the draft model's own cache starts empty in
-    # the new server. The demo model drafts for itself here.
+    # the new server and is filled again from the prompt in other batches than on the server
+    # that computed it. With a native CPU build (AVX-512 kernels) that changes the draft
+    # model's near-ties, so the counts are not the same draft for draft (measured: 8 drafted
+    # before, 11 after); the answer is (round_trip), and the restored server still drafts and
+    # has drafts accepted. The demo model drafts for itself here.
     before, _, after = round_trip(llama_server_bin, demo_model, tmp_path, "-md",
                                   str(demo_model), "--spec-type", "draft-simple",
                                   "--spec-draft-n-max", "4")
-    assert before["timings"]["draft_n"] > 0
-    assert after["timings"]["draft_n"] == before["timings"]["draft_n"]
-    assert after["timings"]["draft_n_accepted"] == before["timings"]["draft_n_accepted"]
+    assert before["timings"]["draft_n"] > 0 and before["timings"]["draft_n_accepted"] > 0
+    assert after["timings"]["draft_n"] > 0
+    assert 0 < after["timings"]["draft_n_accepted"] <= after["timings"]["draft_n"]
