@@ -73,6 +73,21 @@ def load_snapshot(name: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- `mtpwrap up`
 
 
+def wait_ready(base: str, process: Any, output: Any, timeout: float = 120) -> None:
+    """Poll `base`/readyz until it answers 200; fail with `output()` if `process` (a Popen)
+    exits first or the time runs out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert process.poll() is None, output()
+        try:
+            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    pytest.fail("mtpwrap never became ready:\n" + output())
+
+
 class Instance:
     """`mtpwrap up` in a process of its own, with a home of its own."""
 
@@ -98,16 +113,7 @@ class Instance:
         return r.returncode, json.loads(r.stdout)
 
     def wait_ready(self, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.output()
-            try:
-                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        pytest.fail("mtpwrap never became ready:\n" + self.output())
+        wait_ready(self.base, self.proc, self.output, timeout)
 
     def output(self) -> str:
         if self.proc.poll() is None:

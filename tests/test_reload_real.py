@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from mtpwrap import proc
-from tests.helpers import REPO, cli_env, run_cli
+from tests.helpers import REPO, cli_env, run_cli, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -71,16 +71,7 @@ class Served:
         return self.tmp / "home" / "kv-snapshots"
 
     def wait_ready(self, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(f"{self.base}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        pytest.fail("never ready:\n" + self.log.read_text())
+        wait_ready(self.base, self.proc, self.log.read_text, timeout)
 
     def complete(self, prompt: str, n: int = 4) -> dict:
         r = httpx.post(f"{self.base}/v1/completions", timeout=120, headers=self.auth, json={

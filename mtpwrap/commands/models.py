@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from mtpwrap.config.options import setting_option
 from mtpwrap.errors import ConfigError
 
 
@@ -85,11 +86,11 @@ def list_cmd(as_json: bool) -> None:
 @click.argument("file")
 @click.option("--gpu", default=None, help="Fit the profiles on this GPU (rtx4090, h100, …; "
               "see `mtpwrap plan --help`) instead of this machine's.")
-@click.option("--hw-replay", "replay", type=click.Path(exists=True, dir_okay=False,
-                                                       path_type=Path),
-              envvar="MTPWRAP_HW_REPLAY", help="Fit the profiles on a recorded machine.")
-@click.option("--binary", type=click.Path(path_type=Path), envvar="MTPWRAP_BINARY",
-              help="llama-server whose KV types count (default: the built one, if any).")
+@setting_option("hw_replay", "--hw-replay", "replay",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="Fit the profiles on a recorded machine.")
+@setting_option("binary", type=click.Path(path_type=Path),
+                help="llama-server whose KV types count (default: the built one, if any).")
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(file: str, gpu: str | None, replay: Path | None, binary: Path | None,
                 as_json: bool) -> None:

@@ -279,16 +279,17 @@ def _per_layer(val: Any, n: int, default: int) -> list[int]:
     return [int(val)] * n
 
 
-_SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+#: the shard naming of a split model (`NAME-00001-of-00003.gguf`), for a name or a path
+SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
 def _split_siblings(path: Path, n_split: int) -> list[Path]:
     """The other shards of a split model (`NAME-00001-of-00003.gguf` naming)."""
-    m = _SPLIT.match(path.name)
-    if not m or int(m.group(3)) != n_split:
+    m = SPLIT.match(path.name)
+    if not m or int(m["n"]) != n_split:
         raise ConfigError(f"{path}: the GGUF says it is part 1 of {n_split} but its name does not "
                           "follow NAME-00001-of-0000N.gguf; keep the shards' original names.")
-    shards = [path.with_name(f"{m.group(1)}-{i:05d}-of-{n_split:05d}.gguf")
+    shards = [path.with_name(f"{m['stem']}-{i:05d}-of-{n_split:05d}.gguf")
               for i in range(1, n_split + 1)]
     missing = [p.name for p in shards if not p.is_file()]
     if missing:

@@ -19,9 +19,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mtpwrap import paths
+from mtpwrap.decide.gguf_facts import SPLIT
 from mtpwrap.errors import ConfigError, IntegrityError, RuntimeFailure
 from mtpwrap.hashing import sha256_file
-from mtpwrap.models.pull import SPLIT, record_path, recorded
+from mtpwrap.models.pull import record_path, recorded
 
 SUMS = "SHA256SUMS"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import gguf_facts, kv, profiles, resolve
+from mtpwrap.decide.gguf_facts import SPLIT
 from mtpwrap.decide.vocab import KV_TYPES, SPELLINGS
 from mtpwrap.errors import ConfigError
-from mtpwrap.models.pull import SPLIT
 from mtpwrap.units import GiB
 
 if TYPE_CHECKING:

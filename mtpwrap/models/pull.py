@@ -28,13 +28,13 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from mtpwrap import paths
+from mtpwrap.decide.gguf_facts import SPLIT
 from mtpwrap.errors import ConfigError, IntegrityError, RuntimeFailure
 from mtpwrap.hashing import sha256_file
 from mtpwrap.models.progress import Report
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 GGUF_MAGIC = b"GGUF"
-SPLIT = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
 TRANSFER = "HTTP ranges through huggingface_hub (hf_xet not used)"
 
 
