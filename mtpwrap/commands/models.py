@@ -97,12 +97,12 @@ def inspect_cmd(file: str, gpu: str | None, replay: Path | None, binary: Path | 
     """What a GGUF is (architecture, size, quantisation, attention, MTP head, chat template),
     the KV cache types it admits, and the profiles that fit it."""
     from mtpwrap import console
-    from mtpwrap.commands import plan
+    from mtpwrap.decide import hardware
     from mtpwrap.models import inspect, known
     from mtpwrap.run import inputs
 
     path = known.resolve_model(file, what="models inspect")
-    snap = plan.gpu_snapshot(gpu) if gpu else inputs.load_snapshot(replay)
+    snap = hardware.gpu_snapshot(gpu) if gpu else inputs.load_snapshot(replay)
     exe, caps, manifest = inputs.find_server(binary, snap, required=False)
     from mtpwrap.build import calibrate
 

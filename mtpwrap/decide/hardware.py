@@ -24,7 +24,7 @@ from mtpwrap.decide.nvml_replay import RECORD_FORMAT as RECORD_FORMAT
 from mtpwrap.decide.nvml_replay import RecordedNvml as RecordedNvml
 from mtpwrap.decide.nvml_replay import RecordedNvmlError as RecordedNvmlError
 from mtpwrap.errors import ConfigError
-from mtpwrap.units import GiB
+from mtpwrap.units import GiB, MiB
 
 #: NVML "clocks event" (throttle) reason bits, names as `nvidia-smi -q` prints them.
 THROTTLE_REASONS: dict[int, str] = {
@@ -474,3 +474,27 @@ def load_snapshot(path: str | Path) -> HardwareSnapshot:
         return HardwareSnapshot.from_dict(data)
     raise ConfigError(f"{p}: not an NVML recording or a saved snapshot; "
                       "make one with `mtpwrap hw --record`.")
+
+
+#: memory a process can use on each card, MiB (the driver and display keep the rest).
+KNOWN_GPUS: dict[str, tuple[str, int]] = {
+    "rtx4090": ("NVIDIA GeForce RTX 4090 (24 GB)", 24_080),
+    "rtx3090": ("NVIDIA GeForce RTX 3090 (24 GB)", 24_080),
+    "rtx5090": ("NVIDIA GeForce RTX 5090 (32 GB)", 32_100),
+    "h100": ("NVIDIA H100 80GB", 81_000),
+    "h200": ("NVIDIA H200 (141 GB)", 143_200),
+}
+_ALIASES = {"4090": "rtx4090", "3090": "rtx3090", "5090": "rtx5090", "h100-80gb": "h100",
+            "h200-141gb": "h200"}
+
+
+def gpu_snapshot(name: str) -> HardwareSnapshot:
+    """A hardware snapshot holding one known GPU with all of its usable memory free."""
+    key = name.lower().replace(" ", "").replace("_", "").replace("geforce", "")
+    key = _ALIASES.get(key, key)
+    if key not in KNOWN_GPUS:
+        raise ConfigError(f"--gpu {name}: unknown GPU; use one of {', '.join(KNOWN_GPUS)}, "
+                          "auto or cpu.")
+    desc, mib = KNOWN_GPUS[key]
+    gpu = GpuInfo(index=0, name=desc, memory_total=mib * MiB, memory_free=mib * MiB)
+    return HardwareSnapshot(gpus=(gpu,), source=f"--gpu {name}")
