@@ -5,6 +5,7 @@ request never got to the child.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -214,6 +215,12 @@ def test_chunked_body_is_read_only_up_to_the_limit(fake, front):
             except OSError:
                 break
             sent += len(piece)
+    if not answer:
+        # The front answered and closed while a piece was still being sent: the 413 is in the
+        # receive buffer behind the broken send.
+        s.settimeout(2)
+        with contextlib.suppress(OSError):
+            answer = s.recv(4096)
     s.close()
     assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
     # the front stopped reading near the limit: what was sent is the limit plus socket buffers
