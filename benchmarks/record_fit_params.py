@@ -105,8 +105,9 @@ def main() -> int:
             _, text = measure_server(a.bin_dir / "llama-server", model, srv_cfg,
                                      free_loopback_port())
             (a.out / f"{case}.server.txt").write_text(
-                f"# llama-server -m {name} (planner config {srv_cfg.n_ctx} cells, "
-                f"KV {srv_cfg.type_k}, --no-warmup, --no-repack, -lv 4)\n" + kept(text))
+                f"# llama-server -m {name} -c {srv_cfg.n_ctx} -np {srv_cfg.n_slots} "
+                f"-ub {srv_cfg.ubatch} -ctk {srv_cfg.type_k} -ctv {srv_cfg.type_v} "
+                "--flash-attn on --no-warmup --no-repack -lv 4\n" + kept(text))
             print(f"{case}: llama-server {len(text)} bytes of log")
     return 0
 
