@@ -97,8 +97,6 @@ def test_the_fit_cross_check_on_the_fork_adds_the_recurrent_snapshots(tmp_path: 
     per slot; MTP at depth 3 keeps four (common/common.cpp: n_rs_seq = the draft depth). The
     measurement adds the three it cannot see, and says so. The stand-in replays what the
     fork's own llama-fit-params printed for the 27B at 262K with -ub 32."""
-    from mtpwrap.run import inputs
-
     exe = recorded_fork(tmp_path, "fork-0bc0a27")
     fit = exe.with_name("llama-fit-params")
     log = DATA / "fit-params" / "fork-0bc0a27" / "qwen3.6-27b-c262144-tbq4_0-ub32.txt"
