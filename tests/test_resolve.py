@@ -91,6 +91,30 @@ def test_every_shipped_profile_fits_its_gpu_on_the_fork(tmp_path: Path, model_27
     assert plan.headroom is not None and plan.headroom >= 0
 
 
+def test_the_fit_cross_check_on_the_fork_adds_the_recurrent_snapshots(tmp_path: Path,
+                                                                     model_27b: Path) -> None:
+    """The fork's llama-fit-params takes no --spec-type, so llama.cpp sizes one recurrent row
+    per slot; MTP at depth 3 keeps four (common/common.cpp: n_rs_seq = the draft depth). The
+    measurement adds the three it cannot see, and says so. The stand-in replays what the
+    fork's own llama-fit-params printed for the 27B at 262K with -ub 32."""
+    exe = recorded_fork(tmp_path, "fork-0bc0a27")
+    fit = exe.with_name("llama-fit-params")
+    log = DATA / "fit-params" / "fork-0bc0a27" / "qwen3.6-27b-c262144-tbq4_0-ub32.txt"
+    fit.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{DATA}/help/fork-0bc0a27-fit-params.txt";; '
+                   f'*) cat "{log}";; esac\n')
+    fit.chmod(0o755)
+    launch = resolve(tmp_path, "4090-262k", model_27b, exe)
+    r = launch.resolved
+    assert r.measured is not None and r.plan is not None, r.measured_text
+    assert r.measured["recurrent"] == int(149.62 * MiB) or abs(
+        r.measured["recurrent"] - 149.62 * MiB) < 0.01 * MiB
+    snap = r.measured["planned recurrent snapshots"]
+    assert snap == r.plan.row("recurrent state").bytes - r.measured["recurrent"]
+    assert 3 * 149 * MiB <= snap <= 3 * 150 * MiB
+    assert "MTP rows and recurrent snapshots added" in (r.measured_text or "")
+
+
 def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: Path) -> None:
     from tests.helpers import run_cli
 

@@ -82,7 +82,7 @@ class Resolved:
 
         def cost(c: LaunchConfig) -> int:
             pc = plan_config(c, facts, backend=pc0.backend,
-                             draft_weight_bytes=pc0.draft_weight_bytes)
+                             draft_weight_bytes=pc0.draft_weight_bytes, caps=self.inputs.caps)
             try:
                 return planner.plan(facts, pc, device, kv_sizes).total
             except ConfigError:
@@ -139,10 +139,17 @@ def device_bytes(profile: Profile, snapshot: HardwareSnapshot | None) -> int | N
 
 
 def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
-                draft_weight_bytes: int = 0) -> PlanConfig:
+                draft_weight_bytes: int = 0, caps: Capabilities | None = None) -> PlanConfig:
     """The planner's view of a launch: llama.cpp's defaults where the launch leaves one open.
     llama-server with an explicit -np keeps one KV stream per slot unless -kvu is given (its
-    unified pool is the default only when -np is left to "auto")."""
+    unified pool is the default only when -np is left to "auto").
+
+    The compute buffer follows the binary's llama.cpp (`caps.outputs_capped`, read from its
+    strings): one that caps the logits rows (upstream 0c1e570) reserves slots × (1 + depth)
+    of them and builds the attention mask in f16; one without the cap (the fork at 0bc0a27)
+    reserves a whole ubatch and builds the mask in f32 before casting it. Where that is not
+    known (no binary), the larger figure of the two is planned."""
+    capped = caps is not None and caps.outputs_capped is True
     # the fork's own MTP (--spec-type mtp) is a second model whose context takes -ctk/-ctv
     fork_mtp = cfg.spec_type == "mtp"
     ngl = cfg.gpu_layers
@@ -157,7 +164,8 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
         mtp_head_model=fork_mtp, ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
         flash_attn=cfg.flash_attn != "off",
         n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
-        cpu_repack=cfg.repack is not False)
+        cpu_repack=cfg.repack is not False,
+        n_outputs=None if capped else cfg.ubatch or 512, mask_f32=not capped)
 
 
 def limit_types(kv_sizes: dict[str, Any] | None, caps: Capabilities | None = None
@@ -246,7 +254,8 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
         facts = r.facts or gguf_facts.read_facts(Path(r.launch.model))
         draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
                  if r.launch.spec == "draft" and r.launch.draft_model else 0)
-        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft)
+        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft,
+                         caps=inp.caps)
         if prof.context == "max" and device:
             n = planner.largest_context(facts, pc, device, inp.kv_sizes)
             if n > 0:
