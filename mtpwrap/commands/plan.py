@@ -190,5 +190,5 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
     console.out.print(f"largest context that fits: {largest}")
     for note in planner.limit_notes(list(p.largest_context)):
         console.out.print(f"  {note}")
-    for t, why in p.not_admitted.items():
+    for why in p.not_admitted.values():
         console.out.print(f"  not listed, {why}")
