@@ -115,6 +115,8 @@ class MemoryPlan:
     fits: bool | None
     headroom: int | None               #: device - total - margin (negative: short by)
     largest_context: dict[str, int] = field(default_factory=dict)
+    #: KV types the binary offers that the model does not take (kv.admits), with the reason
+    not_admitted: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def row(self, name: str) -> Row:
@@ -258,6 +260,18 @@ def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig)
     return 2
 
 
+def limit_notes(types: list[str]) -> list[str]:
+    """Why some listed KV types fit less context than their cache size suggests."""
+    rotor = [t for t in types if t in kv.TABLE and kv.TABLE[t].family == "rotor"]
+    if not rotor:
+        return []
+    return [f"{', '.join(rotor)}: attention reads these through an f32 and then an f16 copy of "
+            "one layer's K and V at the whole context (the fork's src/llama-graph.cpp "
+            "build_attn_mha casts them; no fused kernel), 6 bytes per cached value in the "
+            "compute buffer, so they fit less context than q4_0 although their cache is as "
+            "small as tbq4_0's"]
+
+
 def require_mtp_head(facts: ModelFacts, who: str = "--spec-type mtp") -> None:
     """MTP speculation needs the model's nextn blocks: declared in the metadata and present as
     tensors (a fine-tune often keeps the key and loses the blocks)."""
@@ -388,7 +402,7 @@ def plan_with_limits(facts: ModelFacts, config: PlanConfig, device_memory_bytes:
     """plan() plus the largest context that fits for each KV type (device size required)."""
     p = plan(facts, config, device_memory_bytes, kv_sizes)
     if device_memory_bytes is not None:
-        types = kv_types or supported_kv_types(kv_sizes)
+        types = kv_types if kv_types is not None else supported_kv_types(kv_sizes)
         for t in types:
             try:
                 p.largest_context[t] = largest_context(facts, config, device_memory_bytes,

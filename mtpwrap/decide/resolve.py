@@ -170,13 +170,32 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
 
 def limit_types(kv_sizes: dict[str, Any] | None, caps: Capabilities | None = None
                 ) -> list[str]:
-    """The KV types `mtpwrap plan` lists the largest context for: the measured ones, else
-    upstream's, plus those of the binary's own (the fork's) that the built-in table sizes."""
+    """The KV types `mtpwrap plan` lists the largest context for: those the binary offers
+    (its `-ctk` values) that are sized (measured or in the built-in table); without a binary,
+    the measured ones, else upstream's. Whether the model takes each is `ensure_plan`'s to ask
+    (kv.admits)."""
     types = list(kv_sizes) if kv_sizes else planner.supported_kv_types()
     flag = caps.first_of(SPELLINGS["cache_k"]) if caps is not None else None
-    offered = (caps.allowed(flag) if caps is not None and flag else None) or ()
-    types += [t for t in kv.TABLE if t in offered and t not in types]
+    offered = (caps.allowed(flag) if caps is not None and flag else None)
+    if offered:
+        types = [t for t in types if t in offered]
+        types += [t for t in kv.TABLE if t in offered and t not in types]
     return [t for t in types if t not in ("f32", "bf16")]
+
+
+def admitted_types(types: Sequence[str], facts: ModelFacts, target: kv.Target
+                   ) -> tuple[list[str], dict[str, str]]:
+    """(the types the model takes for K and V on target, {refused type: the reason})."""
+    ok: list[str] = []
+    refused: dict[str, str] = {}
+    for t in types:
+        no = [a for a in (kv.admits(facts, t, "K", target), kv.admits(facts, t, "V", target))
+              if not a.admitted]
+        if no:
+            refused[t] = no[0].reason
+        else:
+            ok.append(t)
+    return ok, refused
 
 
 def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
@@ -264,8 +283,10 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
                                                "context that fits"})
                 pc = dataclasses.replace(pc, n_ctx=n)
         if kv_limits is not None:
-            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes,
-                                         kv_types=list(kv_limits))
+            target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+            listed, refused = admitted_types(kv_limits, facts, target)
+            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes, kv_types=listed)
+            p.not_admitted = refused
         else:
             p = planner.plan(facts, pc, device, inp.kv_sizes)
     except ConfigError as exc:
@@ -276,7 +297,12 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
     if device is not None and refuse and not p.fits:
         # the largest context that does fit, for the chosen KV type and each of the profile's
         # fallbacks (it is the context, not everything, that no longer fits)
-        for t in dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]):
+        wanted = list(dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]))
+        offered = set(limit_types(inp.kv_sizes, inp.caps)) if inp.caps is not None else None
+        target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+        listed, _ = admitted_types([t for t in wanted if offered is None or t in offered
+                                    or t == pc.type_k], facts, target)
+        for t in listed:
             try:
                 p.largest_context[t] = planner.largest_context(facts, pc, device, inp.kv_sizes,
                                                                kv_type=t)
