@@ -115,6 +115,11 @@ def test_bits_per_value_of_a_sliding_window_model_count_both_caches(
         got = bench_kv.effective_bits(gemma_shape, caches)
         assert got["k_bits_per_value"] == pytest.approx(bits, rel=0.01)
         assert got["v_bits_per_value"] == pytest.approx(bits, rel=0.01)
+    # a second context's caches (the fork logs them again) are not added to the first's
+    twice = bench_kv.parse_kv_caches(_recorded("q8_0") * 2)
+    assert len(twice) == 4
+    assert bench_kv.effective_bits(gemma_shape, twice)["k_bits_per_value"] == pytest.approx(
+        8.5, rel=0.01)
 
 
 def _rows(ko: dict[str, list[float]], en: dict[str, list[float]],

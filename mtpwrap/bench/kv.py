@@ -78,7 +78,11 @@ def effective_bits(facts: ModelFacts, logged: dict | list[dict]) -> dict:
     """Bits per stored value of K and V: the MiB llama.cpp logged for each cache (one, or a
     sliding-window model's two) ÷ (cells × streams × the values per token of its layers).
     The logged MiB are rounded to 0.01, so a small cache reads a little off its type's size."""
-    caches = [logged] if isinstance(logged, dict) else list(logged)
+    caches: list[dict] = []
+    for c in [logged] if isinstance(logged, dict) else logged:
+        if any(c.get("part") == seen.get("part") for seen in caches):
+            break  # a second context (a draft or MTP one, or a re-created cache) follows
+        caches.append(c)
     k_bits = v_bits = 0.0
     k_vals = v_vals = 0
     for c in caches:

@@ -85,7 +85,10 @@ def perplexity_argv(plan: KvPlan, t: str, *, depth: int, base: Path,
                     text: Path | None) -> list[str]:
     argv = [str(plan.perplexity), "-m", str(plan.model), "-c", str(depth),
             "--chunks", str(plan.chunks_at(depth)), "-ctk", t, "-ctv", t, "-fa", "on", "-lv", "4",
-            "--kl-divergence-base", str(base)]
+            "--kl-divergence-base", str(base),
+            # one window per pass: the fork's CPU tbq4_0 path aborts on a pass of several
+            # (GGML_ASSERT(ggml_is_contiguous(a)), measured on its CPU build)
+            "-b", str(min(depth, 2048))]
     if text is not None:   # the reference pass reads and tokenizes the text
         argv += ["-f", str(text)]
     else:                  # the others read its tokens from the base file
