@@ -223,3 +223,94 @@ def test_the_profiles_kv_reason_is_the_launchs_reason(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"kv\.why"):
         profiles.with_overrides(base, {"kv": {"k": ["f16"], "v": ["f16"], "why": "a\nb"}},
                                 where="test")
+
+
+# --------------------------------------------------------------------------- the real build
+
+
+@pytest.fixture(scope="module")
+def gemma_model() -> Path:
+    from mtpwrap.models import known
+
+    return known.ensure(known.GEMMA)
+
+
+@pytest.fixture(scope="module")
+def gemma_figures(cpu_manifest: dict, gemma_model: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """bench kv on the CPU build and gemma-3-270m: Korean court rulings, one window of 1024,
+    two chunks, f16 (against itself), q8_0 and q4_0."""
+    from mtpwrap.bench import kv_run, resolve
+
+    build = resolve.kv_build(cpu_manifest["binaries"]["llama-server"]["path"])
+    plan = kv_run.KvPlan(perplexity=build.perplexity, server=build.server, model=gemma_model,
+                         types=["f16", "q8_0", "q4_0"], offered=build.offered,
+                         corpora=["ruling"], depths=[1024], chunks=[2], speed=False,
+                         target=build.target)
+    return kv_run.run(plan, tmp_path_factory.mktemp("kv"))
+
+
+@pytest.mark.integration
+def test_f16_against_itself_is_zero_and_q4_0_loses_more_than_q8_0(gemma_figures: dict) -> None:
+    rows = {r["kv"]: r for r in gemma_figures["rows"]}
+    assert set(rows) == {"f16", "q8_0", "q4_0"}
+    assert all("error" not in r for r in rows.values()), rows
+    f16, q8, q4 = rows["f16"], rows["q8_0"], rows["q4_0"]
+    assert abs(f16["kld_mean"]) < 1e-4 and f16["kld_p99"] < 1e-3
+    assert f16["same_top_p_pct"] > 99.9
+    assert q8["kld_mean"] > 1e-4  # a quantized cache changes the distributions
+    assert q4["kld_mean"] > q8["kld_mean"] and q4["same_top_p_pct"] < q8["same_top_p_pct"]
+    for t, bits in (("f16", 16.0), ("q8_0", 8.5), ("q4_0", 4.5)):
+        assert rows[t]["k_bits_per_value"] == pytest.approx(bits, rel=0.02)
+        assert rows[t]["scored_positions"] == [512, 1023] and rows[t]["chunks"] == 2
+    docs = gemma_figures["corpora"]["ruling"]["documents"]
+    assert docs and all(len(d["sha256"]) == 64 for d in docs)
+    assert len({d["name"] for d in docs}) == len(docs)  # whole documents, each once
+
+
+@pytest.mark.integration
+def test_write_orders_the_profiles_kv_by_measured_kld_and_args_says_why(
+        gemma_figures: dict, cpu_manifest: dict, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    from mtpwrap.bench import kv_tune
+    from tests.helpers import cli_env, run_cli
+
+    # the override goes to a configuration folder of the test's own, never the user's
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    server = cpu_manifest["binaries"]["llama-server"]["path"]
+    path, why = kv_tune.write_kv_order(gemma_figures, profile="cpu-demo", context=2048,
+                                       binary=server)
+    written = yaml.safe_load(path.read_text())
+    measured = {r["kv"]: r["kld_mean"] for r in gemma_figures["rows"]}
+    want = sorted(measured, key=lambda t: 0.0 if t == "f16" else measured[t])
+    assert path.is_relative_to(tmp_path / "config")
+    assert written["kv"]["k"] == want == written["kv"]["v"]
+    assert written["context"] == 2048 and written["model"] == gemma_figures["plan"]["model"]
+    assert f"KLD {measured['q8_0']:.3g} vs {measured['q4_0']:.3g} at 1K" in why
+    r = run_cli("args", "--profile", "cpu-demo", "--binary", server, cwd=tmp_path,
+                env=cli_env(XDG_CONFIG_HOME=str(tmp_path / "config")))
+    assert r.returncode == 0, r.stderr
+    assert "q8_0 before q4_0 for this model" in r.stdout
+
+
+@pytest.mark.integration
+def test_demo_model_runs_on_and_reports_a_128_value_block_type_not_applicable(
+        cpu_manifest: dict, demo_model: Path, tmp_path: Path) -> None:
+    import json
+
+    from tests.helpers import run_cli
+
+    server = cpu_manifest["binaries"]["llama-server"]["path"]
+    r = run_cli("bench", "kv", "--binary", server, "--model", str(demo_model), "--types",
+                "f16,tbq4_0", "--corpora", "licence", "--depths", "256", "--chunks", "2",
+                "--no-speed", "--out", str(tmp_path / "out"), timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    na = {t["kv"]: t for t in rep["types"] if not t["applicable"]}
+    assert "not a multiple of its block of 128" in na["tbq4_0"]["reason"]
+    assert "tbq4_0: not applicable" in r.stderr
+    assert [x["kv"] for x in rep["rows"]] == ["f16"] and abs(rep["rows"][0]["kld_mean"]) < 1e-4
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "## Not applicable" in md and "CC-BY-4.0" in md
