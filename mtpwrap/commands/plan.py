@@ -184,7 +184,8 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         verdict = "FITS" if total + cfg.margin <= device else "DOES NOT FIT"
         console.out.print(f"{verdict} (llama.cpp's own figures): {_fmt(total)} MiB + "
                           f"{_fmt(cfg.margin)} MiB margin of {_fmt(device)} MiB; headroom "
-                          f"{_fmt(device - total - cfg.margin)} MiB (plan, device: {_fmt(p.total)} MiB)")
+                          f"{_fmt(device - total - cfg.margin)} MiB (plan, device: "
+                          f"{_fmt(p.total)} MiB)")
     else:
         verdict = "FITS" if p.fits else "DOES NOT FIT"
         console.out.print(f"{verdict}: {_fmt(p.total)} MiB + {_fmt(cfg.margin)} MiB margin of "
