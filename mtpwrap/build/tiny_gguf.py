@@ -305,6 +305,13 @@ SHAPES: dict[str, Callable[[str], ModelSpec]] = {
         name="Gemma-3-12B (shape only)", n_embd=3840, n_layer=48, n_head=16, n_head_kv=8,
         head_dim=256, n_ff=15360, n_ctx=131072, window=1024, ftype=ft),
     "deepseek2-lite": _deepseek2_lite_spec,
+    # the dimensions of the demo model and of gemma-3-270m (their own GGUF headers)
+    "smollm2-135m": lambda ft: _llama_spec(
+        name="SmolLM2-135M (shape only)", n_embd=576, n_layer=30, n_head=9, n_head_kv=3,
+        n_ff=1536, n_ctx=8192, ftype=ft, n_vocab=49152, tied=True),
+    "gemma3-270m": lambda ft: _gemma3_spec(
+        name="Gemma-3-270M (shape only)", n_embd=640, n_layer=18, n_head=4, n_head_kv=1,
+        head_dim=256, n_ff=2048, n_ctx=32768, window=512, ftype=ft),
 }
 
 

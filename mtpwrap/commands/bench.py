@@ -8,12 +8,13 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.commands.bench_kv import command as kv_command
 from mtpwrap.config.options import setting_option
 
 FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 
 
-@click.command("bench")
+@click.group("bench", invoke_without_command=True)
 @click.option("--quick", is_flag=True, envvar="MTPWRAP_BENCH_QUICK",
               help="Minutes on a CPU: contexts 512 and 2048, 64 tokens, self-draft and ngram.")
 @click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
@@ -49,13 +50,19 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_BENCH_OUT",
               help="Report folder (default ./bench-results/TIMESTAMP).")
-def command(quick: bool, url: str | None, api_key: str | None, model: str | None,
-            binary_opt: str | None, specs: tuple[str, ...], depth: int, kv_type: str,
+@click.pass_context
+def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | None,
+            model: str | None, binary_opt: str | None, specs: tuple[str, ...], depth: int,
+            kv_type: str,
             contexts: str | None, langs: str, n_predict: int | None, concurrency: str,
             gap_ms: float, threads: int | None, profile: str | None,
             out_dir: Path | None) -> None:
     """Measure speed by context, speculation acceptance, rejection hotspots, KV compression,
-    latency under load and compressed-KV quality; write JSON, Markdown and PNG."""
+    latency under load and compressed-KV quality; write JSON, Markdown and PNG.
+
+    `mtpwrap bench kv` measures each KV cache type's loss against f16 instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     from mtpwrap import console
     from mtpwrap.bench import report, resolve, suite
     from mtpwrap.bench.corpora import DOMAINS
@@ -126,3 +133,6 @@ def command(quick: bool, url: str | None, api_key: str | None, model: str | None
     if not s["reconciled"]:
         console.warn("some per-request timings did not match llama-server's counters; "
                      "see 'reconcile' in report.json")
+
+
+command.add_command(kv_command)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from mtpwrap.units import MiB
+
+if TYPE_CHECKING:
+    from mtpwrap.build.manifest import Manifest
 
 
 @click.command("build")
@@ -91,9 +94,8 @@ def command(
     manifest.json recording the source, commit, options, compiler, binary sha256, --version
     and the smoke test. A second run with nothing changed reuses the cached build in seconds.
     """
-    from mtpwrap import console, paths
+    from mtpwrap import console
     from mtpwrap.build import builder
-    from mtpwrap.build import manifest as build_manifest
     from mtpwrap.build.prebuilt import install_prebuilt, pack_prebuilt
     from mtpwrap.errors import BuildError, ConfigError
 
@@ -143,6 +145,14 @@ def command(
     if as_json:
         console.print_json(manifest.to_dict())
         return
+    _summary(manifest, reused, why, kv_note)
+
+
+def _summary(manifest: Manifest, reused: bool, why: str, kv_note: str) -> None:
+    """What `build` says after a build or a reuse: source, variant, smoke, patches, binaries."""
+    from mtpwrap import console, paths
+    from mtpwrap.build import manifest as build_manifest
+
     src = manifest.source
     console.info(f"source: {src.get('kind')} — {src.get('location')} (commit {src.get('commit')})")
     console.info(f"why: {why}")

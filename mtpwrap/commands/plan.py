@@ -106,7 +106,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
             flash_attn: bool | None, measure: bool, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
-    from mtpwrap.decide import profiles, resolve
+    from mtpwrap.decide import planner, profiles, resolve
     from mtpwrap.run import inputs
 
     if not (model or profile):
@@ -188,3 +188,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
                           f"{_fmt(device)} MiB; headroom {_fmt(p.headroom)} MiB")
     largest = ", ".join(f"{t} {n:,}" for t, n in p.largest_context.items())
     console.out.print(f"largest context that fits: {largest}")
+    for note in planner.limit_notes(list(p.largest_context)):
+        console.out.print(f"  {note}")
+    for why in p.not_admitted.values():
+        console.out.print(f"  not listed, {why}")

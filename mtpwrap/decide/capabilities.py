@@ -84,6 +84,11 @@ class Capabilities:
     built_with: str | None = None
     binary: str | None = None
     help_sha256: str | None = None
+    #: the binary's llama.cpp caps the logits rows a context reserves (`n_outputs_max`, which
+    #: upstream 0c1e570's llama_context logs and llama-server sets to slots × (1 + draft
+    #: depth)); False: it reserves a whole ubatch (the fork at 0bc0a27); None: not looked at.
+    #: `mtpwrap.build.probe` reads it from the binary's own strings.
+    outputs_capped: bool | None = None
 
     def __post_init__(self) -> None:
         self._by_name: dict[str, OptionInfo] = {}
@@ -161,6 +166,7 @@ class Capabilities:
             "built_with": self.built_with,
             "binary": self.binary,
             "help_sha256": self.help_sha256,
+            "outputs_capped": self.outputs_capped,
             "options": [i.to_dict() for i in self.infos],
         }
 
@@ -174,6 +180,7 @@ class Capabilities:
             built_with=d.get("built_with"),
             binary=d.get("binary"),
             help_sha256=d.get("help_sha256"),
+            outputs_capped=d.get("outputs_capped"),
         )
 
 

@@ -191,6 +191,9 @@ def choose(profile: Profile, caps: Capabilities | None, snapshot: HardwareSnapsh
                     dataclasses.replace(target or kv.Target(), flash_attn="on"), warnings)
     k, why["cache_k"] = ask.pick("cache_k", profile.kv.k, "K", "K")
     v, why["cache_v"] = ask.pick("cache_v", profile.kv.v, "V", "V")
+    if profile.kv.why:  # the profile's own reason for its order (e.g. measured figures)
+        why["cache_k"] += f"; the list's order: {profile.kv.why}"
+        why["cache_v"] += f"; the list's order: {profile.kv.why}"
 
     fa = profile.flash_attn
     why["flash_attn"] = "flash attention from the profile"

@@ -64,9 +64,16 @@ class PlanConfig:
     margin: int = DEFAULT_MARGIN
     #: CPU weight repacking (llama.cpp's default): a tied output matrix then gets its own copy
     cpu_repack: bool = True
-    #: logits rows reserved per ubatch; None: what llama-server reserves (slots × (1 + depth)).
-    #: llama-fit-params reserves a whole ubatch.
+    #: logits rows the reserve graph takes; None: slots × (1 + depth), what llama-server of
+    #: upstream 0c1e570 reserves (tools/server/server-context.cpp sets n_outputs_max from
+    #: common_speculative_get_output_limits). llama-fit-params (both builds) and the fork's
+    #: llama-server at 0bc0a27 (src/llama-context.cpp has no n_outputs_max) reserve a whole
+    #: ubatch: set it to the ubatch for them.
     n_outputs: int | None = None
+    #: the attention mask is built in f32 and cast to f16 for flash attention (the fork at
+    #: 0bc0a27, src/llama-graph.cpp `ggml_cast(ctx0, inp->self_kq_mask, GGML_TYPE_F16)`);
+    #: upstream 0c1e570 builds it in f16 directly (llama-graph.cpp, `type_mask`)
+    mask_f32: bool = False
     #: spec "draft": the draft model's tensor bytes (on the device with the target)
     draft_weight_bytes: int = 0
     #: the fork's own --spec-type mtp: the MTP head is a second model loaded from the same file
@@ -108,6 +115,8 @@ class MemoryPlan:
     fits: bool | None
     headroom: int | None               #: device - total - margin (negative: short by)
     largest_context: dict[str, int] = field(default_factory=dict)
+    #: KV types the binary offers that the model does not take (kv.admits), with the reason
+    not_admitted: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     def row(self, name: str) -> Row:
@@ -188,7 +197,10 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
       inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
       attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
-    Hybrid models with float K keep the mask live in the output phase too. On CUDA, quantized
+    Hybrid models with float K keep the mask live in the output phase too. Where the mask is
+    built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell, and the f32
+    input stays live in the output phase of attention models without MLA (fitted to the fork's
+    CPU allocations, tests/data/fit-params/fork-0bc0a27). On CUDA, quantized
     K/V are converted to f16 for one layer (2 B × n_ctx × K+V width); that part is an allowance
     from the same rules, not a measurement.
     """
@@ -204,12 +216,14 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
         if facts.is_mla:  # absorbed MLA keeps per-head latent rows (K and V width) around
             out_tok += 8 * _kq_heads(facts) * facts.head_dim_v
         layer_tok = 16 * widest
-    mask = 2 * n_ctx * ub
+    mask = (6 if cfg.mask_f32 else 2) * n_ctx * ub
     type_k = cfg.type_k_draft if mtp_context else cfg.type_k
     out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
     if cfg.flash_attn:
         if hybrid and type_k in _F_TYPES:
             out_phase += mask
+        elif cfg.mask_f32 and not hybrid and not facts.is_mla:
+            out_phase += 4 * n_ctx * ub  # the f32 mask is a graph input, live throughout
         layer_phase = ub * layer_tok + mask
     else:
         layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
@@ -244,6 +258,18 @@ def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig)
     if type_k == type_v == "tbq4_0" and heads <= set(kv.FUSED_HEADS):
         return 0
     return 2
+
+
+def limit_notes(types: list[str]) -> list[str]:
+    """Why some listed KV types fit less context than their cache size suggests."""
+    rotor = [t for t in types if t in kv.TABLE and kv.TABLE[t].family == "rotor"]
+    if not rotor:
+        return []
+    return [f"{', '.join(rotor)}: attention reads these through an f32 and then an f16 copy of "
+            "one layer's K and V at the whole context (the fork's src/llama-graph.cpp "
+            "build_attn_mha casts them; no fused kernel), 6 bytes per cached value in the "
+            "compute buffer, so they fit less context than q4_0 although their cache is as "
+            "small as tbq4_0's"]
 
 
 def require_mtp_head(facts: ModelFacts, who: str = "--spec-type mtp") -> None:
@@ -346,7 +372,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         "the draft model (-md), all layers with the target's"))
     rows.append(Row("compute", compute_bytes(facts, n_ctx, cfg), gpu,
                     f"estimate, ubatch {cfg.ubatch}, flash attention "
-                    f"{'on' if cfg.flash_attn else 'off'}"))
+                    f"{'on' if cfg.flash_attn else 'off'}, logits for {n_outputs(cfg)} "
+                    f"row(s){', f32 mask' if cfg.mask_f32 and cfg.flash_attn else ''}"))
     rows.append(Row("output", 4 * facts.n_vocab * cfg.n_slots, "host",
                     "logits for one token per slot"))
     overhead = BACKEND_OVERHEAD[cfg.backend]
@@ -375,7 +402,7 @@ def plan_with_limits(facts: ModelFacts, config: PlanConfig, device_memory_bytes:
     """plan() plus the largest context that fits for each KV type (device size required)."""
     p = plan(facts, config, device_memory_bytes, kv_sizes)
     if device_memory_bytes is not None:
-        types = kv_types or supported_kv_types(kv_sizes)
+        types = kv_types if kv_types is not None else supported_kv_types(kv_sizes)
         for t in types:
             try:
                 p.largest_context[t] = largest_context(facts, config, device_memory_bytes,

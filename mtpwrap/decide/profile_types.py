@@ -40,6 +40,9 @@ class HardwareReq:
 class KvTypes:
     k: tuple[str, ...] = ("f16",)
     v: tuple[str, ...] = ("f16",)
+    #: why the lists are in this order (e.g. the figures `bench kv --write` measured); the
+    #: launch's reason for its KV choice quotes it
+    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class Profile:
                          "min_memory_gib": self.hardware.min_memory_gib},
             "model": self.model,
             "context": self.context,
-            "kv": {"k": list(self.kv.k), "v": list(self.kv.v)},
+            "kv": {"k": list(self.kv.k), "v": list(self.kv.v), "why": self.kv.why},
             "spec": {"kind": self.spec.kind, "depth": self.spec.depth, "p_min": self.spec.p_min,
                      "draft_model": self.spec.draft_model,
                      "draft_kv": None if self.spec.draft_kv is None else

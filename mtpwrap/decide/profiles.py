@@ -133,11 +133,13 @@ class _Checker:
 
     def kv(self, value: Any, key: str) -> KvTypes:
         m = self.mapping(value, key)
-        self.keys(m, key, ("k", "v"))
+        self.keys(m, key, ("k", "v", "why"))
         for part in ("k", "v"):
             if part not in m:
                 raise self.fail(f"{key}.{part}", "missing; give the KV types in preference order")
-        return KvTypes(k=self.kv_list(m["k"], f"{key}.k"), v=self.kv_list(m["v"], f"{key}.v"))
+        why = self.string(m["why"], f"{key}.why", one_line=True) if m.get("why") else None
+        return KvTypes(k=self.kv_list(m["k"], f"{key}.k"), v=self.kv_list(m["v"], f"{key}.v"),
+                       why=why)
 
 
 TOP_KEYS = (

@@ -83,7 +83,7 @@ class Resolved:
 
         def cost(c: LaunchConfig) -> int:
             pc = plan_config(c, facts, backend=pc0.backend,
-                             draft_weight_bytes=pc0.draft_weight_bytes)
+                             draft_weight_bytes=pc0.draft_weight_bytes, caps=self.inputs.caps)
             try:
                 return planner.plan(facts, pc, device, kv_sizes).total
             except ConfigError:
@@ -142,10 +142,17 @@ def device_bytes(profile: Profile, snapshot: HardwareSnapshot | None) -> int | N
 
 
 def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
-                draft_weight_bytes: int = 0) -> PlanConfig:
+                draft_weight_bytes: int = 0, caps: Capabilities | None = None) -> PlanConfig:
     """The planner's view of a launch: llama.cpp's defaults where the launch leaves one open.
     llama-server with an explicit -np keeps one KV stream per slot unless -kvu is given (its
-    unified pool is the default only when -np is left to "auto")."""
+    unified pool is the default only when -np is left to "auto").
+
+    The compute buffer follows the binary's llama.cpp (`caps.outputs_capped`, read from its
+    strings): one that caps the logits rows (upstream 0c1e570) reserves slots × (1 + depth)
+    of them and builds the attention mask in f16; one without the cap (the fork at 0bc0a27)
+    reserves a whole ubatch and builds the mask in f32 before casting it. Where that is not
+    known (no binary), the larger figure of the two is planned."""
+    capped = caps is not None and caps.outputs_capped is True
     # the fork's own MTP (--spec-type mtp) is a second model whose context takes -ctk/-ctv
     fork_mtp = cfg.spec_type == "mtp"
     ngl = cfg.gpu_layers
@@ -160,18 +167,38 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
         mtp_head_model=fork_mtp, ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
         flash_attn=cfg.flash_attn != "off",
         n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
-        cpu_repack=cfg.repack is not False)
+        cpu_repack=cfg.repack is not False,
+        n_outputs=None if capped else cfg.ubatch or 512, mask_f32=not capped)
 
 
 def limit_types(kv_sizes: dict[str, Any] | None, caps: Capabilities | None = None
                 ) -> list[str]:
-    """The KV types `mtpwrap plan` lists the largest context for: the measured ones, else
-    upstream's, plus those of the binary's own (the fork's) that the built-in table sizes."""
+    """The KV types `mtpwrap plan` lists the largest context for: those the binary offers
+    (its `-ctk` values) that are sized (measured or in the built-in table); without a binary,
+    the measured ones, else upstream's. Whether the model takes each is `ensure_plan`'s to ask
+    (kv.admits)."""
     types = list(kv_sizes) if kv_sizes else planner.supported_kv_types()
     flag = caps.first_of(SPELLINGS["cache_k"]) if caps is not None else None
-    offered = (caps.allowed(flag) if caps is not None and flag else None) or ()
-    types += [t for t in kv.TABLE if t in offered and t not in types]
+    offered = (caps.allowed(flag) if caps is not None and flag else None)
+    if offered:
+        types = [t for t in types if t in offered]
+        types += [t for t in kv.TABLE if t in offered and t not in types]
     return [t for t in types if t not in ("f32", "bf16")]
+
+
+def admitted_types(types: Sequence[str], facts: ModelFacts, target: kv.Target
+                   ) -> tuple[list[str], dict[str, str]]:
+    """(the types the model takes for K and V on target, {refused type: the reason})."""
+    ok: list[str] = []
+    refused: dict[str, str] = {}
+    for t in types:
+        no = [a for a in (kv.admits(facts, t, "K", target), kv.admits(facts, t, "V", target))
+              if not a.admitted]
+        if no:
+            refused[t] = no[0].reason
+        else:
+            ok.append(t)
+    return ok, refused
 
 
 def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
@@ -249,7 +276,8 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
         facts = r.facts or gguf_facts.read_facts(Path(r.launch.model))
         draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
                  if r.launch.spec == "draft" and r.launch.draft_model else 0)
-        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft)
+        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft,
+                         caps=inp.caps)
         if prof.context == "max" and device:
             n = planner.largest_context(facts, pc, device, inp.kv_sizes)
             if n > 0:
@@ -258,8 +286,10 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
                                                "context that fits"})
                 pc = dataclasses.replace(pc, n_ctx=n)
         if kv_limits is not None:
-            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes,
-                                         kv_types=list(kv_limits))
+            target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+            listed, refused = admitted_types(kv_limits, facts, target)
+            p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes, kv_types=listed)
+            p.not_admitted = refused
         else:
             p = planner.plan(facts, pc, device, inp.kv_sizes)
     except ConfigError as exc:
@@ -270,7 +300,12 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
     if device is not None and refuse and not p.fits:
         # the largest context that does fit, for the chosen KV type and each of the profile's
         # fallbacks (it is the context, not everything, that no longer fits)
-        for t in dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]):
+        wanted = list(dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]))
+        offered = set(limit_types(inp.kv_sizes, inp.caps)) if inp.caps is not None else None
+        target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+        listed, _ = admitted_types([t for t in wanted if offered is None or t in offered
+                                    or t == pc.type_k], facts, target)
+        for t in listed:
             try:
                 p.largest_context[t] = planner.largest_context(facts, pc, device, inp.kv_sizes,
                                                                kv_type=t)

@@ -39,6 +39,8 @@ def find_server(explicit: str | Path | None, snapshot: HardwareSnapshot | None =
         manifest = None  # another binary: its own facts count
     caps = (Capabilities.from_dict(manifest.capabilities)
             if manifest is not None and manifest.capabilities else probe.probe(binary))
+    if caps.outputs_capped is None:  # a manifest written before the probe looked
+        caps.outputs_capped = probe.outputs_capped(binary)
     return binary, caps, manifest
 
 
@@ -130,9 +132,17 @@ def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Reso
                       if row.name.startswith("MTP") and row.where == "gpu") if spec_dropped else 0
         if planned:
             r.measured["planned MTP"] = planned
+        # without --spec-type llama.cpp keeps one recurrent row per slot; MTP keeps
+        # 1 + depth of them (common/common.cpp: n_rs_seq = the draft depth)
+        snapshots = (max(0, r.plan.row("recurrent state").bytes - a.recurrent_total)
+                     if spec_dropped and r.plan else 0)
+        if snapshots:
+            r.measured["planned recurrent snapshots"] = snapshots
+            planned += snapshots
         note = (f" without {', '.join(rendered.dropped)} (this llama-fit-params lacks "
                 + ("them" if len(rendered.dropped) > 1 else "it")
-                + (f"; the plan's {planned / GiB:.2f} GiB of MTP rows added)" if planned
+                + (f"; the plan's {planned / GiB:.2f} GiB of MTP rows"
+                   + (" and recurrent snapshots" if snapshots else "") + " added)" if planned
                    else ")"))
     total = sum(r.measured.values())
     r.measured["total"] = total
