@@ -197,10 +197,11 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
       inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
       attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
-    Hybrid models with float K keep the mask live in the output phase too. Where the mask is
-    built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell, and the f32
-    input stays live in the output phase of attention models without MLA (fitted to the fork's
-    CPU allocations, tests/data/fit-params/fork-0bc0a27). On CUDA, quantized
+    Hybrid models with float K keep the mask live in the output phase too (upstream). Where the
+    mask is built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell in the
+    layer phase and none in the output phase (fitted to the fork's CPU allocations: the
+    recordings in tests/data/fit-params/fork-0bc0a27 and the grid in
+    docs/measurements/planner-compute.md). On CUDA, quantized
     K/V are converted to f16 for one layer (2 B × n_ctx × K+V width); that part is an allowance
     from the same rules, not a measurement.
     """
@@ -220,10 +221,8 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     type_k = cfg.type_k_draft if mtp_context else cfg.type_k
     out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
     if cfg.flash_attn:
-        if hybrid and type_k in _F_TYPES:
+        if hybrid and type_k in _F_TYPES and not cfg.mask_f32:
             out_phase += mask
-        elif cfg.mask_f32 and not hybrid and not facts.is_mla:
-            out_phase += 4 * n_ctx * ub  # the f32 mask is a graph input, live throughout
         layer_phase = ub * layer_tok + mask
     else:
         layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
