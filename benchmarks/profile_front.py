@@ -7,6 +7,7 @@ exit, so cProfile writes its file) and prints the functions with the most own ti
 front's CPU time per relayed chunk.
 
     python benchmarks/profile_front.py [--levels 8,32] [--requests 96] [--top 25] [--cpu-only]
+                                       [--upstream unix|tcp]
 
 BENCH_UVICORN_HTTP=h11 and BENCH_UVICORN_LOOP=uvloop|asyncio measure the alternatives.
 """
@@ -28,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
 
 
-def profile_level(upstream: str, concurrency: int, requests: int, top: int,
+def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int,
                   interval_ms: float, profile: bool = True) -> None:
     out = Path(tempfile.mkdtemp(prefix="front-profile-")) / f"c{concurrency}.prof"
     port = po.free_port()
     prof = ["-m", "cProfile", "-o", str(out)] if profile else []
-    front = po.spawn([po.PY, *prof, po.__file__, "_front", upstream, str(port),
+    front = po.spawn([po.PY, *prof, po.__file__, "_front", upstream.arg, str(port),
                       str(concurrency)])
     url = f"http://127.0.0.1:{port}"
     po.wait_http(url + "/livez", 60)
@@ -80,15 +81,18 @@ def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--cpu-only", action="store_true",
                     help="no cProfile: only the front's CPU time per chunk")
+    ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
+                    help="where the synthetic upstream listens (default: a UNIX socket)")
     args = ap.parse_args()
-    sport = po.free_port()
-    upstream = po.spawn([po.PY, po.__file__, "_synthetic", str(sport),
+    where = po.new_target(args.upstream, Path(tempfile.mkdtemp(prefix="front-profile-")),
+                          "synthetic")
+    upstream = po.spawn([po.PY, po.__file__, "_synthetic", where.arg,
                          str(args.interval_ms / 1000)])
     try:
-        po.wait_http(f"http://127.0.0.1:{sport}/health", 30)
+        po.wait_target(where, "/health", 30)
         for c in (int(x) for x in args.levels.split(",")):
-            profile_level(f"http://127.0.0.1:{sport}", c, args.requests, args.top,
-                          args.interval_ms, profile=not args.cpu_only)
+            profile_level(where, c, args.requests, args.top, args.interval_ms,
+                          profile=not args.cpu_only)
     finally:
         po.stop(upstream)
 

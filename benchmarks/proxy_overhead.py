@@ -17,7 +17,13 @@ For each upstream and concurrency (1, 8, 32) it measures, on every path, time to
 wall time). The front and each upstream run in their own processes; the load generator is an
 asyncio httpx client in this process.
 
-    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N] [--json OUT]
+    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N]
+                                        [--upstream unix|tcp] [--json OUT]
+
+`--upstream unix` (the default, as `mtpwrap up` runs llama-server) puts each upstream on a UNIX
+socket in a 0700 directory; every path reaches that same socket: the direct client and the
+front through mtpwrap's upstream client, nginx with `server unix:PATH`, HAProxy with
+`server s1 unix@PATH`. `--upstream tcp` puts them on a loopback port instead.
 
 The llama-server binary and model come from MTPWRAP_BINARY / MTPWRAP_DEMO_MODEL, else from
 mtpwrap's build and models modules.
@@ -40,6 +46,7 @@ import httpx
 
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as free_port
+from mtpwrap.run import upstream as upstream_client
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -73,7 +80,55 @@ def stop(p: proc.Process | None) -> None:
 # ------------------------------------------------------------------------------- processes
 
 
-def synthetic_main(port: int, interval: float) -> None:
+@dataclass(frozen=True)
+class Target:
+    """Where an upstream listens: a UNIX socket, or a loopback port."""
+
+    socket: str | None = None
+    port: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        return "http://localhost" if self.socket else f"http://127.0.0.1:{self.port}"
+
+    @property
+    def nginx(self) -> str:
+        return f"unix:{self.socket}" if self.socket else f"127.0.0.1:{self.port}"
+
+    @property
+    def haproxy(self) -> str:
+        return f"unix@{self.socket}" if self.socket else f"127.0.0.1:{self.port}"
+
+    @property
+    def arg(self) -> str:
+        return f"unix:{self.socket}" if self.socket else str(self.port)
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        return cls(socket=text[5:]) if text.startswith("unix:") else cls(port=int(text))
+
+
+def new_target(kind: str, work: Path, name: str) -> Target:
+    if kind == "tcp":
+        return Target(port=free_port())
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Target(socket=str(work / f"{name}.sock"))
+
+
+def wait_target(t: Target, path: str, timeout: float = 60, headers: dict | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    with upstream_client.client(t.socket, base_url=t.base_url, timeout=1) as c:
+        while time.monotonic() < deadline:
+            try:
+                if c.get(path, headers=headers).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"{t.base_url}{path} ({t.socket or t.port}) did not answer 200 in time")
+
+
+def synthetic_main(where: Target, interval: float) -> None:
     """The synthetic upstream: OpenAI-style chat chunks every `interval` seconds."""
     import uvicorn
     from starlette.applications import Starlette
@@ -102,16 +157,20 @@ def synthetic_main(port: int, interval: float) -> None:
 
     app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                             Route("/health", health)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    if where.socket:
+        uvicorn.run(app, uds=where.socket, log_level="warning", access_log=False)
+    else:
+        uvicorn.run(app, host="127.0.0.1", port=where.port or 0, log_level="warning",
+                    access_log=False)
 
 
 class StaticSupervisor:
     """A child that is always ready at one address (the contract's Supervisor methods)."""
 
-    def __init__(self, base_url: str, api_key: str) -> None:
+    def __init__(self, where: Target, api_key: str) -> None:
         from mtpwrap.run.supervisor import Upstream
 
-        self.up = Upstream(base_url, api_key, 1)
+        self.up = Upstream(where.base_url, api_key, 1, where.socket)
         self.t0 = time.time()
 
     def status(self):
@@ -131,7 +190,7 @@ class StaticSupervisor:
         pass
 
 
-def front_main(upstream: str, port: int, concurrency: int) -> None:
+def front_main(upstream: Target, port: int, concurrency: int) -> None:
     """mtpwrap's front over a fixed upstream, served like `mtpwrap up` serves it."""
     import uvicorn
 
@@ -219,11 +278,12 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict, res: Resul
 
 
 async def run_load(url: str, concurrency: int, per_worker: int, body: dict,
-                   headers: dict | None = None) -> Result:
+                   headers: dict | None = None, socket: str | None = None) -> Result:
+    """`concurrency` workers each sending `per_worker` streams to `url` (over the UNIX socket
+    `socket`, when given, through mtpwrap's upstream client)."""
     res = Result()
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits,
-                                 trust_env=False) as client:
+    async with upstream_client.async_client(socket, timeout=httpx.Timeout(300, connect=10),
+                                            max_connections=concurrency + 4) as client:
         async def worker() -> None:
             for _ in range(per_worker):
                 await one_stream(client, url, body, res, headers or {})
@@ -258,8 +318,8 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def compare(name: str, urls: dict[str, str], levels: list[int], per_worker, body: dict,
-            rounds: int) -> list[dict]:
+def compare(name: str, urls: dict[str, tuple[str, str | None]], levels: list[int], per_worker,
+            body: dict, rounds: int) -> list[dict]:
     """Interleaved rounds: each round runs every path once, in an order that rotates, so a
     noisy moment of a shared machine does not land on one path only."""
     rows = []
@@ -270,12 +330,13 @@ def compare(name: str, urls: dict[str, str], levels: list[int], per_worker, body
     for c in levels:
         n = per_worker(c)
         for p in paths:  # warm connections and the prompt cache
-            asyncio.run(run_load(urls[p], min(c, 4), 1, body, _headers(p)))
+            asyncio.run(run_load(urls[p][0], min(c, 4), 1, body, _headers(p), urls[p][1]))
         runs: dict[str, list[dict]] = {p: [] for p in paths}
         for r in range(rounds):
             order = paths[r % len(paths):] + paths[:r % len(paths)]
             for p in order:
-                runs[p].append(summary(asyncio.run(run_load(urls[p], c, n, body, _headers(p)))))
+                runs[p].append(summary(asyncio.run(
+                    run_load(urls[p][0], c, n, body, _headers(p), urls[p][1]))))
         med = {p: {k: _med([x[k] for x in runs[p]]) for k in
                    ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")} for p in paths}
         for p in paths:
@@ -317,7 +378,7 @@ def _peer(name: str, package: str, work: Path) -> str | None:
     return exe
 
 
-def start_nginx(upstream_port: int, work: Path) -> tuple[proc.Process, str] | None:
+def start_nginx(upstream: Target, work: Path) -> tuple[proc.Process, str] | None:
     """nginx as operators configure it for streaming: keep-alive upstream, no buffering."""
     exe = _peer("nginx", "nginx-light", work)
     if exe is None:
@@ -336,7 +397,7 @@ http {{
   fastcgi_temp_path {work}/fastcgi;
   uwsgi_temp_path {work}/uwsgi;
   scgi_temp_path {work}/scgi;
-  upstream up {{ server 127.0.0.1:{upstream_port}; keepalive 64; }}
+  upstream up {{ server {upstream.nginx}; keepalive 64; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -355,7 +416,7 @@ http {{
     return p, f"http://127.0.0.1:{port}"
 
 
-def start_haproxy(upstream_port: int, work: Path) -> tuple[proc.Process, str] | None:
+def start_haproxy(upstream: Target, work: Path) -> tuple[proc.Process, str] | None:
     """HAProxy 2.6 with `option http-no-delay`, without which SSE chunks arrive bunched."""
     exe = _peer("haproxy", "haproxy", work)
     if exe is None:
@@ -374,23 +435,25 @@ frontend f
   bind 127.0.0.1:{port}
   default_backend b
 backend b
-  server s1 127.0.0.1:{upstream_port} maxconn 1024
+  server s1 {upstream.haproxy} maxconn 1024
 """)
     p = spawn([exe, "-db", "-f", str(conf)])
     wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
     return p, f"http://127.0.0.1:{port}"
 
 
-def start_paths(upstream_port: int, concurrency: int, work: Path, procs: list) -> dict[str, str]:
-    urls = {"direct": f"http://127.0.0.1:{upstream_port}"}
+def start_paths(upstream: Target, concurrency: int, work: Path, procs: list
+                ) -> dict[str, tuple[str, str | None]]:
+    """Each path's base URL and the socket it is reached on (None: its URL's port)."""
+    urls: dict[str, tuple[str, str | None]] = {"direct": (upstream.base_url, upstream.socket)}
     for name, starter in (("nginx", start_nginx), ("haproxy", start_haproxy)):
-        started = starter(upstream_port, work / name)
+        started = starter(upstream, work / name)
         if started is not None:
             procs.append(started[0])
-            urls[name] = started[1]
-    front, furl = start_front(f"http://127.0.0.1:{upstream_port}", concurrency)
+            urls[name] = (started[1], None)
+    front, furl = start_front(upstream, concurrency)
     procs.append(front)
-    urls["mtpwrap"] = furl
+    urls["mtpwrap"] = (furl, None)
     return urls
 
 
@@ -408,24 +471,26 @@ def llama_paths() -> tuple[Path, Path]:
     return Path(binary), Path(model)
 
 
-def start_llama(port: int, slots: int, ctx_per_slot: int = 1024,
+def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
                 extra: list[str] | None = None) -> proc.Process:
     from mtpwrap.build.probe import probe
     from mtpwrap.decide import launch
+    from mtpwrap.decide.endpoint import Endpoint
 
     binary, model = llama_paths()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, why="benchmark upstream")
-    spec = launch.render(cfg, probe(binary), binary=binary, port=port,
-                         api_key=INTERNAL_KEY, extra=extra or [])
-    srv = proc.start_server(spec.argv, base_url=f"http://127.0.0.1:{port}", env={**env, **spec.env},
-                       timeout=180)
+    spec = launch.render(cfg, probe(binary), binary=binary, api_key=INTERNAL_KEY,
+                         endpoint=Endpoint(socket=where.socket, port=where.port),
+                         extra=extra or [])
+    srv = proc.start_server(spec.argv, base_url=where.base_url, env={**env, **spec.env},
+                            timeout=180, client=upstream_client.client(where.socket, timeout=2))
     return srv.process
 
 
-def start_front(upstream: str, concurrency: int) -> tuple[proc.Process, str]:
+def start_front(upstream: Target, concurrency: int) -> tuple[proc.Process, str]:
     port = free_port()
-    p = spawn([PY, __file__, "_front", upstream, str(port), str(concurrency)])
+    p = spawn([PY, __file__, "_front", upstream.arg, str(port), str(concurrency)])
     wait_http(f"http://127.0.0.1:{port}/livez", 30)
     return p, f"http://127.0.0.1:{port}"
 
@@ -443,6 +508,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
     ap.add_argument("--interval-ms", type=float, default=10.0,
                     help="synthetic upstream: time between chunks")
+    ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
+                    help="where the upstreams listen (default: a UNIX socket, as `up` runs it)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -453,27 +520,29 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if not args.skip_synthetic:
-            sport = free_port()
-            procs.append(spawn([PY, __file__, "_synthetic", str(sport),
+            st = new_target(args.upstream, work / "sockets", "synthetic")
+            procs.append(spawn([PY, __file__, "_synthetic", st.arg,
                                 str(args.interval_ms / 1000)]))
-            wait_http(f"http://127.0.0.1:{sport}/health", 30)
-            urls = start_paths(sport, max(levels), work / "synthetic", procs)
+            wait_target(st, "/health", 30)
+            urls = start_paths(st, max(levels), work / "synthetic", procs)
             body = {"model": "x", "stream": True, "max_tokens": 100,
                     "messages": [{"role": "user", "content": "hi"}]}
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
-                            {k: v + "/v1/chat/completions" for k, v in urls.items()}, levels,
+                            {k: (v[0] + "/v1/chat/completions", v[1]) for k, v in urls.items()},
+                            levels,
                             lambda c: max(2, 24 // c), body, args.rounds)
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
-            lport = free_port()
-            procs.append(start_llama(lport, max(rlevels)))
-            urls = start_paths(lport, max(rlevels), work / "real", procs)
+            lt = new_target(args.upstream, work / "sockets", "llama")
+            procs.append(start_llama(lt, max(rlevels)))
+            urls = start_paths(lt, max(rlevels), work / "real", procs)
             body = {"model": "x", "stream": True, "max_tokens": args.real_tokens,
                     "temperature": 0,
                     "seed": 1, "messages": [{"role": "user",
                                              "content": "Write a short story about a lighthouse."}]}
             rows += compare("llama-server (demo model, CPU)",
-                            {k: v + "/v1/chat/completions" for k, v in urls.items()}, rlevels,
+                            {k: (v[0] + "/v1/chat/completions", v[1]) for k, v in urls.items()},
+                            rlevels,
                             lambda c: 2 if c < 8 else 1, body, args.rounds)
     finally:
         for p in reversed(procs):
@@ -484,8 +553,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_synthetic":
-        synthetic_main(int(sys.argv[2]), float(sys.argv[3]))
+        synthetic_main(Target.parse(sys.argv[2]), float(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_front":
-        front_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        front_main(Target.parse(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         main()

@@ -16,9 +16,11 @@ from mtpwrap.build import manifest as build_manifest
 from mtpwrap.config.objects import default_snapshot_dir
 from mtpwrap.config.table import env_name
 from mtpwrap.decide import hardware
+from mtpwrap.decide.capabilities import Capabilities
+from mtpwrap.decide.endpoint import listen_on
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
-from mtpwrap.run import instance, persist
+from mtpwrap.run import instance, persist, sockets
 from mtpwrap.units import GiB
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
@@ -172,6 +174,23 @@ def check_binary(snap: Any | None = None) -> Check:
     return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
 
 
+def check_upstream_link() -> Check:
+    """How `up` reaches llama-server: its UNIX socket when the build binds one (no other local
+    user can open it), else loopback TCP behind the internal key; and where the socket goes."""
+    name = "link to llama-server"
+    m = build_manifest.load_manifest()
+    if m is None or not m.capabilities:
+        return Check(name, WARNING, "unknown until a build records what its --help offers",
+                     "mtpwrap build")
+    place = sockets.socket_place()
+    ep = listen_on(Capabilities.from_dict(m.capabilities), str(place.path),
+                   socket_why=place.why)
+    if ep.socket is None:
+        return Check(name, WARNING, ep.why,
+                     "use a llama-server whose --help offers .sock paths for --host")
+    return Check(name, OK, f"{ep.describe()}: {ep.why}")
+
+
 def check_cpu_isa() -> Check:
     """How the installed build's CPU backend was compiled, and why that one was kept."""
 
@@ -256,6 +275,7 @@ def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]
         check_disk(),
         check_pin(),
         check_binary(snap),
+        check_upstream_link(),
         check_cpu_isa(),
         check_model(model),
         check_snapshots(),

@@ -30,9 +30,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from mtpwrap.errors import MissingToolError, MtpwrapError, RuntimeFailure
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger("mtpwrap.proc")
 
@@ -366,11 +369,14 @@ class ServerProcess:
 def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] | None = None,
                  log_path: Path | None = None, ready: str = "health",
                  headers: Mapping[str, str] | None = None, timeout: float = 300.0,
-                 what: str = "llama-server", poll_s: float = 0.1) -> ServerProcess:
+                 what: str = "llama-server", poll_s: float = 0.1,
+                 client: httpx.Client | None = None) -> ServerProcess:
     """Start llama-server (or a stand-in; `env` added to `child_env()`) and wait until it is
     ready: `ready="health"` waits for GET /health 200, `"listening"` for its "listening on"
     line (enough when nothing will be asked of it). A server that exits or is not ready in
-    time is stopped and reported with its last output line (RuntimeFailure)."""
+    time is stopped and reported with its last output line (RuntimeFailure). `client`: the
+    one to ask /health with (`mtpwrap.run.upstream.client` for a server on a UNIX socket);
+    it is closed when the wait ends."""
     import httpx
 
     if log_path is None:
@@ -382,7 +388,9 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
     srv = ServerProcess(list(process.argv), base_url, process, log_path)
     deadline = time.monotonic() + timeout
     try:
-        with httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {})) as client:
+        if client is None:
+            client = httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {}))
+        with client:
             while True:
                 rc = process.poll()
                 if rc is not None:

@@ -137,18 +137,19 @@ FAST: dict[str, Any] = dict(
 
 def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None = None) -> Any:
     """A supervisor's child factory that starts tests/fakes/fake_llama_server.py with FAULTS."""
+    from mtpwrap.decide.endpoint import Endpoint
     from mtpwrap.run.child import ChildSpec
 
     fault_env = ",".join(f"{k}={v}" for k, v in (faults or {}).items())
 
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
         if steps is not None:
             steps.append(step)
         if step > 2:
             return None
         return ChildSpec(
             argv=[sys.executable, str(FAKE_LLAMA_SERVER), "--host", "127.0.0.1", "--port",
-                  str(port)],
+                  str(endpoint.port)],
             env={"LLAMA_API_KEY": api_key, "FAKE_LLAMA_FAULTS": fault_env},
             note=f"step {step}" if step else "",
         )

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from mtpwrap.build.probe import probe
+from mtpwrap.build.probe import outputs_capped, probe
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.errors import MissingToolError, RuntimeFailure
 
@@ -209,3 +209,33 @@ def test_live_binary_matches_recorded_upstream_help(llama_server_bin: Path,
         assert live.allowed(flag) == upstream.allowed(flag), flag
     assert live.env_for("--api-key") == "LLAMA_API_KEY"
     assert live.is_removed("--draft-max")
+    # upstream 0c1e570 caps the logits rows a context reserves (n_outputs_max)
+    assert live.outputs_capped is True
+
+
+def test_outputs_cap_is_read_from_the_binary_or_its_libllama(tmp_path: Path) -> None:
+    """A binary holding llama_context's n_outputs_max_per_seq log text caps its logits rows; a
+    shared build keeps that text in the libllama beside it; without it (the fork at 0bc0a27)
+    a whole ubatch is reserved."""
+    plain = tmp_path / "static" / "llama-server"
+    plain.parent.mkdir()
+    plain.write_bytes(b"\x7fELF" + b"\0" * 64 + b"n_outputs_max         = %u\n")
+    assert outputs_capped(plain) is False  # n_outputs_max alone: the fork has the variable
+    plain.write_bytes(b"\x7fELF" + b"\0" * 64 + b"%s: n_outputs_max_per_seq = %u\n")
+    assert outputs_capped(plain) is True
+    shared = tmp_path / "shared" / "bin" / "llama-server"
+    shared.parent.mkdir(parents=True)
+    shared.write_bytes(b"\x7fELF")
+    assert outputs_capped(shared) is False
+    (tmp_path / "shared" / "lib").mkdir()
+    (tmp_path / "shared" / "lib" / "libllama.so").write_bytes(b"n_outputs_max_per_seq = %u")
+    assert outputs_capped(shared) is True
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    assert outputs_capped(empty) is False
+
+
+def test_outputs_cap_survives_the_manifest_round_trip(fork: Capabilities) -> None:
+    d = fork.to_dict() | {"outputs_capped": False}
+    assert Capabilities.from_dict(d).outputs_capped is False
+    assert Capabilities.from_dict({"options": []}).outputs_capped is None

@@ -397,7 +397,10 @@ def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["profile"] == "4090-262k"
-    assert out["argv"] == [str(exe), *HEAD[1:], *PINNED[("4090-262k", "fork")]]
+    # the binary binds UNIX sockets: `args` shows the socket `up` uses, and no port
+    sock = str(Path(os.environ["MTPWRAP_HOME"]) / "run" / "llama.sock")
+    assert out["argv"] == [str(exe), "-m", MODEL, "--host", sock,
+                           *PINNED[("4090-262k", "fork")]]
     assert "RTX 4090" in out["profile_reason"]
     # the only warning: /models/M.gguf does not exist here, so it is shown as given
     assert len(out["warnings"]) == 1 and "no such model file" in out["warnings"][0]

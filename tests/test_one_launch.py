@@ -20,6 +20,7 @@ from mtpwrap.build import tiny_gguf
 from mtpwrap.cli import cli
 from mtpwrap.config import settings
 from mtpwrap.decide import profiles
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, MtpwrapError
 from mtpwrap.service import launch as up_launch
 
@@ -70,7 +71,9 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
         launch.deferred()
     # `args` shows the launch without the snapshot directory of a running service
     launch.slot_save_path = None
-    spec = launch.factory(PORT, "internal-key", 0)
+    # the socket `up` would bind, or, for a binary without socket support, the port `args` shows
+    where = launch.endpoint if launch.endpoint.socket else Endpoint(port=PORT)
+    spec = launch.factory(where, "internal-key", 0)
     assert spec is not None
     return 0, {"argv": spec.argv, "plan": launch.resolved.plan,
                "memory_plan": launch.info.memory_plan}

@@ -13,6 +13,7 @@ import pytest
 
 from mtpwrap.config.objects import PersistConfig
 from mtpwrap.config.settings import load_settings
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist
@@ -144,8 +145,8 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
 
 
 def launch_with(argv_: list[str], proxy: dict | None = None) -> up_launch.Launch:
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        return ChildSpec(argv=[*argv_, "--port", str(port)])
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+        return ChildSpec(argv=[*argv_, "--port", str(endpoint.port)])
 
     return up_launch.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
 

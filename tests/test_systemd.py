@@ -46,7 +46,9 @@ def test_generated_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
                    "RestartPreventExitStatus=78", "KillMode=mixed", "NoNewPrivileges=yes",
                    "ProtectSystem=strict", "PrivateTmp=yes", "EnvironmentFile=-/etc/mtpwrap/env",
                    "DeviceAllow=/dev/nvidiactl rw", "DeviceAllow=/dev/nvidia-uvm rw",
-                   "DeviceAllow=char-nvidia* rw", "User=mtpwrap", "WatchdogSec=30"):
+                   "DeviceAllow=char-nvidia* rw", "User=mtpwrap", "WatchdogSec=30",
+                   # llama-server's socket directory: the service user's alone
+                   "RuntimeDirectory=mtpwrap", "RuntimeDirectoryMode=0700"):
         assert needed in lines, needed
     stop = int(next(ln for ln in lines if ln.startswith("TimeoutStopSec=")).split("=")[1])
     assert stop >= 45 + 10  # the drain budget plus llama-server's grace

@@ -79,7 +79,10 @@ def test_up_serves_recovers_from_a_killed_child_and_stops_clean(instance: Instan
     child = st["child_pid"]
     assert alive(child) and os.getpgid(child) == child  # llama-server leads its own group
     cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-    assert b"127.0.0.1" in cmdline and b"--api-key" not in cmdline  # loopback, key not in argv
+    # on its UNIX socket, no port; the key not in argv
+    host = cmdline[cmdline.index(b"--host") + 1].decode()
+    assert host.endswith("/run/llama.sock") and b"--port" not in cmdline
+    assert b"--api-key" not in cmdline
 
     os.kill(child, signal.SIGKILL)
     end = time.monotonic() + 10

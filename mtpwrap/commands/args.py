@@ -17,21 +17,27 @@ from mtpwrap.config.options import setting_option
 @setting_option("hw_replay", "--hw-replay", "--replay", "replay",
                 type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--port", type=int, envvar="MTPWRAP_UPSTREAM_PORT",
-              help="Internal port to show in the command line.")
+              help="Internal port to show in the command line; loopback TCP only, for a "
+                   "binary that cannot bind a UNIX socket (otherwise the socket is shown).")
 @click.option("--no-plan", "no_plan", is_flag=True,
               help="As `up --no-plan`: no memory plan, so nothing is refused for memory.")
 @click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
 def command(profile_name: str, model: str | None, binary: Path | None, replay: Path | None,
             port: int | None, no_plan: bool, as_json: bool) -> None:
     """Print the llama-server command line for a profile, and why each flag is there."""
+    import dataclasses
+
     from mtpwrap import console
     from mtpwrap.run import inputs
+    from mtpwrap.service.launch import upstream_endpoint
 
     inp = inputs.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
     # a model that is not here cannot be planned: the preview shows the argv without a plan
     here = Path(inp.model).is_file()
     r = inputs.resolve_inputs(inp, plan=False if no_plan or not here else None)
-    spec = r.render(port=port)
+    listen = upstream_endpoint(r)
+    spec = r.render(endpoint=dataclasses.replace(listen, port=port) if listen.socket is None
+                    else listen)
     warnings = inp.warnings + spec.warnings
     assert inp.caps is not None
     if as_json:

@@ -106,7 +106,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
             flash_attn: bool | None, measure: bool, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
-    from mtpwrap.decide import planner, profiles, resolve
+    from mtpwrap.decide import profiles, resolve
     from mtpwrap.run import inputs
 
     if not (model or profile):
@@ -151,6 +151,15 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         d["measured_text"] = r.measured_text
         console.print_json(d)
         return
+    _print_plan(r, desc, device)
+
+
+def _print_plan(r: Any, desc: str, device: int | None) -> None:
+    """The plan as a table, llama.cpp's own figures, the verdict and the largest contexts."""
+    from mtpwrap import console
+    from mtpwrap.decide import planner
+
+    p, inp = r.plan, r.inputs
     for w in [*inp.warnings, *r.launch.warnings, *p.warnings]:
         console.warn(w)
     cfg = p.config
@@ -164,11 +173,14 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
     host_needed = p.total if device is None else p.total + p.host_total
     if r.measured:
         m = r.measured
+        how = (r.measured_text or "").partition(" measured by llama-fit-params")[2]
+        added = "".join(f", {k.removeprefix('planned ')} {_fmt(v)} (the plan's)"
+                        for k, v in m.items() if k.startswith("planned "))
         console.out.print(
-            f"llama.cpp's own figures (llama-fit-params, same flags): weights "
+            f"llama.cpp's own figures (llama-fit-params, the launch's flags{how}): weights "
             f"{_fmt(m['weights'])}, KV {_fmt(m['kv'])}, recurrent {_fmt(m['recurrent'])}, "
-            f"compute {_fmt(m['compute'])}, output {_fmt(m['output'])}; total "
-            f"{_fmt(m['total'])} MiB (plan: {_fmt(host_needed)} MiB)")
+            f"compute {_fmt(m['compute'])}, output {_fmt(m['output'])}{added}; total "
+            f"{_fmt(m['total'])} MiB (plan, device and host: {_fmt(host_needed)} MiB)")
     elif r.measured_text:
         console.out.print(f"llama.cpp's own figures: {r.measured_text}")
     if device is None:
@@ -181,7 +193,8 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         verdict = "FITS" if total + cfg.margin <= device else "DOES NOT FIT"
         console.out.print(f"{verdict} (llama.cpp's own figures): {_fmt(total)} MiB + "
                           f"{_fmt(cfg.margin)} MiB margin of {_fmt(device)} MiB; headroom "
-                          f"{_fmt(device - total - cfg.margin)} MiB (plan: {_fmt(p.total)} MiB)")
+                          f"{_fmt(device - total - cfg.margin)} MiB (plan, device: "
+                          f"{_fmt(p.total)} MiB)")
     else:
         verdict = "FITS" if p.fits else "DOES NOT FIT"
         console.out.print(f"{verdict}: {_fmt(p.total)} MiB + {_fmt(cfg.margin)} MiB margin of "

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import kv
+from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket
 from mtpwrap.decide.extra_args import check_exposure, check_extra
 from mtpwrap.decide.ladder import ladder as ladder
 from mtpwrap.decide.ladder import step_down as step_down
@@ -445,19 +446,28 @@ class _Argv:
 def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None = None,
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
            extra: Sequence[str] = (), serve: bool = True,
-           slot_save_path: Path | str | None = None) -> RenderedLaunch:
+           slot_save_path: Path | str | None = None,
+           endpoint: Endpoint | None = None) -> RenderedLaunch:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
     serve=False: for llama-fit-params, which serves nothing: no serving flags, and a flag it
     lacks that does not size memory (e.g. --spec-type on the fork's) is left out and named in
     `dropped` instead of refused.
-    slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots."""
+    slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots.
+    endpoint: where it listens (`listen_on`); when given it replaces `host` and `port`."""
     b = _Argv(caps, lenient=not serve)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
-    if serve:
-        b.add("host", host, "llama-server is never exposed; the proxy is the public side")
+    if serve and endpoint is not None and endpoint.socket is not None:
+        if not binds_unix_socket(caps):
+            raise ConfigError(f"--host {endpoint.socket}: {caps.describe()} cannot bind a UNIX "
+                              "socket; it listens on loopback TCP instead.")
+        b.add("host", endpoint.socket, endpoint.why)
+    elif serve:
+        host, port = (endpoint.host, endpoint.port) if endpoint is not None else (host, port)
+        b.add("host", host, (endpoint.why if endpoint is not None and endpoint.why else
+                             "llama-server is never exposed; the proxy is the public side"))
         if port is not None:
-            b.add("port", port, "internal port chosen by the supervisor")
+            b.add("port", port, "internal port chosen by the supervisor (loopback TCP only)")
     b.add("context", cfg.context, r("context"))
     if cfg.gpu_layers is not None:
         b.add("gpu_layers", cfg.gpu_layers, r("gpu_layers"))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import gguf_facts, kv, planner
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
@@ -113,13 +114,15 @@ class Resolved:
 
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, cfg: LaunchConfig | None = None,
-               slot_save_path: Path | str | None = None) -> RenderedLaunch:
+               slot_save_path: Path | str | None = None,
+               endpoint: Endpoint | None = None) -> RenderedLaunch:
         caps = self.inputs.caps
         if caps is None:
             raise MissingToolError("no llama-server to spell the command line for.",
                                    hint="Run `mtpwrap build`, or pass --binary PATH.")
         return render(cfg or self.launch, caps, binary=self.inputs.binary, host=host,
-                      port=port, api_key=api_key, slot_save_path=slot_save_path)
+                      port=port, api_key=api_key, slot_save_path=slot_save_path,
+                      endpoint=endpoint)
 
 
 # --------------------------------------------------------------------------- planning

@@ -23,6 +23,7 @@ from typing import Any
 from mtpwrap.build.smoke import judge_completion
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
+from mtpwrap.run import upstream
 
 log = logging.getLogger("mtpwrap.supervisor")
 child_log = logging.getLogger("mtpwrap.child")
@@ -89,12 +90,13 @@ class ChildProcess:
     """A started llama-server: pid, process group, output pump, HTTP probes, termination."""
 
     def __init__(self, proc: asyncio.subprocess.Process, *, base_url: str, api_key: str,
-                 file_logger: logging.Logger | None, lines_per_s: float, log_file: Path | None
-                 ) -> None:
+                 file_logger: logging.Logger | None, lines_per_s: float, log_file: Path | None,
+                 socket: str | None = None) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.pgid = proc.pid  # start_new_session: the child leads its own session and group
         self.base_url = base_url
+        self.socket = socket
         self.api_key = api_key
         self.started_mono = time.monotonic()
         self.started_at = time.time()
@@ -111,16 +113,14 @@ class ChildProcess:
         import httpx
 
         self._httpx = httpx
-        self._http = httpx.AsyncClient(
-            base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
-            timeout=httpx.Timeout(5.0), trust_env=False,
-        )
+        self._http = upstream.async_client(socket, base_url=base_url, api_key=api_key,
+                                           timeout=httpx.Timeout(5.0))
 
     # --- spawning ------------------------------------------------------------------------
     @classmethod
     async def spawn(cls, spec: ChildSpec, *, base_url: str, api_key: str,
                     file_logger: logging.Logger | None, lines_per_s: float,
-                    log_file: Path | None) -> ChildProcess:
+                    log_file: Path | None, socket: str | None = None) -> ChildProcess:
         if any(api_key in arg for arg in spec.argv):
             # Anything in argv is readable by every local user through /proc and `ps`.
             raise ValueError("the internal API key must be passed through the environment")
@@ -129,7 +129,7 @@ class ChildProcess:
         # alone, from the moment it exists.
         proc = await start_async(spec.argv, env=child_env(spec.env), umask=0o077)
         return cls(proc, base_url=base_url, api_key=api_key, file_logger=file_logger,
-                   lines_per_s=lines_per_s, log_file=log_file)
+                   lines_per_s=lines_per_s, log_file=log_file, socket=socket)
 
     # --- output --------------------------------------------------------------------------
     async def _pump_output(self) -> None:

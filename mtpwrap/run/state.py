@@ -76,9 +76,13 @@ class ReloadPhase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Upstream:
+    """Where the front reaches the child now: `base_url` (over a socket only its host part,
+    a Host header), the UNIX socket path or None for loopback TCP, the internal key."""
+
     base_url: str
     api_key: str
     generation: int
+    socket: str | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ class SupervisorStatus:
             "last_exit": self.last_exit,
             "pid": self.pid,
             "upstream": None if self.upstream is None else {
-                "base_url": self.upstream.base_url, "generation": self.upstream.generation},
+                "base_url": self.upstream.base_url, "socket": self.upstream.socket,
+                "generation": self.upstream.generation},
             "step_down": self.step, "step_down_note": self.step_note,
         }
 

@@ -4,12 +4,13 @@ One asyncio task (`_run`) owns the child from spawn to reap; everybody else asks
 methods below (`status`, `wait_ready`, `report_stall`, `begin_drain`, `stop`). Every state
 change goes through `_set_state`, which also tells the listeners (metrics, sd_notify).
 
-Life of one child: spawn on loopback with an ephemeral port and a random key (environment,
-never argv) → STARTING until `/health` is 200 *and* a one-token generation answers (output
-from the child resets the load-stall timer) → READY, watched for exit, failing health, no token
-progress while requests are processing, and memory growth → on a crash BACKOFF with a capped
-exponential delay, FAILED after too many crashes in a window → on stop SIGTERM, bounded wait,
-SIGKILL of the process group.
+Life of one child: spawn on its UNIX socket (a stale one from a crash removed first, the
+bound one made 0600) or, for a binary that cannot bind one, on loopback with an ephemeral
+port, and with a random key (environment, never argv) → STARTING until `/health` is 200
+*and* a one-token generation answers (output from the child resets the load-stall timer)
+→ READY, watched for exit, failing health, no token progress while requests are processing,
+and memory growth → on a crash BACKOFF with a capped exponential delay, FAILED after too
+many crashes in a window → on stop SIGTERM, bounded wait, SIGKILL of the process group.
 
 Planned restarts (`reload`: a new command or the same one again; a memory recycle) take the
 same path: readiness drops so new requests wait in the front's queue, in-flight ones finish
@@ -27,10 +28,14 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from mtpwrap.config.objects import SupervisorConfig
+from mtpwrap.decide.endpoint import Endpoint
+from mtpwrap.errors import MtpwrapError
 from mtpwrap.proc import describe_returncode, free_loopback_port
+from mtpwrap.run import sockets
 from mtpwrap.run.backoff import RestartPolicy
 from mtpwrap.run.carrier import SlotCarrier
 from mtpwrap.run.child import (
@@ -65,8 +70,8 @@ __all__ = ["PROBE_REPORT_S", "LaunchFactory", "State", "Supervisor", "Supervisor
 
 
 class LaunchFactory(Protocol):
-    def __call__(self, port: int, api_key: str, step: int) -> ChildSpec | None:
-        """The child to run on `port` with `api_key`. `step` > 0 asks for the n-th cheaper
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+        """The child to run on `endpoint` with `api_key`. `step` > 0 asks for the n-th cheaper
         configuration after repeated out-of-memory starts; None means there is no such step."""
 
 
@@ -87,8 +92,10 @@ class _Reload:
 
 class Supervisor:
     def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None,
-                 snapshots: SnapshotStore | None = None) -> None:
+                 snapshots: SnapshotStore | None = None, socket: Path | None = None) -> None:
         self._factory = factory
+        #: llama-server's UNIX socket (None: loopback TCP on a fresh port each start)
+        self.socket = socket
         #: KV slots carried across restarts (a no-op without `snapshots`)
         self.carrier = SlotCarrier(snapshots)
         #: requests the front is forwarding now; a planned restart waits for 0 (None: ask the
@@ -273,7 +280,7 @@ class Supervisor:
                                      "the previous configuration is starting again")
                     continue
                 delay = self._policy.record(
-                    outcome, lambda step: self._factory(0, "probe-key", step))
+                    outcome, lambda step: self._factory(Endpoint(port=0), "probe-key", step))
                 if isinstance(delay, str):
                     self._set_state(State.FAILED, delay)
                     await self._wait_for_stop(None)  # FAILED: stay, report, wait for stop
@@ -295,6 +302,8 @@ class Supervisor:
             elif child is not None:
                 child.kill_group()
                 await child.close()
+            if self.socket is not None:
+                sockets.remove(self.socket)
             self._child, self._upstream = None, None
             self._shutdown = True
             self._set_state(State.STOPPED, "stopped")
@@ -313,28 +322,33 @@ class Supervisor:
 
     async def _one_child(self) -> Ended:
         cfg = self.config
-        port = free_loopback_port(cfg.host)
+        try:
+            endpoint = self._endpoint()
+        except MtpwrapError as exc:
+            self._last_exit = "not started"
+            return Ended(Outcome.EXIT, exc.message)
         key = secrets.token_urlsafe(32)
-        spec = self._factory(port, key, self._policy.step)
+        spec = self._factory(endpoint, key, self._policy.step)
         if spec is None:
             raise RuntimeError("the launch factory returned no command for step 0")
         self._generation += 1
         gen = self._generation
         self._spec, self._was_ready = spec, False
         self.carrier.new_child()
-        base_url = f"http://{cfg.host}:{port}"
+        base_url = endpoint.base_url
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
                         + (f", {spec.note}" if spec.note else ""))
         try:
             child = await ChildProcess.spawn(
                 spec, base_url=base_url, api_key=key, file_logger=self._file_logger,
-                lines_per_s=cfg.log_lines_per_s, log_file=cfg.log_file)
+                lines_per_s=cfg.log_lines_per_s, log_file=cfg.log_file, socket=endpoint.socket)
         except (OSError, ValueError) as exc:
             self._last_exit = "not started"
             return Ended(Outcome.EXIT, f"cannot start {spec.argv[0]}: {exc}")
         self._child = child
-        self._upstream = Upstream(base_url, key, gen)
-        log.info("llama-server started: pid %d, %s (generation %d)", child.pid, base_url, gen)
+        self._upstream = Upstream(base_url, key, gen, endpoint.socket)
+        log.info("llama-server started: pid %d, %s (generation %d)", child.pid,
+                 endpoint.describe(), gen)
         loaded = False
         try:
             outcome = await self._bring_up(child)
@@ -352,6 +366,14 @@ class Supervisor:
         elif loaded and outcome.kind in (Outcome.RECYCLE, Outcome.STOP):
             self._policy.reset_step_down(f"a clean run ({outcome.kind.value})")
         return outcome
+
+    def _endpoint(self) -> Endpoint:
+        """Where the next child listens: the socket, its directory made 0700 and a crashed
+        child's socket file removed (it would refuse to bind), or a free loopback port."""
+        if self.socket is None:
+            return Endpoint(host=self.config.host, port=free_loopback_port(self.config.host))
+        sockets.prepare(self.socket)
+        return Endpoint(socket=str(self.socket))
 
     def _exit_outcome(self, child: ChildProcess, when: str) -> Ended:
         rc = child.returncode
@@ -378,6 +400,8 @@ class Supervisor:
             if code == 200:
                 if child.health_ok_at is None:
                     child.health_ok_at = time.time()
+                    if child.socket is not None:
+                        sockets.seal(Path(child.socket))
                 ok, why = await child.generate_one_token(cfg.probe_timeout_s)
                 if ok:
                     self._policy.loaded()
@@ -499,7 +523,7 @@ class Supervisor:
         if (self.carrier.store is not None and self._spec is not None
                 and child.returncode is None and not self._stop_requested):
             step = self._policy.step if factory is None else 0
-            nxt = (factory or self._factory)(0, "probe-key", step)
+            nxt = (factory or self._factory)(Endpoint(port=0), "probe-key", step)
             await self.carrier.save(child, self._spec, nxt)
         return Ended(kind, why)
 

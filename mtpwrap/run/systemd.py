@@ -163,7 +163,10 @@ TimeoutStopSec={stop_timeout_s(opts)}
 WatchdogSec={opts.watchdog_s}
 StateDirectory=mtpwrap
 LogsDirectory=mtpwrap
+# llama-server's UNIX socket lives here ($RUNTIME_DIRECTORY/llama.sock): 0700, so no other
+# local user can connect to it
 RuntimeDirectory=mtpwrap
+RuntimeDirectoryMode=0700
 {memlock}NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome=read-only

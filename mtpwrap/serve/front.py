@@ -44,7 +44,7 @@ from mtpwrap.serve.bodies import BadBody, check_fields, parse_json_body
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
-from mtpwrap.serve.relay import Exchange, Relay, upstream_client
+from mtpwrap.serve.relay import Exchange, Relay, upstream_clients
 from mtpwrap.serve.replies import ASGIApp, Receive, Replies, Scope, Send, declares_body
 
 if TYPE_CHECKING:
@@ -75,9 +75,9 @@ class Front:
         self.metrics = FrontMetrics(supervisor.status, self._front_stats)
         self.admission = Admission(supervisor, config, self.metrics)
         self.replies = Replies(self.metrics, config.retry_after_s)
-        self.client = upstream_client(config)
+        self.clients = upstream_clients(config)
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
-        self.relay = Relay(supervisor, config, self.metrics, self.replies, self.client,
+        self.relay = Relay(supervisor, config, self.metrics, self.replies, self.clients,
                            self.depth)
         self._warn_at_start(config)
         routes = [
@@ -158,7 +158,7 @@ class Front:
         return uvicorn_config(self.app, limits, cfg.idle_timeout_s, **kwargs)
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.clients.aclose()
 
     def _front_stats(self) -> dict[str, float]:
         return {"requests_in_flight": float(self.inflight), "queue_depth": float(self.queued),
@@ -175,7 +175,7 @@ class Front:
             if up is None:
                 break
             try:
-                r = await self.client.get(
+                r = await self.clients.get(up).get(
                     up.base_url + "/metrics",
                     headers={"authorization": f"Bearer {up.api_key}"},
                     timeout=self.config.backend_metrics_timeout_s)

@@ -44,6 +44,9 @@ class ServeInfo:
     #: (None: not recorded)
     webui: bool | None = None
     webui_why: str = ""
+    #: how the front reaches llama-server ("unix" socket or loopback "tcp"), and why
+    upstream: str = "tcp"
+    upstream_why: str = ""
 
     def __post_init__(self) -> None:
         if self.per_request_depth not in PER_REQUEST_DEPTH:

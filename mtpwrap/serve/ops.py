@@ -74,6 +74,10 @@ def health_document(front: Front) -> dict[str, Any]:
                                        else None),
         "child_pid": st.pid,
         "generation": up.generation if up is not None else None,
+        # how the front reaches llama-server: its UNIX socket, or loopback TCP, and why
+        "upstream": {"transport": ("unix" if up.socket else "tcp") if up is not None
+                     else info.upstream, "socket": up.socket if up is not None else None,
+                     "why": info.upstream_why},
         "requests": {
             "in_flight": front.inflight,
             "queued": front.queued,

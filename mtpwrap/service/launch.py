@@ -14,8 +14,9 @@ from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings
 from mtpwrap.decide import resolve
+from mtpwrap.decide.endpoint import Endpoint, listen_on
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import inputs
+from mtpwrap.run import inputs, sockets
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.run.persist import SnapshotStore
 from mtpwrap.run.supervisor import LaunchFactory, Supervisor
@@ -44,6 +45,12 @@ class Launch:
     #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence
     #: off); the running service sets the directory of the store it opened
     slot_save_path: Path | None = None
+    #: where llama-server listens (its port, over TCP, is the supervisor's at each start)
+    endpoint: Endpoint = field(default_factory=Endpoint)
+
+    @property
+    def socket(self) -> Path | None:
+        return Path(self.endpoint.socket) if self.endpoint.socket is not None else None
 
 
 def resolve_launch(settings: Settings) -> Launch:
@@ -66,15 +73,17 @@ def resolve_launch(settings: Settings) -> Launch:
     cfg = r.launch
     pcfg = persist_config(settings)
     snapshots = pcfg.directory if pcfg is not None else None
+    listen = upstream_endpoint(r)
     # spells every flag now: a bad one fails here
-    first = r.render(port=0, api_key="x", slot_save_path=snapshots)
+    first = r.render(endpoint=dataclasses.replace(listen, port=listen.port or 0),
+                     api_key="x", slot_save_path=snapshots)
 
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
         rung = r.step_down(step)
         if rung is None:
             return None
-        spec = r.render(port=port, api_key=api_key, cfg=rung,
-                        slot_save_path=result.slot_save_path)
+        spec = r.render(endpoint=dataclasses.replace(endpoint, why=listen.why), api_key=api_key,
+                        cfg=rung, slot_save_path=result.slot_save_path)
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
     depth = _per_request_depth(inp.manifest)
@@ -87,13 +96,14 @@ def resolve_launch(settings: Settings) -> Launch:
         per_request_depth=depth[0], per_request_depth_detail=depth[1],
         near_edge=bool(r.near_edge),
         memory_plan=r.memory_text, log_file=str(child_log_file()),
-        webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""))
+        webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""),
+        upstream=listen.transport, upstream_why=listen.why)
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
                     warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
-                    slots=cfg.slots, resolved=r, slot_save_path=snapshots)
+                    slots=cfg.slots, resolved=r, slot_save_path=snapshots, endpoint=listen)
     if not r.planned and not skip:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only.
@@ -106,6 +116,16 @@ def resolve_launch(settings: Settings) -> Launch:
 
         result.deferred = plan_later
     return result
+
+
+def upstream_endpoint(r: Resolved) -> Endpoint:
+    """Where this launch's llama-server listens: its UNIX socket (`run.sockets.socket_place`)
+    when the binary binds one, else loopback TCP; the port is the supervisor's."""
+    caps = r.inputs.caps
+    place = sockets.socket_place()
+    if caps is None:
+        return Endpoint(why="loopback TCP: no binary to ask")
+    return listen_on(caps, str(place.path), socket_why=place.why)
 
 
 def _per_request_depth(manifest: Manifest | None) -> tuple[str, str]:

@@ -102,7 +102,8 @@ class Service:
         self.inputs = reload_inputs(settings)
         self.store = open_snapshots(settings)
         launch.slot_save_path = self.store.directory if self.store is not None else None
-        self.sup = Supervisor(launch.factory, self.config, snapshots=self.store)
+        self.sup = Supervisor(launch.factory, self.config, snapshots=self.store,
+                              socket=launch.socket)
         self.url = public_url(settings.host, settings.port)
         exit_on_failed = supervisor_values(settings, launch)["exit_on_failed"]
         if exit_on_failed == "auto":

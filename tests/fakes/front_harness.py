@@ -20,14 +20,17 @@ from typing import Any
 
 import httpx
 
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
+from mtpwrap.run import upstream
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 
 
 class SupervisorDouble:
     def __init__(self, base_url: str, api_key: str, state: State = State.READY,
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, socket: str | None = None) -> None:
         self.base_url, self.api_key, self.pid = base_url, api_key, pid
+        self.socket = socket
         self.state = state
         self.reason: str | None = None
         self.generation = 1
@@ -44,7 +47,7 @@ class SupervisorDouble:
 
     # --- the contract -------------------------------------------------------------
     def status(self) -> SupervisorStatus:
-        up = (Upstream(self.base_url, self.api_key, self.generation)
+        up = (Upstream(self.base_url, self.api_key, self.generation, self.socket)
               if self.state in (State.READY, State.DRAINING) else None)
         return SupervisorStatus(self.state, self.reason, self.restarts, self.started_at,
                                 self.child_started_at, self.ready_since, self.last_exit,
@@ -162,19 +165,31 @@ class FrontServer:
 
 
 class LlamaChild:
-    """A real llama-server on loopback with an internal key, started and killed by the test."""
+    """A real llama-server on loopback (or on the UNIX socket `socket`) with an internal key,
+    started and killed by the test."""
 
     def __init__(self, binary: Path, model: Path, port: int, api_key: str,
-                 extra: list[str] | None = None, log_path: Path | None = None) -> None:
+                 extra: list[str] | None = None, log_path: Path | None = None,
+                 socket: Path | None = None) -> None:
         self.binary, self.model, self.port, self.api_key = binary, model, port, api_key
+        self.socket = str(socket) if socket is not None else None
         self.extra = extra or []
         self.log_path = log_path
         self.server: ServerProcess | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def endpoint(self) -> Endpoint:
+        return Endpoint(socket=self.socket, port=self.port)
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.endpoint.base_url
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """A client to this llama-server (mtpwrap's one upstream client), key included."""
+        return upstream.client(self.socket, base_url=self.base_url, api_key=self.api_key,
+                               **kwargs)
 
     def start(self, timeout: float = 120) -> LlamaChild:
         from mtpwrap.build.probe import probe
@@ -183,10 +198,11 @@ class LlamaChild:
 
         cfg = launch.plain(self.model, context=4096, slots=2, threads=2, why="test upstream")
         argv = launch.render(cfg, probe(self.binary), binary=self.binary,
-                             port=self.port, extra=self.extra).argv
+                             endpoint=self.endpoint, extra=self.extra).argv
         # the key travels in the environment, not argv
         self.server = start_server(argv, base_url=self.base_url, timeout=timeout,
-                                   env={"LLAMA_API_KEY": self.api_key}, log_path=self.log_path)
+                                   env={"LLAMA_API_KEY": self.api_key}, log_path=self.log_path,
+                                   client=upstream.client(self.socket, timeout=2.0))
         self.proc = self.server.proc
         return self
 
@@ -195,19 +211,21 @@ class LlamaChild:
             self.server.kill(sig)
 
     def slots_busy(self) -> int:
-        r = httpx.get(self.base_url + "/slots",
-                      headers={"authorization": f"Bearer {self.api_key}"}, timeout=5)
+        with self.client(timeout=5) as c:
+            r = c.get("/slots")
         r.raise_for_status()
         return sum(1 for s in r.json() if s.get("is_processing"))
 
 
 @contextlib.contextmanager
 def serve_front(base_url: str, api_key: str, config: Any, info: Any = None,
-                state: State = State.READY, pid: int | None = None):
-    """A Front over `base_url` with a SupervisorDouble; yields (server, supervisor)."""
+                state: State = State.READY, pid: int | None = None,
+                socket: str | None = None):
+    """A Front over `base_url` (on the UNIX socket `socket`, if given) with a
+    SupervisorDouble; yields (server, supervisor)."""
     from mtpwrap.serve.front import Front
 
-    sup = SupervisorDouble(base_url, api_key, state=state, pid=pid)
+    sup = SupervisorDouble(base_url, api_key, state=state, pid=pid, socket=socket)
     srv = FrontServer(lambda: Front(sup, config, info), free_loopback_port(), sup).start()
     try:
         yield srv, sup

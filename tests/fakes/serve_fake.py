@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from mtpwrap.config import settings
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.run.child import ChildSpec
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.service import up
@@ -25,8 +26,9 @@ FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 def main() -> int:
     s = settings.load_settings({"port": sys.argv[1]}, config=os.environ.get("MTPWRAP_CONFIG"))
 
-    def factory(port: int, api_key: str, step: int) -> ChildSpec | None:
-        return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port", str(port)],
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+        return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port",
+                          str(endpoint.port)],
                          env={"LLAMA_API_KEY": api_key})
 
     launch = Launch(factory=factory,

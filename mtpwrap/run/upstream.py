@@ -1,0 +1,102 @@
+"""The one way to talk to a supervised llama-server: an httpx client bound to where it listens
+(its UNIX socket, or loopback TCP), with its internal key. The child's probes, slot save and
+restore, the metrics scrape, the front's relay, the benchmarks and the tests all take their
+client from here, so nothing else needs to know a port or a socket path.
+
+Connections are kept and reused. cpp-httplib, llama-server's HTTP layer, closes a connection
+that has been idle for `CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND` (5 s) — the very value of httpx's
+default `keepalive_expiry`, so a request sent on a connection just under 5 s old can meet the
+server's close and fail with "Server disconnected without sending a response" (and a
+generation cannot be retried, as it may have been read). The client here lets an idle
+connection go well before the server does (`KEEPALIVE_EXPIRY_S`); a connection the server has
+closed before that is seen as readable-at-EOF by httpcore and not reused.
+
+httpx is imported inside the functions: `mtpwrap --help` does not pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
+
+    from mtpwrap.run.state import Upstream
+
+#: an idle connection is dropped after this long, well inside cpp-httplib's 5 s
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def _limits(max_connections: int | None, keepalive: bool) -> httpx.Limits:
+    import httpx
+
+    return httpx.Limits(max_connections=max_connections,
+                        max_keepalive_connections=max_connections if keepalive else 0,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def async_client(socket: str | None, *, base_url: str = "", api_key: str | None = None,
+                 timeout: httpx.Timeout | float | None = 5.0,
+                 max_connections: int | None = None, keepalive: bool = True
+                 ) -> httpx.AsyncClient:
+    """An async client for the llama-server on UNIX socket `socket` (None: TCP, reached by
+    the URLs' own host and port)."""
+    import httpx
+
+    limits = _limits(max_connections, keepalive)
+    transport = httpx.AsyncHTTPTransport(uds=socket, limits=limits) if socket else None
+    return httpx.AsyncClient(
+        base_url=base_url, headers=_headers(api_key), timeout=timeout, limits=limits,
+        transport=transport,
+        trust_env=False,  # an HTTP_PROXY in the environment must never see this traffic
+        follow_redirects=False)
+
+
+def client(socket: str | None, *, base_url: str = "", api_key: str | None = None,
+           timeout: httpx.Timeout | float | None = 5.0, max_connections: int | None = None,
+           keepalive: bool = True) -> httpx.Client:
+    """The blocking twin of `async_client` (benchmarks, tests, one-off probes)."""
+    import httpx
+
+    limits = _limits(max_connections, keepalive)
+    transport = httpx.HTTPTransport(uds=socket, limits=limits) if socket else None
+    return httpx.Client(base_url=base_url, headers=_headers(api_key), timeout=timeout,
+                        limits=limits, transport=transport, trust_env=False,
+                        follow_redirects=False)
+
+
+def for_upstream(up: Upstream, *, timeout: httpx.Timeout | float | None = 5.0,
+                 keepalive: bool = True) -> httpx.Client:
+    """A blocking client for what a supervisor reports (`status().upstream`), key included."""
+    return client(up.socket, base_url=up.base_url, api_key=up.api_key, timeout=timeout,
+                  keepalive=keepalive)
+
+
+class UpstreamClients:
+    """The front's pooled clients: one per place the child listens. Over a socket the place
+    stays the same across restarts, so one pool serves the whole run; over TCP one client
+    reaches every port by its URL."""
+
+    def __init__(self, *, timeout: httpx.Timeout, max_connections: int,
+                 keepalive: bool = True) -> None:
+        self._timeout = timeout
+        self._max = max_connections
+        self._keepalive = keepalive
+        self._clients: dict[str | None, httpx.AsyncClient] = {}
+
+    def get(self, up: Upstream) -> httpx.AsyncClient:
+        c = self._clients.get(up.socket)
+        if c is None:
+            c = self._clients[up.socket] = async_client(
+                up.socket, timeout=self._timeout, max_connections=self._max,
+                keepalive=self._keepalive)
+        return c
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.aclose()
