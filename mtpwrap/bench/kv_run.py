@@ -45,6 +45,7 @@ class KvPlan:
     chunks: list[int] = field(default_factory=lambda: [2])
     threads: int | None = None
     speed: bool = True           #: also measure prefill/decode speed by filled depth
+    quality: bool = True         #: the llama-perplexity runs (off: speed only)
     n_predict: int = 32          #: tokens decoded per speed cell
     target: kv_rule.Target = field(default_factory=kv_rule.Target)
     timeout_s: float = 6 * 3600.0
@@ -237,7 +238,8 @@ def _speed(plan: KvPlan, types: list[dict], texts: dict[str, dict], workdir: Pat
 
 def steps(plan: KvPlan, n_types: int) -> int:
     cells = len(plan.corpora) * len(plan.depths)
-    return len(plan.corpora) + cells * (1 + n_types) + (cells * n_types if plan.speed else 0)
+    return (len(plan.corpora) + (cells * (1 + n_types) if plan.quality else 0)
+            + (cells * n_types if plan.speed else 0))
 
 
 def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dict:
@@ -258,7 +260,8 @@ def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dic
     texts = prepare_texts(plan, workdir, progress)
     results["corpora"] = {n: {k: v for k, v in e.items() if k != "prompts"}
                           for n, e in texts.items()}
-    _quality(plan, facts, types, texts, workdir, results, progress)
+    if plan.quality:
+        _quality(plan, facts, types, texts, workdir, results, progress)
     if plan.speed:
         _speed(plan, types, texts, workdir, results, progress)
     results["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

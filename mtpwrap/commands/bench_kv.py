@@ -36,6 +36,9 @@ DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
 @click.option("--speed/--no-speed", default=True, envvar="MTPWRAP_BENCH_KV_SPEED",
               show_default=True, help="Also measure prefill and decode speed by filled depth "
               "(one llama-server per type).")
+@click.option("--quality/--no-quality", default=True, envvar="MTPWRAP_BENCH_KV_QUALITY",
+              show_default=True, help="The llama-perplexity runs against f16 (--no-quality "
+              "with --speed: speed only).")
 @click.option("--n-predict", type=click.IntRange(1, 4096), default=32,
               envvar="MTPWRAP_BENCH_N_PREDICT", show_default=True,
               help="Tokens decoded per speed cell.")
@@ -57,9 +60,9 @@ DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
               default=None, envvar="MTPWRAP_BENCH_OUT",
               help="Report folder (default ./bench-results/kv-TIMESTAMP).")
 def command(model: str | None, binary_opt: str | None, types: str, corpus_names: str,
-            depths: str, chunks: str, threads: int | None, speed: bool, n_predict: int,
-            from_report: Path | None, write_: bool, profile: str | None, context: int | None,
-            out_dir: Path | None) -> None:
+            depths: str, chunks: str, threads: int | None, speed: bool, quality: bool,
+            n_predict: int, from_report: Path | None, write_: bool, profile: str | None,
+            context: int | None, out_dir: Path | None) -> None:
     """Measure each KV type's loss against f16 (KL divergence, top-1 agreement, PPL ratio),
     its real bits per value and its speed, by language and depth; write JSON, Markdown, PNG."""
     from mtpwrap import console
@@ -69,7 +72,7 @@ def command(model: str | None, binary_opt: str | None, types: str, corpus_names:
         results = kv_report.load(from_report)
     else:
         results = _measure(model, binary_opt, types, corpus_names, depths, chunks, threads,
-                           speed, n_predict, out_dir)
+                           speed, quality, n_predict, out_dir)
     console.table("KV quality against f16", kv_report.COLUMNS[:-1],
                   [r[:-1] for r in kv_report.table_rows(results)])
     for t in results["types"]:
@@ -89,12 +92,14 @@ def command(model: str | None, binary_opt: str | None, types: str, corpus_names:
 
 
 def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names: str,
-             depths: str, chunks: str, threads: int | None, speed: bool, n_predict: int,
-             out_dir: Path | None) -> dict:
+             depths: str, chunks: str, threads: int | None, speed: bool, quality: bool,
+             n_predict: int, out_dir: Path | None) -> dict:
     from mtpwrap import console
     from mtpwrap.bench import kv_report, kv_run, resolve
     from mtpwrap.errors import ConfigError
 
+    if not quality and not speed:
+        raise ConfigError("--no-quality with --no-speed leaves nothing to measure.")
     type_list = [t for t in types.replace(" ", "").split(",") if t]
     if not type_list:
         raise ConfigError(f"--types must list KV types, got {types!r}.")
@@ -109,7 +114,8 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
     plan = kv_run.KvPlan(perplexity=build.perplexity, server=build.server, model=mpath,
                          types=type_list, offered=build.offered, corpora=names,
                          depths=depth_list, chunks=chunk_list,
-                         threads=threads, speed=speed, n_predict=n_predict, target=build.target)
+                         threads=threads, speed=speed, quality=quality, n_predict=n_predict,
+                         target=build.target)
     resolve.check_kv_plan(plan)
     out = out_dir or Path("bench-results") / ("kv-" + _dt.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
