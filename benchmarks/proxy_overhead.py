@@ -510,6 +510,9 @@ def main() -> None:
                     help="synthetic upstream: time between chunks")
     ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
                     help="where the upstreams listen (default: a UNIX socket, as `up` runs it)")
+    ap.add_argument("--streams", type=int, default=24,
+                    help="synthetic upstream: streams per path and round at c=1 (at least 2 "
+                         "per worker at higher concurrency)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -530,7 +533,7 @@ def main() -> None:
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
                             {k: (v[0] + "/v1/chat/completions", v[1]) for k, v in urls.items()},
                             levels,
-                            lambda c: max(2, 24 // c), body, args.rounds)
+                            lambda c: max(2, args.streams // c), body, args.rounds)
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lt = new_target(args.upstream, work / "sockets", "llama")
