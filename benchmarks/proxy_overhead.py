@@ -385,8 +385,13 @@ def start_nginx(upstream: Target, work: Path) -> tuple[proc.Process, str] | None
         return None
     port = free_port()
     conf = work / "nginx.conf"
+    # nginx started by root runs its worker as `nobody`, which the socket's 0700 directory
+    # keeps out (as it should): the worker runs as this user, like the front
+    import pwd
+
+    user = f"user {pwd.getpwuid(os.getuid()).pw_name};\n" if os.getuid() == 0 else ""
     conf.write_text(f"""daemon off;
-worker_processes 1;
+{user}worker_processes 1;
 pid {work}/nginx.pid;
 error_log {work}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
