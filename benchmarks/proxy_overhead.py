@@ -417,7 +417,11 @@ http {{
 }}
 """)
     p = spawn([exe, "-c", str(conf), "-p", str(work)])
-    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    except BaseException:
+        stop(p)  # not yet in the caller's list: stopped here
+        raise
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -443,7 +447,11 @@ backend b
   server s1 {upstream.haproxy} maxconn 1024
 """)
     p = spawn([exe, "-db", "-f", str(conf)])
-    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    except BaseException:
+        stop(p)  # not yet in the caller's list: stopped here
+        raise
     return p, f"http://127.0.0.1:{port}"
 
 
