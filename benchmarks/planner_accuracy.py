@@ -16,6 +16,7 @@ cache for the 27B, so --heavy is for a quiet machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtpwrap.build import tiny_gguf
+from mtpwrap.build import probe, tiny_gguf
 from mtpwrap.build.calibrate import measure_config, measure_server
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.planner import MiB, PlanConfig, plan
@@ -127,6 +128,9 @@ def main() -> int:
 
         bin_dir = binary.find_binary("llama-server").parent
     fit_bin, server_bin = bin_dir / "llama-fit-params", bin_dir / "llama-server"
+    # a llama.cpp without the logits-row cap (the fork at 0bc0a27) reserves a whole ubatch in
+    # llama-server too and builds an f32 attention mask: the plan follows the binary
+    capped = probe.outputs_capped(server_bin)
     rows: list[dict[str, object]] = []
     worst: dict[str, float] = {}
     print(f"{'model':16} {'configuration':44} {'item':12} {'predicted MiB':>14} "
@@ -146,7 +150,10 @@ def main() -> int:
             else:
                 got = measure_config(fit_bin, path, case.cfg)
             secs = time.monotonic() - t0
-            p = plan(facts, case.cfg, None)
+            pcfg = dataclasses.replace(
+                case.cfg, mask_f32=not capped,
+                n_outputs=case.cfg.n_outputs or (None if capped else case.cfg.ubatch))
+            p = plan(facts, pcfg, None)
             weights = sum(r.bytes for r in p.rows if r.name.startswith("weights"))
             items = [("weights", weights, got.model_total),
                      ("KV", p.row("main KV").bytes, got.kv[0] if got.kv else 0),

@@ -9,6 +9,10 @@ breakdown, the context parameters) to `OUT/<case>.txt`, after a first line with 
     python benchmarks/record_fit_params.py --bin-dir DIR --out tests/data/fit-params/NAME \
         [--models DIR] [--server]
 
+`--grid` records nothing: it asks llama-fit-params for five shape-only models at contexts
+4K-131K, f16 and q4_0 KV, ubatch 512 and 32, and prints its compute buffer next to the plan's
+(the plan following this binary's logits-row cap), with the worst difference.
+
 `--models DIR` holds the models; the shape-only and tiny ones are written there when missing
 (`mtpwrap.build.tiny_gguf`), the demo model and gemma-3-270m are taken from the model cache
 (`mtpwrap models get gemma-3-270m`).
@@ -88,6 +92,31 @@ def kept(log: str) -> str:
     return "".join(line + "\n" for line in log.splitlines() if KEEP.search(line))
 
 
+def grid(fit: Path, models: Path) -> None:
+    import itertools
+
+    from mtpwrap.build.calibrate import measure_config
+    from mtpwrap.build.probe import outputs_capped
+    from mtpwrap.decide.gguf_facts import read_facts
+    from mtpwrap.decide.planner import MiB, plan
+
+    capped = outputs_capped(fit.with_name("llama-server"))
+    worst = 0.0
+    for name, ctx, kv, ub in itertools.product(
+            ("llama3-8b", "gemma3-12b", "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek2-lite"),
+            (4096, 16384, 32768, 131072), ("f16", "q4_0"), (512, 32)):
+        path = model_path(models, name + ".gguf")
+        cfg = PlanConfig(backend="cpu", n_ctx=ctx, type_k=kv, type_v=kv, ubatch=ub,
+                         n_outputs=ub, mask_f32=not capped)
+        got = measure_config(fit, path, cfg).compute_per_context[0]
+        pred = plan(read_facts(path), cfg, None).row("compute").bytes
+        err = 100 * (pred - got) / got
+        worst = max(worst, abs(err))
+        print(f"{name:16} c={ctx:<7} kv={kv:5} ub={ub:<4} llama.cpp {got / MiB:8.2f} MiB  "
+              f"plan {pred / MiB:8.2f} MiB  {err:+6.1f} %", flush=True)
+    print(f"worst: {worst:.1f} %")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin-dir", type=Path, required=True)
@@ -95,7 +124,12 @@ def main() -> int:
     ap.add_argument("--models", type=Path, default=Path("/tmp/mtpwrap-record-models"))
     ap.add_argument("--server", action="store_true")
     ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--grid", action="store_true")
     a = ap.parse_args()
+    if a.grid:
+        a.models.mkdir(parents=True, exist_ok=True)
+        grid(a.bin_dir / "llama-fit-params", a.models)
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     a.models.mkdir(parents=True, exist_ok=True)
     fit = a.bin_dir / "llama-fit-params"

@@ -30,7 +30,8 @@ def test_shape_only_files_are_sparse_and_complete(model: str, tmp_path: Path) ->
     facts = read_facts(path)
     n_tok = meta["tokenizer.ggml.tokens"]
     assert len(n_tok) == facts.n_vocab  # padded vocabulary matches the embedding rows
-    assert facts.tensor_bytes > 1e9
+    # the tensors fill the file behind the header, up to the alignment pads between them
+    assert 0.95 * (size - data_offset) <= facts.tensor_bytes <= size - data_offset
 
 
 def test_q4_k_m_recipe_gives_more_bits_to_some_layers(tmp_path: Path) -> None:

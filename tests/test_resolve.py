@@ -12,6 +12,7 @@ import pytest
 from mtpwrap.build import tiny_gguf
 from mtpwrap.config import settings
 from mtpwrap.decide import profiles
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist
 from mtpwrap.service import launch as up_launch
@@ -76,7 +77,7 @@ def test_the_recipe_plans_and_fits_on_a_4090_with_an_uncalibrated_fork(
     assert rows["MTP compute"].bytes == 712 * MiB
     assert rows["MTP head output"].bytes > 900 * MiB  # the head model's own output matrix
     assert rows["margin"].bytes == 1024 * MiB and "--fit" in rows["margin"].note
-    spec = launch.factory(1, "k" * 20, 0)
+    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None
     argv = spec.argv
     assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctkd") + 1] == "tbq4_0"
@@ -169,7 +170,7 @@ def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,
     assert launch.deferred is None  # a GPU plan is made before anything starts
     assert "GiB on the GPU at context 131,072" in launch.info.memory_plan
     assert launch.info.kv == "q8_0 / q8_0" and launch.info.speculation_type == "mtp"
-    spec = launch.factory(4321, "secret-key", 0)
+    spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
     assert spec is not None
     assert spec.argv[spec.argv.index("--port") + 1] == "4321"
     assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1"
@@ -183,7 +184,7 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
     launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
 
     def saves_in() -> str | None:
-        spec = launch.factory(4321, "secret-key", 0)
+        spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
         # the command names the launch it renders: snapshots are matched on its fields
         assert spec is not None and launch.resolved is not None
         assert spec.launch == launch.resolved.launch
@@ -225,7 +226,7 @@ def test_a_gpu_launch_that_cannot_be_planned_is_refused_unless_told(tmp_path: Pa
     launch = resolve(tmp_path, str(prof), model_27b, odd_binary, plan="skip")
     assert launch.info.memory_plan == "skipped (--no-plan)"
     assert any("not checked against the GPU's free memory" in w for w in launch.warnings)
-    spec = launch.factory(1, "k" * 20, 0)
+    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbqp4_0"]
 
 
@@ -298,7 +299,7 @@ def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Pa
     assert cost is not None
     rungs = []
     step = 1
-    while (spec := tight.factory(4321, "k" * 20, step)) is not None:
+    while (spec := tight.factory(Endpoint(port=4321), "k" * 20, step)) is not None:
         rungs.append(spec)
         step += 1
     assert rungs and rungs[-1].note.startswith(f"step-down {len(rungs)}: ")

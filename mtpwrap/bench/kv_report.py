@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from mtpwrap.bench import corpora
+from mtpwrap.errors import ConfigError
 
 LANG_NAMES = {"ko": "Korean", "en": "English"}
 
@@ -142,8 +143,6 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
 
 def load(path: Path) -> dict:
     """A report.json written by `write` (for `bench kv --from`)."""
-    from mtpwrap.errors import ConfigError
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtpwrap.bench.corpora import DOMAINS
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts, read_facts
 from mtpwrap.decide.vocab import SPELLINGS
@@ -111,8 +112,6 @@ def model_facts(model: Path) -> ModelFacts:
 
 def check_kv_plan(plan: KvPlan) -> None:
     """One corpus per language, every corpus known, depths llama-perplexity can run."""
-    from mtpwrap.bench.corpora import DOMAINS
-
     langs: dict[str, str] = {}
     for name in plan.corpora:
         lang = {"ko": "ko", "en": "en"}.get(name) or (DOMAINS[name].lang if name in DOMAINS

@@ -106,7 +106,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
             flash_attn: bool | None, measure: bool, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
-    from mtpwrap.decide import planner, profiles, resolve
+    from mtpwrap.decide import profiles, resolve
     from mtpwrap.run import inputs
 
     if not (model or profile):
@@ -151,6 +151,15 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
         d["measured_text"] = r.measured_text
         console.print_json(d)
         return
+    _print_plan(r, desc, device)
+
+
+def _print_plan(r: Any, desc: str, device: int | None) -> None:
+    """The plan as a table, llama.cpp's own figures, the verdict and the largest contexts."""
+    from mtpwrap import console
+    from mtpwrap.decide import planner
+
+    p, inp = r.plan, r.inputs
     for w in [*inp.warnings, *r.launch.warnings, *p.warnings]:
         console.warn(w)
     cfg = p.config

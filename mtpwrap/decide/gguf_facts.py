@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,72 @@ def _split_siblings(path: Path, n_split: int) -> list[Path]:
     return [p for p in shards if p.name != path.name]
 
 
+def _recurrent(get: Callable[..., Any], arch: str, n_trunk: int
+               ) -> tuple[list[int], int, int, int, int]:
+    """Recurrent (Gated DeltaNet / Mamba-style) layers: (layers, conv-state floats, state
+    floats, conv width, inner size)."""
+    if arch not in HYBRID_RECURRENT:
+        return [], 0, 0, 0, 0
+    explicit = get("attention.recurrent_layers")
+    if isinstance(explicit, list):
+        recurrent = [i for i, v in enumerate(explicit[:n_trunk]) if v]
+    else:
+        interval = int(get("full_attention_interval", 4))
+        recurrent = [i for i in range(n_trunk) if (i + 1) % interval != 0]
+    d_conv = int(get("ssm.conv_kernel", 0))
+    d_inner = int(get("ssm.inner_size", 0))
+    d_state = int(get("ssm.state_size", 0))
+    n_group = int(get("ssm.group_count", 0))
+    n_v_heads = int(get("ssm.time_step_rank", 0))
+    conv_dim = d_inner + 2 * n_group * d_state
+    r_floats = max(d_conv - 1, 0) * conv_dim
+    head_v = d_inner // n_v_heads if n_v_heads else 0
+    s_floats = head_v * head_v * n_v_heads
+    return recurrent, r_floats, s_floats, conv_dim, d_inner
+
+
+def _swa_layers(get: Callable[..., Any], arch: str, generic: bool, n_trunk: int,
+                kv_layers: list[int]) -> tuple[list[int], int]:
+    """Sliding-window layers (among those with a KV cache) and the window."""
+    swa_layers: list[int] = []
+    window = int(get("attention.sliding_window", 0) or 0)
+    if window > 0 and not generic:
+        pattern = get("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            swa_layers = [i for i in range(n_trunk) if i < len(pattern) and bool(pattern[i])]
+        elif arch in SWA_DEFAULT_PATTERN or isinstance(pattern, int):
+            n_pat = int(pattern) if isinstance(pattern, int) else SWA_DEFAULT_PATTERN[arch]
+            swa_layers = [i for i in range(n_trunk) if n_pat == 0 or i % n_pat < n_pat - 1]
+        swa_layers = [i for i in swa_layers if i in set(kv_layers)]
+    return swa_layers, window
+
+
+def _tensor_sums(infos: list[Any], n_trunk: int) -> dict[str, Any]:
+    """Tensor bytes: in all, by type, kept on the host, MTP blocks, output, token embeddings,
+    per layer — as ModelFacts fields."""
+    by_type: dict[str, int] = {}
+    layer_bytes: dict[int, int] = {}
+    host = mtp = out = total = embd = 0
+    for t in infos:
+        total += t.n_bytes
+        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
+        if HOST_TENSORS.match(t.name):
+            host += t.n_bytes
+        if t.name.startswith("output."):
+            out += t.n_bytes
+        if t.name == "token_embd.weight":
+            embd = t.n_bytes
+        m = _BLK.match(t.name)
+        if m:
+            il = int(m.group(1))
+            layer_bytes[il] = layer_bytes.get(il, 0) + t.n_bytes
+            if il >= n_trunk:
+                mtp += t.n_bytes
+    return {"tensor_bytes": total, "bytes_by_type": by_type, "host_bytes": host,
+            "mtp_bytes": mtp, "output_bytes": out, "token_embd_bytes": embd,
+            "layer_bytes": layer_bytes}
+
+
 def read_facts(path: Path) -> ModelFacts:
     """Facts the planner needs, from the header only. Raises ConfigError for a bad file."""
     meta, infos, data_offset, size = read_header(path)
@@ -340,58 +407,9 @@ def read_facts(path: Path) -> ModelFacts:
     n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
     is_mla = (get("attention.kv_lora_rank") is not None
               and get("attention.key_length_mla") is not None)
-
-    # Recurrent (Gated DeltaNet / Mamba-style) layers.
-    recurrent: list[int] = []
-    r_floats = s_floats = conv_dim = d_inner = 0
-    if arch in HYBRID_RECURRENT:
-        explicit = get("attention.recurrent_layers")
-        if isinstance(explicit, list):
-            recurrent = [i for i, v in enumerate(explicit[:n_trunk]) if v]
-        else:
-            interval = int(get("full_attention_interval", 4))
-            recurrent = [i for i in range(n_trunk) if (i + 1) % interval != 0]
-        d_conv = int(get("ssm.conv_kernel", 0))
-        d_inner = int(get("ssm.inner_size", 0))
-        d_state = int(get("ssm.state_size", 0))
-        n_group = int(get("ssm.group_count", 0))
-        n_v_heads = int(get("ssm.time_step_rank", 0))
-        conv_dim = d_inner + 2 * n_group * d_state
-        r_floats = max(d_conv - 1, 0) * conv_dim
-        head_v = d_inner // n_v_heads if n_v_heads else 0
-        s_floats = head_v * head_v * n_v_heads
+    recurrent, r_floats, s_floats, conv_dim, d_inner = _recurrent(get, arch, n_trunk)
     kv_layers = [i for i in range(n_trunk) if i not in set(recurrent) and n_head_kv[i] > 0]
-
-    # Sliding-window layers.
-    swa_layers: list[int] = []
-    window = int(get("attention.sliding_window", 0) or 0)
-    if window > 0 and not generic:
-        pattern = get("attention.sliding_window_pattern")
-        if isinstance(pattern, list):
-            swa_layers = [i for i in range(n_trunk) if i < len(pattern) and bool(pattern[i])]
-        elif arch in SWA_DEFAULT_PATTERN or isinstance(pattern, int):
-            n_pat = int(pattern) if isinstance(pattern, int) else SWA_DEFAULT_PATTERN[arch]
-            swa_layers = [i for i in range(n_trunk) if n_pat == 0 or i % n_pat < n_pat - 1]
-        swa_layers = [i for i in swa_layers if i in set(kv_layers)]
-
-    by_type: dict[str, int] = {}
-    layer_bytes: dict[int, int] = {}
-    host = mtp = out = total = embd = 0
-    for t in infos:
-        total += t.n_bytes
-        by_type[t.ggml_type] = by_type.get(t.ggml_type, 0) + t.n_bytes
-        if HOST_TENSORS.match(t.name):
-            host += t.n_bytes
-        if t.name.startswith("output."):
-            out += t.n_bytes
-        if t.name == "token_embd.weight":
-            embd = t.n_bytes
-        m = _BLK.match(t.name)
-        if m:
-            il = int(m.group(1))
-            layer_bytes[il] = layer_bytes.get(il, 0) + t.n_bytes
-            if il >= n_trunk:
-                mtp += t.n_bytes
+    swa_layers, window = _swa_layers(get, arch, generic, n_trunk, kv_layers)
     n_ff_val = get("feed_forward_length", 0)
     n_ff = max(_per_layer(n_ff_val, n_all, 0)) if n_ff_val else 0
     return ModelFacts(
@@ -407,7 +425,5 @@ def read_facts(path: Path) -> ModelFacts:
         recurrent_conv_dim=conv_dim,
         recurrent_inner=d_inner if recurrent else 0,
         n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
-        n_ff=n_ff, tensor_bytes=total, bytes_by_type=by_type, host_bytes=host, mtp_bytes=mtp,
-        output_bytes=out, token_embd_bytes=embd, layer_bytes=layer_bytes,
-        data_offset=data_offset, warnings=warnings,
+        n_ff=n_ff, data_offset=data_offset, warnings=warnings, **_tensor_sums(infos, n_trunk),
     )

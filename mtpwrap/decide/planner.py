@@ -197,10 +197,11 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
       inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
       attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
-    Hybrid models with float K keep the mask live in the output phase too. Where the mask is
-    built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell, and the f32
-    input stays live in the output phase of attention models without MLA (fitted to the fork's
-    CPU allocations, tests/data/fit-params/fork-0bc0a27). On CUDA, quantized
+    Hybrid models with float K keep the mask live in the output phase too (upstream). Where the
+    mask is built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell in the
+    layer phase and none in the output phase (fitted to the fork's CPU allocations: the
+    recordings in tests/data/fit-params/fork-0bc0a27 and the grid in
+    docs/measurements/planner-compute.md). On CUDA, quantized
     K/V are converted to f16 for one layer (2 B × n_ctx × K+V width); that part is an allowance
     from the same rules, not a measurement.
     """
@@ -220,10 +221,8 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     type_k = cfg.type_k_draft if mtp_context else cfg.type_k
     out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
     if cfg.flash_attn:
-        if hybrid and type_k in _F_TYPES:
+        if hybrid and type_k in _F_TYPES and not cfg.mask_f32:
             out_phase += mask
-        elif cfg.mask_f32 and not hybrid and not facts.is_mla:
-            out_phase += 4 * n_ctx * ub  # the f32 mask is a graph input, live throughout
         layer_phase = ub * layer_tok + mask
     else:
         layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
@@ -287,24 +286,9 @@ def require_mtp_head(facts: ModelFacts, who: str = "--spec-type mtp") -> None:
              "mode (spec.kind) or model.")
 
 
-def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
-         kv_sizes: dict[str, Any] | None = None) -> MemoryPlan:
-    """The full plan for one configuration."""
-    cfg = config
-    for t in (cfg.type_k, cfg.type_v, cfg.type_k_draft, cfg.type_v_draft):
-        type_size(t, kv_sizes)  # unknown types fail here, with the list of known ones
-    warnings = list(facts.warnings)
-    n_ctx, cells, streams = kv_geometry(cfg.n_ctx, cfg.n_slots, cfg.kv_unified)
-    if facts.n_ctx_train and cells > facts.n_ctx_train:
-        warnings.append(f"context per slot {cells} exceeds the trained context "
-                        f"{facts.n_ctx_train}")
-    gpu = "gpu" if cfg.backend == "cuda" else "host"
-    mtp = cfg.spec == "mtp"
-    if mtp:
-        require_mtp_head(facts)
-
-    # Weights: token embeddings stay on the host; -ngl N offloads the last N trunk layers, and
-    # the output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule).
+def _weight_rows(facts: ModelFacts, cfg: PlanConfig, gpu: str) -> list[Row]:
+    """Token embeddings stay on the host; -ngl N offloads the last N trunk layers, and the
+    output layer too once N exceeds the trunk (llama.cpp's i_gpu_start rule)."""
     trunk_layers = facts.n_layer
     n_off = max(0, min(cfg.n_gpu_layers, trunk_layers))
     layer_sum = sum(b for il, b in facts.layer_bytes.items() if il < trunk_layers)
@@ -321,21 +305,29 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
     w_host = facts.host_bytes + (layer_sum - on_gpu_layers) + (0 if out_on_gpu else other + tied)
     if gpu == "host":
         w_host, w_gpu = w_host + w_gpu, 0
-
     rows: list[Row] = []
     if gpu == "gpu":
         rows.append(Row("weights (GPU)", w_gpu, "gpu", f"{n_off}/{trunk_layers} layers"
                         + (" + output" if out_on_gpu else "")))
     rows.append(Row("weights (host)", w_host, "host",
                     "token embeddings" + (" + all layers" if gpu == "host" else "")))
+    return rows
 
-    kv_on = gpu if cfg.n_gpu_layers > 0 else "host"
+
+def _cache_rows(facts: ModelFacts, cfg: PlanConfig, cells: int, streams: int, kv_on: str,
+                kv_sizes: dict[str, Any] | None) -> list[Row]:
+    """The main KV cache and the recurrent state.
+
+    Recurrent layers hold max(1, n_seq_max) × (1 + n_rs_seq) rows of f32 state
+    (src/llama-memory-recurrent.cpp, `n_rows = mem_size * (1 + n_rs_seq)`, mem_size from
+    src/llama-model.cpp); n_rs_seq is the draft depth with MTP (common/common.cpp of the fork
+    at 0bc0a27 for --spec-type mtp; upstream's common.h need_n_rs_seq for draft-mtp)."""
     swa = _swa_cells(facts, cells, cfg) if facts.swa_layers else None
     main_kv = kv_bytes(facts, facts.kv_layers, cells, streams, cfg.type_k, cfg.type_v, cfg,
                        kv_sizes, swa)
-    rows.append(Row("main KV", main_kv, kv_on,
-                    f"{len(facts.kv_layers)} layers × {cells} cells × {streams} stream(s), "
-                    f"K {cfg.type_k} / V {cfg.type_v}"))
+    rows = [Row("main KV", main_kv, kv_on,
+                f"{len(facts.kv_layers)} layers × {cells} cells × {streams} stream(s), "
+                f"K {cfg.type_k} / V {cfg.type_v}")]
     if facts.recurrent_layers:
         snapshots = cfg.draft_depth if cfg.spec in ("mtp",) else 0
         n_rows = max(1, cfg.n_slots) * (1 + snapshots)
@@ -345,28 +337,39 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                         f"{len(facts.recurrent_layers)} layers × {n_rows} rows (f32)"))
     else:
         rows.append(Row("recurrent state", 0, kv_on, "none (no recurrent layers)"))
-    if mtp:
-        rows.append(Row("MTP weights", facts.mtp_bytes, gpu,
-                        f"{facts.n_layer_nextn} nextn block(s), loaded only with MTP"))
-        if cfg.mtp_head_model:
-            # the head model's output layer: on the GPU once -ngl exceeds all its blocks
-            head_out = facts.output_bytes or facts.token_embd_bytes
-            on = gpu if cfg.n_gpu_layers > facts.n_layer_all else "host"
-            rows.append(Row("MTP head output", head_out, on,
-                            "the fork's MTP head model keeps its own output matrix; token "
-                            "embeddings are shared with the trunk (link_shared_tensors)"))
-        mtp_layers = list(range(facts.n_layer, facts.n_layer_all))
-        mtp_kv = kv_bytes(facts, mtp_layers, cells, streams, cfg.type_k_draft, cfg.type_v_draft,
-                          cfg, kv_sizes)
-        rows.append(Row("MTP context KV", mtp_kv, kv_on,
-                        f"{len(mtp_layers)} layer(s), K {cfg.type_k_draft} / "
-                        f"V {cfg.type_v_draft} "
-                        + ("(the fork's MTP context takes -ctk/-ctv)" if cfg.mtp_head_model
-                           else "(-ctkd/-ctvd)")))
-        mtp_compute = compute_bytes(facts, n_ctx, cfg, mtp_context=True)
-        rows.append(Row("MTP compute", mtp_compute, gpu,
-                        "the fork's published figure at -ub 32 (a floor)"
-                        if mtp_compute == FORK_MTP_COMPUTE else "estimate"))
+    return rows
+
+
+def _mtp_rows(facts: ModelFacts, cfg: PlanConfig, n_ctx: int, cells: int, streams: int,
+              gpu: str, kv_on: str, kv_sizes: dict[str, Any] | None) -> list[Row]:
+    """MTP's nextn weights, the fork's head model output, the MTP context's KV and compute."""
+    rows = [Row("MTP weights", facts.mtp_bytes, gpu,
+                f"{facts.n_layer_nextn} nextn block(s), loaded only with MTP")]
+    if cfg.mtp_head_model:
+        # the head model's output layer: on the GPU once -ngl exceeds all its blocks
+        head_out = facts.output_bytes or facts.token_embd_bytes
+        on = gpu if cfg.n_gpu_layers > facts.n_layer_all else "host"
+        rows.append(Row("MTP head output", head_out, on,
+                        "the fork's MTP head model keeps its own output matrix; token "
+                        "embeddings are shared with the trunk (link_shared_tensors)"))
+    mtp_layers = list(range(facts.n_layer, facts.n_layer_all))
+    mtp_kv = kv_bytes(facts, mtp_layers, cells, streams, cfg.type_k_draft, cfg.type_v_draft,
+                      cfg, kv_sizes)
+    rows.append(Row("MTP context KV", mtp_kv, kv_on,
+                    f"{len(mtp_layers)} layer(s), K {cfg.type_k_draft} / "
+                    f"V {cfg.type_v_draft} "
+                    + ("(the fork's MTP context takes -ctk/-ctv)" if cfg.mtp_head_model
+                       else "(-ctkd/-ctvd)")))
+    mtp_compute = compute_bytes(facts, n_ctx, cfg, mtp_context=True)
+    rows.append(Row("MTP compute", mtp_compute, gpu,
+                    "the fork's published figure at -ub 32 (a floor)"
+                    if mtp_compute == FORK_MTP_COMPUTE else "estimate"))
+    return rows
+
+
+def _run_rows(facts: ModelFacts, cfg: PlanConfig, n_ctx: int, gpu: str) -> list[Row]:
+    """A draft model's weights, the compute buffer, the logits and the backend's overhead."""
+    rows: list[Row] = []
     if cfg.spec == "draft" and cfg.draft_weight_bytes:
         rows.append(Row("draft model weights", cfg.draft_weight_bytes, gpu,
                         "the draft model (-md), all layers with the target's"))
@@ -380,6 +383,29 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
     if overhead:
         rows.append(Row("overhead", overhead, gpu, f"{cfg.backend} context and workspace "
                         "(an allowance above the 300-500 MiB CUDA contexts measured)"))
+    return rows
+
+
+def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
+         kv_sizes: dict[str, Any] | None = None) -> MemoryPlan:
+    """The full plan for one configuration."""
+    cfg = config
+    for t in (cfg.type_k, cfg.type_v, cfg.type_k_draft, cfg.type_v_draft):
+        type_size(t, kv_sizes)  # unknown types fail here, with the list of known ones
+    warnings = list(facts.warnings)
+    n_ctx, cells, streams = kv_geometry(cfg.n_ctx, cfg.n_slots, cfg.kv_unified)
+    if facts.n_ctx_train and cells > facts.n_ctx_train:
+        warnings.append(f"context per slot {cells} exceeds the trained context "
+                        f"{facts.n_ctx_train}")
+    gpu = "gpu" if cfg.backend == "cuda" else "host"
+    if cfg.spec == "mtp":
+        require_mtp_head(facts)
+    kv_on = gpu if cfg.n_gpu_layers > 0 else "host"
+    rows = _weight_rows(facts, cfg, gpu) + _cache_rows(facts, cfg, cells, streams, kv_on,
+                                                       kv_sizes)
+    if cfg.spec == "mtp":
+        rows += _mtp_rows(facts, cfg, n_ctx, cells, streams, gpu, kv_on, kv_sizes)
+    rows += _run_rows(facts, cfg, n_ctx, gpu)
 
     total = sum(r.bytes for r in rows if r.where == gpu)
     host_total = sum(r.bytes for r in rows if r.where == "host")

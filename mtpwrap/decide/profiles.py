@@ -150,6 +150,77 @@ TOP_KEYS = (
 REQUIRED_KEYS = ("description", "model", "context")
 
 
+def _name(c: _Checker, data: dict[str, Any], expected_name: str | None) -> str:
+    name = expected_name
+    if "name" in data:
+        name = c.string(data["name"], "name")
+        if not _NAME_RE.match(name):
+            raise c.fail("name", f"letters, digits, '.', '_' and '-' only, got {name!r}")
+        if expected_name is not None and name != expected_name:
+            raise c.fail("name", f"must match the file name {expected_name!r}, got {name!r}")
+    if name is None:
+        raise c.fail("name", "missing (required when the profile is not read from a file)")
+    return name
+
+
+def _hardware(c: _Checker, raw: Any) -> HardwareReq:
+    h = c.mapping(raw, "hardware")
+    c.keys(h, "hardware", ("requires_gpu", "gpu_name", "min_memory_gib"))
+    requires_gpu = c.boolean(h.get("requires_gpu", True), "hardware.requires_gpu")
+    gpu_name = None
+    if h.get("gpu_name") is not None:
+        gpu_name = c.string(h["gpu_name"], "hardware.gpu_name")
+        try:
+            re.compile(gpu_name)
+        except re.error as exc:
+            raise c.fail("hardware.gpu_name",
+                         f"expected a regular expression, got {gpu_name!r} ({exc})") from exc
+    min_mem = None
+    if h.get("min_memory_gib") is not None:
+        min_mem = c.number(h["min_memory_gib"], "hardware.min_memory_gib", 0.5, 4096)
+    if not requires_gpu and (gpu_name or min_mem):
+        raise c.fail("hardware.requires_gpu",
+                     "is false, so gpu_name and min_memory_gib would never apply")
+    return HardwareReq(requires_gpu=requires_gpu, gpu_name=gpu_name, min_memory_gib=min_mem)
+
+
+def _context(c: _Checker, ctx_raw: Any) -> int | str:
+    if ctx_raw == "max":
+        return "max"
+    if isinstance(ctx_raw, int) and not isinstance(ctx_raw, bool):
+        return c.integer(ctx_raw, "context", 256, MAX_CONTEXT)
+    raise c.fail("context", f"expected a number of tokens 256..{MAX_CONTEXT} or \"max\", "
+                            f"got {c.show(ctx_raw)}")
+
+
+def _gpu_layers(c: _Checker, g: Any) -> int | str | None:
+    if g is None:
+        return None
+    if isinstance(g, str):
+        return c.choice(g, "gpu_layers", ("all", "auto"))
+    return c.integer(g, "gpu_layers", 0, 999)
+
+
+def _batches(c: _Checker, data: dict[str, Any]) -> tuple[int | None, int | None, int | None, int]:
+    """(threads, batch, ubatch, slots)."""
+    threads = (None if data.get("threads") is None
+               else c.integer(data["threads"], "threads", 1, 1024))
+    batch = None if data.get("batch") is None else c.integer(data["batch"], "batch", 1, 65536)
+    ubatch = None if data.get("ubatch") is None else c.integer(data["ubatch"], "ubatch", 1, 65536)
+    if batch is not None and ubatch is not None and ubatch > batch:
+        raise c.fail("ubatch", f"must not exceed batch ({batch}), got {ubatch}")
+    return threads, batch, ubatch, c.integer(data.get("slots", 1), "slots", 1, 256)
+
+
+def _extra_args(c: _Checker, extra: Any) -> tuple[str, ...]:
+    if not isinstance(extra, list):
+        raise c.fail("extra_args", f"expected a list of arguments, got {c.show(extra)}")
+    for i, a in enumerate(extra):
+        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+            raise c.fail(f"extra_args[{i}]", f"expected text, got {c.show(a)}")
+    return tuple(str(a) for a in extra)
+
+
 def validate(data: Any, *, where: str, expected_name: str | None = None) -> Profile:
     """A parsed YAML document → Profile, or ConfigError naming `where` and the key path."""
     c = _Checker(where)
@@ -160,85 +231,22 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
     for k in REQUIRED_KEYS:
         if k not in data:
             raise c.fail(k, "missing (required)")
-
-    name = expected_name
-    if "name" in data:
-        name = c.string(data["name"], "name")
-        if not _NAME_RE.match(name):
-            raise c.fail("name", f"letters, digits, '.', '_' and '-' only, got {name!r}")
-        if expected_name is not None and name != expected_name:
-            raise c.fail("name", f"must match the file name {expected_name!r}, got {name!r}")
-    if name is None:
-        raise c.fail("name", "missing (required when the profile is not read from a file)")
-
-    hw = HardwareReq()
-    if "hardware" in data:
-        h = c.mapping(data["hardware"], "hardware")
-        c.keys(h, "hardware", ("requires_gpu", "gpu_name", "min_memory_gib"))
-        requires_gpu = c.boolean(h.get("requires_gpu", True), "hardware.requires_gpu")
-        gpu_name = None
-        if h.get("gpu_name") is not None:
-            gpu_name = c.string(h["gpu_name"], "hardware.gpu_name")
-            try:
-                re.compile(gpu_name)
-            except re.error as exc:
-                raise c.fail("hardware.gpu_name",
-                             f"expected a regular expression, got {gpu_name!r} ({exc})") from exc
-        min_mem = None
-        if h.get("min_memory_gib") is not None:
-            min_mem = c.number(h["min_memory_gib"], "hardware.min_memory_gib", 0.5, 4096)
-        if not requires_gpu and (gpu_name or min_mem):
-            raise c.fail("hardware.requires_gpu",
-                         "is false, so gpu_name and min_memory_gib would never apply")
-        hw = HardwareReq(requires_gpu=requires_gpu, gpu_name=gpu_name, min_memory_gib=min_mem)
-
+    name = _name(c, data, expected_name)
+    hw = _hardware(c, data["hardware"]) if "hardware" in data else HardwareReq()
     model = c.string(data["model"], "model")
-    ctx_raw = data["context"]
-    context: int | str
-    if ctx_raw == "max":
-        context = "max"
-    elif isinstance(ctx_raw, int) and not isinstance(ctx_raw, bool):
-        context = c.integer(ctx_raw, "context", 256, MAX_CONTEXT)
-    else:
-        raise c.fail("context", f"expected a number of tokens 256..{MAX_CONTEXT} or \"max\", "
-                                f"got {c.show(ctx_raw)}")
-
+    context = _context(c, data["context"])
     kv = c.kv(data["kv"], "kv") if "kv" in data else KvTypes()
     spec = _speculation(c, data.get("spec"))
-
-    gpu_layers: int | str | None = None
-    if data.get("gpu_layers") is not None:
-        g = data["gpu_layers"]
-        if isinstance(g, str):
-            gpu_layers = c.choice(g, "gpu_layers", ("all", "auto"))
-        else:
-            gpu_layers = c.integer(g, "gpu_layers", 0, 999)
-
-    threads = (None if data.get("threads") is None
-               else c.integer(data["threads"], "threads", 1, 1024))
-    batch = None if data.get("batch") is None else c.integer(data["batch"], "batch", 1, 65536)
-    ubatch = None if data.get("ubatch") is None else c.integer(data["ubatch"], "ubatch", 1, 65536)
-    if batch is not None and ubatch is not None and ubatch > batch:
-        raise c.fail("ubatch", f"must not exceed batch ({batch}), got {ubatch}")
-    slots = c.integer(data.get("slots", 1), "slots", 1, 256)
+    gpu_layers = _gpu_layers(c, data.get("gpu_layers"))
+    threads, batch, ubatch, slots = _batches(c, data)
 
     fa_raw = data.get("flash_attn", "auto")
     if isinstance(fa_raw, bool):  # YAML 1.1 reads a bare on/off as a boolean
         fa_raw = "on" if fa_raw else "off"
     flash_attn = c.choice(fa_raw, "flash_attn", FLASH_ATTN)
-
-    mlock = c.boolean(data.get("mlock", False), "mlock")
-    no_warmup = c.boolean(data.get("no_warmup", False), "no_warmup")
-    log_prompts = c.boolean(data.get("log_prompts", False), "log_prompts")
-    allow_rpc = c.boolean(data.get("allow_rpc", False), "allow_rpc")
-    allow_tools = c.boolean(data.get("allow_tools", False), "allow_tools")
-
-    extra = data.get("extra_args", [])
-    if not isinstance(extra, list):
-        raise c.fail("extra_args", f"expected a list of arguments, got {c.show(extra)}")
-    for i, a in enumerate(extra):
-        if isinstance(a, bool) or not isinstance(a, (str, int, float)):
-            raise c.fail(f"extra_args[{i}]", f"expected text, got {c.show(a)}")
+    flags = {k: c.boolean(data.get(k, False), k)
+             for k in ("mlock", "no_warmup", "log_prompts", "allow_rpc", "allow_tools")}
+    extra = _extra_args(c, data.get("extra_args", []))
     free: dict[str, Mapping[str, Any]] = {}
     for section in FREE_SECTIONS:  # keys shared with the settings: the table's checks
         free[section] = (check_section(section, c.mapping(data[section], section), where)
@@ -248,9 +256,8 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         name=name, description=c.string(data["description"], "description", one_line=True),
         model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
         threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
-        mlock=mlock, no_warmup=no_warmup, extra_args=tuple(str(a) for a in extra),
-        log_prompts=log_prompts, allow_rpc=allow_rpc, allow_tools=allow_tools,
-        supervisor=free["supervisor"], proxy=free["proxy"], source=where,
+        extra_args=extra, supervisor=free["supervisor"], proxy=free["proxy"], source=where,
+        **flags,
     )
 
 
