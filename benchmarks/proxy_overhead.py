@@ -385,8 +385,13 @@ def start_nginx(upstream: Target, work: Path) -> tuple[proc.Process, str] | None
         return None
     port = free_port()
     conf = work / "nginx.conf"
+    # nginx started by root runs its worker as `nobody`, which the socket's 0700 directory
+    # keeps out (as it should): the worker runs as this user, like the front
+    import pwd
+
+    user = f"user {pwd.getpwuid(os.getuid()).pw_name};\n" if os.getuid() == 0 else ""
     conf.write_text(f"""daemon off;
-worker_processes 1;
+{user}worker_processes 1;
 pid {work}/nginx.pid;
 error_log {work}/nginx-error.log warn;
 events {{ worker_connections 4096; }}
@@ -412,7 +417,11 @@ http {{
 }}
 """)
     p = spawn([exe, "-c", str(conf), "-p", str(work)])
-    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    except BaseException:
+        stop(p)  # not yet in the caller's list: stopped here
+        raise
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -438,7 +447,11 @@ backend b
   server s1 {upstream.haproxy} maxconn 1024
 """)
     p = spawn([exe, "-db", "-f", str(conf)])
-    wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30, headers=DIRECT_HEADERS)
+    except BaseException:
+        stop(p)  # not yet in the caller's list: stopped here
+        raise
     return p, f"http://127.0.0.1:{port}"
 
 
@@ -510,6 +523,9 @@ def main() -> None:
                     help="synthetic upstream: time between chunks")
     ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
                     help="where the upstreams listen (default: a UNIX socket, as `up` runs it)")
+    ap.add_argument("--streams", type=int, default=24,
+                    help="synthetic upstream: streams per path and round at c=1 (at least 2 "
+                         "per worker at higher concurrency)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -530,7 +546,7 @@ def main() -> None:
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
                             {k: (v[0] + "/v1/chat/completions", v[1]) for k, v in urls.items()},
                             levels,
-                            lambda c: max(2, 24 // c), body, args.rounds)
+                            lambda c: max(2, args.streams // c), body, args.rounds)
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lt = new_target(args.upstream, work / "sockets", "llama")

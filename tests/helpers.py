@@ -135,10 +135,17 @@ FAST: dict[str, Any] = dict(
 )
 
 
-def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None = None) -> Any:
-    """A supervisor's child factory that starts tests/fakes/fake_llama_server.py with FAULTS."""
+def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None = None,
+                 gpu_layers: int | None = None) -> Any:
+    """A supervisor's child factory that starts tests/fakes/fake_llama_server.py with FAULTS
+    (with GPU_LAYERS, the child's spec carries a launch that offloads that many layers)."""
     from mtpwrap.decide.endpoint import Endpoint
+    from mtpwrap.decide.launch import LaunchConfig
     from mtpwrap.run.child import ChildSpec
+
+    launch = None if gpu_layers is None else LaunchConfig(
+        profile="fake", model="fake.gguf", context=4096, cache_k="f16", cache_v="f16",
+        gpu_layers=gpu_layers)
 
     fault_env = ",".join(f"{k}={v}" for k, v in (faults or {}).items())
 
@@ -152,6 +159,7 @@ def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None =
                   str(endpoint.port)],
             env={"LLAMA_API_KEY": api_key, "FAKE_LLAMA_FAULTS": fault_env},
             note=f"step {step}" if step else "",
+            launch=launch,
         )
 
     return factory
@@ -164,11 +172,12 @@ def make(faults: dict[str, Any] | None = None, tmp_path: Path | None = None,
     from mtpwrap.run.supervisor import Supervisor
 
     steps = overrides.pop("steps", None)
+    gpu_layers = overrides.pop("gpu_layers", None)
     cfg: dict[str, Any] = dict(FAST)
     if tmp_path is not None:
         cfg["log_file"] = tmp_path / "llama-server.log"
     cfg.update(overrides)
-    sup = Supervisor(fake_factory(faults, steps), SupervisorConfig(**cfg))
+    sup = Supervisor(fake_factory(faults, steps, gpu_layers), SupervisorConfig(**cfg))
     events: list[tuple[float, Any, Any, str | None]] = []
     sup.add_listener(lambda old, new, why: events.append((time.monotonic(), old, new, why)))
     return sup, events

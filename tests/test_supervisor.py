@@ -209,6 +209,32 @@ def test_wedged_child_is_restarted_by_token_watchdog(tmp_path: Path) -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize(("gpu_layers", "restarted"), [(0, False), (99, True)])
+def test_a_long_prompt_batch_on_the_cpu_is_not_taken_for_a_wedge(
+        tmp_path: Path, gpu_layers: int, restarted: bool) -> None:
+    """No decode for 3 s while the child computes: on a CPU launch that is work, not a wedge;
+    a GPU launch keeps the counters alone (a hung GPU can keep a thread spinning)."""
+    async def scenario() -> None:
+        sup, events = make({"busy_s": 3}, tmp_path, wedge_s=0.6, gpu_layers=gpu_layers)
+        await sup.start()
+        up = await sup.wait_ready(10)
+        assert up is not None
+        if restarted:
+            with pytest.raises(httpx.HTTPError):
+                await chat(up.base_url, up.api_key)
+            while not any(e[2] is State.BACKOFF for e in events):
+                await asyncio.sleep(0.05)
+            why = next(e[3] for e in events if e[2] is State.BACKOFF) or ""
+            assert "no token progress" in why
+        else:
+            r = await chat(up.base_url, up.api_key)
+            assert r.status_code == 200
+            assert [e[2] for e in events] == [State.STARTING, State.READY]
+        await sup.stop(3)
+
+    run(scenario())
+
+
 def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path) -> None:
     async def scenario() -> None:
         sup, events = make({"wedge_after_chunks": 1, "counter": tmp_path / "n",

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mtpwrap.errors import ConfigError
+
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
 
@@ -65,3 +67,18 @@ def listen_on(caps: Capabilities, socket: str | None, *, host: str = "127.0.0.1"
     return Endpoint(socket=socket, why=(
         "UNIX socket in a 0700 directory: only the service user can connect, and the "
         f"per-start internal key is a second lock{f' ({socket_why})' if socket_why else ''}"))
+
+
+def host_and_port(endpoint: Endpoint | None, caps: Capabilities, host: str, port: int | None
+                  ) -> tuple[str, int | None, str]:
+    """`--host`'s value, `--port`'s (None: no `--port`) and the reason, as `launch.render`
+    spells them: the endpoint's when given, else `host` and `port`."""
+    if endpoint is None:
+        return host, port, "llama-server is never exposed; the proxy is the public side"
+    if endpoint.socket is None:
+        return endpoint.host, endpoint.port, (
+            endpoint.why or "llama-server is never exposed; the proxy is the public side")
+    if not binds_unix_socket(caps):
+        raise ConfigError(f"--host {endpoint.socket}: {caps.describe()} cannot bind a UNIX "
+                          "socket; it listens on loopback TCP instead.")
+    return endpoint.socket, None, endpoint.why

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import kv
-from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket
+from mtpwrap.decide.endpoint import Endpoint, host_and_port
 from mtpwrap.decide.extra_args import check_exposure, check_extra
 from mtpwrap.decide.ladder import ladder as ladder
 from mtpwrap.decide.ladder import step_down as step_down
@@ -457,15 +457,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
     b = _Argv(caps, lenient=not serve)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
-    if serve and endpoint is not None and endpoint.socket is not None:
-        if not binds_unix_socket(caps):
-            raise ConfigError(f"--host {endpoint.socket}: {caps.describe()} cannot bind a UNIX "
-                              "socket; it listens on loopback TCP instead.")
-        b.add("host", endpoint.socket, endpoint.why)
-    elif serve:
-        host, port = (endpoint.host, endpoint.port) if endpoint is not None else (host, port)
-        b.add("host", host, (endpoint.why if endpoint is not None and endpoint.why else
-                             "llama-server is never exposed; the proxy is the public side"))
+    if serve:
+        host, port, why = host_and_port(endpoint, caps, host, port)
+        b.add("host", host, why)
         if port is not None:
             b.add("port", port, "internal port chosen by the supervisor (loopback TCP only)")
     b.add("context", cfg.context, r("context"))

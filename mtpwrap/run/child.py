@@ -257,17 +257,33 @@ class ChildProcess:
             return False, {"message": f"HTTP {r.status_code}: {msg or r.text[:200]}"}
         return True, data
 
+    def _processes(self) -> list[Any]:
+        """psutil handles of the child and everything it started ([] once it is gone)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the child and everything it started have used so far."""
+        import psutil
+
+        total = 0.0
+        for p in self._processes():
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
     def memory_bytes(self) -> int:
         """RSS + swap of the child and everything it started."""
         import psutil
 
         total = 0
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            return 0
-        for p in procs:
+        for p in self._processes():
             try:
                 info = p.memory_full_info()
                 total += info.rss + getattr(info, "swap", 0)

@@ -439,7 +439,8 @@ class Supervisor:
         """Watch a READY child until it exits or must be restarted."""
         cfg = self.config
         health_failures = 0
-        wedge = WedgeWatch(cfg.wedge_s)
+        launch = self._spec.launch if self._spec is not None else None
+        wedge = WedgeWatch(cfg.wedge_s, cpu_compute=launch is not None and launch.gpu_layers == 0)
         next_memory = time.monotonic()
         while True:
             if self._stop_requested:

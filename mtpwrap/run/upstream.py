@@ -9,7 +9,9 @@ default `keepalive_expiry`, so a request sent on a connection just under 5 s old
 server's close and fail with "Server disconnected without sending a response" (and a
 generation cannot be retried, as it may have been read). The client here lets an idle
 connection go well before the server does (`KEEPALIVE_EXPIRY_S`); a connection the server has
-closed before that is seen as readable-at-EOF by httpcore and not reused.
+closed before that is seen as readable-at-EOF by httpcore and not reused. llama-server also
+closes a connection after every streamed answer, without `Connection: close`; the front's relay
+asks for that close itself on a streamed request (see `mtpwrap.serve.relay`).
 
 httpx is imported inside the functions: `mtpwrap --help` does not pay for it.
 """

@@ -83,9 +83,11 @@ class Exchange:
     started: bool = False            # http.response.start sent to the client
     committed_sse: bool = False      # we sent event-stream headers before the child answered
     sse: bool = False
-    at_boundary: bool = True         # the last byte sent ends an SSE event
-    in_send: bool = False
-    send_started: float = 0.0
+    #: the last chunk sent to the client (a reference: whether it ends an SSE event is read
+    #: from it only when the front writes bytes of its own)
+    last_chunk: bytes = b"\n\n"
+    #: loop time the relay's current client write began; 0.0 while none is in progress
+    sending_since: float = 0.0
     first_chunk: bool = False
     last_progress: float = 0.0
     last_keepalive: float = 0.0
@@ -99,6 +101,15 @@ class Exchange:
     #: held while the front's own bytes (headers, a keep-alive comment) are written; the relay
     #: takes it only when it is held (see `_relay`)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def at_boundary(self) -> bool:
+        """The last byte sent ends an SSE event (a comment or an event may follow)."""
+        return self.last_chunk.endswith(_EVENT_ENDS)
+
+    @property
+    def in_send(self) -> bool:
+        return self.sending_since != 0.0
 
 
 def upstream_clients(config: ProxyConfig) -> UpstreamClients:
@@ -229,40 +240,42 @@ class Relay:
 
     async def _body(self, ex: Exchange, resp: httpx.Response, send: Send,
                     loop: asyncio.AbstractEventLoop) -> None:
-        """Pass the body on as it arrives. Per chunk only what the watch and the inter-chunk
-        histogram need: the time, one bisect, a reference to the chunk when the depth policy
-        reads the tail, whether it ends an SSE event."""
+        """Pass the body on as it arrives, one client write per upstream read. Per chunk only
+        what the watch needs (the time, the chunk's reference) and one float appended for the
+        inter-chunk histogram, which takes the request's gaps once at its end; whether the
+        stream stands at an event boundary is read from the last chunk only when a keep-alive
+        comment or an error event is to be written."""
         clock = loop.time
         lock = ex.send_lock
-        sse = ex.sse
-        gaps = self.metrics.itl.labels(ex.label)
         tail = ex.tail = collections.deque(maxlen=_TAIL_CHUNKS) if ex.depth is not None else None
+        gaps: list[float] = []
+        gap = gaps.append if ex.sse else None
         last = 0.0
-        async for chunk in resp.aiter_raw():
-            now = clock()
-            if ex.first_chunk:
-                if sse:
-                    gaps.observe(now - last)
-            else:
-                ex.first_chunk = True
-                if sse:
-                    self.metrics.ttft.labels(ex.label).observe(time.perf_counter() - ex.t0)
-            last = ex.last_progress = now
-            if tail is not None:
-                tail.append(chunk)
-            if lock.locked():  # a keep-alive comment is being written: let it end first
-                async with lock:
-                    pass
-            # The watch enforces write_timeout_s on this send (a timer per chunk would cost
-            # more than the rest of the relay); uvicorn's send blocks while its buffer is full.
-            # A keep-alive comment is only written while no send is in progress.
-            ex.in_send = True
-            ex.send_started = now
-            try:
+        try:
+            async for chunk in resp.aiter_raw():
+                now = clock()
+                if gap is not None and ex.first_chunk:
+                    gap(now - last)
+                elif not ex.first_chunk:
+                    ex.first_chunk = True
+                    if ex.sse:
+                        self.metrics.ttft.labels(ex.label).observe(time.perf_counter() - ex.t0)
+                last = ex.last_progress = now
+                if tail is not None:
+                    tail.append(chunk)
+                if lock.locked():  # a keep-alive comment is being written: let it end first
+                    async with lock:
+                        pass
+                # The watch enforces write_timeout_s on this send (a timer per chunk would cost
+                # more than the rest of the relay); uvicorn's send blocks while its buffer is
+                # full. A keep-alive comment is only written while no send is in progress.
+                ex.last_chunk = chunk
+                ex.sending_since = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            finally:
-                ex.in_send = False
-            ex.at_boundary = chunk.endswith(_EVENT_ENDS)
+                ex.sending_since = 0.0
+        finally:
+            if gaps:
+                self.metrics.itl.labels(ex.label).observe_many(gaps)
 
     def _observe_depth(self, ex: Exchange) -> None:
         if self.depth is None or ex.depth is None or ex.status != 200 or not ex.tail:
@@ -358,7 +371,7 @@ class Relay:
             except asyncio.TimeoutError:
                 pass
             if ex.in_send:
-                if loop.time() - ex.send_started >= cfg.write_timeout_s:
+                if loop.time() - ex.sending_since >= cfg.write_timeout_s:
                     ex.cancel_reason = "slow_reader"
                     worker.cancel()
                     return

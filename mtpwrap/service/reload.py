@@ -18,7 +18,7 @@ from typing import Any
 
 from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
 from mtpwrap.config.settings import Settings, load_settings
-from mtpwrap.errors import MtpwrapError
+from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
 from mtpwrap.run.persist import SnapshotStore
 from mtpwrap.run.supervisor import Supervisor
 from mtpwrap.service.launch import Launch, persist_config, prepare
@@ -110,6 +110,13 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     except MtpwrapError as exc:
         return ReloadResult(ReloadOutcome.REFUSED,
                             f"not reloaded, llama-server left as it was: {exc}", exc.exit_code)
+    if launch.socket != sup.socket:
+        # the socket (or loopback TCP) is the running service's; the front's pool is bound to it
+        return ReloadResult(
+            ReloadOutcome.REFUSED, "not reloaded, llama-server left as it was: the new binary "
+            f"listens on {launch.endpoint.describe()}, the running one on "
+            f"{'unix socket ' + str(sup.socket) if sup.socket else 'loopback TCP'}; restart "
+            "mtpwrap to change where llama-server listens.", EXIT_CONFIG)
     notes = []
     if (new_settings.host, new_settings.port) != (settings.host, settings.port):
         notes.append("the listen address changes only when mtpwrap restarts")

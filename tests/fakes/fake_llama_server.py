@@ -20,6 +20,8 @@ Faults come from `--fault KEY=VALUE` (repeatable) or `FAKE_LLAMA_FAULTS="KEY=VAL
   crash_after_chunks=N SIGKILL itself after N streamed chunks
   wedge_after_chunks=N stop producing tokens after N streamed chunks; /health stays 200 and
                        /metrics stops counting decodes
+  busy_s=S             before answering a completion, compute on the CPU for S seconds
+                       without counting a decode (one long prompt batch on a slow CPU)
   ignore_sigterm=1     ignore SIGTERM (and SIGINT)
   grandchild=1         spawn a sleeping grandchild in the same process group; its pid is
                        printed as `grandchild pid N`
@@ -183,6 +185,9 @@ class Handler(BaseHTTPRequestHandler):
             self.st.prompt_tokens += 4
             self.st.n_decode += 1
         try:
+            busy_until = time.monotonic() + self.st.num("busy_s")
+            while time.monotonic() < busy_until:
+                sum(range(10_000))  # CPU work, no decode counted
             if req.get("stream"):
                 self._stream(chat, n)
             else:
