@@ -23,7 +23,10 @@ def table_rows(results: dict) -> list[list[str]]:
     """One line per (type, corpus, depth): the figures the table and the markdown show."""
     speed = {(s["kv"], s.get("corpus"), s.get("depth")): s for s in results["speed"]}
     out = []
-    for r in results["rows"]:
+    measured = {(r["kv"], r["corpus"], r["depth"]) for r in results["rows"]}
+    speed_only = [{"kv": t, "corpus": c, "depth": d} for (t, c, d) in speed
+                  if (t, c, d) not in measured and c is not None]
+    for r in results["rows"] + speed_only:
         s = speed.get((r["kv"], r["corpus"], r["depth"]), {})
         bits = r.get("k_bits_per_value")
         out.append([r["kv"], r["corpus"], str(r["depth"]), _f(r.get("kld_mean")),
