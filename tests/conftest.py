@@ -86,6 +86,7 @@ def isolated_home(unit_home: Path | None, tmp_path: Path,
     home = tmp_path / "mtpwrap-home"
     home.mkdir()
     monkeypatch.setenv("MTPWRAP_HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / "xdg-config"))  # user profiles too
     return home
 
 
