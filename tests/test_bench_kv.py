@@ -319,3 +319,18 @@ def test_demo_model_runs_on_and_reports_a_128_value_block_type_not_applicable(
     assert [x["kv"] for x in rep["rows"]] == ["f16"] and abs(rep["rows"][0]["kld_mean"]) < 1e-4
     md = (tmp_path / "out" / "report.md").read_text()
     assert "## Not applicable" in md and "CC-BY-4.0" in md
+
+
+def test_a_window_the_machine_cannot_hold_is_refused_with_its_size() -> None:
+    """gemma-3-270m's 262,144-token vocabulary: a 16K window's reference needs 16 GiB of memory
+    (llama-perplexity keeps a log-probability row per position), a 1K window 1 GiB."""
+    from mtpwrap.units import GiB
+
+    vocab = 262_144
+    assert bench_kv.window_cost(16_384, vocab, 1) == (16 * GiB, 4 * GiB)
+    assert bench_kv.window_refusal(1024, vocab, 2, memory_free=20 * GiB,
+                                   disk_free=100 * GiB) is None
+    why = bench_kv.window_refusal(16_384, vocab, 1, memory_free=19 * GiB, disk_free=100 * GiB)
+    assert why is not None and "16.0 GiB of memory" in why and "19.0 GiB is available" in why
+    why = bench_kv.window_refusal(16_384, vocab, 4, memory_free=64 * GiB, disk_free=10 * GiB)
+    assert why is not None and "16.0 GiB of disk" in why and "--chunks" in why

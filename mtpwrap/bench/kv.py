@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
+from mtpwrap.units import GiB
 
 MiB = 2**20
 
@@ -45,6 +46,35 @@ _CACHE_KIND = re.compile(r"llama_kv_cache_iswa: creating\s+(non-SWA|SWA) KV cach
 _KV_LINE = re.compile(
     r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs"
     r"\), K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB")
+
+
+def window_cost(depth: int, n_vocab: int, chunks: int) -> tuple[int, int]:
+    """(memory, disk) bytes llama-perplexity needs for the f16 reference of one window.
+
+    From tools/perplexity/perplexity.cpp: the reference pass keeps a 16-bit log-probability row
+    per position (`log_probs`, depth × vocabulary × 2 B) and the 32-bit logits of the scored half
+    (`logits`, depth/2 × vocabulary × 4 B) — depth × vocabulary × 4 B in all, whatever the
+    model's size; its `--kl-divergence-base` file holds the scored half's 16-bit rows of every
+    chunk (chunks × depth/2 × vocabulary × 2 B)."""
+    return depth * n_vocab * 4, chunks * (depth // 2) * n_vocab * 2
+
+
+def window_refusal(depth: int, n_vocab: int, chunks: int, *, memory_free: int,
+                   disk_free: int) -> str | None:
+    """Why a window cannot be measured on this machine (None when it can); the memory is held
+    to 80 % of what is available, so the run leaves the machine room to work."""
+    memory, disk = window_cost(depth, n_vocab, chunks)
+    what = (f"llama-perplexity's f16 reference of a {depth:,}-token window over a "
+            f"{n_vocab:,}-token vocabulary needs")
+    if memory > 0.8 * memory_free:
+        return (f"{what} {memory / GiB:.1f} GiB of memory ({depth:,} × {n_vocab:,} × 4 B) and "
+                f"{memory_free / GiB:.1f} GiB is available: measure a smaller depth, or on a "
+                "machine with more memory (--no-quality still measures its speed).")
+    if disk > disk_free:
+        return (f"{what} {disk / GiB:.1f} GiB of disk for its --kl-divergence-base file and the "
+                f"report folder has {disk_free / GiB:.1f} GiB free: give --out on a larger disk "
+                "or fewer --chunks.")
+    return None
 
 
 def parse_kv_caches(text: str) -> list[dict]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,10 +115,30 @@ def _ppl_run(plan: KvPlan, argv: list[str], log: Path, env: dict[str, str]) -> d
     return got
 
 
-def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None) -> dict[str, dict]:
+def unmeasurable(plan: KvPlan, facts: ModelFacts, workdir: Path) -> dict[int, str]:
+    """The quality depths this machine's memory or the report folder's disk cannot hold, each
+    with the sentence saying so (a 262K window of a 150K-token vocabulary needs ~150 GiB)."""
+    if not plan.quality:
+        return {}
+    import psutil
+
+    memory_free = psutil.virtual_memory().available
+    disk_free = shutil.disk_usage(workdir).free
+    out: dict[int, str] = {}
+    for d in plan.depths:
+        why = kv.window_refusal(d, facts.n_vocab, plan.chunks_at(d), memory_free=memory_free,
+                                disk_free=disk_free)
+        if why is not None:
+            out[d] = why
+    return out
+
+
+def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
+                  skip: dict[int, str] | None = None) -> dict[str, dict]:
     """Per corpus: a text file of whole documents that fills the largest window `chunks` times
     (llama-perplexity needs at least two windows), the speed prompts (token ids, exactly
-    `depth` long), and the depths the corpus cannot fill, with the sentence saying so."""
+    `depth` long), and the depths the corpus cannot fill or the machine cannot measure (SKIP),
+    each with the sentence saying so."""
     out: dict[str, dict] = {}
     log = workdir / "server-tokenize.log"
     url, stop = launch_config(BenchConfig("tokenize", kv="f16"), binary=plan.server,
@@ -130,8 +151,8 @@ def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None) -> dic
                 progress(f"tokenizing {name}")
             corp = corpora.load(name)
             entry: dict = {"lang": corp.lang, "provenance": corp.provenance(),
-                           "cannot_fill": {}, "prompts": {}}
-            fill = sorted(plan.depths)
+                           "cannot_fill": dict(skip or {}), "prompts": {}}
+            fill = sorted(d for d in plan.depths if d not in (skip or {}))
             prompt = None
             while fill:
                 need = max(max(plan.chunks_at(d), 2) * d for d in fill) + 64
@@ -262,7 +283,7 @@ def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dic
                        "model": _model_provenance(plan.model),
                        "perplexity": {"path": str(plan.perplexity)}},
     }
-    texts = prepare_texts(plan, workdir, progress)
+    texts = prepare_texts(plan, workdir, progress, unmeasurable(plan, facts, workdir))
     results["corpora"] = {n: {k: v for k, v in e.items() if k != "prompts"}
                           for n, e in texts.items()}
     if plan.quality:
