@@ -230,3 +230,17 @@ def pull_env(hub: FakeHub, home: Path, **extra: str) -> dict[str, str]:
         env.pop(name, None)
     env.update(extra)
     return env
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """ARGV without FLAGS and the value after each (e.g. where llama-server listens)."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        else:
+            out.append(a)
+    return out

@@ -236,7 +236,9 @@ def test_kill_restart_and_drain_under_load(fleet: LocalFleet) -> None:
     }
     print("\nfleet under load:", json.dumps(report, indent=1))
     assert len(outcomes) == load.sent  # every request ended, none hung
-    assert len(failed) <= in_flight_on_b, report
+    # HAProxy's `scur`, read just before the kill, is in the report only: its sample can miss a
+    # stream that is already on b (seen: 0 with one stream 0.5 s in); the client's own record of
+    # each request decides.
     for o in failed:  # each one was on b when it died: begun before the kill, ended after it
         assert o.node in (b, None) and o.start < killed_at <= o.end + 0.05, report
     assert not [o for o in outcomes if o.node == a and not o.ok], report  # drain: no error

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from mtpwrap import proc
-from tests.helpers import REPO, cli_env, run_cli, wait_ready
+from tests.helpers import REPO, cli_env, run_cli, wait_ready, without
 
 pytestmark = pytest.mark.integration
 
@@ -261,19 +261,6 @@ def test_reload_under_load_fails_no_request(make_served: MakeServed, llama_serve
     # The child also gets its internal port and mtpwrap's snapshot directory.
     assert without(cmdline, "--port", "--slot-save-path") == without(shlex.split(line), "--port")
     assert "-np 1" in line and "-c 2048" in line
-
-
-def without(argv: list[str], *flags: str) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in flags:
-            skip = True
-        else:
-            out.append(a)
-    return out
 
 
 def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeServed) -> None:
