@@ -7,13 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers import REPO, cli_env
+from tests.helpers import REPO, cli_env, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -42,17 +40,7 @@ def test_up_cpu_demo_serves_chat_and_stream_then_stops_cleanly(
     )
     base = f"http://127.0.0.1:{free_port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("the demo server never became ready")
+        wait_ready(base, proc, lambda: proc.stdout.read() if proc.stdout else "", 120)
 
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         reply = client.chat.completions.create(
