@@ -25,6 +25,7 @@ from mtpwrap.decide import launch, profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.proc import free_loopback_port as _free_port
+from mtpwrap.run import upstream
 from mtpwrap.run.inputs import load_snapshot
 
 if TYPE_CHECKING:
@@ -192,13 +193,12 @@ class Client:
     """A running llama-server or mtpwrap front end."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        # No keep-alive: llama-server's HTTP library closes a connection after a few requests,
-        # and a pooled connection closed under us reads as "server disconnected".
-        self.http = httpx.Client(base_url=self.base_url, headers=headers,
-                                 timeout=httpx.Timeout(timeout, connect=10.0),
-                                 limits=httpx.Limits(max_keepalive_connections=0))
+        # No keep-alive: llama-server closes a connection after each streamed answer without
+        # saying so, and a pooled connection closed under us reads as "server disconnected".
+        self.http = upstream.client(None, base_url=self.base_url, api_key=api_key,
+                                    timeout=httpx.Timeout(timeout, connect=10.0),
+                                    keepalive=False)
 
     def close(self) -> None:
         self.http.close()
