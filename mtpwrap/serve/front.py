@@ -36,6 +36,7 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.state import SupervisorPort
+from mtpwrap.run.upstream import UpstreamClients
 from mtpwrap.serve import depth_policy, ops
 from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
@@ -44,7 +45,7 @@ from mtpwrap.serve.bodies import BadBody, check_fields, parse_json_body
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
-from mtpwrap.serve.relay import Exchange, Relay, upstream_clients
+from mtpwrap.serve.relay import Exchange, Relay, relay_wire
 from mtpwrap.serve.replies import ASGIApp, Receive, Replies, Scope, Send, declares_body
 
 if TYPE_CHECKING:
@@ -75,9 +76,13 @@ class Front:
         self.metrics = FrontMetrics(supervisor.status, self._front_stats)
         self.admission = Admission(supervisor, config, self.metrics)
         self.replies = Replies(self.metrics, config.retry_after_s)
-        self.clients = upstream_clients(config)
+        #: httpx clients for what is not relayed (the metrics scrape); the relay has its wire
+        self.clients = UpstreamClients(
+            timeout=httpx.Timeout(config.connect_timeout_s, read=None),
+            max_connections=config.max_concurrency + 4)
+        self.wire = relay_wire(config)
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
-        self.relay = Relay(supervisor, config, self.metrics, self.replies, self.clients,
+        self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
                            self.depth)
         self._warn_at_start(config)
         routes = [
@@ -158,6 +163,7 @@ class Front:
         return uvicorn_config(self.app, limits, cfg.idle_timeout_s, **kwargs)
 
     async def aclose(self) -> None:
+        await self.wire.aclose()
         await self.clients.aclose()
 
     def _front_stats(self) -> dict[str, float]:

@@ -1,13 +1,13 @@
 """The exchange with llama-server: one forwarded request, relayed to the client as it arrives.
 
-The relay sends the request through the one upstream client (`mtpwrap.run.upstream`: HTTP/1.1
-over llama-server's UNIX socket or loopback TCP, connections kept and reused) and passes the
-answer on chunk by chunk, without buffering: status and body byte for
-byte, response headers except hop-by-hop ones (`Connection`, `Keep-Alive`,
-`Transfer-Encoding`), `Access-Control-*` (llama-server reflects any `Origin`) and
-`Server`/`Date` (uvicorn sets them). Added: `X-Accel-Buffering: no` on event streams and the
-draft-depth header on generations the depth policy decided. On the way in only
-`Content-Type`, `Accept` and `User-Agent` pass, and the child's internal key is sent as
+The relay sends the request over the front's wire to llama-server (`mtpwrap.run.wire`:
+HTTP/1.1 over its UNIX socket or loopback TCP, parsed by llhttp, connections kept and reused)
+and passes the answer on as it arrives, without buffering: status and body byte for byte (what
+one read of the socket brought is one write to the client), response headers except hop-by-hop
+ones (`Connection`, `Keep-Alive`, `Transfer-Encoding`), `Access-Control-*` (llama-server
+reflects any `Origin`) and `Server`/`Date` (uvicorn sets them). Added: `X-Accel-Buffering: no`
+on event streams and the draft-depth header on generations the depth policy decided. On the way
+in only `Content-Type`, `Accept` and `User-Agent` pass, and the child's internal key is sent as
 `Authorization: Bearer`.
 
 Reuse. llama-server (cpp-httplib) ends the connection after each streamed answer: its chunk
@@ -42,11 +42,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import SupervisorPort, Upstream
-from mtpwrap.run.upstream import UpstreamClients
+from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireResponse
 from mtpwrap.serve import depth_policy
 from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
 from mtpwrap.serve.metrics import FrontMetrics
@@ -58,8 +56,8 @@ log = logging.getLogger("mtpwrap.proxy")
 #: internal key are set by the front itself).
 _FORWARD_REQUEST = frozenset({b"content-type", b"accept", b"user-agent"})
 _DROP_RESPONSE = frozenset({
-    "connection", "keep-alive", "transfer-encoding", "server", "date", "proxy-authenticate",
-    "trailer", "upgrade",
+    b"connection", b"keep-alive", b"transfer-encoding", b"server", b"date",
+    b"proxy-authenticate", b"trailer", b"upgrade",
 })
 _KEEPALIVE = b": keep-alive\n\n"
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
@@ -112,25 +110,22 @@ class Exchange:
         return self.sending_since != 0.0
 
 
-def upstream_clients(config: ProxyConfig) -> UpstreamClients:
-    """The front's clients to llama-server (`mtpwrap.run.upstream`: one pool per socket)."""
-    return UpstreamClients(
-        timeout=httpx.Timeout(connect=config.connect_timeout_s, read=None,
-                              write=config.write_timeout_s, pool=config.queue_timeout_s),
-        max_connections=config.max_concurrency + 4)
+def relay_wire(config: ProxyConfig) -> WirePool:
+    """The relay's connections to llama-server (`mtpwrap.run.wire`)."""
+    return WirePool(connect_timeout_s=config.connect_timeout_s,
+                    write_timeout_s=config.write_timeout_s)
 
 
 class Relay:
     """Sends exchanges to llama-server and relays their answers (see the module docstring)."""
 
     def __init__(self, supervisor: SupervisorPort, config: ProxyConfig, metrics: FrontMetrics,
-                 replies: Replies, clients: UpstreamClients,
-                 depth: DepthPolicy | None) -> None:
+                 replies: Replies, wire: WirePool, depth: DepthPolicy | None) -> None:
         self.supervisor = supervisor
         self.config = config
         self.metrics = metrics
         self.replies = replies
-        self.clients = clients
+        self.wire = wire
         self.depth = depth
         self.tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
                                   config.write_timeout_s / 4))
@@ -150,18 +145,17 @@ class Relay:
         return headers
 
     async def _send_upstream(self, ex: Exchange, scope: Scope, body: bytes, upstream: Upstream,
-                             path: str) -> httpx.Response:
+                             path: str) -> WireResponse:
         qs = scope.get("query_string", b"")
+        target = path + (("?" + qs.decode("latin-1")) if qs else "")
         for attempt in (1, 2):
-            url = upstream.base_url + path + (("?" + qs.decode("latin-1")) if qs else "")
-            client = self.clients.get(upstream)
-            req = client.build_request(
-                scope["method"], url,
-                headers=self._upstream_headers(scope, upstream.api_key, ex.stream), content=body)
             ex.generation = upstream.generation
             try:
-                return await client.send(req, stream=True)
-            except httpx.ConnectError:
+                return await self.wire.request(
+                    upstream, scope["method"], target,
+                    self._upstream_headers(scope, upstream.api_key, ex.stream), body,
+                    keep=not ex.stream)
+            except ConnectFailed:
                 # Nothing reached the child; one retry is safe (a restart may have just moved it).
                 self.metrics.upstream_errors.labels("connect").inc()
                 if attempt == 2:
@@ -179,55 +173,53 @@ class Relay:
         ex.last_progress = loop.time()
         try:
             resp = await self._send_upstream(ex, scope, body, upstream, path)
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             await self._upstream_failed(ex, send, err)
             return
         try:
             await self._relay(ex, resp, send, loop)
-        except httpx.HTTPError as err:
+        except UpstreamError as err:
             await self._upstream_failed(ex, send, err)
         finally:
             await resp.aclose()
 
     # ------------------------------------------------------------------ relaying
 
-    async def _error_as_event(self, ex: Exchange, resp: httpx.Response, send: Send) -> None:
+    async def _error_as_event(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
         """Headers already went out as an event stream: the child's error becomes an event."""
-        raw = await resp.aread()
+        raw = await resp.read()
         try:
             err = json.loads(raw).get("error") or {"message": raw.decode()[:500]}
         except (ValueError, AttributeError):
             err = {"message": raw.decode("utf-8", "replace")[:500]}
-        err.setdefault("code", resp.status_code)
+        err.setdefault("code", resp.status)
         await send({"type": "http.response.body",
                     "body": b"data: " + json.dumps({"error": err}).encode() + b"\n\n"})
         ex.phase = "done"
         await send({"type": "http.response.body", "body": b""})
-        self.replies.record(ex.label, resp.status_code, ex.t0)
+        self.replies.record(ex.label, resp.status, ex.t0)
 
-    def _response_headers(self, ex: Exchange, resp: httpx.Response,
+    def _response_headers(self, ex: Exchange, resp: WireResponse,
                           sse: bool) -> list[tuple[bytes, bytes]]:
-        headers = [(k.lower(), v) for k, v in resp.headers.raw
-                   if k.decode("latin-1").lower() not in _DROP_RESPONSE
-                   and not k.lower().startswith(b"access-control-")]
+        headers = [(k, v) for k, v in resp.headers
+                   if k not in _DROP_RESPONSE and not k.startswith(b"access-control-")]
         if sse and not any(k == b"x-accel-buffering" for k, _ in headers):
             headers.append((b"x-accel-buffering", b"no"))
         if ex.depth is not None:
             headers.append((depth_policy.HEADER, ex.depth.header()))
         return headers
 
-    async def _relay(self, ex: Exchange, resp: httpx.Response, send: Send,
+    async def _relay(self, ex: Exchange, resp: WireResponse, send: Send,
                      loop: asyncio.AbstractEventLoop) -> None:
-        ctype = resp.headers.get("content-type", "")
-        ex.status = resp.status_code
-        sse = ctype.startswith("text/event-stream")
+        ex.status = resp.status
+        sse = resp.header(b"content-type").startswith(b"text/event-stream")
         async with ex.send_lock:
             if ex.committed_sse:
-                if resp.status_code != 200 or not sse:
+                if resp.status != 200 or not sse:
                     await self._error_as_event(ex, resp, send)
                     return
             else:
-                await send({"type": "http.response.start", "status": resp.status_code,
+                await send({"type": "http.response.start", "status": resp.status,
                             "headers": self._response_headers(ex, resp, sse)})
                 ex.started = True
         ex.sse = sse
@@ -235,10 +227,10 @@ class Relay:
         await self._body(ex, resp, send, loop)
         ex.phase = "done"
         await send({"type": "http.response.body", "body": b""})
-        self.replies.record(ex.label, resp.status_code, ex.t0)
+        self.replies.record(ex.label, resp.status, ex.t0)
         self._observe_depth(ex)
 
-    async def _body(self, ex: Exchange, resp: httpx.Response, send: Send,
+    async def _body(self, ex: Exchange, resp: WireResponse, send: Send,
                     loop: asyncio.AbstractEventLoop) -> None:
         """Pass the body on as it arrives, one client write per upstream read. Per chunk only
         what the watch needs (the time, the chunk's reference) and one float appended for the
@@ -252,7 +244,7 @@ class Relay:
         gap = gaps.append if ex.sse else None
         last = 0.0
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.chunks():
                 now = clock()
                 if gap is not None and ex.first_chunk:
                     gap(now - last)
@@ -287,11 +279,11 @@ class Relay:
 
     # ------------------------------------------------------------------ ending badly
 
-    async def _upstream_failed(self, ex: Exchange, send: Send, err: Exception) -> None:
-        kind = type(err).__name__
-        self.metrics.upstream_errors.labels(kind).inc()
+    async def _upstream_failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
+        if not isinstance(err, ConnectFailed):  # a failed connect is counted where it happens
+            self.metrics.upstream_errors.labels(err.kind).inc()
         message = ("The model server closed the connection before finishing the response "
-                   f"({kind}).")
+                   f"({err.kind}: {err}).")
         if ex.phase == "headers" and not ex.started:
             await self.replies.error(send, 502, message, ex.label, ex.t0)
             return
