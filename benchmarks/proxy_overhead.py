@@ -45,8 +45,8 @@ from pathlib import Path
 import httpx
 
 from mtpwrap import proc
+from mtpwrap import upstream as upstream_client
 from mtpwrap.proc import free_loopback_port as free_port
-from mtpwrap.run import upstream as upstream_client
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable

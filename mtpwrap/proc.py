@@ -375,7 +375,7 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
     ready: `ready="health"` waits for GET /health 200, `"listening"` for its "listening on"
     line (enough when nothing will be asked of it). A server that exits or is not ready in
     time is stopped and reported with its last output line (RuntimeFailure). `client`: the
-    one to ask /health with (`mtpwrap.run.upstream.client` for a server on a UNIX socket);
+    one to ask /health with (`mtpwrap.upstream.client` for a server on a UNIX socket);
     it is closed when the wait ends."""
     import httpx
 

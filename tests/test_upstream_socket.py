@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap import upstream
 from mtpwrap.decide import launch
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket, listen_on
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.run import sockets, upstream
+from mtpwrap.run import sockets
 from tests.helpers import DATA
 
 HELP = DATA / "help"

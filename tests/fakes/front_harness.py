@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
+from mtpwrap import upstream
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
-from mtpwrap.run import upstream
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 
 
