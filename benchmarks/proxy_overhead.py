@@ -496,8 +496,8 @@ def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
     spec = launch.render(cfg, probe(binary), binary=binary, api_key=INTERNAL_KEY,
                          endpoint=Endpoint(socket=where.socket, port=where.port),
                          extra=extra or [])
-    srv = proc.start_server(spec.argv, base_url=where.base_url, env={**env, **spec.env},
-                            timeout=180, client=upstream_client.client(where.socket, timeout=2))
+    srv = proc.start_server(spec.argv, base_url=where.base_url, socket=where.socket,
+                            env={**env, **spec.env}, timeout=180)
     return srv.process
 
 
