@@ -146,14 +146,14 @@ def tokenize(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
     binary = request.getfixturevalue("llama_server_bin")
     model = request.getfixturevalue("demo_model")
-    url, stop = launch_config(BenchConfig("tokenize"), binary=binary, model=model, ctx_size=512,
-                              threads=1, log_path=tmp_path_factory.mktemp("tok") / "server.log")
-    client = Client(url)
+    srv = launch_config(BenchConfig("tokenize"), binary=binary, model=model, ctx_size=512,
+                        threads=1, log_path=tmp_path_factory.mktemp("tok") / "server.log")
+    client = Client.of(srv)
     try:
         yield client.tokenize
     finally:
         client.close()
-        stop()
+        srv.stop()
 
 
 @pytest.mark.integration

@@ -39,17 +39,18 @@ def english() -> corpora.Corpus:
     return corpora.english_corpus()
 
 
-def _serve(cfg: BenchConfig, server_bin: Path, model: Path, tmp: Path) -> Iterator[Client]:
+def _serve(cfg: BenchConfig, server_bin: Path, model: Path, tmp: Path, tcp: bool = False
+           ) -> Iterator[Client]:
     # One thread: multi-threaded CPU kernels are not bit-identical between a batch of 1 (the
     # drafter) and a batch of k+1 (verification), which breaks the self-draft's known answer.
-    url, stop = launch_config(cfg, binary=server_bin, model=model, ctx_size=1024, threads=1,
-                              log_path=tmp / f"{cfg.name}.log")
-    client = Client(url)
+    srv = launch_config(cfg, binary=server_bin, model=model, ctx_size=1024, threads=1,
+                        log_path=tmp / f"{cfg.name}.log", tcp=tcp)
+    client = Client.of(srv)
     try:
         yield client
     finally:
         client.close()
-        assert stop() is not None
+        assert srv.stop() is not None
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +158,10 @@ def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: 
 def test_bench_against_a_running_server(server_bin: Path, model: Path, tmp_path: Path) -> None:
     """`--url`: the bench is only a client; speculation is detected from the counters."""
     out = tmp_path / "report"
+    # a server another program is given by URL: loopback TCP
     for client in _serve(BenchConfig("draft", spec="draft", depth=2), server_bin, model,
-                         tmp_path):
+                         tmp_path, tcp=True):
+        assert client.socket is None
         p = run_cli("bench", "--url", client.base_url, "--contexts", "64", "--langs", "en",
                     "--concurrency", "1", "--n-predict", "16", "--out", str(out),
                     env=cli_env(), timeout=600)

@@ -48,10 +48,10 @@ def test_demo_model_bits_per_value_match_the_table_and_tbq_is_not_applicable(
     for t in ("f16", "q8_0"):
         assert rows[t]["applicable"]
         log = tmp_path / f"{t}.log"
-        _, stop = launch_config(BenchConfig(f"kv-{t}", spec="none", kv=t),
-                                binary=llama_server_bin, model=demo_model, ctx_size=512,
-                                threads=1, log_path=log)
-        stop()
+        srv = launch_config(BenchConfig(f"kv-{t}", spec="none", kv=t),
+                            binary=llama_server_bin, model=demo_model, ctx_size=512,
+                            threads=1, log_path=log)
+        srv.stop()
         logged = parse_kv_log(log.read_text(errors="replace"))
         assert logged is not None and logged["k_type"] == t
         got = bench_kv.effective_bits(facts, logged)

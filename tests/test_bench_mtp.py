@@ -32,9 +32,9 @@ def tiny_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_draft_mtp_runs_and_counters_move(server_bin: Path, tiny_mtp: Path,
                                           tmp_path: Path) -> None:
     cfg = BenchConfig("mtp", spec="mtp", depth=2)
-    url, stop = launch_config(cfg, binary=server_bin, model=tiny_mtp, ctx_size=512,
-                              log_path=tmp_path / "server.log")
-    client = Client(url)
+    srv = launch_config(cfg, binary=server_bin, model=tiny_mtp, ctx_size=512,
+                        log_path=tmp_path / "server.log")
+    client = Client.of(srv)
     try:
         prompt = client.tokenize("제1조 대한민국은 민주공화국이다. Article 1. " * 4)
         before = client.metrics()
@@ -42,7 +42,7 @@ def test_draft_mtp_runs_and_counters_move(server_bin: Path, tiny_mtp: Path,
         c = client.metrics() - before
     finally:
         client.close()
-        stop()
+        srv.stop()
     log = (tmp_path / "server.log").read_text()
     assert "adding speculative implementation 'draft-mtp'" in log
     assert res.n == 32 == c.predicted_tokens

@@ -166,16 +166,16 @@ def test_the_grafted_model_drafts_in_llama_server_like_its_base(
     tuned = graft.graft(tiny["base"], tiny["fine-tune"], tmp_path / "tuned.gguf")
 
     def greedy(model: Path) -> dict[str, int]:
-        url, stop = launch_config(BenchConfig("mtp", spec="mtp", depth=3),
-                                  binary=llama_server_bin, model=model, ctx_size=512,
-                                  log_path=tmp_path / f"{model.stem}.log")
-        client = Client(url)
+        srv = launch_config(BenchConfig("mtp", spec="mtp", depth=3),
+                            binary=llama_server_bin, model=model, ctx_size=512,
+                            log_path=tmp_path / f"{model.stem}.log")
+        client = Client.of(srv)
         try:
             prompt = client.tokenize("제1조 대한민국은 민주공화국이다. Article 1. " * 4)
             return client.complete(prompt, 32).timings
         finally:
             client.close()
-            stop()
+            srv.stop()
 
     want, got, ctl, ft = (greedy(m) for m in (base, grafted, control, tuned))
     assert want["draft_n_accepted"] > 0, want

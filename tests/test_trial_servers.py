@@ -150,3 +150,39 @@ def test_a_binary_without_socket_support_gets_a_free_loopback_port() -> None:
         folder = Path(ep.socket).parent
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert not folder.exists()
+
+
+def _listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
+    p = psutil.Process(pid)
+    return ([(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN],
+            [c.laddr for c in p.net_connections(kind="unix") if c.laddr])
+
+
+@pytest.mark.integration
+def test_a_benchmark_server_listens_on_its_own_socket_unless_given_by_url(
+        llama_server_bin: Path, demo_model: Path, tmp_path: Path) -> None:
+    from mtpwrap.bench.runner import BenchConfig, Client, launch_config
+
+    srv = launch_config(BenchConfig("tokenize"), binary=llama_server_bin, model=demo_model,
+                        ctx_size=512, threads=1, log_path=tmp_path / "unix.log")
+    try:
+        tcp, unix = _listening(srv.pid)
+        assert tcp == [] and unix == [srv.socket], (tcp, unix)
+        client = Client.of(srv)
+        try:
+            assert client.tokenize("Article 1")
+        finally:
+            client.close()
+    finally:
+        srv.stop()
+    assert srv.socket is not None and not Path(srv.socket).parent.exists()
+
+    srv = launch_config(BenchConfig("tokenize"), binary=llama_server_bin, model=demo_model,
+                        ctx_size=512, threads=1, log_path=tmp_path / "tcp.log", tcp=True)
+    try:
+        tcp, unix = _listening(srv.pid)
+        assert srv.socket is None and unix == []
+        assert tcp == [("127.0.0.1", int(srv.base_url.rsplit(":", 1)[1]))]
+    finally:
+        srv.stop()

@@ -141,10 +141,9 @@ def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
     each with the sentence saying so."""
     out: dict[str, dict] = {}
     log = workdir / "server-tokenize.log"
-    url, stop = launch_config(BenchConfig("tokenize", kv="f16"), binary=plan.server,
-                              model=plan.model, ctx_size=512, threads=plan.threads,
-                              log_path=log)
-    client = Client(url)
+    srv = launch_config(BenchConfig("tokenize", kv="f16"), binary=plan.server,
+                        model=plan.model, ctx_size=512, threads=plan.threads, log_path=log)
+    client = Client.of(srv)
     try:
         for name in plan.corpora:
             if progress:
@@ -175,7 +174,7 @@ def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
             out[name] = entry
     finally:
         client.close()
-        stop()
+        srv.stop()
     return out
 
 
@@ -232,13 +231,13 @@ def _speed(plan: KvPlan, types: list[dict], texts: dict[str, dict], workdir: Pat
         t = row["kv"]
         log = workdir / f"server-speed-{t}.log"
         try:
-            url, stop = launch_config(BenchConfig(f"kv-{t}", kv=t), binary=plan.server,
-                                      model=plan.model, ctx_size=ctx, threads=plan.threads,
-                                      log_path=log)
+            srv = launch_config(BenchConfig(f"kv-{t}", kv=t), binary=plan.server,
+                                model=plan.model, ctx_size=ctx, threads=plan.threads,
+                                log_path=log)
         except RuntimeFailure as exc:
             results["speed"].append({"kv": t, "error": str(exc)})
             continue
-        client = Client(url)
+        client = Client.of(srv)
         try:
             # one short request first, not counted: the server starts without a warm-up, and
             # the first request would carry it
@@ -259,7 +258,7 @@ def _speed(plan: KvPlan, types: list[dict], texts: dict[str, dict], workdir: Pat
                         "decode_tokens_per_s": tm.get("predicted_per_second")})
         finally:
             client.close()
-            stop()
+            srv.stop()
 
 
 def steps(plan: KvPlan, n_types: int) -> int:

@@ -12,7 +12,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,11 +21,11 @@ import httpx
 
 from mtpwrap import upstream
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.build import trial
 from mtpwrap.build.probe import probe
-from mtpwrap.decide import launch, profiles, resolve
+from mtpwrap.decide import profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.proc import free_loopback_port as _free_port
 from mtpwrap.run.inputs import load_snapshot
 
 if TYPE_CHECKING:
@@ -134,39 +134,35 @@ def cell_launch(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | 
 
 def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
                   parallel: int | None = 1, log_path: Path | None = None,
-                  host: str = "127.0.0.1", port: int | None = None, threads: int | None = None,
-                  extra: list[str] | None = None, timeout: float = 300.0,
-                  profile: Profile | None = None, bench: bool = True,
-                  ) -> tuple[str, Callable[[], int | None]]:
-    """Start llama-server for `cfg`, wait until /health says ok, return (base_url, stop).
+                  threads: int | None = None, extra: list[str] | None = None,
+                  timeout: float = 300.0, profile: Profile | None = None, bench: bool = True,
+                  tcp: bool = False) -> ServerProcess:
+    """Start llama-server for `cfg` and wait until /health says ok; `Client.of` reaches it
+    (its own UNIX socket when the binary binds one; `tcp`: loopback TCP all the same, for a
+    server another program is given by URL).
 
     `stop()` sends SIGTERM, waits, then SIGKILLs the process group; it is idempotent. A server
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
     cl, caps = cell_launch(cfg, binary=binary, model=model, ctx_size=ctx_size,
                            parallel=parallel, threads=threads, profile=profile, bench=bench)
-    srv = start_launch(cl, caps, binary=binary, log_path=log_path, host=host, port=port,
-                       extra=extra, timeout=timeout,
-                       what=f"llama-server for configuration {cfg.name!r}")
-    return srv.base_url, srv.stop
+    return start_launch(cl, caps, binary=binary, log_path=log_path, extra=extra,
+                        timeout=timeout, tcp=tcp,
+                        what=f"llama-server for configuration {cfg.name!r}")
 
 
 def start_launch(cl: LaunchConfig, caps: Capabilities, *, binary: Path,
-                 log_path: Path | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 extra: list[str] | None = None, timeout: float = 300.0,
-                 what: str = "llama-server") -> ServerProcess:
-    """Render `cl` for this binary and start it (its own process group; ready at /health)."""
-    from mtpwrap.proc import start_server
-
-    port = port or _free_port(host)
-    spec = launch.render(cl, caps, binary=binary, host=host, port=port, extra=extra or [])
-    # The build ships its shared libraries next to the binary.
-    # The launch's own environment too (e.g. the fork's switch for a tbq3_0 V cache).
-    env = {**spec.env,
-           "LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    return start_server(spec.argv, base_url=f"http://{host}:{port}", env=env,
-                        log_path=Path(log_path) if log_path else None, timeout=timeout,
-                        what=what)
+                 log_path: Path | None = None, extra: list[str] | None = None,
+                 timeout: float = 300.0, what: str = "llama-server", tcp: bool = False
+                 ) -> ServerProcess:
+    """Render `cl` for this binary and start it where every temporary server listens
+    (`mtpwrap.build.trial`); its own process group; ready at /health."""
+    # The build ships its shared libraries next to the binary; the launch's own environment
+    # (e.g. the fork's switch for a tbq3_0 V cache) is added by trial.start.
+    env = {"LD_LIBRARY_PATH": f"{Path(binary).parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    return trial.start(cl, caps, binary=binary, extra=extra or [], env=env, tcp=tcp,
+                       log_path=Path(log_path) if log_path else None, timeout=timeout,
+                       what=what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,33 +188,43 @@ class StreamResult:
 class Client:
     """A running llama-server or mtpwrap front end."""
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0, *,
+                 socket: str | None = None):
         self.base_url = base_url.rstrip("/")
+        #: the UNIX socket it listens on (None: TCP at base_url)
+        self.socket = socket
+        #: where it is, in messages
+        self.where = f"unix:{socket}" if socket else self.base_url
         # No keep-alive: llama-server closes a connection after each streamed answer without
         # saying so, and a pooled connection closed under us reads as "server disconnected".
-        self.http = upstream.client(None, base_url=self.base_url, api_key=api_key,
+        self.http = upstream.client(socket, base_url=self.base_url, api_key=api_key,
                                     timeout=httpx.Timeout(timeout, connect=10.0),
                                     keepalive=False)
+
+    @classmethod
+    def of(cls, srv: ServerProcess, api_key: str | None = None) -> Client:
+        """A client to a server `launch_config` or `start_launch` started."""
+        return cls(srv.base_url, api_key, socket=srv.socket)
 
     def close(self) -> None:
         self.http.close()
 
     def _check(self, r: httpx.Response, what: str) -> httpx.Response:
         if r.status_code == 401:
-            raise ConfigError(f"{self.base_url} refused {what} (401); pass the right --api-key.")
+            raise ConfigError(f"{self.where} refused {what} (401); pass the right --api-key.")
         if r.status_code == 501 and what == "/metrics":
             raise ConfigError(
-                f"{self.base_url} serves no /metrics; start llama-server with --metrics."
+                f"{self.where} serves no /metrics; start llama-server with --metrics."
             )
         if r.status_code >= 400:
-            raise RuntimeFailure(f"{self.base_url}{what} answered {r.status_code}: {r.text[:200]}")
+            raise RuntimeFailure(f"{self.where} {what} answered {r.status_code}: {r.text[:200]}")
         return r
 
     def props(self) -> dict:
         try:
             r = self.http.get("/props")
         except httpx.HTTPError as exc:
-            raise RuntimeFailure(f"Cannot reach {self.base_url}: {exc}.") from exc
+            raise RuntimeFailure(f"Cannot reach {self.where}: {exc}.") from exc
         return dict(self._check(r, "/props").json())
 
     def tokenize(self, text: str) -> list[int]:
@@ -342,13 +348,13 @@ def rejection_points(result: StreamResult, depth: int, gap_s: float) -> dict[str
 
 
 def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
-              n_predict: int) -> dict:
+              n_predict: int, *, socket: str | None = None) -> dict:
     """`concurrency` simultaneous streams; time to first token and inter-token gaps."""
     results: list[StreamResult | Exception] = []
     lock = threading.Lock()
 
     def worker(i: int) -> None:
-        c = Client(base_url, api_key)
+        c = Client(base_url, api_key, socket=socket)
         try:
             res: StreamResult | Exception = c.complete(prompts[i % len(prompts)], n_predict)
         except Exception as exc:  # reported, never swallowed

@@ -235,21 +235,20 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
         log_path = workdir / f"server-{cfg.name}.log"
         stop: Callable[[], int | None]
         if plan.url:
-            base_url, stop = plan.url, (lambda: None)
+            client, stop = Client(plan.url, plan.api_key), (lambda: None)
         else:
             assert plan.binary and plan.model
-            base_url, stop = launch_config(cfg, binary=plan.binary, model=plan.model,
-                                           ctx_size=ctx_size, parallel=parallel,
-                                           log_path=log_path, threads=plan.threads,
-                                           extra=plan.server_extra,
-                                           timeout=plan.launch_timeout, profile=base)
-        client = Client(base_url, plan.api_key)
+            srv = launch_config(cfg, binary=plan.binary, model=plan.model,
+                                ctx_size=ctx_size, parallel=parallel, log_path=log_path,
+                                threads=plan.threads, extra=plan.server_extra,
+                                timeout=plan.launch_timeout, profile=base)
+            client, stop = Client.of(srv, plan.api_key), srv.stop
         try:
-            _run_config(plan, cfg, client, base_url, corp, results, progress)
+            _run_config(plan, cfg, client, corp, results, progress)
         except httpx.HTTPError as exc:
             raise RuntimeFailure(
                 f"llama-server for configuration {cfg.name!r} stopped answering ({exc});"
-                f" see {log_path if log_path.exists() else base_url}."
+                f" see {log_path if log_path.exists() else client.where}."
             ) from exc
         finally:
             client.close()
@@ -263,13 +262,13 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
     return results
 
 
-def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
+def _run_config(plan: Plan, cfg: BenchConfig, client: Client,
                 corp: dict[str, corpora.Corpus], results: dict,
                 progress: Callable[[str, int], None] | None) -> None:
     props = client.props()
     n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
-    results["servers"][cfg.name] = {"base_url": base_url, "n_ctx": n_ctx,
-                                    "total_slots": props.get("total_slots")}
+    results["servers"][cfg.name] = {"base_url": client.base_url, "socket": client.socket,
+                                    "n_ctx": n_ctx, "total_slots": props.get("total_slots")}
     for lang in plan.langs:
         for ctx in plan.contexts:
             if n_ctx and ctx + plan.n_predict > n_ctx:
@@ -301,7 +300,8 @@ def _run_config(plan: Plan, cfg: BenchConfig, client: Client, base_url: str,
     for n in plan.concurrency:
         if progress:
             progress(f"{cfg.name} load x{n}", 1)
-        rec = load_test(base_url, plan.api_key, load_prompts, n, plan.load_predict)
+        rec = load_test(client.base_url, plan.api_key, load_prompts, n, plan.load_predict,
+                        socket=client.socket)
         rec["config"] = cfg.name
         results["load"].append(rec)
 

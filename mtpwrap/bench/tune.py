@@ -105,7 +105,7 @@ def run(plan: TunePlan, workdir: Path,
                               f"{plan.context} plus {plan.n_predict} tokens; lower --context.")
         srv = start_launch(cl, caps, binary=plan.binary, log_path=workdir / f"{cfg.name}.log",
                            what=f"llama-server for setting {cfg.name!r}")
-        client = Client(srv.base_url)
+        client = Client.of(srv)
         stop = srv.stop
         try:
             prompts = [corpora.build_prompt(c, plan.context, client.tokenize).tokens

@@ -22,9 +22,14 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def endpoint(caps: Capabilities) -> Iterator[Endpoint]:
+def endpoint(caps: Capabilities, *, tcp: bool = False) -> Iterator[Endpoint]:
     """A socket in a fresh 0700 directory for a binary that binds one, else a free loopback
-    port, with `listen_on`'s reason; the directory is removed afterwards."""
+    port, with `listen_on`'s reason; the directory is removed afterwards. `tcp`: loopback TCP
+    all the same, for a server another program is given by its URL."""
+    if tcp:
+        yield listen_on(caps, None, port=proc.free_loopback_port(),
+                        socket_why="a server reached by its URL")
+        return
     folder = upstream.private_socket_dir(SOCKET_NAME)
     try:
         yield listen_on(caps, str(folder / SOCKET_NAME),
@@ -34,14 +39,14 @@ def endpoint(caps: Capabilities) -> Iterator[Endpoint]:
 
 
 def start(cl: LaunchConfig, caps: Capabilities, *, binary: Path | str,
-          extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
+          extra: Sequence[str] = (), env: Mapping[str, str] | None = None, tcp: bool = False,
           **server: Any) -> proc.ServerProcess:
     """Render `cl` for `binary` listening where `endpoint` says, start it and wait until it is
     ready (`proc.start_server`; `server` are its options: ready, timeout, what, log_path,
     api_key). The launch's own environment is passed, `env` over it; the socket's directory
     is removed when the server is stopped."""
     stack = contextlib.ExitStack()
-    ep = stack.enter_context(endpoint(caps))
+    ep = stack.enter_context(endpoint(caps, tcp=tcp))
     try:
         spec = launch.render(cl, caps, binary=binary, endpoint=ep, extra=extra)
         srv = proc.start_server(spec.argv, base_url=ep.base_url, socket=ep.socket,
