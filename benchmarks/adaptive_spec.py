@@ -131,9 +131,10 @@ def main() -> None:
     argv = launch.render(cfg, probe(binary), binary=binary, port=port).argv
     load = workload(args.per_class)
     calib = workload(1, skip=args.per_class)
-    with running_server(argv, base_url=base, timeout=300):
-        probe_default, _ = spec_probe.draft_counts(base, {})
-        probe_zero, _ = spec_probe.draft_counts(base, {"speculative.n_max": 0})
+    with running_server(argv, base_url=base, timeout=300) as srv:
+        with srv.client(timeout=120.0) as http:
+            probe_default, _ = spec_probe.draft_counts(http, {})
+            probe_zero, _ = spec_probe.draft_counts(http, {"speculative.n_max": 0})
         if spec_probe.verdict(probe_default, probe_zero) == "ignored":
             raise SystemExit(f"{binary} does not honour speculative.n_max (drafted "
                              f"{probe_zero} with n_max 0): build it with the patch set.")

@@ -30,7 +30,6 @@ from mtpwrap.build import probe, tiny_gguf
 from mtpwrap.build.calibrate import measure_config, measure_server
 from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.planner import MiB, PlanConfig, plan
-from mtpwrap.proc import free_loopback_port as _free_port
 
 
 @dataclass
@@ -146,7 +145,7 @@ def main() -> int:
             facts = read_facts(path)
             t0 = time.monotonic()
             if case.tool == "server":
-                got, _log = measure_server(server_bin, path, case.cfg, _free_port())
+                got, _log = measure_server(server_bin, path, case.cfg)
             else:
                 got = measure_config(fit_bin, path, case.cfg)
             secs = time.monotonic() - t0

@@ -45,8 +45,8 @@ from pathlib import Path
 import httpx
 
 from mtpwrap import proc
+from mtpwrap import upstream as upstream_client
 from mtpwrap.proc import free_loopback_port as free_port
-from mtpwrap.run import upstream as upstream_client
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -496,8 +496,8 @@ def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
     spec = launch.render(cfg, probe(binary), binary=binary, api_key=INTERNAL_KEY,
                          endpoint=Endpoint(socket=where.socket, port=where.port),
                          extra=extra or [])
-    srv = proc.start_server(spec.argv, base_url=where.base_url, env={**env, **spec.env},
-                            timeout=180, client=upstream_client.client(where.socket, timeout=2))
+    srv = proc.start_server(spec.argv, base_url=where.base_url, socket=where.socket,
+                            env={**env, **spec.env}, timeout=180)
     return srv.process
 
 

@@ -37,7 +37,6 @@ from mtpwrap.build.calibrate import (
 )
 from mtpwrap.decide.planner import PlanConfig
 from mtpwrap.errors import RuntimeFailure
-from mtpwrap.proc import free_loopback_port
 
 #: the lines of a `-v` log that size memory or say how the context was set up
 KEEP = re.compile(r"MiB|memory_breakdown_print|llama_context: +n_|n_outputs|n_seq_max|n_rs_seq")
@@ -148,8 +147,7 @@ def main() -> int:
         print(f"{case}: fit-params {len(log)} bytes of log")
         if a.server and case in SERVER_CASES:
             srv_cfg = dataclasses.replace(cfg, cpu_repack=False)
-            _, text = measure_server(a.bin_dir / "llama-server", model, srv_cfg,
-                                     free_loopback_port())
+            _, text = measure_server(a.bin_dir / "llama-server", model, srv_cfg)
             (a.out / f"{case}.server.txt").write_text(
                 f"# llama-server -m {name} -c {srv_cfg.n_ctx} -np {srv_cfg.n_slots} "
                 f"-ub {srv_cfg.ubatch} -ctk {srv_cfg.type_k} -ctv {srv_cfg.type_v} "

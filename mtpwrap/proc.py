@@ -28,10 +28,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from mtpwrap import upstream
 from mtpwrap.errors import MissingToolError, MtpwrapError, RuntimeFailure
 
 if TYPE_CHECKING:
@@ -339,6 +340,10 @@ class ServerProcess:
     base_url: str
     process: Process
     log_path: Path
+    #: the UNIX socket it listens on (None: loopback TCP at `base_url`)
+    socket: str | None = None
+    #: run once the server has stopped (e.g. removing its socket's directory)
+    after_stop: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -363,20 +368,29 @@ class ServerProcess:
         self.process.kill(sig)
 
     def stop(self, grace: float = 15.0) -> int | None:
-        return self.process.stop(grace)
+        rc = self.process.stop(grace)
+        while self.after_stop:
+            self.after_stop.pop(0)()
+        return rc
+
+    def client(self, *, timeout: httpx.Timeout | float | None = 30.0,
+               api_key: str | None = None, keepalive: bool = True) -> httpx.Client:
+        """The one upstream client (`mtpwrap.upstream.client`), bound to where it listens;
+        paths are relative to `base_url`."""
+        return upstream.client(self.socket, base_url=self.base_url, api_key=api_key,
+                               timeout=timeout, keepalive=keepalive)
 
 
-def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None, ready: str = "health",
-                 headers: Mapping[str, str] | None = None, timeout: float = 300.0,
-                 what: str = "llama-server", poll_s: float = 0.1,
-                 client: httpx.Client | None = None) -> ServerProcess:
+def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = None,
+                 env: Mapping[str, str] | None = None, log_path: Path | None = None,
+                 ready: str = "health", api_key: str | None = None, timeout: float = 300.0,
+                 what: str = "llama-server", poll_s: float = 0.1) -> ServerProcess:
     """Start llama-server (or a stand-in; `env` added to `child_env()`) and wait until it is
     ready: `ready="health"` waits for GET /health 200, `"listening"` for its "listening on"
     line (enough when nothing will be asked of it). A server that exits or is not ready in
-    time is stopped and reported with its last output line (RuntimeFailure). `client`: the
-    one to ask /health with (`mtpwrap.run.upstream.client` for a server on a UNIX socket);
-    it is closed when the wait ends."""
+    time is stopped and reported with its last output line (RuntimeFailure). `socket`: the
+    UNIX socket it was told to listen on (None: loopback TCP at `base_url`); the wait asks
+    through the one upstream client bound to it."""
     import httpx
 
     if log_path is None:
@@ -385,12 +399,10 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
         log_path = Path(name)
     with log_path.open("wb") as out:
         process = start(argv, env=child_env(env), stdout=out, stderr=STDOUT, what=what)
-    srv = ServerProcess(list(process.argv), base_url, process, log_path)
+    srv = ServerProcess(list(process.argv), base_url, process, log_path, socket)
     deadline = time.monotonic() + timeout
     try:
-        if client is None:
-            client = httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {}))
-        with client:
+        with srv.client(timeout=2.0, api_key=api_key, keepalive=False) as client:
             while True:
                 rc = process.poll()
                 if rc is not None:
@@ -401,7 +413,7 @@ def start_server(argv: Sequence[str], *, base_url: str, env: Mapping[str, str] |
                         return srv
                 else:
                     with contextlib.suppress(httpx.HTTPError):
-                        if client.get(base_url + "/health").status_code == 200:
+                        if client.get("/health").status_code == 200:
                             return srv
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"{what} was not ready after {timeout:.0f} s "

@@ -244,3 +244,17 @@ def without(argv: list[str], *flags: str) -> list[str]:
         else:
             out.append(a)
     return out
+
+
+#: `--host` as a llama-server from before UNIX socket support documents it
+NO_SOCKET_HOST = ("--host HOST" + " " * 29 + "ip address to listen (default: 127.0.0.1)\n"
+                  + " " * 40 + "(env: LLAMA_ARG_HOST)\n")
+
+
+def without_socket_help(help_text: str) -> str:
+    """A llama-server's --help with its `--host` entry replaced by one from before socket
+    support (no `.sock` path named)."""
+    lines = help_text.splitlines(keepends=True)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("--host HOST"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("(env:"))
+    return "".join(lines[:start]) + NO_SOCKET_HOST + "".join(lines[end + 1:])

@@ -78,14 +78,13 @@ def test_plan_matches_fit_params(model: str, kw: dict, shapes: dict[str, Path],
         p.row("compute").bytes, got.compute_total)
 
 
-def test_mtp_rows_match_llama_server(llama_server_bin: Path, free_port: int,
-                                     tmp_path: Path) -> None:
+def test_mtp_rows_match_llama_server(llama_server_bin: Path, tmp_path: Path) -> None:
     model = tiny_gguf.write_tiny_random(tmp_path / "tiny-mtp.gguf", arch="qwen35", mtp=True)
     facts = read_facts(model)
     cfg = PlanConfig(backend="cpu", n_ctx=32768, type_k="q8_0", type_v="q8_0", spec="mtp",
                      draft_depth=3, type_k_draft="f16", type_v_draft="f16", cpu_repack=False)
     p = plan(facts, cfg, None)
-    got, log = measure_server(llama_server_bin, model, cfg, free_port)
+    got, log = measure_server(llama_server_bin, model, cfg)
     assert len(got.kv) == 2, log[-3000:]  # main context, then the MTP context
     assert within(weights(p) + p.row("MTP weights").bytes, got.model_total, 0.01)
     assert within(p.row("main KV").bytes, got.kv[0], 0.01)
@@ -97,7 +96,7 @@ def test_mtp_rows_match_llama_server(llama_server_bin: Path, free_port: int,
     assert within(p.row("MTP compute").bytes, got.compute_per_context[1], 0.15)
     # MTP off: no MTP weights are loaded and only one context exists
     off = PlanConfig(backend="cpu", n_ctx=32768, type_k="q8_0", type_v="q8_0", cpu_repack=False)
-    got_off, _ = measure_server(llama_server_bin, model, off, free_port)
+    got_off, _ = measure_server(llama_server_bin, model, off)
     assert len(got_off.kv) == 1
     assert within(weights(plan(facts, off, None)), got_off.model_total, 0.01)
     assert got.model_total - got_off.model_total == pytest.approx(facts.mtp_bytes, abs=2**14)

@@ -15,16 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from mtpwrap import upstream
 from mtpwrap.decide import launch
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket, listen_on
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.run import sockets, upstream
-from tests.helpers import DATA
+from mtpwrap.run import sockets
+from tests.helpers import DATA, without_socket_help
 
 HELP = DATA / "help"
-NO_SOCKET_HOST = ("--host HOST" + " " * 29 + "ip address to listen (default: 127.0.0.1)\n"
-                  + " " * 40 + "(env: LLAMA_ARG_HOST)\n")
 PLAIN = launch.plain("m.gguf", context=512, why="test")
 
 
@@ -34,10 +33,7 @@ def _caps(name: str) -> Capabilities:
 
 def _without_socket_help(name: str = "upstream-0c1e570.txt") -> str:
     """The recorded help with the `--host` entry of a llama-server from before socket support."""
-    lines = (HELP / name).read_text().splitlines(keepends=True)
-    start = next(i for i, ln in enumerate(lines) if ln.startswith("--host HOST"))
-    end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("(env:"))
-    return "".join(lines[:start]) + NO_SOCKET_HOST + "".join(lines[end + 1:])
+    return without_socket_help((HELP / name).read_text())
 
 
 @pytest.mark.parametrize("name", ["upstream-0c1e570.txt", "fork-0bc0a27.txt", "fork-1c6e4ea.txt"])

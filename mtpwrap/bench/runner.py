@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from mtpwrap import upstream
 from mtpwrap.bench import stats, tokenclass
 from mtpwrap.build.probe import probe
 from mtpwrap.decide import launch, profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.proc import free_loopback_port as _free_port
-from mtpwrap.run import upstream
 from mtpwrap.run.inputs import load_snapshot
 
 if TYPE_CHECKING:

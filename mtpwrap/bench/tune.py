@@ -31,6 +31,8 @@ from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
+    import httpx
+
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.profiles import Profile
 
@@ -172,10 +174,10 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
     table: dict[str, dict[str, float | None]] = {}
     srv = start_launch(cl, caps, binary=plan.binary, log_path=workdir / "per-class.log",
                        what="llama-server for the per-class sweep")
-    base = srv.base_url
+    http = srv.client(timeout=600.0, keepalive=False)
     try:
-        default = spec_probe.draft_counts(base, {})[0]
-        zero = spec_probe.draft_counts(base, {"speculative.n_max": 0})[0]
+        default = spec_probe.draft_counts(http, {})[0]
+        zero = spec_probe.draft_counts(http, {"speculative.n_max": 0})[0]
         if spec_probe.verdict(default, zero) != "honoured":
             raise ConfigError(f"{plan.binary}: this llama-server ignores a request's own draft "
                               "depth, so --per-class cannot measure one; build it with the "
@@ -187,11 +189,12 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
                     progress(f"{cls} depth {d}")
                 n = seconds = 0.0
                 for text in prompts:
-                    timings = _complete(base, text, plan.n_predict, d)
+                    timings = _complete(http, text, plan.n_predict, d)
                     n += float(timings.get("predicted_n", 0))
                     seconds += float(timings.get("predicted_ms", 0.0)) / 1000.0
                 table[cls][str(d)] = n / seconds if seconds else None
     finally:
+        http.close()
         srv.stop()
     policy = {cls: int(max(row, key=lambda k: row[k] or 0.0)) for cls, row in table.items()}
     return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -206,10 +209,8 @@ def _deepest(plan: TunePlan) -> BenchConfig:
                        draft_model=str(plan.draft_model) if plan.draft_model else None)
 
 
-def _complete(base: str, text: str, n_predict: int, depth: int) -> dict:
-    import httpx
-
-    r = httpx.post(f"{base}/completion", timeout=600, json={
+def _complete(http: httpx.Client, text: str, n_predict: int, depth: int) -> dict:
+    r = http.post("/completion", json={
         "prompt": text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
         "speculative.n_max": depth})
     r.raise_for_status()

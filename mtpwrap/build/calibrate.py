@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import proc
-from mtpwrap.build import probe, tiny_gguf
+from mtpwrap.build import probe, tiny_gguf, trial
 from mtpwrap.build.manifest import load_manifest, update_manifest
 from mtpwrap.decide import launch
 from mtpwrap.decide.gguf_facts import read_facts
@@ -242,7 +242,7 @@ def measure_config(fit_bin: Path, model: Path, cfg: Any, timeout: float = 300
     return parse_allocations(run_fit_params(Path(fit_bin), Path(model), args, timeout=timeout))
 
 
-def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: float = 300
+def measure_server(server_bin: Path, model: Path, cfg: Any, timeout: float = 300
                    ) -> tuple[Allocations, str]:
     """Start llama-server for cfg (no warmup, no fit), read its allocations, stop it.
 
@@ -250,18 +250,17 @@ def measure_server(server_bin: Path, model: Path, cfg: Any, port: int, timeout: 
     server's own output reservation (slots × (1 + draft depth) logits rows, not a whole ubatch).
     The weights are memory-mapped; with --no-warmup nothing computes, so a shape-only model's
     holes are only read by the loader's prefetch. Pass cfg.cpu_repack=False for big models:
-    repacking copies every quantized weight into RAM.
+    repacking copies every quantized weight into RAM. It listens where every temporary server
+    does (`mtpwrap.build.trial`: its own UNIX socket when the binary binds one).
     """
 
     caps = probe.probe(server_bin)
     cl = dataclasses.replace(plan_launch(Path(model), cfg, server=True), fit="off",
                              no_warmup=True, threads=2, verbosity=4)
-    cmd = launch.render(cl, caps, binary=server_bin, port=port).argv
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
         try:
-            with proc.running_server(cmd, base_url=f"http://127.0.0.1:{port}", ready="listening",
-                                timeout=timeout, what=server_bin.name,
-                                log_path=Path(tmp) / "server.log") as srv:
+            with trial.running(cl, caps, binary=server_bin, ready="listening", timeout=timeout,
+                               what=server_bin.name, log_path=Path(tmp) / "server.log") as srv:
                 pass
         except RuntimeFailure as exc:
             raise RuntimeFailure(f"{server_bin.name} did not start on {model.name}: "

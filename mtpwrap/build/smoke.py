@@ -5,24 +5,31 @@ one, compiled by `GGML_NATIVE=ON` on a CPU that has AMX). `mtpwrap build` calls 
 new binary and keeps the result in the manifest; a binary that fails is never installed.
 
 The process is started and stopped by `mtpwrap.proc` (its own process group, the one stop
-policy); its output goes to a log file whose last lines are the result's `log_tail`.
+policy) and listens where every temporary server does (`mtpwrap.build.trial`: its own UNIX
+socket when the binary binds one, else loopback TCP), reached through the one upstream client;
+its output goes to a log file whose last lines are the result's `log_tail`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import signal
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtpwrap import proc
-from mtpwrap.build import probe, tiny_gguf
+from mtpwrap import proc, upstream
+from mtpwrap.build import probe, tiny_gguf, trial
 from mtpwrap.decide import launch
 from mtpwrap.errors import MtpwrapError
 from mtpwrap.models import known as models
+
+if TYPE_CHECKING:
+    from mtpwrap.decide.capabilities import Capabilities
+    from mtpwrap.decide.endpoint import Endpoint
 
 #: Signals that mean the binary itself is broken on this CPU, not that the machine was busy.
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS, signal.SIGFPE)
@@ -71,21 +78,22 @@ def smoke_model(work_dir: Path) -> Path:
     return tiny
 
 
-def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
-    """The smallest launch that loads the model and computes: one slot, a short context."""
+def argv(binary: Path, model: Path, where: Endpoint, gpu: bool,
+         caps: Capabilities | None = None) -> list[str]:
+    """The smallest launch that loads the model and computes: one slot, a short context,
+    listening at `where` (`trial.endpoint`)."""
     cfg = launch.plain(model, context=512, gpu_layers=99 if gpu else 0, why="smoke test")
-    return launch.render(cfg, probe.probe(binary), binary=binary, port=port).argv
+    return launch.render(cfg, caps or probe.probe(binary), binary=binary, endpoint=where).argv
 
 
-def _generate(client: Any, key: str, timeout: float) -> tuple[bool, str, int]:
+def _generate(client: Any, timeout: float) -> tuple[bool, str, int]:
     """Ask for N_PREDICT tokens: (answered, why not, tokens predicted)."""
     import httpx
 
     body = {"prompt": PROMPT, "n_predict": N_PREDICT, "cache_prompt": False,
             "temperature": 0.0}
     try:
-        r = client.post("/completion", json=body, timeout=timeout,
-                        headers={"Authorization": f"Bearer {key}"})
+        r = client.post("/completion", json=body, timeout=timeout)
     except httpx.HTTPError as exc:
         return False, f"{type(exc).__name__}: {exc}", 0
     return judge_completion(r)
@@ -115,17 +123,16 @@ def _healthy(client: Any) -> bool:
         return False
 
 
-def _try(server: proc.Process, base_url: str, key: str, timeout: float) -> SmokeResult | None:
+def _try(server: proc.Process, where: Endpoint, key: str, timeout: float) -> SmokeResult | None:
     """Wait for health, ask for tokens; None when the process ended (a crash or an exit)."""
-    import httpx
-
     deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=base_url, trust_env=False) as client:
+    with upstream.client(where.socket, base_url=where.base_url, api_key=key,
+                         keepalive=False) as client:
         while time.monotonic() < deadline:
             if server.wait(0.25) is not None:
                 return None
             if _healthy(client):
-                ok, why, tokens = _generate(client, key, max(5.0, deadline - time.monotonic()))
+                ok, why, tokens = _generate(client, max(5.0, deadline - time.monotonic()))
                 if ok:
                     return SmokeResult("passed", f"generated {tokens} tokens", tokens=tokens)
                 if server.wait(1.0) is not None:  # a crash mid-request: a dropped connection
@@ -144,22 +151,25 @@ def _ended(rc: int) -> SmokeResult:
 
 def run(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.0) -> SmokeResult:
     """Start `binary` on `model`, ask for a few tokens, stop it; never raises for the binary's
-    own failures (they are the result)."""
+    own failures (they are the result). It listens where every temporary server does
+    (`trial.endpoint`: its own UNIX socket when the binary binds one)."""
     binary, model = Path(binary), Path(model)
     key = secrets.token_hex(16)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="mtpwrap-smoke-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mtpwrap-smoke-") as tmp, \
+            contextlib.ExitStack() as stack:
         log = Path(tmp) / "server.log"
         try:
-            port = proc.free_loopback_port()
+            caps = probe.probe(binary)
+            where = stack.enter_context(trial.endpoint(caps))
             with log.open("wb") as out:
-                server = proc.start(argv(binary, model, port, gpu),
+                server = proc.start(argv(binary, model, where, gpu, caps),
                                     env=proc.child_env({"LLAMA_API_KEY": key}), stdout=out,
                                     stderr=proc.STDOUT, what="llama-server (smoke test)")
         except (OSError, MtpwrapError) as exc:
             return SmokeResult("failed", f"could not start {binary}: {exc}", model=str(model))
         try:
-            result = _try(server, f"http://127.0.0.1:{port}", key, timeout)
+            result = _try(server, where, key, timeout)
         finally:
             server.stop(grace=5.0)
         if result is None:

@@ -13,34 +13,37 @@ draft is accepted, so drafting certainly happens), asks once without the field a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mtpwrap import proc
+from mtpwrap.build import trial
 from mtpwrap.build.probe import probe as probe_help
 from mtpwrap.decide import launch
 from mtpwrap.errors import MtpwrapError
+
+if TYPE_CHECKING:
+    import httpx
+
+    from mtpwrap.decide.launch import LaunchConfig
 
 PROMPT = ("Article 1 (Purpose) The purpose of this Act is to protect the rights of tenants. "
           "Article 2 (Definitions) In this Act,")
 N_PREDICT = 24
 
 
-def argv(binary: Path, model: Path, port: int, gpu: bool) -> list[str]:
+def launch_config(model: Path, gpu: bool) -> LaunchConfig:
     """One slot, a short context, the model drafting for itself."""
-    cfg = launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
-                       spec_type="draft-simple", depth=4, draft_model=str(model),
-                       why="draft-depth probe")
-    return launch.render(cfg, probe_help(binary), binary=binary, port=port).argv
+    return launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
+                        spec_type="draft-simple", depth=4, draft_model=str(model),
+                        why="draft-depth probe")
 
 
-def draft_counts(base_url: str, extra: dict[str, Any], timeout: float = 120.0
+def draft_counts(client: httpx.Client, extra: dict[str, Any], timeout: float = 120.0
                  ) -> tuple[int, int]:
-    """(timings.draft_n, timings.predicted_n) of one greedy /completion with `extra` merged in."""
-    import httpx
-
+    """(timings.draft_n, timings.predicted_n) of one greedy /completion with `extra` merged in,
+    asked through `client` (the one upstream client, bound to the server)."""
     body = {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0.0,
             "cache_prompt": False, **extra}
-    r = httpx.post(base_url + "/completion", json=body, timeout=timeout, trust_env=False)
+    r = client.post("/completion", json=body, timeout=timeout)
     r.raise_for_status()
     timings = r.json().get("timings") or {}
     return int(timings.get("draft_n", 0)), int(timings.get("predicted_n", 0))
@@ -56,13 +59,12 @@ def probe(binary: Path, model: Path, *, gpu: bool = False, timeout: float = 180.
           ) -> dict[str, Any]:
     """{"status": honoured | ignored | unknown, "detail": one sentence, "draft_n": {...}};
     never raises for the binary's own failures."""
-    port = proc.free_loopback_port()
-    base = f"http://127.0.0.1:{port}"
     try:
-        with proc.running_server(argv(binary, model, port, gpu), base_url=base,
-                                 timeout=timeout, what="llama-server (draft-depth probe)"):
-            default, _ = draft_counts(base, {})
-            zero, _ = draft_counts(base, {"speculative.n_max": 0})
+        with trial.running(launch_config(model, gpu), probe_help(binary), binary=binary,
+                           timeout=timeout, what="llama-server (draft-depth probe)") as srv, \
+                srv.client(timeout=120.0) as client:
+            default, _ = draft_counts(client, {})
+            zero, _ = draft_counts(client, {"speculative.n_max": 0})
     except (MtpwrapError, OSError, ValueError) as exc:
         return {"status": "unknown", "detail": f"the probe could not run: {exc}"}
     except Exception as exc:

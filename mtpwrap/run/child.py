@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import upstream
 from mtpwrap.build.smoke import judge_completion
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
-from mtpwrap.run import upstream
 
 log = logging.getLogger("mtpwrap.supervisor")
 child_log = logging.getLogger("mtpwrap.child")

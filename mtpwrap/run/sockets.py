@@ -18,9 +18,7 @@ from pathlib import Path
 from mtpwrap import paths
 from mtpwrap.decide.endpoint import SOCKET_NAME
 from mtpwrap.errors import RuntimeFailure
-
-#: bytes of a path in `struct sockaddr_un` on Linux (108 with the terminating NUL)
-SUN_PATH_MAX = 107
+from mtpwrap.upstream import SUN_PATH_MAX, fits
 
 
 @dataclass(frozen=True)
@@ -29,10 +27,6 @@ class SocketPlace:
 
     path: Path
     why: str
-
-
-def _fits(path: Path) -> bool:
-    return len(os.fsencode(str(path))) <= SUN_PATH_MAX
 
 
 def socket_place(env: Mapping[str, str] | None = None) -> SocketPlace:
@@ -45,7 +39,7 @@ def socket_place(env: Mapping[str, str] | None = None) -> SocketPlace:
         wanted, where = Path(runtime) / SOCKET_NAME, "systemd's RuntimeDirectory"
     else:
         wanted, where = paths.home() / "run" / SOCKET_NAME, "under MTPWRAP_HOME"
-    if _fits(wanted):
+    if fits(wanted):
         return SocketPlace(wanted, f"{wanted.parent}, {where}")
     uid = os.getuid()
     user_run = Path(f"/run/user/{uid}")

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from mtpwrap.run.upstream import KEEPALIVE_EXPIRY_S
+from mtpwrap.upstream import KEEPALIVE_EXPIRY_S
 
 if TYPE_CHECKING:
     from mtpwrap.run.state import Upstream

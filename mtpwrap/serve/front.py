@@ -36,7 +36,6 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.state import SupervisorPort
-from mtpwrap.run.upstream import UpstreamClients
 from mtpwrap.serve import depth_policy, ops
 from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
@@ -47,6 +46,7 @@ from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.relay import Exchange, Relay, relay_wire
 from mtpwrap.serve.replies import ASGIApp, Receive, Replies, Scope, Send, declares_body
+from mtpwrap.upstream import UpstreamClients
 
 if TYPE_CHECKING:
     import uvicorn

@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
+from mtpwrap import upstream
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
-from mtpwrap.run import upstream
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 
 
@@ -200,9 +200,9 @@ class LlamaChild:
         argv = launch.render(cfg, probe(self.binary), binary=self.binary,
                              endpoint=self.endpoint, extra=self.extra).argv
         # the key travels in the environment, not argv
-        self.server = start_server(argv, base_url=self.base_url, timeout=timeout,
-                                   env={"LLAMA_API_KEY": self.api_key}, log_path=self.log_path,
-                                   client=upstream.client(self.socket, timeout=2.0))
+        self.server = start_server(argv, base_url=self.base_url, socket=self.socket,
+                                   timeout=timeout, env={"LLAMA_API_KEY": self.api_key},
+                                   log_path=self.log_path)
         self.proc = self.server.proc
         return self
 

@@ -1,7 +1,12 @@
-"""The one way to talk to a supervised llama-server: an httpx client bound to where it listens
-(its UNIX socket, or loopback TCP), with its internal key. The child's probes, slot save and
-restore, the metrics scrape, the front's relay, the benchmarks and the tests all take their
-client from here, so nothing else needs to know a port or a socket path.
+"""The one way to talk to llama-server: an httpx client bound to where it listens (its UNIX
+socket, or loopback TCP), with its internal key. The supervised child's probes, slot save and
+restore, the metrics scrape, the build's smoke test and probes, the readiness wait of every
+server `mtpwrap.proc` starts, the benchmarks and the tests all take their client from here, so
+nothing else needs to know a port or a socket path. (The front's relay reads llama-server over
+its own wire, `mtpwrap.run.wire`, with the same keep-alive expiry.)
+
+Also the rule for a socket's path (`SUN_PATH_MAX`, `fits`) and a fresh private directory for
+the socket of a temporary server (`private_socket_dir`).
 
 Connections are kept and reused. cpp-httplib, llama-server's HTTP layer, closes a connection
 that has been idle for `CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND` (5 s) — the very value of httpx's
@@ -18,15 +23,46 @@ httpx is imported inside the functions: `mtpwrap --help` does not pay for it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import httpx
 
-    from mtpwrap.run.state import Upstream
-
 #: an idle connection is dropped after this long, well inside cpp-httplib's 5 s
 KEEPALIVE_EXPIRY_S = 2.0
+
+#: bytes of a path in `struct sockaddr_un` on Linux (108 with the terminating NUL)
+SUN_PATH_MAX = 107
+
+
+class Upstream(Protocol):
+    """Where a llama-server listens, as a supervisor reports it (`mtpwrap.run.state.Upstream`)."""
+
+    @property
+    def base_url(self) -> str: ...
+    @property
+    def api_key(self) -> str: ...
+    @property
+    def socket(self) -> str | None: ...
+
+
+def fits(path: Path | str) -> bool:
+    """Whether `path` is short enough to bind a UNIX socket at."""
+    return len(os.fsencode(str(path))) <= SUN_PATH_MAX
+
+
+def private_socket_dir(name: str) -> Path:
+    """A fresh directory only this user can enter (mkdtemp makes it 0700), for a temporary
+    llama-server's socket called `name`: under the temporary folder, or under /tmp when that
+    folder's path leaves no room for the socket. The caller removes it."""
+    base = tempfile.gettempdir()
+    # mkdtemp's own part: "mtpwrap-" and eight random characters
+    if not fits(Path(base) / ("mtpwrap-" + "x" * 8) / name):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="mtpwrap-", dir=base))
 
 
 def _limits(max_connections: int | None, keepalive: bool) -> httpx.Limits:

@@ -1,0 +1,152 @@
+"""The build's temporary llama-servers (the smoke test, the draft-depth probe, the buffer
+measurement) listen where the supervised one does: on their own UNIX socket in a fresh 0700
+directory when the binary can bind one — no TCP port open while they run, read from the running
+process — and on loopback TCP for a binary whose --help names no socket; the directory is gone
+afterwards."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from mtpwrap.build import calibrate, smoke, spec_probe, trial
+from mtpwrap.decide.capabilities import Capabilities
+from mtpwrap.decide.endpoint import SOCKET_NAME
+from mtpwrap.decide.planner import PlanConfig
+from tests.helpers import DATA, without_socket_help
+
+
+@dataclass
+class Seen:
+    """What the temporary servers started under `watch` listened on while they ran."""
+
+    pids: set[int] = field(default_factory=set)
+    tcp: set[tuple[str, int]] = field(default_factory=set)
+    #: socket path -> the mode of its directory, as seen while the server ran
+    unix: dict[str, int] = field(default_factory=dict)
+
+
+def _look(seen: Seen) -> None:
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if not child.name().startswith("llama-server"):
+                continue
+            seen.pids.add(child.pid)
+            for c in child.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN:
+                    seen.tcp.add((c.laddr.ip, c.laddr.port))
+            for c in child.net_connections(kind="unix"):
+                if c.laddr and c.laddr not in seen.unix:
+                    seen.unix[c.laddr] = stat.S_IMODE(os.stat(Path(c.laddr).parent).st_mode)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
+            continue
+
+
+def watch(fn: Callable[[], Any]) -> tuple[Any, Seen]:
+    """Run fn in a thread; meanwhile read the listening sockets of every llama-server this
+    process started, every 20 ms."""
+    seen, out = Seen(), {}
+
+    def body() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:  # re-raised below
+            out["error"] = exc
+
+    t = threading.Thread(target=body)
+    t.start()
+    while t.is_alive():
+        _look(seen)
+        time.sleep(0.02)
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"], seen
+
+
+def _assert_own_socket_only(seen: Seen) -> None:
+    assert seen.pids, "no llama-server was seen running"
+    assert seen.tcp == set(), f"a temporary llama-server listened on TCP: {seen.tcp}"
+    assert len(seen.unix) == 1, seen.unix
+    path, mode = next(iter(seen.unix.items()))
+    assert Path(path).name == SOCKET_NAME and mode == 0o700, (path, oct(mode))
+    assert len(os.fsencode(path)) <= 107
+    assert not Path(path).parent.exists(), "the socket's directory was left behind"
+
+
+@pytest.fixture(scope="module")
+def no_socket_binary(llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real llama-server behind a script whose --help is that of a llama-server from
+    before socket support; everything else reaches the real binary."""
+    import subprocess
+
+    d = tmp_path_factory.mktemp("old-server")
+    real_help = subprocess.run([str(llama_server_bin), "--help"], capture_output=True,
+                               text=True, timeout=60, check=True).stdout
+    (d / "help.txt").write_text(without_socket_help(real_help))
+    script = d / "llama-server"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = "--help" ]; then cat "{d}/help.txt"; exit 0; fi\n'
+                      f'exec "{llama_server_bin}" "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.integration
+def test_the_smoke_test_of_a_socket_capable_binary_opens_no_tcp_port(
+        llama_server_bin: Path, demo_model: Path) -> None:
+    result, seen = watch(lambda: smoke.run(llama_server_bin, demo_model))
+    assert result.passed and result.tokens > 0, result
+    _assert_own_socket_only(seen)
+    assert any("listening on unix://" in ln for ln in result.log_tail), result.log_tail
+
+
+@pytest.mark.integration
+def test_the_smoke_test_of_a_binary_without_socket_support_uses_loopback_tcp(
+        no_socket_binary: Path, demo_model: Path) -> None:
+    result, seen = watch(lambda: smoke.run(no_socket_binary, demo_model))
+    assert result.passed and result.tokens > 0, result
+    assert seen.pids and seen.unix == {}, seen
+    assert len(seen.tcp) == 1 and next(iter(seen.tcp))[0] == "127.0.0.1", seen.tcp
+
+
+@pytest.mark.integration
+def test_the_draft_depth_probe_opens_no_tcp_port(llama_server_bin: Path,
+                                                  demo_model: Path) -> None:
+    result, seen = watch(lambda: spec_probe.probe(llama_server_bin, demo_model))
+    # it talked to the server: the model drafting for itself drafts without the field
+    assert result["status"] in ("honoured", "ignored"), result
+    assert result["draft_n"]["default"] > 0
+    _assert_own_socket_only(seen)
+
+
+@pytest.mark.integration
+def test_the_buffer_measurement_opens_no_tcp_port(llama_server_bin: Path, demo_model: Path
+                                                  ) -> None:
+    cfg = PlanConfig(backend="cpu", n_ctx=1024, type_k="f16", type_v="f16", cpu_repack=False)
+    (alloc, log), seen = watch(lambda: calibrate.measure_server(llama_server_bin, demo_model,
+                                                                  cfg))
+    assert alloc.kv_total > 0 and "listening on unix://" in log
+    _assert_own_socket_only(seen)
+
+
+def test_a_binary_without_socket_support_gets_a_free_loopback_port() -> None:
+    text = (DATA / "help" / "upstream-0c1e570.txt").read_text()
+    old = Capabilities.from_help(without_socket_help(text), binary=Path("old-llama-server"))
+    with trial.endpoint(old) as ep:
+        assert ep.socket is None and ep.host == "127.0.0.1" and ep.port
+        assert "cannot bind a UNIX socket" in ep.why
+    new = Capabilities.from_help(text, binary=Path("llama-server"))
+    with trial.endpoint(new) as ep:
+        assert ep.socket is not None and ep.port is None
+        folder = Path(ep.socket).parent
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert not folder.exists()
