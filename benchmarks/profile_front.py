@@ -1,4 +1,5 @@
-"""Where the front's CPU time goes under streaming load: cProfile of the front process.
+"""Where the front's CPU time goes under streaming load: cProfile of the front process, and
+its CPU per relayed chunk next to nginx's and HAProxy's on the same upstream.
 
 The front runs as `mtpwrap up` serves it (benchmarks/proxy_overhead.py `_front`, uvicorn with
 the front's own connection layer) over the synthetic SSE upstream, under cProfile; this process
@@ -6,8 +7,15 @@ sends streamed chat requests at each concurrency, stops the front with SIGINT (a
 exit, so cProfile writes its file) and prints the functions with the most own time and the
 front's CPU time per relayed chunk.
 
-    python benchmarks/profile_front.py [--levels 8,32] [--requests 96] [--top 25] [--cpu-only]
-                                       [--upstream unix|tcp]
+`--cpu-only`: no cProfile; the front, nginx and HAProxy (as proxy_overhead.py configures them,
+each skipped when not installed) relay the same load in turn, `--rounds` times interleaved, and
+each one's CPU time per relayed chunk (user + system of all its processes, from psutil) is
+printed side by side: on this machine a wake-up from idle alone costs tens of µs of CPU, so the
+proxies written in C say what the kernel and the machine take, and the front's excess over them
+is its own.
+
+    python benchmarks/profile_front.py [--levels 8,32] [--requests 96] [--top 25]
+                                       [--cpu-only [--rounds 3]] [--upstream unix|tcp]
 
 BENCH_UVICORN_HTTP=h11 and BENCH_UVICORN_LOOP=uvloop|asyncio measure the alternatives.
 """
@@ -20,26 +28,27 @@ import io
 import os
 import pstats
 import signal
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
 
 
 def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int,
-                  interval_ms: float, profile: bool = True) -> None:
+                  interval_ms: float) -> None:
     out = Path(tempfile.mkdtemp(prefix="front-profile-")) / f"c{concurrency}.prof"
     port = po.free_port()
-    prof = ["-m", "cProfile", "-o", str(out)] if profile else []
+    prof = ["-m", "cProfile", "-o", str(out)]
     front = po.spawn([po.PY, *prof, po.__file__, "_front", upstream.arg, str(port),
                       str(concurrency)])
     url = f"http://127.0.0.1:{port}"
     po.wait_http(url + "/livez", 60)
-    body = {"model": "x", "stream": True, "max_tokens": 100,
-            "messages": [{"role": "user", "content": "hi"}]}
+    body = _BODY
     asyncio.run(po.run_load(url + "/v1/chat/completions", min(concurrency, 4), 1, body))
     cpu0 = _cpu_seconds(front.pid)
     t0 = time.perf_counter()
@@ -51,12 +60,10 @@ def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int
     front.wait(60)
     setup = ", ".join(f"{k}={os.environ[k]}" for k in ("BENCH_UVICORN_HTTP", "BENCH_UVICORN_LOOP")
                       if os.environ.get(k)) or "as `mtpwrap up` serves it"
-    print(f"\n== c={concurrency} ({setup}{', under cProfile' if profile else ''}): {res.ok} "
+    print(f"\n== c={concurrency} ({setup}, under cProfile): {res.ok} "
           f"streams, {res.tokens} chunks in {wall:.1f} s; front CPU {cpu:.2f} s = "
           f"{cpu / max(1, res.tokens) * 1e6:.0f} µs per chunk ({cpu / wall * 100:.0f}% of one "
           f"core); upstream {interval_ms:g} ms/chunk ==")
-    if not profile:
-        return
     text = io.StringIO()
     stats = pstats.Stats(str(out), stream=text)
     stats.sort_stats("tottime").print_stats(top)
@@ -67,10 +74,58 @@ def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int
 
 
 def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its children (nginx's workers, say)."""
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return float(t.user + t.system)
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+_BODY = {"model": "x", "stream": True, "max_tokens": 100,
+         "messages": [{"role": "user", "content": "hi"}]}
+
+
+def side_by_side(upstream: po.Target, levels: list[int], requests: int, rounds: int,
+                 interval_ms: float) -> None:
+    """CPU per relayed chunk of the front, nginx and HAProxy on the same load, interleaved."""
+    work = Path(tempfile.mkdtemp(prefix="front-cpu-"))
+    procs: list[Any] = []
+    paths: dict[str, tuple[Any, str]] = {}
+    try:
+        for name, starter in (("nginx", po.start_nginx), ("haproxy", po.start_haproxy)):
+            started = starter(upstream, work / name)
+            if started is not None:
+                procs.append(started[0])
+                paths[name] = started
+        front, url = po.start_front(upstream, max(levels))
+        procs.append(front)
+        paths["mtpwrap"] = (front, url)
+        names = list(paths)
+        print(f"\n== CPU per relayed chunk, µs: median (min-max) of {rounds} interleaved rounds; "
+              f"synthetic upstream {interval_ms:g} ms/chunk on {upstream.socket or 'TCP'} ==")
+        print("conc " + "".join(f"{n:>22}" for n in names) + "   mtpwrap vs nginx")
+        for c in levels:
+            got: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    p, base = paths[name]
+                    target = base + "/v1/chat/completions"
+                    asyncio.run(po.run_load(target, min(c, 4), 1, _BODY))  # warm
+                    cpu0 = _cpu_seconds(p.pid)
+                    res = asyncio.run(po.run_load(target, c, max(1, requests // c), _BODY))
+                    got[name].append((_cpu_seconds(p.pid) - cpu0) / max(1, res.tokens) * 1e6)
+            cells = "".join(f"{statistics.median(v):>8.0f} ({min(v):4.0f}-{max(v):4.0f})    "
+                            for v in got.values())
+            ratio = (f"{statistics.median(got['mtpwrap']) / statistics.median(got['nginx']):.1f}×"
+                     if "nginx" in got else "n/a")
+            print(f"{c:>4} {cells}{ratio:>8}", flush=True)
+    finally:
+        for p in reversed(procs):
+            po.stop(p)
 
 
 def main() -> None:
@@ -80,7 +135,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--cpu-only", action="store_true",
-                    help="no cProfile: only the front's CPU time per chunk")
+                    help="no cProfile: the CPU per chunk of the front, nginx and HAProxy")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --cpu-only: interleaved rounds per level")
     ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
                     help="where the synthetic upstream listens (default: a UNIX socket)")
     args = ap.parse_args()
@@ -90,9 +147,11 @@ def main() -> None:
                          str(args.interval_ms / 1000)])
     try:
         po.wait_target(where, "/health", 30)
-        for c in (int(x) for x in args.levels.split(",")):
-            profile_level(where, c, args.requests, args.top, args.interval_ms,
-                          profile=not args.cpu_only)
+        levels = [int(x) for x in args.levels.split(",")]
+        if args.cpu_only:
+            side_by_side(where, levels, args.requests, args.rounds, args.interval_ms)
+        for c in levels if not args.cpu_only else []:
+            profile_level(where, c, args.requests, args.top, args.interval_ms)
     finally:
         po.stop(upstream)
 
