@@ -1,17 +1,20 @@
 """A slot saved by one llama-server and restored into a fresh one gives the same answer, without
 recomputing the prompt: for each KV type the CPU build offers, and for a hybrid (recurrent +
 attention) model with and without its MTP head. Every server runs through proc.running_server
-and is driven over HTTP, the way the supervisor drives it."""
+on its own UNIX socket and is driven over HTTP through the one upstream client, the way the
+supervisor drives it."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
-from mtpwrap.proc import free_loopback_port, running_server
+from mtpwrap.build import trial
+from mtpwrap.build.probe import probe
+from mtpwrap.proc import ServerProcess, running_server
 
 pytestmark = pytest.mark.integration
 
@@ -20,27 +23,32 @@ PROMPT = " ".join(f"Clause {i}: the party of part {i % 5} shall deliver item {i 
 SUFFIX = " Question: which clause names day 9?"
 
 
-def serve(binary: Path, model: Path, snaps: Path, log: Path, *extra: str) -> Any:
-    port = free_loopback_port()
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", "2048", "-np", "1", "-t", "2", "--no-webui", "--slot-save-path", str(snaps),
-            *extra]
-    return running_server(argv, base_url=f"http://127.0.0.1:{port}", log_path=log,
-                          timeout=120)
+@contextlib.contextmanager
+def serve(binary: Path, model: Path, snaps: Path, log: Path, *extra: str
+          ) -> Iterator[ServerProcess]:
+    """llama-server on its own UNIX socket, as every temporary server listens."""
+    with trial.endpoint(probe(binary)) as ep:
+        assert ep.socket is not None
+        argv = [str(binary), "-m", str(model), "--host", ep.socket, "-c", "2048", "-np", "1",
+                "-t", "2", "--no-webui", "--slot-save-path", str(snaps), *extra]
+        with running_server(argv, base_url=ep.base_url, socket=ep.socket, log_path=log,
+                            timeout=120) as srv:
+            yield srv
 
 
-def complete(base: str, prompt: str, n: int = 8) -> dict:
-    r = httpx.post(f"{base}/completion", timeout=300, json={
-        "prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True})
+def complete(srv: ServerProcess, prompt: str, n: int = 8) -> dict:
+    with srv.client(timeout=300) as c:
+        r = c.post("/completion", json={
+            "prompt": prompt, "n_predict": n, "temperature": 0, "cache_prompt": True})
     assert r.status_code == 200, r.text
-    return r.json()
+    return dict(r.json())
 
 
-def slot(base: str, action: str, name: str) -> dict:
-    r = httpx.post(f"{base}/slots/0", params={"action": action}, json={"filename": name},
-                   timeout=300)
+def slot(srv: ServerProcess, action: str, name: str) -> dict:
+    with srv.client(timeout=300) as c:
+        r = c.post("/slots/0", params={"action": action}, json={"filename": name})
     assert r.status_code == 200, r.text
-    return r.json()
+    return dict(r.json())
 
 
 def round_trip(binary: Path, model: Path, tmp: Path, *extra: str) -> tuple[dict, dict, dict]:
@@ -48,14 +56,14 @@ def round_trip(binary: Path, model: Path, tmp: Path, *extra: str) -> tuple[dict,
     snaps = tmp / "snaps"
     snaps.mkdir(exist_ok=True)
     with serve(binary, model, snaps, tmp / "a.log", *extra) as a:
-        first = complete(a.base_url, PROMPT, 1)
-        saved = slot(a.base_url, "save", "s.bin")
-        warm_before = complete(a.base_url, PROMPT + SUFFIX)
+        first = complete(a, PROMPT, 1)
+        saved = slot(a, "save", "s.bin")
+        warm_before = complete(a, PROMPT + SUFFIX)
     assert saved["n_saved"] >= first["timings"]["prompt_n"]
     with serve(binary, model, snaps, tmp / "b.log", *extra) as b:
-        restored = slot(b.base_url, "restore", "s.bin")
+        restored = slot(b, "restore", "s.bin")
         assert restored["n_restored"] == saved["n_saved"]
-        after = complete(b.base_url, PROMPT + SUFFIX)
+        after = complete(b, PROMPT + SUFFIX)
     assert after["content"] == warm_before["content"]
     assert after["timings"]["prompt_n"] <= warm_before["timings"]["prompt_n"] + 1
     assert after["timings"]["prompt_n"] < 0.1 * first["timings"]["prompt_n"]

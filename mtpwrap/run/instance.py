@@ -119,6 +119,7 @@ def instance_report() -> dict[str, Any]:
     import httpx
 
     try:
+        # the front's own public /livez, not llama-server: no upstream client here
         responding = httpx.get(f"{data.get('url')}/livez", timeout=1.0,
                                trust_env=False).status_code == 200
     except httpx.HTTPError:
