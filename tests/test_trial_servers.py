@@ -186,3 +186,26 @@ def test_a_benchmark_server_listens_on_its_own_socket_unless_given_by_url(
         assert tcp == [("127.0.0.1", int(srv.base_url.rsplit(":", 1)[1]))]
     finally:
         srv.stop()
+
+
+def test_a_temporary_folder_too_deep_for_a_socket_moves_it_under_tmp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from mtpwrap import upstream
+
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    folder = upstream.private_socket_dir(SOCKET_NAME)
+    try:
+        assert folder.parent == Path("/tmp") and upstream.fits(folder / SOCKET_NAME)
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    finally:
+        folder.rmdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = upstream.private_socket_dir(SOCKET_NAME)
+    try:
+        assert folder.parent == tmp_path  # short enough: the temporary folder itself
+    finally:
+        folder.rmdir()
