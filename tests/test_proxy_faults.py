@@ -161,6 +161,7 @@ def test_no_retry_once_the_body_was_sent(fake):
         assert r.json()["error"]["type"] == "unavailable_error"
         time.sleep(0.2)
         assert len(fake.seen) == 1
+        assert metric(srv.url, "mtpwrap_upstream_errors_total", kind="disconnected") == 1
 
 
 def test_refused_connect_is_retried_once(fake):
@@ -244,6 +245,7 @@ def test_cut_stream_ends_with_an_error_event_never_done(fake, mode):
         assert last["error"]["code"] == 502
         assert sum(1 for e in events if "tok" in e) == 3
         assert r.content.endswith(b"\n\n")
+        assert metric(srv.url, "mtpwrap_upstream_errors_total", kind="disconnected") == 1
 
 
 # --------------------------------------------------------------------------- 4: stalls

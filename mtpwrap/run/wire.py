@@ -1,7 +1,7 @@
 """The relay's wire to llama-server: HTTP/1.1 over asyncio streams, answers parsed by llhttp
 (httptools, the parser uvicorn serves the front with), idle connections kept per place.
 
-Why not the httpx client of `mtpwrap.run.upstream` for the relay: every relayed chunk went
+Why not the httpx client of `mtpwrap.upstream` for the relay: every relayed chunk went
 through httpx → httpcore → h11 → anyio (a cancel scope, a timeout and several context managers
 per read), which cost the front about three times the CPU per chunk of this path on the same
 machine (docs/measurements/2026-12-01-socket-relay.md). Here one chunk is one `read` of the
