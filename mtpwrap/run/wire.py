@@ -4,7 +4,7 @@
 Why not the httpx client of `mtpwrap.upstream` for the relay: every relayed chunk went
 through httpx → httpcore → h11 → anyio (a cancel scope, a timeout and several context managers
 per read), which cost the front about three times the CPU per chunk of this path on the same
-machine (docs/measurements/2026-12-01-socket-relay.md). Here one chunk is one `read` of the
+machine (docs/measurements/2026-12-01-relay-wire.md). Here one chunk is one `read` of the
 stream, one `feed_data` into llhttp and the body handed over as it came; what arrived together
 is handed over together, so a busy machine writes fewer, larger chunks. Everything that is not
 the relay (probes, slots, the metrics scrape) keeps the httpx client.
