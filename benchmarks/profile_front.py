@@ -94,30 +94,23 @@ def side_by_side(upstream: po.Target, levels: list[int], requests: int, rounds: 
     """CPU per relayed chunk of the front, nginx and HAProxy on the same load, interleaved."""
     work = Path(tempfile.mkdtemp(prefix="front-cpu-"))
     procs: list[Any] = []
-    paths: dict[str, tuple[Any, str]] = {}
+    pids: dict[str, int] = {}
     try:
-        for name, starter in (("nginx", po.start_nginx), ("haproxy", po.start_haproxy)):
-            started = starter(upstream, work / name)
-            if started is not None:
-                procs.append(started[0])
-                paths[name] = started
-        front, url = po.start_front(upstream, max(levels))
-        procs.append(front)
-        paths["mtpwrap"] = (front, url)
-        names = list(paths)
+        urls = po.start_paths(upstream, max(levels), work, procs, pids)
+        names = list(pids)
         print(f"\n== CPU per relayed chunk, µs: median (min-max) of {rounds} interleaved rounds; "
               f"synthetic upstream {interval_ms:g} ms/chunk on {upstream.socket or 'TCP'} ==")
         print("conc " + "".join(f"{n:>22}" for n in names) + "   mtpwrap vs nginx")
         for c in levels:
             got: dict[str, list[float]] = {n: [] for n in names}
             for r in range(rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    p, base = paths[name]
-                    target = base + "/v1/chat/completions"
+                for name in po.rotated(names, r):
+                    target = urls[name][0] + "/v1/chat/completions"
                     asyncio.run(po.run_load(target, min(c, 4), 1, _BODY))  # warm
-                    cpu0 = _cpu_seconds(p.pid)
+                    cpu0 = _cpu_seconds(pids[name])
                     res = asyncio.run(po.run_load(target, c, max(1, requests // c), _BODY))
-                    got[name].append((_cpu_seconds(p.pid) - cpu0) / max(1, res.tokens) * 1e6)
+                    got[name].append((_cpu_seconds(pids[name]) - cpu0) / max(1, res.tokens)
+                                     * 1e6)
             cells = "".join(f"{statistics.median(v):>8.0f} ({min(v):4.0f}-{max(v):4.0f})    "
                             for v in got.values())
             ratio = (f"{statistics.median(got['mtpwrap']) / statistics.median(got['nginx']):.1f}×"

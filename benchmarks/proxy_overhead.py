@@ -333,8 +333,7 @@ def compare(name: str, urls: dict[str, tuple[str, str | None]], levels: list[int
             asyncio.run(run_load(urls[p][0], min(c, 4), 1, body, _headers(p), urls[p][1]))
         runs: dict[str, list[dict]] = {p: [] for p in paths}
         for r in range(rounds):
-            order = paths[r % len(paths):] + paths[:r % len(paths)]
-            for p in order:
+            for p in rotated(paths, r):
                 runs[p].append(summary(asyncio.run(
                     run_load(urls[p][0], c, n, body, _headers(p), urls[p][1]))))
         med = {p: {k: _med([x[k] for x in runs[p]]) for k in
@@ -455,19 +454,30 @@ backend b
     return p, f"http://127.0.0.1:{port}"
 
 
-def start_paths(upstream: Target, concurrency: int, work: Path, procs: list
-                ) -> dict[str, tuple[str, str | None]]:
-    """Each path's base URL and the socket it is reached on (None: its URL's port)."""
+def start_paths(upstream: Target, concurrency: int, work: Path, procs: list,
+                pids: dict[str, int] | None = None) -> dict[str, tuple[str, str | None]]:
+    """Each path's base URL and the socket it is reached on (None: its URL's port); the
+    processes started go to `procs`, and each proxy's pid to `pids` when given."""
     urls: dict[str, tuple[str, str | None]] = {"direct": (upstream.base_url, upstream.socket)}
     for name, starter in (("nginx", start_nginx), ("haproxy", start_haproxy)):
         started = starter(upstream, work / name)
         if started is not None:
             procs.append(started[0])
             urls[name] = (started[1], None)
+            if pids is not None:
+                pids[name] = started[0].pid
     front, furl = start_front(upstream, concurrency)
     procs.append(front)
     urls["mtpwrap"] = (furl, None)
+    if pids is not None:
+        pids["mtpwrap"] = front.pid
     return urls
+
+
+def rotated(paths: list[str], round_: int) -> list[str]:
+    """The order of round `round_`: every path once, starting one further each round."""
+    k = round_ % len(paths)
+    return paths[k:] + paths[:k]
 
 
 def llama_paths() -> tuple[Path, Path]:

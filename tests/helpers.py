@@ -258,3 +258,14 @@ def without_socket_help(help_text: str) -> str:
     start = next(i for i, ln in enumerate(lines) if ln.startswith("--host HOST"))
     end = next(i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("(env:"))
     return "".join(lines[:start]) + NO_SOCKET_HOST + "".join(lines[end + 1:])
+
+
+def listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
+    """What process `pid` listens on now: its TCP (ip, port) listeners and its UNIX socket
+    paths."""
+    import psutil
+
+    p = psutil.Process(pid)
+    return ([(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
+             if c.status == psutil.CONN_LISTEN],
+            [c.laddr for c in p.net_connections(kind="unix") if c.laddr])

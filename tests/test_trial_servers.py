@@ -22,7 +22,7 @@ from mtpwrap.build import calibrate, smoke, spec_probe, trial
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import SOCKET_NAME
 from mtpwrap.decide.planner import PlanConfig
-from tests.helpers import DATA, without_socket_help
+from tests.helpers import DATA, listening, without_socket_help
 
 
 @dataclass
@@ -41,12 +41,11 @@ def _look(seen: Seen) -> None:
             if not child.name().startswith("llama-server"):
                 continue
             seen.pids.add(child.pid)
-            for c in child.net_connections(kind="inet"):
-                if c.status == psutil.CONN_LISTEN:
-                    seen.tcp.add((c.laddr.ip, c.laddr.port))
-            for c in child.net_connections(kind="unix"):
-                if c.laddr and c.laddr not in seen.unix:
-                    seen.unix[c.laddr] = stat.S_IMODE(os.stat(Path(c.laddr).parent).st_mode)
+            tcp, unix = listening(child.pid)
+            seen.tcp.update(tcp)
+            for path in unix:
+                if path not in seen.unix:
+                    seen.unix[path] = stat.S_IMODE(os.stat(Path(path).parent).st_mode)
         except (psutil.NoSuchProcess, psutil.AccessDenied, FileNotFoundError):
             continue
 
@@ -152,13 +151,6 @@ def test_a_binary_without_socket_support_gets_a_free_loopback_port() -> None:
     assert not folder.exists()
 
 
-def _listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
-    p = psutil.Process(pid)
-    return ([(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
-             if c.status == psutil.CONN_LISTEN],
-            [c.laddr for c in p.net_connections(kind="unix") if c.laddr])
-
-
 @pytest.mark.integration
 def test_a_benchmark_server_listens_on_its_own_socket_unless_given_by_url(
         llama_server_bin: Path, demo_model: Path, tmp_path: Path) -> None:
@@ -167,7 +159,7 @@ def test_a_benchmark_server_listens_on_its_own_socket_unless_given_by_url(
     srv = launch_config(BenchConfig("tokenize"), binary=llama_server_bin, model=demo_model,
                         ctx_size=512, threads=1, log_path=tmp_path / "unix.log")
     try:
-        tcp, unix = _listening(srv.pid)
+        tcp, unix = listening(srv.pid)
         assert tcp == [] and unix == [srv.socket], (tcp, unix)
         client = Client.of(srv)
         try:
@@ -181,7 +173,7 @@ def test_a_benchmark_server_listens_on_its_own_socket_unless_given_by_url(
     srv = launch_config(BenchConfig("tokenize"), binary=llama_server_bin, model=demo_model,
                         ctx_size=512, threads=1, log_path=tmp_path / "tcp.log", tcp=True)
     try:
-        tcp, unix = _listening(srv.pid)
+        tcp, unix = listening(srv.pid)
         assert srv.socket is None and unix == []
         assert tcp == [("127.0.0.1", int(srv.base_url.rsplit(":", 1)[1]))]
     finally:

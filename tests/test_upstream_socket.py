@@ -21,7 +21,7 @@ from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket, listen_on
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.run import sockets
-from tests.helpers import DATA, without_socket_help
+from tests.helpers import DATA, listening, without_socket_help
 
 HELP = DATA / "help"
 PLAIN = launch.plain("m.gguf", context=512, why="test")
@@ -115,13 +115,6 @@ def _uid_nobody() -> int:
         return 65534
 
 
-def _tcp_listening(pid: int) -> list[object]:
-    import psutil
-
-    return [c for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN]
-
-
 async def _wait_state(sup, want, timeout: float = 120.0) -> None:
     import asyncio
 
@@ -160,7 +153,7 @@ def test_real_llama_server_listens_on_a_socket_only_this_user_opens(
             await _wait_state(sup, "ready")
             st = sup.status()
             assert st.upstream is not None and st.upstream.socket == str(sock)
-            assert st.pid is not None and _tcp_listening(st.pid) == []
+            assert st.pid is not None and listening(st.pid)[0] == []
             assert stat.S_ISSOCK(sock.lstat().st_mode)
             assert stat.S_IMODE(sock.lstat().st_mode) == 0o600
             assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700

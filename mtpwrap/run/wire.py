@@ -143,7 +143,7 @@ class WireResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body (transfer coding removed) as it arrives: what one read brought, joined."""
-        answer, body, read = self._answer, self._answer.body, self._conn.reader.read
+        answer, body, reader = self._answer, self._answer.body, self._conn.reader
         while True:
             if body:
                 data = body[0] if len(body) == 1 else b"".join(body)
@@ -152,14 +152,7 @@ class WireResponse:
                 continue
             if answer.complete:
                 break
-            try:
-                data = await read(READ_SIZE)
-            except OSError as err:
-                raise Disconnected(f"the connection broke while the answer was read ({err})"
-                                   ) from err
-            if not data:
-                raise Disconnected("llama-server closed the connection before its answer ended")
-            _feed(answer.parser, data)
+            await _read_into(reader, answer, "before its answer ended")
         self._done = True
 
     async def read(self) -> bytes:
@@ -176,9 +169,16 @@ class WireResponse:
             conn.close()
 
 
-def _feed(parser: httptools.HttpResponseParser, data: bytes) -> None:
+async def _read_into(reader: asyncio.StreamReader, answer: _Answer, when: str) -> None:
+    """One read of the socket, fed to llhttp; an error or the connection's end says `when`."""
     try:
-        parser.feed_data(data)
+        data = await reader.read(READ_SIZE)
+    except OSError as err:
+        raise Disconnected(f"the connection broke {when} ({err})") from err
+    if not data:
+        raise Disconnected(f"llama-server closed the connection {when}")
+    try:
+        answer.parser.feed_data(data)
     except httptools.HttpParserError as err:
         raise BadResponse(f"llama-server's answer is not valid HTTP/1.1 ({err})") from err
 
@@ -224,13 +224,7 @@ class WirePool:
                                ) from err
         answer = _Answer()
         while not answer.head_done:
-            try:
-                data = await conn.reader.read(READ_SIZE)
-            except OSError as err:
-                raise Disconnected(f"the connection broke before an answer ({err})") from err
-            if not data:
-                raise Disconnected("llama-server closed the connection without an answer")
-            _feed(answer.parser, data)
+            await _read_into(conn.reader, answer, "without an answer")
         if method == "HEAD":  # llhttp does not know the request: no body follows a HEAD
             answer.complete, keep = True, False
         return WireResponse(self, place, conn, answer, keep)
