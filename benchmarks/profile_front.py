@@ -17,7 +17,7 @@ is its own.
     python benchmarks/profile_front.py [--levels 8,32] [--requests 96] [--top 25]
                                        [--cpu-only [--rounds 3]] [--upstream unix|tcp]
 
-BENCH_UVICORN_HTTP=h11 and BENCH_UVICORN_LOOP=uvloop|asyncio measure the alternatives.
+BENCH_UVICORN_HTTP=h11 and BENCH_EVENT_LOOP=uvloop|asyncio measure the alternatives.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int
     cpu = _cpu_seconds(front.pid) - cpu0
     os.kill(front.pid, signal.SIGINT)
     front.wait(60)
-    setup = ", ".join(f"{k}={os.environ[k]}" for k in ("BENCH_UVICORN_HTTP", "BENCH_UVICORN_LOOP")
+    setup = ", ".join(f"{k}={os.environ[k]}" for k in ("BENCH_UVICORN_HTTP", "BENCH_EVENT_LOOP")
                       if os.environ.get(k)) or "as `mtpwrap up` serves it"
     print(f"\n== c={concurrency} ({setup}, under cProfile): {res.ok} "
           f"streams, {res.tokens} chunks in {wall:.1f} s; front CPU {cpu:.2f} s = "

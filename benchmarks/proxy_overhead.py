@@ -195,6 +195,7 @@ def front_main(upstream: Target, port: int, concurrency: int) -> None:
     import uvicorn
 
     sys.path.insert(0, str(REPO))
+    from mtpwrap.serve import loop as event_loop
     from mtpwrap.serve.front import Front, ProxyConfig
     from mtpwrap.serve.info import ServeInfo
 
@@ -203,9 +204,8 @@ def front_main(upstream: Target, port: int, concurrency: int) -> None:
     kw = {}
     if os.environ.get("BENCH_UVICORN_HTTP"):
         kw["http"] = os.environ["BENCH_UVICORN_HTTP"]
-    if os.environ.get("BENCH_UVICORN_LOOP"):
-        kw["loop"] = os.environ["BENCH_UVICORN_LOOP"]
-    uvicorn.Server(front.server_config(host="127.0.0.1", port=port, **kw)).run()
+    server = uvicorn.Server(front.server_config(host="127.0.0.1", port=port, **kw))
+    event_loop.run(server.serve(), kind=os.environ.get("BENCH_EVENT_LOOP", "auto"))
 
 
 # ------------------------------------------------------------------------------- load

@@ -116,24 +116,31 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec function that makes the child die with mtpwrap (Linux), even on SIGKILL.
+def _child_setup(*, umask: int = -1, die_with_parent: bool = True) -> Callable[[], None] | None:
+    """The preexec function of a started process: its file-creation mask (unless `umask` is
+    -1) and, on Linux, death with mtpwrap even on SIGKILL; None when there is nothing to do.
 
-    The libc handle is resolved here, in the parent: after fork() only async-signal-safe work
-    is wise, so the child does one prctl call and one getppid check. PR_SET_PDEATHSIG fires
-    when the *thread* that forked exits: start long-lived processes from a thread that lives
-    as long as they should (the event loop's, or the main thread).
+    The mask is set here rather than through Popen's `umask=` because uvloop's subprocess_exec
+    has no such argument; one function serves both starts. The libc handle is resolved here,
+    in the parent: after fork() only async-signal-safe work is wise, so the child makes one
+    umask, one prctl and one getppid call. PR_SET_PDEATHSIG fires when the *thread* that forked
+    exits: start long-lived processes from a thread that lives as long as they should (the
+    event loop's, or the main thread).
     """
-    if not sys.platform.startswith("linux"):
+    linux = sys.platform.startswith("linux")
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if die_with_parent and linux else None
+    if prctl is None and umask == -1:
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        # mtpwrap may have died between fork() and prctl(): then nobody would signal us.
-        if os.getppid() != parent:
-            os._exit(1)
+        if umask != -1:
+            os.umask(umask)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            # mtpwrap may have died between fork() and prctl(): then nobody would signal us.
+            if os.getppid() != parent:
+                os._exit(1)
 
     return preexec
 
@@ -198,7 +205,7 @@ def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
         popen = subprocess.Popen(
             args, stdin=stdin, stdout=stdout, stderr=stderr, env=dict(env) if env else None,
             cwd=cwd, text=text, errors="replace" if text else None, start_new_session=True,
-            preexec_fn=_die_with_parent() if die_with_parent else None, umask=umask)
+            preexec_fn=_child_setup(umask=umask, die_with_parent=die_with_parent))
     except OSError as exc:
         raise _missing(args[0], exc) from exc
     return Process(popen, args, what or Path(args[0]).name)
@@ -228,12 +235,12 @@ def stop(popen: subprocess.Popen[Any], grace: float, *, what: str = "process") -
 async def start_async(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                       stdout: Stream = PIPE, stderr: Stream = STDOUT, umask: int = -1,
                       die_with_parent: bool = True) -> asyncio.subprocess.Process:
-    """`start` for the event loop: stdin from /dev/null, output to a pipe by default. OSError
-    (no such binary) is the caller's to report."""
+    """`start` for the event loop (asyncio's or uvloop's): stdin from /dev/null, output to a
+    pipe by default. OSError (no such binary) is the caller's to report."""
     return await asyncio.create_subprocess_exec(
         *[str(a) for a in argv], stdin=DEVNULL, stdout=stdout, stderr=stderr,
         env=dict(env) if env else None, start_new_session=True,
-        preexec_fn=_die_with_parent() if die_with_parent else None, umask=umask)
+        preexec_fn=_child_setup(umask=umask, die_with_parent=die_with_parent))
 
 
 async def stop_async(proc: asyncio.subprocess.Process, grace: float, *,

@@ -3,7 +3,6 @@ group, a command that runs past its timeout, a binary that is not there."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
@@ -18,6 +17,7 @@ import pytest
 
 from mtpwrap import proc
 from mtpwrap.errors import EXIT_RUNTIME, EXIT_UNAVAILABLE, RuntimeFailure
+from mtpwrap.serve import loop as event_loop
 
 #: A leader that prints its grandchild's pid, then waits. The grandchild ignores SIGTERM, so
 #: only a SIGKILL to the group ends it; `IGNORE=1` makes the leader ignore SIGTERM too.
@@ -87,7 +87,8 @@ def test_stop_kills_a_leader_that_ignores_sigterm(caplog: pytest.LogCaptureFixtu
         p.kill()
 
 
-def test_stop_async_is_the_same_policy() -> None:
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_stop_async_is_the_same_policy(kind: str) -> None:
     async def scenario(ignore: bool) -> tuple[int | None, int, float]:
         env = {**os.environ, "IGNORE": "1" if ignore else "0"}
         child = await proc.start_async([sys.executable, "-c", LEADER], env=env)
@@ -97,10 +98,36 @@ def test_stop_async_is_the_same_policy() -> None:
         rc = await proc.stop_async(child, 0.5)
         return rc, grandchild, time.monotonic() - t0
 
-    rc, grandchild, took = asyncio.run(scenario(ignore=True))
+    rc, grandchild, took = event_loop.run(scenario(ignore=True), kind=kind)
     assert rc == -signal.SIGKILL and 0.5 <= took < 3.0 and gone(grandchild)
-    rc, grandchild, took = asyncio.run(scenario(ignore=False))
+    rc, grandchild, took = event_loop.run(scenario(ignore=False), kind=kind)
     assert rc == 0 and took < 0.5 and gone(grandchild)
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_start_async_sets_the_mask_and_the_child_dies_with_its_parent(kind: str) -> None:
+    """What the supervisor asks of llama-server's start, on either event loop `up` may run."""
+    parent = (f"import sys; sys.path.insert(0, {str(Path(proc.__file__).parent.parent)!r})\n"
+              "import asyncio\n"
+              "from mtpwrap import proc\n"
+              "from mtpwrap.serve import loop\n"
+              "async def main():\n"
+              "    p = await proc.start_async(['sleep', '600'], umask=0o027)\n"
+              "    print(p.pid, flush=True)\n"
+              "    await asyncio.sleep(600)\n"
+              f"loop.run(main(), kind={kind!r})\n")
+    outer = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    try:
+        assert outer.stdout is not None
+        child = int(outer.stdout.readline())
+        status = Path(f"/proc/{child}/status").read_text()
+        assert "Umask:\t0027" in status, status
+        assert os.getpgid(child) == child  # its own group, as with asyncio's start
+        outer.kill()  # SIGKILL: no handler of the parent runs
+        outer.wait()
+        assert gone(child)
+    finally:
+        outer.kill()
 
 
 def test_a_started_process_dies_with_its_parent() -> None:

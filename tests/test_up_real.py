@@ -83,6 +83,9 @@ def test_up_serves_recovers_from_a_killed_child_and_stops_clean(instance: Instan
     host = cmdline[cmdline.index(b"--host") + 1].decode()
     assert host.endswith("/run/llama.sock") and b"--port" not in cmdline
     assert b"--api-key" not in cmdline
+    # the child's files are the service user's alone, and mtpwrap runs on uvloop's loop
+    assert "Umask:\t0077" in Path(f"/proc/{child}/status").read_text()
+    assert "/uvloop/loop." in Path(f"/proc/{instance.proc.pid}/maps").read_text()
 
     os.kill(child, signal.SIGKILL)
     end = time.monotonic() + 10

@@ -3,7 +3,6 @@ starts; then the summary, and the service until it stops."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
 from mtpwrap.run.child import child_log
+from mtpwrap.serve import loop as event_loop
 from mtpwrap.service.launch import Launch, child_log_file, persist_config, prepare
 from mtpwrap.service.server import bind_public, public_url, serve
 
@@ -93,7 +93,7 @@ def run_up(settings: Settings) -> int:
             console.out.print(line, markup=False)
 
     try:
-        return asyncio.run(serve(settings, launch, sock, front_config=front_config,
-                                 announce=announce))
+        return event_loop.run(serve(settings, launch, sock, front_config=front_config,
+                                    announce=announce))
     finally:
         sock.close()

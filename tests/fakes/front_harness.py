@@ -24,6 +24,7 @@ from mtpwrap import upstream
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
+from mtpwrap.serve import loop as event_loop
 
 
 class SupervisorDouble:
@@ -146,7 +147,7 @@ class FrontServer:
             await task
             await self.front.aclose()
 
-        asyncio.run(main())
+        event_loop.run(main())
 
     def start(self) -> FrontServer:
         self._thread.start()

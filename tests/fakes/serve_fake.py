@@ -7,7 +7,6 @@ supervisor, the front, signals, sd_notify and the state file, not argv building.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 from mtpwrap.config import settings
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.run.child import ChildSpec
+from mtpwrap.serve import loop as event_loop
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.service import up
 from mtpwrap.service.launch import Launch
@@ -35,7 +35,7 @@ def main() -> int:
                     info=ServeInfo(profile="fake", model="fake.gguf", binary=str(FAKE)))
     up.configure_logging("info")
     sock = bind_public(s.host, s.port)
-    return asyncio.run(serve(s, launch, sock))
+    return event_loop.run(serve(s, launch, sock))
 
 
 if __name__ == "__main__":
