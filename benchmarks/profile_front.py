@@ -15,7 +15,9 @@ proxies written in C say what the kernel and the machine take, and the front's e
 is its own.
 
     python benchmarks/profile_front.py [--levels 8,32] [--requests 96] [--top 25]
-                                       [--cpu-only [--rounds 3]] [--upstream unix|tcp]
+                                       [--tokens 100] [--cpu-only [--rounds 3]
+                                        [--loops asyncio] [--per chunk|stream]]
+                                       [--upstream unix|tcp]
 
 BENCH_UVICORN_HTTP=h11 and BENCH_EVENT_LOOP=uvloop|asyncio measure the alternatives.
 """
@@ -40,7 +42,7 @@ import proxy_overhead as po
 
 
 def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int,
-                  interval_ms: float) -> None:
+                  interval_ms: float, tokens: int = 100) -> None:
     out = Path(tempfile.mkdtemp(prefix="front-profile-")) / f"c{concurrency}.prof"
     port = po.free_port()
     prof = ["-m", "cProfile", "-o", str(out)]
@@ -48,7 +50,7 @@ def profile_level(upstream: po.Target, concurrency: int, requests: int, top: int
                       str(concurrency)])
     url = f"http://127.0.0.1:{port}"
     po.wait_http(url + "/livez", 60)
-    body = _BODY
+    body = {**_BODY, "max_tokens": tokens}
     asyncio.run(po.run_load(url + "/v1/chat/completions", min(concurrency, 4), 1, body))
     cpu0 = _cpu_seconds(front.pid)
     t0 = time.perf_counter()
@@ -90,27 +92,35 @@ _BODY = {"model": "x", "stream": True, "max_tokens": 100,
 
 
 def side_by_side(upstream: po.Target, levels: list[int], requests: int, rounds: int,
-                 interval_ms: float) -> None:
-    """CPU per relayed chunk of the front, nginx and HAProxy on the same load, interleaved."""
+                 interval_ms: float, loops: list[str], tokens: int = 100,
+                 per: str = "chunk") -> None:
+    """CPU per relayed chunk (or per stream) of the front, nginx and HAProxy on the same load,
+    interleaved; one more front per event loop in `loops` (a column `mtpwrap/<loop>`)."""
+    body = {**_BODY, "max_tokens": tokens}
     work = Path(tempfile.mkdtemp(prefix="front-cpu-"))
     procs: list[Any] = []
     pids: dict[str, int] = {}
     try:
         urls = po.start_paths(upstream, max(levels), work, procs, pids)
+        for kind in loops:
+            front, furl = po.start_front(upstream, max(levels), env={"BENCH_EVENT_LOOP": kind})
+            procs.append(front)
+            urls[f"mtpwrap/{kind}"], pids[f"mtpwrap/{kind}"] = (furl, None), front.pid
         names = list(pids)
-        print(f"\n== CPU per relayed chunk, µs: median (min-max) of {rounds} interleaved rounds; "
-              f"synthetic upstream {interval_ms:g} ms/chunk on {upstream.socket or 'TCP'} ==")
+        print(f"\n== CPU per relayed {per}, µs: median (min-max) of {rounds} interleaved rounds; "
+              f"synthetic upstream {interval_ms:g} ms/chunk, {tokens} chunks per stream, on "
+              f"{upstream.socket or 'TCP'} ==")
         print("conc " + "".join(f"{n:>22}" for n in names) + "   mtpwrap vs nginx")
         for c in levels:
             got: dict[str, list[float]] = {n: [] for n in names}
             for r in range(rounds):
                 for name in po.rotated(names, r):
                     target = urls[name][0] + "/v1/chat/completions"
-                    asyncio.run(po.run_load(target, min(c, 4), 1, _BODY))  # warm
+                    asyncio.run(po.run_load(target, min(c, 4), 1, body))  # warm
                     cpu0 = _cpu_seconds(pids[name])
-                    res = asyncio.run(po.run_load(target, c, max(1, requests // c), _BODY))
-                    got[name].append((_cpu_seconds(pids[name]) - cpu0) / max(1, res.tokens)
-                                     * 1e6)
+                    res = asyncio.run(po.run_load(target, c, max(1, requests // c), body))
+                    count = res.tokens if per == "chunk" else res.ok
+                    got[name].append((_cpu_seconds(pids[name]) - cpu0) / max(1, count) * 1e6)
             cells = "".join(f"{statistics.median(v):>8.0f} ({min(v):4.0f}-{max(v):4.0f})    "
                             for v in got.values())
             ratio = (f"{statistics.median(got['mtpwrap']) / statistics.median(got['nginx']):.1f}×"
@@ -133,6 +143,13 @@ def main() -> None:
                     help="with --cpu-only: interleaved rounds per level")
     ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
                     help="where the synthetic upstream listens (default: a UNIX socket)")
+    ap.add_argument("--tokens", type=int, default=100,
+                    help="chunks per stream (2 shows the cost of a request)")
+    ap.add_argument("--per", choices=("chunk", "stream"), default="chunk",
+                    help="with --cpu-only: CPU per relayed chunk, or per stream")
+    ap.add_argument("--loops", default="",
+                    help="with --cpu-only: also the front on these event loops, comma-separated "
+                         "(asyncio, uvloop), beside the one `mtpwrap up` uses")
     args = ap.parse_args()
     where = po.new_target(args.upstream, Path(tempfile.mkdtemp(prefix="front-profile-")),
                           "synthetic")
@@ -142,9 +159,10 @@ def main() -> None:
         po.wait_target(where, "/health", 30)
         levels = [int(x) for x in args.levels.split(",")]
         if args.cpu_only:
-            side_by_side(where, levels, args.requests, args.rounds, args.interval_ms)
+            side_by_side(where, levels, args.requests, args.rounds, args.interval_ms,
+                         [k for k in args.loops.split(",") if k], args.tokens, args.per)
         for c in levels if not args.cpu_only else []:
-            profile_level(where, c, args.requests, args.top, args.interval_ms)
+            profile_level(where, c, args.requests, args.top, args.interval_ms, args.tokens)
     finally:
         po.stop(upstream)
 

@@ -17,7 +17,8 @@ For each upstream and concurrency (1, 8, 32) it measures, on every path, time to
 wall time). The front and each upstream run in their own processes; the load generator is an
 asyncio httpx client in this process.
 
-    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N]
+    python benchmarks/proxy_overhead.py [--skip-real] [--skip-synthetic] [--rounds N (5)]
+                                        [--levels 1,8,32] [--real-threads N]
                                         [--upstream unix|tcp] [--json OUT]
 
 `--upstream unix` (the default, as `mtpwrap up` runs llama-server) puts each upstream on a UNIX
@@ -359,7 +360,13 @@ def compare(name: str, urls: dict[str, tuple[str, str | None]], levels: list[int
 
 
 def _headers(path: str) -> dict:
-    return {} if path == "mtpwrap" else DIRECT_HEADERS
+    """The front holds the internal key itself. The direct client asks for the close after
+    each stream, as the front does: llama-server ends the connection after a stream without
+    saying so, and a request sent on it in that moment fails. nginx and HAProxy keep their
+    upstream connections as configured, and meet that race as a 502 or a cut answer."""
+    if path == "mtpwrap":
+        return {}
+    return {**DIRECT_HEADERS, "connection": "close"} if path == "direct" else DIRECT_HEADERS
 
 
 # ------------------------------------------------------------------------------- peers
@@ -495,14 +502,15 @@ def llama_paths() -> tuple[Path, Path]:
 
 
 def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
-                extra: list[str] | None = None) -> proc.Process:
+                extra: list[str] | None = None, threads: int | None = None) -> proc.Process:
     from mtpwrap.build.probe import probe
     from mtpwrap.decide import launch
     from mtpwrap.decide.endpoint import Endpoint
 
     binary, model = llama_paths()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
-    cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, why="benchmark upstream")
+    cfg = launch.plain(model, context=slots * ctx_per_slot, slots=slots, threads=threads,
+                       why="benchmark upstream")
     spec = launch.render(cfg, probe(binary), binary=binary, api_key=INTERNAL_KEY,
                          endpoint=Endpoint(socket=where.socket, port=where.port),
                          extra=extra or [])
@@ -511,9 +519,10 @@ def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
     return srv.process
 
 
-def start_front(upstream: Target, concurrency: int) -> tuple[proc.Process, str]:
+def start_front(upstream: Target, concurrency: int,
+                env: dict | None = None) -> tuple[proc.Process, str]:
     port = free_port()
-    p = spawn([PY, __file__, "_front", upstream.arg, str(port), str(concurrency)])
+    p = spawn([PY, __file__, "_front", upstream.arg, str(port), str(concurrency)], env=env)
     wait_http(f"http://127.0.0.1:{port}/livez", 30)
     return p, f"http://127.0.0.1:{port}"
 
@@ -528,7 +537,13 @@ def main() -> None:
     ap.add_argument("--real-levels", default=None, help="concurrency levels for the real server "
                     "(default: --levels)")
     ap.add_argument("--real-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per level")
+    ap.add_argument("--real-threads", type=int, default=0,
+                    help="llama-server's threads (default 0: its own choice, every core; 1 "
+                         "leaves a core to the client and the proxy, as a GPU build would)")
+    ap.add_argument("--real-streams", type=int, default=8,
+                    help="real upstream: streams per path and round at c=1 (at least 2 per "
+                         "worker up to c=8, 1 above)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per level")
     ap.add_argument("--interval-ms", type=float, default=10.0,
                     help="synthetic upstream: time between chunks")
     ap.add_argument("--upstream", choices=("unix", "tcp"), default="unix",
@@ -560,16 +575,18 @@ def main() -> None:
         if not args.skip_real:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lt = new_target(args.upstream, work / "sockets", "llama")
-            procs.append(start_llama(lt, max(rlevels)))
+            procs.append(start_llama(lt, max(rlevels), threads=args.real_threads or None))
             urls = start_paths(lt, max(rlevels), work / "real", procs)
             body = {"model": "x", "stream": True, "max_tokens": args.real_tokens,
                     "temperature": 0,
                     "seed": 1, "messages": [{"role": "user",
                                              "content": "Write a short story about a lighthouse."}]}
-            rows += compare("llama-server (demo model, CPU)",
+            threads = f"{args.real_threads} thread(s)" if args.real_threads else "its threads"
+            rows += compare(f"llama-server (demo model, CPU, {threads})",
                             {k: (v[0] + "/v1/chat/completions", v[1]) for k, v in urls.items()},
                             rlevels,
-                            lambda c: 2 if c < 8 else 1, body, args.rounds)
+                            lambda c: max(2 if c <= 8 else 1, args.real_streams // c), body,
+                            args.rounds)
     finally:
         for p in reversed(procs):
             stop(p)
