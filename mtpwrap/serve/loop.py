@@ -2,8 +2,9 @@
 by the project's dependencies, else asyncio's.
 
 One place, so that `mtpwrap up`, the benchmarks' front and the tests' front run on the same
-loop. uvloop halves the loop's own share of the CPU per relayed chunk (the measurements page of
-the relay); the rest of mtpwrap is plain asyncio and runs on either.
+loop. uvloop takes 8 to 23 % off the front's CPU per relayed chunk
+(docs/measurements/2026-12-01-relay-uvloop.md); the rest of mtpwrap is plain asyncio and runs
+on either.
 """
 
 from __future__ import annotations
