@@ -105,7 +105,8 @@ def side_by_side(upstream: po.Target, levels: list[int], requests: int, rounds: 
         for kind in loops:
             front, furl = po.start_front(upstream, max(levels), env={"BENCH_EVENT_LOOP": kind})
             procs.append(front)
-            urls[f"mtpwrap/{kind}"], pids[f"mtpwrap/{kind}"] = (furl, None), front.pid
+            urls[f"mtpwrap/{kind}"] = (furl, None)
+            pids[f"mtpwrap/{kind}"] = front.pid
         names = list(pids)
         print(f"\n== CPU per relayed {per}, µs: median (min-max) of {rounds} interleaved rounds; "
               f"synthetic upstream {interval_ms:g} ms/chunk, {tokens} chunks per stream, on "
