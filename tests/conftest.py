@@ -5,10 +5,12 @@ no `MTPWRAP_*` variable from the caller's environment, and no build folder, so t
 fresh clone without network, build tools or another checkout's caches; a unit test that asks for
 a fixture that builds llama-server or downloads the demo model is refused at collection.
 
-Integration tests use the real llama-server, built from the pinned source by
-`mtpwrap.build.builder.ensure_built` (a no-op once the build cache has it), and the real demo
-model. Their `MTPWRAP_HOME` is left alone on purpose so the build and model caches are shared
-between runs; the ones that need an isolated home use the `isolated_home` fixture.
+Integration tests use the real llama-server, built from the pinned source by `make build`
+before pytest runs, and the real demo model. No test compiles llama.cpp: `cmake` on the tests'
+PATH is a guard (`compile_guard`) that refuses `cmake --build` of a llama.cpp tree, so a test
+that would compile fails at once, naming the make target, instead of compiling for minutes
+under its timeout. Their `MTPWRAP_HOME` is left alone on purpose so the build and model caches
+are shared between runs; the ones that need an isolated home use the `isolated_home` fixture.
 
 Plain helpers (running the CLI, an `up` instance, a supervisor over the fake llama-server) are
 in tests/helpers.py.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import DATA, REPO
+from tests.helpers import DATA, REPO, compile_guard
 
 # Fixtures that compile llama-server or download the demo model on first use.
 BUILDS_OR_DOWNLOADS = frozenset({"cpu_manifest", "llama_server_bin", "fit_params_bin",
@@ -39,6 +41,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError(
             "these tests build llama-server or download the demo model but are not marked "
             "`integration`; mark them so the unit tier stays hermetic:\n  " + "\n  ".join(wrong))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The guard goes first on PATH for the whole session, in this process and its children."""
+    real = shutil.which("cmake")
+    if real is None or os.environ.get("TESTS_COMPILE_GUARD"):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="mtpwrap-guard-"))
+    compile_guard(real, folder)
+    _HOMES.append(str(folder))
+    os.environ["TESTS_COMPILE_GUARD"] = str(folder)
+    os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 _HOMES: list[str] = []  # the unit tests' homes, removed when the session ends
@@ -99,8 +113,13 @@ def repo_root() -> Path:
 def cpu_manifest() -> dict:
     """The manifest of the CPU build of llama-server (built on first use, then cached)."""
     from mtpwrap.build import builder
+    from mtpwrap.errors import MtpwrapError
 
-    return builder.ensure_built(variant="cpu").to_dict()
+    try:
+        return builder.ensure_built(variant="cpu").to_dict()
+    except MtpwrapError as exc:
+        pytest.fail(f"no usable CPU build of llama-server in the build cache ({exc}); "
+                    "`make build` makes it before the integration tests run", pytrace=False)
 
 
 @pytest.fixture(scope="session")

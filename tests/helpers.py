@@ -260,6 +260,18 @@ def without_socket_help(help_text: str) -> str:
     return "".join(lines[:start]) + NO_SOCKET_HOST + "".join(lines[end + 1:])
 
 
+def ignoring_draft_depth(real: Path, folder: Path) -> Path:
+    """An executable in `folder`: the llama-server `real` behind a relay that drops every
+    `speculative.*` field from request bodies (tests/fakes/ignores_draft_depth.py), so it
+    ignores a request's own draft depth as an unpatched or fork build does."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "llama-server"
+    relay = Path(__file__).parent / "fakes" / "ignores_draft_depth.py"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{relay}" "{real}" "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
 def listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
     """What process `pid` listens on now: its TCP (ip, port) listeners and its UNIX socket
     paths."""
@@ -269,3 +281,31 @@ def listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
     return ([(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
              if c.status == psutil.CONN_LISTEN],
             [c.laddr for c in p.net_connections(kind="unix") if c.laddr])
+
+
+# ---------------------------------------------------------------- no compile in a test
+
+GUARD_EXIT = 97  #: the guard's exit status for a refused compile
+
+_GUARD = r"""#!/bin/sh
+# The tests' cmake: refuses to compile a llama.cpp tree (tests/conftest.py, compile_guard).
+if [ "$1" = "--build" ] && [ -f "$2/CMakeCache.txt" ]; then
+  src=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$2/CMakeCache.txt")
+  if [ -n "$src" ] && [ -d "$src/ggml/src" ]; then
+    echo "a test tried to compile llama.cpp ($src in $2): tests never compile it; \
+\`make build\` builds llama-server before pytest runs" >&2
+    exit {code}
+  fi
+fi
+exec "{real}" "$@"
+"""
+
+
+def compile_guard(real_cmake: str, folder: Path) -> Path:
+    """A `cmake` in `folder` that runs `real_cmake`, except `cmake --build` of a build folder
+    configured from a llama.cpp tree (one with ggml/src), which it refuses with GUARD_EXIT."""
+    folder.mkdir(parents=True, exist_ok=True)
+    guard = folder / "cmake"
+    guard.write_text(_GUARD.format(code=GUARD_EXIT, real=real_cmake))
+    guard.chmod(0o755)
+    return guard

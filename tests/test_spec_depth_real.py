@@ -1,9 +1,10 @@
 """Per-request draft depth on the real llama-server (CPU build, demo model drafting for itself).
 
 The patched build (patches/llama.cpp/0001) honours `speculative.n_max` on every generation
-endpoint, streamed or not; the unpatched build of the same source ignores it, and the probe
-`mtpwrap build` runs tells the two apart. Then the front's policy on the patched build: its
-header, its /metrics and /healthz, and a client's own fields passed through untouched.
+endpoint, streamed or not; the probe `mtpwrap build` runs tells it from a server that ignores
+the field (the same binary behind a relay that drops it; nothing is compiled here). Then the
+front's policy on the patched build: its header, its /metrics and /healthz, and a client's own
+fields passed through untouched.
 
 Draft counts come from llama-server's own /metrics counters (a difference of two scrapes, parsed
 by bench/stats with prometheus_client's parser), so every endpoint is measured the same way,
@@ -22,12 +23,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.bench import stats
-from mtpwrap.build import builder, spec_probe
+from mtpwrap.build import spec_probe
 from mtpwrap.decide import profiles
 from mtpwrap.proc import free_loopback_port
 from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.info import ServeInfo
 from tests.fakes.front_harness import LlamaChild, serve_front
+from tests.helpers import ignoring_draft_depth
 
 pytestmark = pytest.mark.integration
 
@@ -108,17 +110,27 @@ def test_request_n_max_sets_the_draft_depth(llama: LlamaChild, endpoint: str,
     assert eight > one
 
 
-def test_probe_tells_patched_from_unpatched(llama_server_bin: Path, demo_model: Path,
-                                            cpu_manifest: dict) -> None:
+@pytest.fixture(scope="module")
+def ignoring_binary(llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The patched llama-server behind a relay that drops `speculative.*` from every body: a
+    server that ignores a request's own draft depth, as the unpatched build does."""
+    return ignoring_draft_depth(llama_server_bin, tmp_path_factory.mktemp("ignoring"))
+
+
+def test_probe_tells_a_server_that_honours_n_max_from_one_that_ignores_it(
+        llama_server_bin: Path, demo_model: Path, cpu_manifest: dict,
+        ignoring_binary: Path) -> None:
+    """The probe's verdict on both kinds of server, with nothing compiled here: the patched
+    build, and the same binary with the field taken out of each request (the real unpatched
+    build beside it: benchmarks/spec_depth_unpatched.py)."""
     assert [p["status"] for p in cpu_manifest["patches"]] == ["applied"]
     assert cpu_manifest["spec_depth"]["status"] == "honoured"
-    plain, _, _ = builder.build(cpu=True, no_patches=True, install=False)
-    assert plain.patches is None or all(p["status"] == "opted-out" for p in plain.patches)
-    assert plain.spec_depth is not None and plain.spec_depth["status"] == "ignored"
-    unpatched = Path(plain.binaries["llama-server"]["cache_path"])
-    assert unpatched != llama_server_bin
-    again = spec_probe.probe(unpatched, demo_model)
-    assert again["status"] == "ignored" and again["draft_n"]["n_max_0"] > 0
+    honoured = spec_probe.probe(llama_server_bin, demo_model)
+    assert honoured["status"] == "honoured", honoured
+    assert honoured["draft_n"]["default"] > 0 and honoured["draft_n"]["n_max_0"] == 0
+    ignored = spec_probe.probe(ignoring_binary, demo_model)
+    assert ignored["status"] == "ignored", ignored
+    assert ignored["draft_n"]["n_max_0"] > 0
 
 
 # ------------------------------------------------------------------------ the front's policy
