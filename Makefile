@@ -37,9 +37,10 @@ lint: install
 	$(BIN)/lint-imports --no-cache
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
-# time; the fleet tests run HAProxy and Prometheus (with promtool) for real. Installed with
+# time and ccache makes a rebuild after a patch or flag change quick; the fleet tests run HAProxy
+# and Prometheus (with promtool) for real. Installed with
 # apt-get when missing and run as root; otherwise one line says what to install.
-BUILD_TOOLS := patch:patch
+BUILD_TOOLS := patch:patch ccache:ccache
 SYSTEM_TOOLS := $(BUILD_TOOLS) haproxy:haproxy prometheus:prometheus promtool:prometheus \
                 openssl:openssl
 TOOLS ?= $(SYSTEM_TOOLS)

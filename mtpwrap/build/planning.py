@@ -102,6 +102,23 @@ def isa_options(isa: str, flags: set[str] | None = None) -> dict[str, str]:
     return opts
 
 
+def isa_order(pinned: bool = True, flags: set[str] | None = None
+              ) -> tuple[tuple[str, ...], str | None]:
+    """The CPU configurations a build tries, in order, and why native is left out when it is.
+
+    For the pinned sources (`pinned`: the offline source or the submodule, not a PATH tree) on
+    a CPU with AMX, native is not tried unless asked for (`--cpu-isa native`): llama.cpp's AMX
+    kernels at those commits (upstream 0c1e570, the fork's 0bc0a27) crash in the first
+    quantized matrix multiply on such Xeons (virtualised Sapphire Rapids here; llama.cpp
+    #20824), so a native build there costs a whole compile only to be thrown away. A PATH tree
+    may be newer: native first, as on every other CPU."""
+    have = cpu_flags() if flags is None else flags
+    if pinned and _is_x86() and "amx_tile" in have:
+        return CPU_ISAS[1:], ("this CPU has AMX, whose llama.cpp kernels crash at the pinned "
+                              "sources, so native (AMX on) is tried only with --cpu-isa native")
+    return CPU_ISAS, None
+
+
 def flag_env() -> dict[str, str]:
     return {k: os.environ[k] for k in FLAG_ENV if os.environ.get(k)}
 
