@@ -174,6 +174,13 @@ def check_binary(snap: Any | None = None) -> Check:
     return Check("llama-server build", OK, detail + f"; smoke test {smoke.get('status')}")
 
 
+def check_patches() -> list[Check]:
+    """What the installed build lacks for want of a patch not written for its source, one
+    line each (nothing when every patch of the set was applied or opted out)."""
+    m = build_manifest.load_manifest()
+    return [Check("patch set", OK, sentence) for sentence in (m.lacks() if m else ())]
+
+
 def check_upstream_link() -> Check:
     """How `up` reaches llama-server: its UNIX socket when the build binds one (no other local
     user can open it), else loopback TCP behind the internal key; and where the socket goes."""
@@ -275,6 +282,7 @@ def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]
         check_disk(),
         check_pin(),
         check_binary(snap),
+        *check_patches(),
         check_upstream_link(),
         check_cpu_isa(),
         check_model(model),

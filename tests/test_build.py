@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -440,3 +441,35 @@ def test_the_tiny_smoke_model_runs_quantized_kernels(cpu_manifest: dict, tmp_pat
         if binary.is_file():
             tried = smoke.run(binary, model)
             assert tried.crashed, (attempt["cpu_isa"], tried)
+
+
+def test_a_cpu_with_amx_starts_the_pinned_sources_at_the_safe_configuration() -> None:
+    """The pinned sources' AMX kernels crash on such CPUs: native is not compiled first there
+    (only when asked for); a PATH tree, and every CPU without AMX, still starts at native."""
+    amx = {"avx2", "avx512f", "amx_tile", "amx_int8"}
+    order, why = planning.isa_order(pinned=True, flags=amx)
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert order == planning.CPU_ISAS and why is None
+        return
+    assert order == ("safe", "baseline") and why is not None and "--cpu-isa native" in why
+    assert planning.isa_order(pinned=False, flags=amx) == (planning.CPU_ISAS, None)
+    assert planning.isa_order(pinned=True, flags={"avx2", "avx512f"}) == (planning.CPU_ISAS,
+                                                                          None)
+
+
+def test_the_pin_is_the_checkouts_own_gitlink(tmp_path: Path) -> None:
+    """A checkout pins what its gitlink says; without a git checkout, the shipped pin."""
+    assert source.pinned_commit(tmp_path) == source.SUBMODULE_COMMIT
+    root = tmp_path / "super"
+    fork = root / source.SUBMODULE_PATH
+    shutil.copytree(FAKE_TREE, fork)
+    _git(fork, "init", "-q")
+    _git(fork, "add", "-A")
+    _git(fork, "commit", "-q", "-m", "another fork commit")
+    head = _git(fork, "rev-parse", "HEAD")
+    _git(root, "init", "-q")
+    _git(root, "update-index", "--add", "--cacheinfo", f"160000,{head},{source.SUBMODULE_PATH}")
+    assert source.pinned_commit(root) == head
+    held = source.resolve(None, root=root)
+    assert held.kind == "submodule" and held.pinned and held.commit == head
+    assert source.pin_status(root) == (head, head)

@@ -84,3 +84,48 @@ def test_cache_key_holds_the_patches_content() -> None:
     other = planning.cache_key("offline:x", opts, "c++ 12", [["0001-a", "bb"]])
     assert len({plain, one, other}) == 3
     assert planning.cache_key("offline:x", opts, "c++ 12", []) == plain
+
+
+def test_each_patch_says_which_sources_it_is_for() -> None:
+    (patch,) = patchset.available()
+    assert patch.sources == (f"offline@{source.OFFLINE_COMMIT}",)
+    assert "per-request draft depth unsupported" in patch.without
+    assert patch.meant_for("offline", source.OFFLINE_COMMIT)
+    assert not patch.meant_for("submodule", source.SUBMODULE_COMMIT)
+    assert not patch.meant_for("offline", "1234567")  # another upstream commit
+
+
+def test_a_patch_not_for_the_source_is_recorded_not_tried() -> None:
+    applied, records = patchset.for_source("submodule", source.SUBMODULE_COMMIT)
+    assert applied == []
+    (rec,) = records
+    assert rec["status"] == "not-for-source"
+    assert rec["why"] == (f"written for offline@{source.OFFLINE_COMMIT}; this build's source is "
+                          f"the submodule at {source.SUBMODULE_COMMIT[:12]}")
+    assert rec["without"] and "policy is off" in rec["without"]
+    applied, records = patchset.for_source("offline", source.OFFLINE_COMMIT)
+    assert [p.name for p in applied] == ["0001-per-request-speculative"]
+    assert [r["status"] for r in records] == ["applied"]
+    # opting out still wins, and a PATH tree is built as it is
+    assert [r["status"] for r in patchset.for_source("offline", source.OFFLINE_COMMIT,
+                                                     skip=("0001",))[1]] == ["opted-out"]
+    applied, records = patchset.for_source("path", None)
+    assert applied == [] and records[0]["why"] == "a --source PATH tree is built as it is"
+
+
+def test_a_patch_with_no_for_line_is_for_every_pinned_source(tmp_path: Path) -> None:
+    (patch,) = patchset.available()
+    text = "".join(line for line in patch.path.read_text().splitlines(keepends=True)
+                   if not line.startswith("# For:"))
+    (tmp_path / patch.path.name).write_text(text)
+    (anywhere,) = patchset.available(tmp_path)
+    assert anywhere.sources == () and anywhere.meant_for("submodule", "abc")
+
+
+def test_the_header_is_not_part_of_the_cache_key(tmp_path: Path) -> None:
+    (patch,) = patchset.available()
+    (tmp_path / patch.path.name).write_text("# a new first line of prose\n"
+                                            + patch.path.read_text())
+    (reworded,) = patchset.available(tmp_path)
+    assert reworded.sha256 != patch.sha256
+    assert patchset.key_part([reworded]) == patchset.key_part([patch])

@@ -3,7 +3,7 @@
 Builds live in a cache keyed by source identity, CMake options, compiler and host CPU
 (`~/.cache/mtpwrap/builds/<variant>-<key>/`, planning.cache_key), so a fresh checkout on the same
 machine reuses them; the checkout's `build/<variant>/` gets the binaries and `manifest.json`.
-Each CPU configuration (planning.CPU_ISAS) is tried in turn until one passes its smoke test.
+Each CPU configuration (planning.isa_order) is tried in turn until one passes its smoke test.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mtpwrap.build.manifest import (
     read,
     write_json,
 )
-from mtpwrap.build.planning import CPU_ISAS, TARGETS, Plan
+from mtpwrap.build.planning import TARGETS, Plan
 from mtpwrap.errors import BuildError, MissingToolError
 
 NoteFn = Callable[[str], None]
@@ -123,13 +123,16 @@ def _attempt_summary(m: Manifest) -> dict[str, Any]:
             "signal": smoke_.get("signal"), "log_tail": smoke_.get("log_tail", [])[-5:]}
 
 
-def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None) -> str:
+def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None,
+                pinned: bool) -> str:
     if forced:
         return f"--cpu-isa {forced} asked for it"
+    left_out = planning.isa_order(pinned)[1]
+    first = f"{left_out}; " if left_out else ""
     if len(tried) == 1:
-        return f"the {plan.cpu_isa} configuration's smoke test {tried[0]['smoke']}"
+        return f"{first}the {plan.cpu_isa} configuration's smoke test {tried[0]['smoke']}"
     failed = ", ".join(f"{t['cpu_isa']} ({t['detail']})" for t in tried[:-1])
-    return f"kept {plan.cpu_isa}: {failed} failed on this CPU"
+    return f"{first}kept {plan.cpu_isa}: {failed} failed on this CPU"
 
 
 # --------------------------------------------------------------------------- crash memory
@@ -280,9 +283,15 @@ def _remembered(job: _Job, plan: Plan) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- build
 
 
-def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool) -> list[Plan]:
+def _pinned(source_spec: str | None) -> bool:
+    """Whether the build is of a pinned source (the submodule or the offline one), not a PATH."""
+    return source_spec in (None, "", "auto", "offline", "submodule")
+
+
+def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool,
+           pinned: bool) -> list[Plan]:
     plans: list[Plan] = []
-    for isa in [cpu_isa] if cpu_isa else list(CPU_ISAS):
+    for isa in [cpu_isa] if cpu_isa else list(planning.isa_order(pinned)[0]):
         plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa, fork=fork)
         if all(p.options != plan.options for p in plans):  # on Arm, safe == baseline
             plans.append(plan)
@@ -292,23 +301,22 @@ def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool) ->
 def _job(source_spec: str | None, allow_unpinned: bool, no_patches: bool,
          skip_patches: tuple[str, ...], jobs: int | None, progress: ProgressFn | None,
          force: bool, note: NoteFn | None) -> _Job:
-    # The patch set is for the pinned sources; a --source PATH tree is built as it is.
-    own_tree = source_spec not in (None, "", "auto", "offline", "submodule")
-    applied, opted_out = patchset.select(no_patches or own_tree, skip_patches)
-    why_out = ("a --source PATH tree is built as it is" if own_tree
-               else "--no-patches" if no_patches else "--skip-patch")
-    records = ([p.record("applied") for p in applied]
-               + [p.record("opted-out", why_out) for p in opted_out])
     # The offline source's identity is known before downloading, so a cached build is reused
     # without touching the network or the 76 MB archive.
     src: source.Source | None = None
+    commit: str | None
     if source_spec in (None, "", "auto") and source.submodule_source() is None:
         identity, why = source.offline_identity(), "the submodule is not initialised"
+        kind, commit = "offline", source.OFFLINE_COMMIT
     elif source_spec == "offline":
         identity, why = source.offline_identity(), "asked for with --source offline"
+        kind, commit = "offline", source.OFFLINE_COMMIT
     else:
         src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
         identity, why = src.identity, src.reason
+        kind, commit = src.kind, src.commit
+    applied, records = patchset.for_source(kind, commit, no_patches=no_patches,
+                                           skip=skip_patches)
     return _Job(source_spec, allow_unpinned, identity, why, src, applied, records,
                 toolchain.cxx_version(), jobs, progress, force, note or (lambda _msg: None))
 
@@ -330,15 +338,16 @@ def build(
 ) -> tuple[Manifest, bool, str]:
     """Build (or reuse) llama-server, tried on this machine. Returns (manifest, reused, why).
 
-    Each CPU configuration (CPU_ISAS, or only `cpu_isa` when given) is its own cache entry. A
-    new binary is started on a real model and asked for tokens; one that crashes is remembered
-    as crashed (never installed, never reused; another build of the same source on this CPU
-    skips that configuration) and the next configuration is built.
+    Each CPU configuration (planning.isa_order, or only `cpu_isa` when given) is its own cache
+    entry. A new binary is started on a real model and asked for tokens; one that crashes is
+    remembered as crashed (never installed, never reused; another build of the same source on
+    this CPU skips that configuration) and the next configuration is built.
 
     The patch set (patchset) is applied unless `no_patches`; `skip_patches` opts out of some.
     `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
     """
-    plans = _plans(cpu, cuda_arch, cpu_isa, planning.source_is_fork(source_spec))
+    plans = _plans(cpu, cuda_arch, cpu_isa, planning.source_is_fork(source_spec),
+                   _pinned(source_spec))
     job = _job(source_spec, allow_unpinned, no_patches, skip_patches, jobs, progress, force,
                note)
     tried: list[dict[str, Any]] = []
@@ -354,7 +363,8 @@ def build(
         tried.append(summary)
         if manifest.trusted:
             manifest.attempts = tried
-            manifest.extra = {**manifest.extra, "isa_reason": _isa_reason(plan, tried, cpu_isa)}
+            why_isa = _isa_reason(plan, tried, cpu_isa, _pinned(source_spec))
+            manifest.extra = {**manifest.extra, "isa_reason": why_isa}
             write_json(Path(manifest.build_dir) / MANIFEST, manifest.to_dict())
             if progress:
                 progress("up to date" if reused else "built", 100.0, None)
@@ -410,12 +420,12 @@ def configure_only(
 
     Returns (and writes to configure.json there) the plan, the argv and which options CMake
     took; a build with the same options later reuses the configured folder."""
-    plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or CPU_ISAS[0],
+    first = planning.isa_order(_pinned(source_spec))[0][0]
+    plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=cpu_isa or first,
                                fork=planning.source_is_fork(source_spec))
     src = source.resolve(source_spec, allow_unpinned=allow_unpinned)
     compiler = cmake.preflight()
-    # the patch set is for the pinned sources; a --source PATH tree is configured as it is
-    applied = patchset.select()[0] if src.kind in ("offline", "submodule") else []
+    applied = patchset.for_source(src.kind, src.commit)[0]
     key = planning.cache_key(src.identity, plan.options, compiler, patchset.key_part(applied))
     build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,8 @@ class Manifest:
     cuda: dict[str, Any] | None = None
     #: the CMake configure step: argv, the options CMake accepted, any it did not
     configure: dict[str, Any] | None = None
-    #: the llama.cpp patches (patchset.Patch.record): name, sha256, applied | opted-out
+    #: the llama.cpp patches (patchset.Patch.record): name, sha256, applied | opted-out |
+    #: not-for-source, why, and what a build without it lacks
     patches: list[dict[str, Any]] | None = None
     #: whether the binary honours a request's own `speculative.n_max` (spec_probe.probe)
     spec_depth: dict[str, Any] | None = None
@@ -74,6 +75,12 @@ class Manifest:
     @property
     def smoke_status(self) -> str | None:
         return (self.smoke or {}).get("status")
+
+    def lacks(self) -> tuple[str, ...]:
+        """One sentence per patch that is not for this build's source: what the build lacks."""
+        return tuple(f"{r['name']} is not for this source ({r.get('why')}): "
+                     f"{r.get('without') or 'its change is missing'}"
+                     for r in self.patches or [] if r.get("status") == "not-for-source")
 
     @property
     def trusted(self) -> bool:

@@ -1,15 +1,20 @@
 """The llama.cpp patches mtpwrap carries: one file per purpose under `patches/llama.cpp/`.
 
 Each patch is a unified diff (`a/`, `b/` prefixes, against the llama.cpp root) preceded by a
-`# ` header saying why it exists, what upstream code it touches and when to drop it. A build
+`# ` header saying why it exists, what upstream code it touches and when to drop it, with two
+entries the build reads: `# For:` the sources it is written for (`offline@0c1e570`: the
+offline source at that commit; several separated by spaces; none: every pinned source) and
+`# Without it:` what a build of a source it is not for lacks (said by `build`, `doctor` and
+/healthz). A build
 applies them, in file-name order, to an overlay of the source in its own build folder (hard
 links to the shared tree, with the files a patch touches copied), never to the shared tree
-itself. The patch set's names and sha256 are part of the build's cache key, and the manifest
-records each patch as applied or opted out.
+itself. The patch set's names and the sha256 of their diffs are part of the build's cache key,
+and the manifest records each patch as applied, opted out or not for this source.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -36,21 +41,58 @@ def patch_dir() -> Path:
 class Patch:
     name: str  # file name without .patch: "0001-per-request-speculative"
     path: Path
-    sha256: str
+    sha256: str  # of the whole file
     files: tuple[str, ...]  # the llama.cpp files it changes
     summary: str  # the header's first line
+    #: the sources it is written for, from the header's `# For:` line: "KIND" or
+    #: "KIND@COMMIT-PREFIX" (offline, submodule); empty: every pinned source
+    sources: tuple[str, ...] = ()
+    #: what a build without it lacks, from the header's `# Without it:` line
+    without: str = ""
+    diff_sha256: str = ""  # of the diff alone: the cache key's part (the header is prose)
+
+    def meant_for(self, kind: str, commit: str | None) -> bool:
+        """Whether this patch is written for a source of `kind` at `commit`."""
+        if not self.sources:
+            return True
+        for entry in self.sources:
+            want_kind, _, want_commit = entry.partition("@")
+            if want_kind == kind and (not want_commit
+                                      or (commit or "").startswith(want_commit)):
+                return True
+        return False
 
     def record(self, status: str, why: str | None = None) -> dict[str, Any]:
-        """What the manifest says about this patch; status: applied | opted-out."""
+        """What the manifest says about this patch; status: applied | opted-out |
+        not-for-source (`why` says which source it is for and what the build lacks)."""
         return {"name": self.name, "sha256": self.sha256, "status": status,
-                "files": list(self.files), "summary": self.summary, "why": why}
+                "files": list(self.files), "summary": self.summary, "why": why,
+                "for": list(self.sources), "without": self.without or None}
+
+
+def _header_value(header: list[str], key: str) -> str:
+    """A `# Key: value` header entry, continued on the lines indented under it."""
+    out: list[str] = []
+    for line in header:
+        if out:
+            if line.startswith("  ") and line.strip():
+                out.append(line.strip())
+                continue
+            break
+        if line.startswith(key + ":"):
+            out.append(line[len(key) + 1:].strip())
+    return " ".join(out)
 
 
 def _load(path: Path) -> Patch:
     text = path.read_text(errors="replace")
-    header = [ln[2:].strip() for ln in text.splitlines() if ln.startswith("# ")]
-    summary = header[0] if header else path.stem
-    return Patch(path.stem, path, hashing.sha256_file(path), tuple(_FILE.findall(text)), summary)
+    raw = [ln[2:].rstrip() for ln in text.splitlines() if ln.startswith("# ")]
+    summary = raw[0].strip() if raw else path.stem
+    start = re.search(r"^(diff |--- )", text, re.M)
+    diff = text[start.start():] if start else text
+    return Patch(path.stem, path, hashing.sha256_file(path), tuple(_FILE.findall(text)), summary,
+                 tuple(_header_value(raw, "For").split()), _header_value(raw, "Without it"),
+                 hashlib.sha256(diff.encode()).hexdigest())
 
 
 def available(directory: Path | None = None) -> list[Patch]:
@@ -78,9 +120,33 @@ def select(no_patches: bool = False, skip: Sequence[str] = (),
     return ([p for p in every if p.name not in wanted], [p for p in every if p.name in wanted])
 
 
+def for_source(kind: str, commit: str | None, *, no_patches: bool = False,
+               skip: Sequence[str] = (), directory: Path | None = None
+               ) -> tuple[list[Patch], list[dict[str, Any]]]:
+    """The one decision of which patches a build applies: (to apply, the manifest's records
+    of every patch). A `path` source is built as it is; a patch written for another source is
+    recorded `not-for-source` with why, never tried; --no-patches / --skip-patch opt out."""
+    own_tree = kind not in ("offline", "submodule")
+    applied, opted_out = select(no_patches or own_tree, skip, directory)
+    why_out = ("a --source PATH tree is built as it is" if own_tree
+               else "--no-patches" if no_patches else "--skip-patch")
+    records = [p.record("opted-out", why_out) for p in opted_out]
+    kept: list[Patch] = []
+    here = f"{kind} at {commit[:12]}" if commit else kind
+    for p in applied:
+        if p.meant_for(kind, commit):
+            kept.append(p)
+            continue
+        records.append(p.record("not-for-source", f"written for {', '.join(p.sources)}; this "
+                                f"build's source is the {here}"))
+    order = {p.name: i for i, p in enumerate(available(directory))}
+    records = [p.record("applied") for p in kept] + records
+    return kept, sorted(records, key=lambda r: order.get(r["name"], 0))
+
+
 def key_part(applied: Sequence[Patch]) -> list[list[str]]:
     """What the cache key holds about the applied patches."""
-    return [[p.name, p.sha256] for p in applied]
+    return [[p.name, p.diff_sha256] for p in applied]
 
 
 def _hunk_failures(output: str) -> list[str]:

@@ -22,6 +22,8 @@ from mtpwrap.models import fetch
 
 SUBMODULE_PATH = "vendor/llama.cpp-mtp"
 SUBMODULE_URL = "https://github.com/Indras-Mirror/llama.cpp-mtp.git"
+#: The pin as shipped; a git checkout's own gitlink says it (pinned_commit), and a test keeps
+#: the two equal.
 SUBMODULE_COMMIT = "0bc0a270d43e6e0ed6b30386d278e45b6dc6dd9f"
 
 OFFLINE_PACKAGE = "llama-cpp-python"
@@ -60,6 +62,16 @@ def _git(path: Path, *args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def pinned_commit(root: Path | None = None) -> str:
+    """The fork commit the checkout pins: its gitlink for the submodule (`git ls-files -s`),
+    else SUBMODULE_COMMIT (an install that is not a git checkout)."""
+    out = _git(root or paths.repo_root(), "ls-files", "-s", "--", SUBMODULE_PATH) or ""
+    parts = out.split()
+    if len(parts) >= 2 and parts[0] == "160000":
+        return parts[1]
+    return SUBMODULE_COMMIT
+
+
 def _is_llama_tree(path: Path) -> bool:
     return (path / "CMakeLists.txt").is_file()
 
@@ -72,7 +84,7 @@ def submodule_source(root: Path | None = None) -> Source | None:
     commit = _git(tree, "rev-parse", "HEAD")
     dirty = bool(_git(tree, "status", "--porcelain", "--untracked-files=no"))
     identity = f"submodule:{commit or 'unknown'}{'+dirty' if dirty else ''}"
-    pinned = commit == SUBMODULE_COMMIT
+    pinned = commit == pinned_commit(root)
     return Source(
         kind="submodule",
         path=tree,
@@ -88,15 +100,16 @@ def submodule_source(root: Path | None = None) -> Source | None:
 def pin_status(root: Path | None = None) -> tuple[str, str]:
     """(pinned commit, what the checkout holds) for `doctor`: the checkout's HEAD, or 'empty'."""
     sub = submodule_source(root)
+    pin = pinned_commit(root)
     if sub is None:
-        return SUBMODULE_COMMIT, "empty (not initialised)"
+        return pin, "empty (not initialised)"
     held = sub.commit or "unknown commit"
     if sub.identity.endswith("+dirty"):
         held += " with local changes"
-    return SUBMODULE_COMMIT, held
+    return pin, held
 
 
-def check_pin(sub: Source, allow_unpinned: bool) -> Source:
+def check_pin(sub: Source, allow_unpinned: bool, root: Path | None = None) -> Source:
     """The submodule as it is, if it holds the pinned commit or the user allowed otherwise."""
     if sub.pinned:
         return sub
@@ -105,7 +118,7 @@ def check_pin(sub: Source, allow_unpinned: bool) -> Source:
         held += " with local changes"
     if not allow_unpinned:
         raise ConfigError(
-            f"{SUBMODULE_PATH} holds {held}, not the pinned fork commit {SUBMODULE_COMMIT}.",
+            f"{SUBMODULE_PATH} holds {held}, not the pinned fork commit {pinned_commit(root)}.",
             hint="Run `git submodule update` to check out the pin, or pass --allow-unpinned "
             "(or --source PATH) to build what is there.",
         )
@@ -172,11 +185,12 @@ def offline_source(reason: str = "asked for with --source offline") -> Source:
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         marker.write_text(OFFLINE_SHA256 + "\n")
-    commit = _git(tree, "rev-parse", "--short=7", "HEAD") or OFFLINE_COMMIT
+    # The sdist has no .git: its commit is the one its verified sha256 pins (asking git there
+    # would answer for whatever repository holds the cache folder).
     return Source(
         kind="offline",
         path=tree,
-        commit=commit,
+        commit=OFFLINE_COMMIT,
         identity=f"offline:{OFFLINE_SHA256}",
         location=f"{OFFLINE_PACKAGE}=={OFFLINE_VERSION} sdist ({OFFLINE_SUBDIR}, sha256 "
         f"{OFFLINE_SHA256[:12]}…)",
@@ -193,7 +207,7 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
     if spec in (None, "", "auto"):
         sub = submodule_source(root)
         if sub is not None:
-            return check_pin(sub, allow_unpinned)
+            return check_pin(sub, allow_unpinned, root)
         return offline_source(
             reason=f"the submodule {SUBMODULE_PATH} is not initialised "
             "(`git submodule update --init` needs GitHub), so the pinned offline source is used"
@@ -205,7 +219,7 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
                 f"--source submodule: {SUBMODULE_PATH} is empty.",
                 hint="Run `git submodule update --init` (needs GitHub), or use --source offline.",
             )
-        return check_pin(sub, allow_unpinned)
+        return check_pin(sub, allow_unpinned, root)
     if spec == "offline":
         return offline_source()
     return path_source(spec)
@@ -221,5 +235,5 @@ def pin_identity(kind: str | None) -> str | None:
     if kind == "offline":
         return offline_identity()
     if kind == "submodule":
-        return f"submodule:{SUBMODULE_COMMIT}"
+        return f"submodule:{pinned_commit()}"
     return None

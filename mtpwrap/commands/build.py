@@ -161,7 +161,10 @@ def _summary(manifest: Manifest, reused: bool, why: str, kv_note: str) -> None:
     smoke = manifest.smoke or {}
     console.info(f"smoke test: {smoke.get('status')} — {smoke.get('detail')}")
     for rec in manifest.patches or []:
-        console.info(f"patch {rec['name']}: {rec['status']}")
+        if rec["status"] != "not-for-source":
+            console.info(f"patch {rec['name']}: {rec['status']}")
+    for sentence in manifest.lacks():
+        console.info(f"patch {sentence}")
     depth = manifest.spec_depth or {}
     if depth:
         console.info(f"per-request draft depth: {depth.get('status')} — {depth.get('detail')}")

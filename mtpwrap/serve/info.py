@@ -47,6 +47,9 @@ class ServeInfo:
     #: how the front reaches llama-server ("unix" socket or loopback "tcp"), and why
     upstream: str = "tcp"
     upstream_why: str = ""
+    #: what the build lacks for want of a patch not written for its source, one sentence each
+    #: (build.manifest.Manifest.lacks)
+    lacks: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.per_request_depth not in PER_REQUEST_DEPTH:

@@ -93,6 +93,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "memory_plan": info.memory_plan,
         "log_file": info.log_file,
         "webui": info.webui,
+        "build_lacks": list(info.lacks),
         "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
     }

@@ -97,7 +97,8 @@ def resolve_launch(settings: Settings) -> Launch:
         near_edge=bool(r.near_edge),
         memory_plan=r.memory_text, log_file=str(child_log_file()),
         webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""),
-        upstream=listen.transport, upstream_why=listen.why)
+        upstream=listen.transport, upstream_why=listen.why,
+        lacks=inp.manifest.lacks() if inp.manifest is not None else ())
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],
