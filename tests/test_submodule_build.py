@@ -88,7 +88,8 @@ def clone(llama_server_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> d
          f"160000,{commit},{source.SUBMODULE_PATH}")
     _git(upstream, "config", "-f", ".gitmodules", f"submodule.{source.SUBMODULE_PATH}.url",
          str(base / "fork.git"))
-    _git(upstream, "commit", "-q", "-am", "pin the fork-shaped tree")
+    _git(upstream, "add", ".gitmodules")  # not `commit -a`: it would drop the gitlink
+    _git(upstream, "commit", "-q", "-m", "pin the fork-shaped tree")
     # as a user would: git clone --recursive
     _git(base, "clone", "-q", "--recursive", str(upstream), str(base / "clone"))
     return {"root": base / "clone", "commit": commit, "home": base / "home"}
