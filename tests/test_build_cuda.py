@@ -436,3 +436,20 @@ def test_the_cuda_build_made_here_answers_help_without_a_gpu() -> None:
     assert m.configure and m.configure["rejected"] == {}
     if not planning.present_gpu_archs():
         assert m.smoke_status == "skipped" and "no NVIDIA GPU" in (m.smoke or {})["detail"]
+
+
+def test_fa_all_quants_is_off_for_the_fork_unless_asked(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        isolated_home: Path) -> None:
+    """tbq4_0's flash attention does not need it (the fork's own sources); planar/iso do."""
+    tk = _toolkit(tmp_path)
+    monkeypatch.setattr(toolchain, "cuda_toolkit", lambda: tk)
+    fork = planning.plan_build(cuda_arch="89", fork=True)
+    assert fork.options["GGML_CUDA_FA_ALL_QUANTS"] == "OFF"
+    assert "compiled in either way" in fork.cuda["fork_options"]["GGML_CUDA_FA_ALL_QUANTS"]["why"]
+    asked = planning.plan_build(cuda_arch="89", fork=True, fa_all_quants=True)
+    assert asked.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON"
+    assert asked.options["GGML_CUDA_FA"] == "ON"
+    upstream = planning.plan_build(cuda_arch="89", fa_all_quants=True)
+    assert upstream.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON" and upstream.cuda is not None
+    assert "--fa-all-quants" in upstream.cuda["fa_all_quants"]

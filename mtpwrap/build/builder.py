@@ -289,10 +289,11 @@ def _pinned(source_spec: str | None) -> bool:
 
 
 def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool,
-           pinned: bool) -> list[Plan]:
+           pinned: bool, fa_all_quants: bool = False) -> list[Plan]:
     plans: list[Plan] = []
     for isa in [cpu_isa] if cpu_isa else list(planning.isa_order(pinned)[0]):
-        plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa, fork=fork)
+        plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa, fork=fork,
+                                   fa_all_quants=fa_all_quants)
         if all(p.options != plan.options for p in plans):  # on Arm, safe == baseline
             plans.append(plan)
     return plans
@@ -335,6 +336,7 @@ def build(
     no_patches: bool = False,
     skip_patches: tuple[str, ...] = (),
     install: bool = True,
+    fa_all_quants: bool = False,
 ) -> tuple[Manifest, bool, str]:
     """Build (or reuse) llama-server, tried on this machine. Returns (manifest, reused, why).
 
@@ -345,9 +347,10 @@ def build(
 
     The patch set (patchset) is applied unless `no_patches`; `skip_patches` opts out of some.
     `install=False` leaves build/<variant>/ as it is and returns the cache entry's manifest.
+    `fa_all_quants`: a CUDA build compiles flash attention for every K/V type pair.
     """
     plans = _plans(cpu, cuda_arch, cpu_isa, planning.source_is_fork(source_spec),
-                   _pinned(source_spec))
+                   _pinned(source_spec), fa_all_quants)
     job = _job(source_spec, allow_unpinned, no_patches, skip_patches, jobs, progress, force,
                note)
     tried: list[dict[str, Any]] = []

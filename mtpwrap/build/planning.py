@@ -180,10 +180,16 @@ def cuda_variant(archs: list[str]) -> str:
 FORK_CUDA_OPTIONS: dict[str, tuple[str, str]] = {
     "GGML_CUDA_FA": ("ON", "the fused TBQ4 flash-attention kernels are part of the CUDA "
                      "flash-attention build, and quantized V (tbq4_0) runs only with it"),
-    "GGML_CUDA_FA_ALL_QUANTS": ("ON", "tbq4_0 K with tbq4_0 V, and the draft's own -ctkd/-ctvd "
-                                "types, need flash-attention kernels for every K/V type pair, "
-                                "not only the default f16, q4_0 and q8_0 pairs"),
+    "GGML_CUDA_FA_ALL_QUANTS": ("OFF", "tbq4_0 K with tbq4_0 V has its own MMA kernels, "
+                                "compiled in either way (fattn.cu dispatches TBQ4_0 outside the "
+                                "option; template-instances/fattn-mma-tbq4-*); the option adds "
+                                "the vector kernels of every other K/V pair, which only the "
+                                "planar/iso types need (--fa-all-quants), at several times the "
+                                "compile"),
 }
+#: --fa-all-quants: the vector flash-attention kernels of every K/V type pair
+FA_ALL_QUANTS_ASKED = ("ON", "asked for with --fa-all-quants (the fork's planar/iso KV types "
+                             "need it)")
 
 #: What GGML_CUDA_NO_VMM=ON (the build links without libcuda.so) costs when it runs.
 NO_VMM_COST = (
@@ -195,8 +201,8 @@ NO_VMM_COST = (
 )
 
 
-def _cuda_plan(tk: toolchain.CudaToolkit, archs: list[str], fork: bool
-               ) -> tuple[dict[str, str], dict[str, Any]]:
+def _cuda_plan(tk: toolchain.CudaToolkit, archs: list[str], fork: bool,
+               fa_all_quants: bool = False) -> tuple[dict[str, str], dict[str, Any]]:
     """The CMake options of a CUDA build for `archs`, and what the manifest records about it."""
     opts = {
         "GGML_CUDA": "ON",
@@ -231,16 +237,21 @@ def _cuda_plan(tk: toolchain.CudaToolkit, archs: list[str], fork: bool
                                "why": "linked against libcuda.so for the VMM memory pool",
                                "runtime_cost": "none: the driver's libcuda.so.1 is loaded at "
                                "run time" + (" (the stub is only for linking)" if stub else "")}
+    chosen = dict(FORK_CUDA_OPTIONS) if fork else {}
+    if fa_all_quants:
+        chosen["GGML_CUDA_FA_ALL_QUANTS"] = FA_ALL_QUANTS_ASKED
+    opts.update({k: v for k, (v, _) in chosen.items()})
     if fork:
-        opts.update({k: v for k, (v, _) in FORK_CUDA_OPTIONS.items()})
-        info["fork_options"] = {k: {"value": v, "why": why}
-                                for k, (v, why) in FORK_CUDA_OPTIONS.items()}
+        info["fork_options"] = {k: {"value": v, "why": why} for k, (v, why) in chosen.items()}
+    elif fa_all_quants:
+        info["fa_all_quants"] = FA_ALL_QUANTS_ASKED[1]
     return opts, info
 
 
 def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "native",
-               fork: bool = False) -> Plan:
-    """`fork`: the source is the MTP + TurboQuant fork, whose CUDA options are then set."""
+               fork: bool = False, fa_all_quants: bool = False) -> Plan:
+    """`fork`: the source is the MTP + TurboQuant fork, whose CUDA options are then set;
+    `fa_all_quants`: a CUDA build compiles flash attention for every K/V type pair."""
     ccache = toolchain.ccache()
     options = {
         "CMAKE_BUILD_TYPE": "Release",
@@ -271,7 +282,7 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
                 hint=tk.how_to_fix(),
             )
         return Plan("cpu", None, f"a GPU (sm_{shown}) is present but {why}", options, cpu_isa)
-    cuda_opts, info = _cuda_plan(tk, archs, fork)
+    cuda_opts, info = _cuda_plan(tk, archs, fork, fa_all_quants)
     options.update(cuda_opts)
     if ccache:
         options["CMAKE_CUDA_COMPILER_LAUNCHER"] = ccache

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     default=None,
     help="How to compile the CPU backend: native (GGML_NATIVE), safe (this CPU's instruction "
     "sets named one by one, AMX off) or baseline (AVX2). Default: native, then safe, then "
-    "baseline, keeping the first that passes its smoke test.",
+    "baseline, keeping the first that passes its smoke test (on a CPU with AMX the pinned "
+    "sources start at safe).",
 )
 @click.option(
     "--allow-unpinned",
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
 @click.option("--skip-patch", "skip_patches", multiple=True, metavar="NAME",
               help="Leave out one patch of the set (by file name or number, e.g. 0001); "
               "repeatable.")
+@click.option("--fa-all-quants", is_flag=True, help="CUDA: compile flash attention for every "
+              "K/V type pair (GGML_CUDA_FA_ALL_QUANTS), which the fork's planar/iso KV types "
+              "need; tbq4_0 does not. Several times the CUDA compile.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def command(
     source_spec: str | None,
@@ -84,6 +88,7 @@ def command(
     prebuilt: str | None,
     no_patches: bool,
     skip_patches: tuple[str, ...],
+    fa_all_quants: bool,
     as_json: bool,
 ) -> None:
     """Build llama-server and llama-fit-params with CMake for this machine, and try them.
@@ -127,6 +132,7 @@ def command(
                 note=rep.note,
                 no_patches=no_patches,
                 skip_patches=skip_patches,
+                fa_all_quants=fa_all_quants,
             )
         except BuildError as exc:
             rep.stop()

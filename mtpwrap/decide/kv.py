@@ -213,7 +213,7 @@ def admits(facts: ModelFacts, t: str, role: str = "K", target: Target | None = N
                       "(others are dequantized to f32 on every step)")
     if kt.family == "rotor" and tg.backend == "cuda" and tg.fa_all_quants is False:
         return no("on CUDA needs a build with GGML_CUDA_FA_ALL_QUANTS=ON, and the build "
-                  "manifest records it off")
+                  "manifest records it off (`mtpwrap build --fa-all-quants` makes one)")
     if kt.family == "rotor" and tg.backend == "cpu":
         return no("the fork's CPU path crashes with it (llama-server exits with SIGSEGV at "
                   "warm-up, measured at 0bc0a27: docs/measurements/fork-0bc0a27.md); it is "
