@@ -136,6 +136,17 @@ def speed_plan(model: Path) -> dict:
     return gpu_plan.plan(gguf_facts.read_facts(model), bandwidth=bw)
 
 
+def engine_plan(out: Path, carried: Path | None) -> dict:
+    """Which llama-server runs (gpu_plan.engine): the carried build gpu_check.sh installed, else
+    one compiled there from the checkout's source."""
+    manifest = None
+    if carried is not None and (out / "prebuilt-manifest.json").is_file():
+        manifest = json.loads((out / "prebuilt-manifest.json").read_text())
+    tracked = proc.run(["git", "ls-files"], cwd=REPO, timeout=60).stdout.split()
+    return gpu_plan.engine(REPO, manifest, carried.stat().st_size if manifest and carried
+                           else None, gpu_plan.carry(REPO, tracked))
+
+
 def launch_context(contexts: tuple[int, ...], n_predict: int = 64) -> int:
     """The -c every cell is launched with (see `command_lines`)."""
     return (max(contexts) + n_predict + 64 + 255) // 256 * 256
@@ -170,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         "GPU_CHECK_WORK", "/tmp/mtpwrap-gpu-check")))
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--carried", type=Path, default=None,
+                    help="the .prebuilt archive gpu_check.sh installed (its manifest is "
+                    "prebuilt-manifest.json in OUT)")
     ap.add_argument("--plan-gpu", default=os.environ.get("GPU_CHECK_PLAN_GPU", "auto"),
                     help="GPU the planner predicts for (default: the one present)")
     args = ap.parse_args(argv)
@@ -186,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                        "seconds_to_write": round(time.monotonic() - t0, 2)}
     if model:
         result["gpu_plan"] = speed_plan(model)
+        result["gpu_plan"]["engine"] = engine_plan(out, args.carried)
         (out / "gpu_plan.txt").write_text("\n".join(gpu_plan.describe(result["gpu_plan"]))
                                           + "\n")
         result["commands"] = command_lines(args.server_bin, model, contexts)

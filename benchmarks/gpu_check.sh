@@ -67,6 +67,7 @@ fi
 
 server="${MTPWRAP_BINARY:-}"
 prebuilt="${GPU_CHECK_PREBUILT:-$(ls -t "$repo"/.prebuilt/*.tar.xz 2>/dev/null | head -n 1 || true)}"
+carried=""
 if [[ -z "$server" && -n "$prebuilt" ]]; then
     say "installing the carried build $prebuilt (checked against the source pin and this GPU)"
     if "$py" -m mtpwrap build --from-prebuilt "$prebuilt" --json >"$out/prebuilt-manifest.json" \
@@ -78,6 +79,7 @@ print(json.load(open(sys.argv[1]))["binaries"]["llama-server"]["path"])' \
         libs="$("$py" -c 'from mtpwrap.build import toolchain; print(":".join(toolchain.cuda_library_dirs()))')"
         export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         say "using the carried build: $server (LD_LIBRARY_PATH=$libs)"
+        carried="$prebuilt"
         ldd "$server" >>"$log" 2>&1 || true
     else
         server=""
@@ -97,6 +99,7 @@ fi
 say "llama-server: $server"
 
 args=("$out" --binary "$server" --contexts "$contexts")
+[[ -n "$carried" ]] && args+=(--carried "$carried")
 (( dry_run )) && args+=(--dry-run)
 say "shape-real model, speed matrix, planner vs allocations"
 rc=0

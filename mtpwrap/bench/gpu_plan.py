@@ -13,9 +13,12 @@ checked before a machine is lent; the run records what each cell really took.
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from mtpwrap.build import source
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
 
@@ -36,6 +39,15 @@ ASSUMED = {
     "decode_fraction_of_roofline": 0.5,
     "bandwidth_bytes_per_s": 4.0e12,  # when no GPU is present to ask
 }
+
+
+#: One CUDA architecture of llama.cpp compiled on 2 cores took 29.5 min (the offline source's
+#: sm_89, docs/measurements/2026-11-30-cuda-build.md): core-seconds per architecture, spread over
+#: the lent machine's cores.
+CUDA_COMPILE_CORE_S = 29.5 * 60 * 2
+LENT_CORES = 16
+CONFIGURE_S = 30
+PREBUILT_INSTALL_S = 30
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,52 @@ def carry(repo: Path, tracked: list[str]) -> list[dict]:
     return items
 
 
+def _tree_bytes(tree: Path) -> int | None:
+    """The size of a git tree's checked-out files (None: not a git tree)."""
+    try:
+        names = subprocess.run(["git", "-C", str(tree), "ls-files", "-z"], capture_output=True,
+                               check=True, timeout=60).stdout.decode().split("\0")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum((tree / n).stat().st_size for n in names if n and (tree / n).is_file())
+
+
+def engine(repo: Path, carried: dict[str, Any] | None, carried_bytes: int | None,
+           carry_items: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which llama-server the check runs on the lent machine, and what it costs: a carried
+    `.prebuilt` build (`carried`: its manifest, as `build --from-prebuilt` installed it), else
+    one compiled there from the source the checkout holds — the fork when the submodule is
+    initialised at its pin (the recipe's engine), else the offline source."""
+    pin = source.pinned_commit(repo)
+    sub = source.submodule_source(repo)
+    if carried is not None:
+        src = carried.get("source") or {}
+        fork = src.get("kind") == "submodule"
+        return {"engine": "fork" if fork else "upstream", "how": "carried",
+                "variant": carried.get("variant"), "commit": src.get("commit"),
+                "bytes": carried_bytes, "expected_s": PREBUILT_INSTALL_S,
+                "why": f"the carried {carried.get('variant')} build of the "
+                       f"{'fork' if fork else 'offline source'} at {src.get('commit')}"}
+    others = sum(i["bytes"] for i in carry_items if i["path"] != ".prebuilt")
+    compile_s = CONFIGURE_S + CUDA_COMPILE_CORE_S / LENT_CORES
+    if sub is not None and sub.pinned:
+        size = _tree_bytes(sub.path) or 0
+        fits = others + size <= CARRY_LIMIT
+        return {"engine": "fork", "how": "built there", "commit": pin, "bytes": size,
+                "expected_s": round(compile_s), "fits_carry": fits,
+                "why": f"the submodule at the pin {pin[:12]}, compiled there for the GPU present"
+                       + ("" if fits else
+                          f"; but its {size / 2**20:.0f} MiB of sources and the "
+                          f"{others / 2**20:.0f} MiB of checkout and wheels exceed the "
+                          f"{CARRY_LIMIT // 2**20} MiB carry: carry a packed build instead "
+                          "(`mtpwrap build --cuda-arch 90 --pack .prebuilt/cuda-sm90.tar.xz`)")}
+    return {"engine": "upstream", "how": "built there", "commit": source.OFFLINE_COMMIT,
+            "bytes": None, "expected_s": round(compile_s), "fits_carry": None,
+            "why": "the submodule is not initialised, so the pinned offline source (it must be "
+                   "in the cache: the lent machine has no network) is compiled there; the "
+                   "recipe's engine is the fork: carry its packed build"}
+
+
 def describe(p: dict) -> list[str]:
     """The plan as lines a person reads before lending the machine."""
     lines = [f"GPU speed-only cells: shape-only Qwen3.6-27B, synthetic token-id prompts,"
@@ -144,4 +202,15 @@ def describe(p: dict) -> list[str]:
                  f" budget inside the {p['lease_s'] / 60:.0f}-minute lease; bandwidth"
                  f" {p['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")
     lines += [f"  left out: {why}" for why in p["left_out"]]
+    e = p.get("engine")
+    if e:
+        size = f", {e['bytes'] / 2**20:.1f} MiB" if e.get("bytes") else ""
+        lines.append(f"  engine: {e['engine']} ({e['how']}{size}), {e['expected_s'] / 60:.1f} min:"
+                     f" {e['why']}")
+        first = e["expected_s"] + p["expected_s"]
+        rerun = p["expected_s"]  # a warm machine keeps the build
+        fits = first + rerun <= p["lease_s"]
+        lines.append(f"  lease: {first / 60:.1f} min for the first run, {rerun / 60:.1f} min for"
+                     f" a rerun: {'fits' if fits else 'does NOT fit'} the"
+                     f" {p['lease_s'] / 60:.0f}-minute lease with room for a rerun")
     return lines
