@@ -241,3 +241,29 @@ def test_nvml_bandwidth_is_bus_width_times_double_rate_clock() -> None:
     assert GpuInfo(0, memory_bus_width=6144, memory_clock_max_mhz=3201).memory_bandwidth \
         == pytest.approx(4.917e12, rel=1e-3)
     assert GpuInfo(0).memory_bandwidth is None
+
+
+def test_the_engine_plan_names_what_runs_and_what_it_costs(repo_root: Path) -> None:
+    """A carried build is installed in seconds; without one the lent machine compiles (the fork
+    when the submodule holds its pin, else the offline source), and the lease says so."""
+    from mtpwrap.bench import gpu_plan
+
+    items = [{"path": ".", "bytes": 3 * 2**20}, {"path": ".wheelhouse", "bytes": 21 * 2**20}]
+    carried = {"variant": "cuda-sm90", "source": {"kind": "submodule", "commit": "0bc0a27"}}
+    e = gpu_plan.engine(repo_root, carried, 44 * 2**20, items)
+    assert (e["engine"], e["how"], e["bytes"]) == ("fork", "carried", 44 * 2**20)
+    assert e["expected_s"] == gpu_plan.PREBUILT_INSTALL_S
+    here = gpu_plan.engine(repo_root, None, None, items)
+    assert here["how"] == "built there"
+    assert here["expected_s"] == round(gpu_plan.CONFIGURE_S + gpu_plan.CUDA_COMPILE_CORE_S / 16)
+    if (repo_root / "vendor" / "llama.cpp-mtp" / "CMakeLists.txt").is_file():
+        assert here["engine"] == "fork"
+    else:
+        assert here["engine"] == "upstream" and "carry its packed build" in here["why"]
+    plan = {"n_predict": 64, "setup_s": 90, "cells": [], "expected_s": 400, "budget_s": 600,
+            "lease_s": 900, "bandwidth_bytes_per_s": 4e12, "left_out": []}
+    text = "\n".join(gpu_plan.describe({**plan, "engine": e}))
+    assert "engine: fork (carried, 44.0 MiB), 0.5 min" in text
+    assert "7.2 min for the first run, 6.7 min for a rerun: fits" in text
+    text = "\n".join(gpu_plan.describe({**plan, "engine": here}))
+    assert "does NOT fit" in text
