@@ -77,10 +77,6 @@ class GpuInfo:
         return None if self.memory_total is None else self.memory_total / GiB
 
     @property
-    def memory_free_gib(self) -> float | None:
-        return None if self.memory_free is None else self.memory_free / GiB
-
-    @property
     def cuda_arch(self) -> str | None:
         """The CMAKE_CUDA_ARCHITECTURES value for this card ("89" for an RTX 4090)."""
         if self.compute_capability is None:

@@ -91,7 +91,6 @@ KNOWN: tuple[KnownModel, ...] = (DEMO, GEMMA)
 
 # The demo model's names, as older callers spell them.
 DEMO_FILE = DEMO.file
-DEMO_ALIASES = DEMO.aliases
 DEMO_WHEEL = DEMO.wheels[0].filename
 DEMO_WHEEL_SHA256 = DEMO.wheels[0].sha256
 
