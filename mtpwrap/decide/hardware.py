@@ -116,12 +116,6 @@ class HardwareSnapshot:
     def has_gpu(self) -> bool:
         return bool(self.gpus)
 
-    @property
-    def total_gpu_memory(self) -> int | None:
-        if not self.gpus or any(g.memory_total is None for g in self.gpus):
-            return None
-        return sum(g.memory_total or 0 for g in self.gpus)
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "gpus": [g.to_dict() for g in self.gpus],
@@ -383,12 +377,6 @@ def gpu_readings(nvml: Any | None = None) -> list[GpuReading]:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
     return out
-
-
-def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
-    """`gpu_readings` as JSON-ready dicts."""
-    return [{**asdict(r), "throttle_reasons": list(r.throttle_reasons)}
-            for r in gpu_readings(nvml)]
 
 
 def throttle_reason_names(mask: int | None) -> list[str]:
