@@ -48,7 +48,7 @@ from mtpwrap.build import spec_probe
 from mtpwrap.build.binary import find_binary
 from mtpwrap.build.probe import probe
 from mtpwrap.decide import launch, models
-from mtpwrap.decide.profiles import SpecAdapt
+from mtpwrap.decide.profile_types import SpecAdapt
 from mtpwrap.proc import free_loopback_port, running_server
 from mtpwrap.serve.depth_policy import DepthPolicy
 

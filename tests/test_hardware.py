@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from mtpwrap.decide import hardware
-from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot, RecordedNvml
+from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
+from mtpwrap.decide.nvml_replay import RECORD_FORMAT, RecordedNvml
 from tests.helpers import SNAPSHOTS
 from tests.helpers import load_snapshot as load
 
@@ -91,10 +92,10 @@ def test_no_driver_snapshot_says_why() -> None:
 
 
 def test_driver_not_loaded_and_zero_gpus() -> None:
-    rec = {"format": hardware.RECORD_FORMAT, "host": {},
+    rec = {"format": RECORD_FORMAT, "host": {},
            "init_error": {"code": hardware.NVML_ERROR_DRIVER_NOT_LOADED, "message": "x"}}
     assert hardware.snapshot(RecordedNvml(rec)).error == "the NVIDIA driver is not loaded"
-    empty = {"format": hardware.RECORD_FORMAT, "host": {}, "driver_version": "570.1",
+    empty = {"format": RECORD_FORMAT, "host": {}, "driver_version": "570.1",
              "cuda_driver_version": 12080, "devices": []}
     snap = hardware.snapshot(RecordedNvml(empty))
     assert snap.gpus == () and "no GPU" in (snap.error or "")

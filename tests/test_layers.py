@@ -1,6 +1,8 @@
 """The stages form a DAG: import-linter holds the layer contract (`make lint`); this file holds
-the rule it cannot express, that the project's own modules are imported at module top, except in
-the lazy command table and where the import defers a heavy third-party package for `--help`."""
+the rules it cannot express: the project's own modules are imported at module top, except in
+the lazy command table and where the import defers a heavy third-party package for `--help`; and
+a name is imported from the module that defines it, never through a forwarding `import X as X`
+left behind when a module was split."""
 
 from __future__ import annotations
 
@@ -113,3 +115,30 @@ def test_a_deferred_light_import_is_found(tmp_path: Path) -> None:
         "def f():\n    from mtpwrap.decide import light\n    from mtpwrap.decide import heavy\n"
         "    return light, heavy\n")
     assert deferred_imports(pkg) == [("mtpwrap/decide/user.py", 2, "mtpwrap.decide")]
+
+
+def forwarding_imports(pkg: Path = PKG) -> list[tuple[str, int, str]]:
+    """(file, line, name) of each `from M import X as X` or `import X as X`: a re-export that
+    keeps a moved name reachable under its old module instead of its importers being changed."""
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [(str(path.relative_to(pkg.parent)), node.lineno, a.name)
+                          for a in node.names if a.asname == a.name]
+    return found
+
+
+def test_no_forwarding_imports() -> None:
+    found = forwarding_imports()
+    assert not found, "import these from the module that defines them: " + ", ".join(
+        f"{f}:{line} {name}" for f, line, name in found)
+
+
+def test_a_forwarding_import_is_found(tmp_path: Path) -> None:
+    """The check can fail: `X as X` is reported, a plain import or a real rename is not."""
+    pkg = tmp_path / "mtpwrap"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("from mtpwrap.a import f as f\nfrom mtpwrap.a import g\n"
+                              "from mtpwrap.a import h as other\nimport json as json\n")
+    assert forwarding_imports(pkg) == [("mtpwrap/m.py", 1, "f"), ("mtpwrap/m.py", 4, "json")]

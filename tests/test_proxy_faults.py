@@ -306,7 +306,7 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
     """Recorded NVML answers of an H200 go through hardware.gpu_readings into both pages."""
     from mtpwrap.decide import hardware
-    from mtpwrap.decide.hardware import RecordedNvml
+    from mtpwrap.decide.nvml_replay import RecordedNvml
     from tests.helpers import load_snapshot as load
 
     expected = hardware.gpu_readings(RecordedNvml(load("h200")))[0]

@@ -30,7 +30,7 @@ from mtpwrap.run.inputs import load_snapshot
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.launch import LaunchConfig
-    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.profile_types import Profile
     from mtpwrap.proc import ServerProcess
 
 #: the n-gram lookup length of ngram cells (short: the bench's prompts repeat little)

@@ -19,10 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap.decide.nvml_replay import NVML_TEMPERATURE_GPU
-from mtpwrap.decide.nvml_replay import RECORD_FORMAT as RECORD_FORMAT
-from mtpwrap.decide.nvml_replay import RecordedNvml as RecordedNvml
-from mtpwrap.decide.nvml_replay import RecordedNvmlError as RecordedNvmlError
+from mtpwrap.decide.nvml_replay import NVML_TEMPERATURE_GPU, RECORD_FORMAT, RecordedNvml
 from mtpwrap.errors import ConfigError
 from mtpwrap.units import GiB, MiB
 
