@@ -35,6 +35,7 @@ lint: install
 	$(BIN)/ruff check mtpwrap tests benchmarks docs
 	$(BIN)/mypy mtpwrap
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/vulture  # dead code; paths and whitelist in pyproject.toml [tool.vulture]
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
 # time and ccache makes a rebuild after a patch or flag change quick; the fleet tests run HAProxy

@@ -47,8 +47,9 @@ from mtpwrap.build import manifest as build_manifest
 from mtpwrap.build import spec_probe
 from mtpwrap.build.binary import find_binary
 from mtpwrap.build.probe import probe
-from mtpwrap.decide import launch, models
-from mtpwrap.decide.profiles import SpecAdapt
+from mtpwrap.decide import launch
+from mtpwrap.decide.profile_types import SpecAdapt
+from mtpwrap.models.known import ensure_demo_model
 from mtpwrap.proc import free_loopback_port, running_server
 from mtpwrap.serve.depth_policy import DepthPolicy
 
@@ -110,7 +111,7 @@ def main() -> None:
 
     binary = Path(os.environ.get("MTPWRAP_BINARY") or find_binary())
     model = args.model or Path(os.environ.get("MTPWRAP_DEMO_MODEL")
-                               or models.ensure_demo_model())
+                               or ensure_demo_model())
     work = Path(tempfile.gettempdir()) / "mtpwrap-adaptive-spec"
     work.mkdir(exist_ok=True)
     spec: dict[str, Any] = {"depth": SERVER_DEPTH}

@@ -19,10 +19,6 @@ def home() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mtpwrap"
 
 
-def cache_dir() -> Path:
-    return home()
-
-
 def downloads_dir() -> Path:
     return home() / "downloads"
 

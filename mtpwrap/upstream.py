@@ -107,13 +107,6 @@ def client(socket: str | None, *, base_url: str = "", api_key: str | None = None
                         follow_redirects=False)
 
 
-def for_upstream(up: Upstream, *, timeout: httpx.Timeout | float | None = 5.0,
-                 keepalive: bool = True) -> httpx.Client:
-    """A blocking client for what a supervisor reports (`status().upstream`), key included."""
-    return client(up.socket, base_url=up.base_url, api_key=up.api_key, timeout=timeout,
-                  keepalive=keepalive)
-
-
 class UpstreamClients:
     """The front's pooled clients: one per place the child listens. Over a socket the place
     stays the same across restarts, so one pool serves the whole run; over TCP one client

@@ -6,6 +6,7 @@ import pytest
 
 from mtpwrap.bench import stats
 from mtpwrap.bench.runner import StreamResult, bursts, rejection_points
+from mtpwrap.decide import acceptance
 
 # The exposition format llama-server writes (tools/server/server-task.cpp), trimmed.
 METRICS_TEXT = """\
@@ -43,22 +44,22 @@ llamacpp:requests_processing 0
 
 def test_recipe_figures_from_facts() -> None:
     # docs/facts.md §4: k = 3, α = 0.73 gives 2.65 tokens per step and accepted ÷ drafted 0.55.
-    assert stats.expected_tokens_per_step(0.73, 3) == pytest.approx(2.65, abs=5e-3)
-    assert stats.alpha_for_tokens_per_step(2.651917, 3) == pytest.approx(0.73, abs=1e-6)
+    assert acceptance.expected_tokens_per_step(0.73, 3) == pytest.approx(2.65, abs=5e-3)
+    assert acceptance.alpha_for_tokens_per_step(2.651917, 3) == pytest.approx(0.73, abs=1e-6)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_alpha_inverts_formula(alpha: float, k: int) -> None:
-    t = stats.expected_tokens_per_step(alpha, k)
-    assert stats.alpha_for_tokens_per_step(t, k) == pytest.approx(alpha, abs=1e-9)
+    t = acceptance.expected_tokens_per_step(alpha, k)
+    assert acceptance.alpha_for_tokens_per_step(t, k) == pytest.approx(alpha, abs=1e-9)
 
 
 def test_alpha_clips_out_of_range() -> None:
-    assert stats.alpha_for_tokens_per_step(0.5, 3) == 0.0
-    assert stats.alpha_for_tokens_per_step(7.0, 3) == 1.0
+    assert acceptance.alpha_for_tokens_per_step(0.5, 3) == 0.0
+    assert acceptance.alpha_for_tokens_per_step(7.0, 3) == 1.0
     with pytest.raises(ValueError):
-        stats.alpha_for_tokens_per_step(2.0, 0)
+        acceptance.alpha_for_tokens_per_step(2.0, 0)
 
 
 def test_counters_from_prometheus_text_and_spec_stats() -> None:
@@ -73,7 +74,7 @@ def test_counters_from_prometheus_text_and_spec_stats() -> None:
     assert s.per_position_conditional == pytest.approx([14 / 16, 10 / 14, 6 / 10])
     # Per-position counts add up to the accepted total: each accepted token has one position.
     assert sum(c.per_pos) == c.accepted
-    assert stats.expected_tokens_per_step(s.alpha, 3) == pytest.approx(s.mean_accepted_length)
+    assert acceptance.expected_tokens_per_step(s.alpha, 3) == pytest.approx(s.mean_accepted_length)
 
 
 def test_counter_difference() -> None:
@@ -87,7 +88,7 @@ def test_fit_step_cost_recovers_line() -> None:
     pts = [(k, 1.2 + 0.35 * k) for k in (1, 2, 3, 5)]
     a, c = stats.fit_step_cost(pts)
     assert a == pytest.approx(1.2) and c == pytest.approx(0.35)
-    assert stats.modelled_speedup(1.0, 3, a, c) == pytest.approx(4 / (1.2 + 1.05))
+    assert acceptance.modelled_speedup(1.0, 3, a, c) == pytest.approx(4 / (1.2 + 1.05))
 
 
 def _result(arrivals: list[float], pieces: list[str]) -> StreamResult:

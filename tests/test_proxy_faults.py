@@ -306,21 +306,21 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
     """Recorded NVML answers of an H200 go through hardware.gpu_readings into both pages."""
     from mtpwrap.decide import hardware
-    from mtpwrap.decide.hardware import RecordedNvml
+    from mtpwrap.decide.nvml_replay import RecordedNvml
     from tests.helpers import load_snapshot as load
 
-    expected = hardware.gpu_metrics(RecordedNvml(load("h200")))[0]
+    expected = hardware.gpu_readings(RecordedNvml(load("h200")))[0]
     real = hardware.gpu_readings
     monkeypatch.setattr(hardware, "gpu_readings", lambda: real(RecordedNvml(load("h200"))))
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         assert metric(srv.url, "mtpwrap_gpu_memory_total_bytes", gpu="0") == \
-            expected["memory_total"]
-        assert metric(srv.url, "mtpwrap_gpu_temperature_celsius") == expected["temperature_c"]
+            expected.memory_total
+        assert metric(srv.url, "mtpwrap_gpu_temperature_celsius") == expected.temperature_c
         util = metric(srv.url, "mtpwrap_gpu_utilization_ratio")
-        assert util == pytest.approx(expected["utilization_gpu"] / 100)
+        assert util == pytest.approx(expected.utilization_gpu / 100)
         gpu = HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"][0]
-        assert gpu["memory_total_bytes"] == expected["memory_total"]
-        assert gpu["temperature_c"] == expected["temperature_c"]
+        assert gpu["memory_total_bytes"] == expected.memory_total
+        assert gpu["temperature_c"] == expected.temperature_c
 
 
 def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):

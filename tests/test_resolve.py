@@ -303,9 +303,9 @@ def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Pa
         rungs.append(spec)
         step += 1
     assert rungs and rungs[-1].note.startswith(f"step-down {len(rungs)}: ")
-    from mtpwrap.decide import launch
+    from mtpwrap.decide import ladder
 
-    cfgs = launch.ladder(tight.resolved.launch, tight.resolved.inputs.caps,
+    cfgs = ladder.ladder(tight.resolved.launch, tight.resolved.inputs.caps,
                          tight.resolved.inputs.kv_sizes, cost)
     assert [c.note for c in cfgs] == [r.note for r in rungs]
     totals = [cost(tight.resolved.launch)] + [cost(c) for c in cfgs]

@@ -115,6 +115,11 @@ def _uid_nobody() -> int:
         return 65534
 
 
+def _client(up):
+    """A blocking client for what the supervisor reports (`status().upstream`), key included."""
+    return upstream.client(up.socket, base_url=up.base_url, api_key=up.api_key)
+
+
 async def _wait_state(sup, want, timeout: float = 120.0) -> None:
     import asyncio
 
@@ -157,7 +162,7 @@ def test_real_llama_server_listens_on_a_socket_only_this_user_opens(
             assert stat.S_ISSOCK(sock.lstat().st_mode)
             assert stat.S_IMODE(sock.lstat().st_mode) == 0o600
             assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
-            with upstream.for_upstream(st.upstream) as c:
+            with _client(st.upstream) as c:
                 r = c.post("/completion", json={"prompt": "Hi", "n_predict": 2})
                 assert r.status_code == 200 and r.json()["tokens_predicted"] >= 1
                 # the key is a second lock behind the socket
@@ -192,7 +197,7 @@ def test_real_llama_server_listens_on_a_socket_only_this_user_opens(
             st2 = sup.status()
             assert st2.pid != first_pid and st2.upstream is not None
             assert st2.upstream.generation > first_gen
-            with upstream.for_upstream(st2.upstream) as c:
+            with _client(st2.upstream) as c:
                 assert c.get("/health").status_code == 200
         finally:
             await sup.stop()

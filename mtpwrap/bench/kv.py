@@ -17,10 +17,6 @@ from mtpwrap.units import GiB
 
 MiB = 2**20
 
-#: the types the benchmark tries, reference first: upstream's, then the fork's where offered
-WANTED = ("f16", "q8_0", "q5_0", "q4_0", "iq4_nl", "tbq4_0", "tbq3_0", "planar4_0", "iso4_0",
-          "planar3_0", "iso3_0")
-
 
 def applicable(facts: ModelFacts, offered: Iterable[str],
                target: kv.Target | None = None) -> list[dict]:

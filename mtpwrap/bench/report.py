@@ -154,7 +154,7 @@ def _quality(results: dict, base_name: str | None) -> list[dict]:
     return out
 
 
-def write(results: dict, out_dir: Path, *, gap_error_note: str | None = None) -> dict[str, Path]:
+def write(results: dict, out_dir: Path) -> dict[str, Path]:
     """Write report.json, report.md and the PNG plots into `out_dir`; return their paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results["summary"] = summarize(results)

@@ -12,7 +12,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from mtpwrap.run.inputs import load_snapshot
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.launch import LaunchConfig
-    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.profile_types import Profile
     from mtpwrap.proc import ServerProcess
 
 #: the n-gram lookup length of ngram cells (short: the bench's prompts repeat little)
@@ -387,14 +386,6 @@ def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], conc
         "itl_max_s": max(gaps) if gaps else None,
         "aggregate_tokens_per_s": n_tok / wall if wall > 0 else None,
     }
-
-
-def iter_cells(configs: list[BenchConfig], langs: list[str],
-               contexts: list[int]) -> Iterator[tuple[BenchConfig, str, int]]:
-    for cfg in configs:
-        for ctx in contexts:
-            for lang in langs:
-                yield cfg, lang, ctx
 
 
 _KV_LINE = re.compile(

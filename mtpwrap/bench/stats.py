@@ -11,11 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-# The acceptance model lives in decide (the front's depth policy uses it too); its names stay
-# reachable here, where the benchmark's statistics are read.
-from mtpwrap.decide.acceptance import alpha_for_tokens_per_step as alpha_for_tokens_per_step
-from mtpwrap.decide.acceptance import expected_tokens_per_step as expected_tokens_per_step
-from mtpwrap.decide.acceptance import modelled_speedup as modelled_speedup
+# The acceptance model lives in decide: the front's depth policy uses it too.
+from mtpwrap.decide.acceptance import alpha_for_tokens_per_step, expected_tokens_per_step
 
 #: Counter names as llama-server prints them on /metrics (with `--metrics`).
 M_PROMPT_TOKENS = "llamacpp:prompt_tokens_total"

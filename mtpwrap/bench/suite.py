@@ -64,22 +64,6 @@ class Plan:
         return d
 
 
-def quick_plan(binary: Path, model: Path) -> Plan:
-    """Minutes on a CPU with the demo model: self-draft and ngram speculation, q8_0 KV."""
-    return Plan(
-        configs=[
-            BenchConfig("baseline", spec="none", kv="f16"),
-            BenchConfig("draft", spec="draft", depth=3, kv="f16"),
-            BenchConfig("ngram", spec="ngram", depth=8, kv="f16"),
-            BenchConfig("kv-q8_0", spec="none", kv="q8_0"),
-            BenchConfig("draft+kv-q8_0", spec="draft", depth=3, kv="q8_0"),
-        ],
-        contexts=[512, 2048],
-        binary=binary,
-        model=model,
-    )
-
-
 def hardware_snapshot() -> dict:
     snap: dict = {"platform": platform.platform(), "machine": platform.machine(),
                   "python": platform.python_version(), "cpu_count": os.cpu_count()}

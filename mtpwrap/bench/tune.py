@@ -27,14 +27,14 @@ from mtpwrap.bench.runner import (
     start_launch,
 )
 from mtpwrap.build import spec_probe
-from mtpwrap.decide import profiles
+from mtpwrap.decide import acceptance, profiles
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
     import httpx
 
     from mtpwrap.decide.capabilities import Capabilities
-    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.profile_types import Profile
 
 
 @dataclass
@@ -147,8 +147,8 @@ def analyse(points: list[dict]) -> dict:
     overhead, per_draft = stats.fit_step_cost(fit_pts)
     for row in rows:
         if row.get("alpha") is not None:
-            row["modelled_speedup"] = stats.modelled_speedup(row["alpha"], row["k"], overhead,
-                                                             per_draft)
+            row["modelled_speedup"] = acceptance.modelled_speedup(row["alpha"], row["k"],
+                                                                  overhead, per_draft)
     best = max(rows, key=lambda r: r["tokens_per_s"] or 0.0)
     return {"created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "baseline_tokens_per_s": base["tokens_per_s"], "fit": {"a": overhead, "c": per_draft},

@@ -54,10 +54,6 @@ class SmokeResult:
     log_tail: list[str] = field(default_factory=list)
 
     @property
-    def passed(self) -> bool:
-        return self.status == "passed"
-
-    @property
     def crashed(self) -> bool:
         return self.status == "crashed"
 

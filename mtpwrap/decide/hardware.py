@@ -19,10 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap.decide.nvml_replay import NVML_TEMPERATURE_GPU
-from mtpwrap.decide.nvml_replay import RECORD_FORMAT as RECORD_FORMAT
-from mtpwrap.decide.nvml_replay import RecordedNvml as RecordedNvml
-from mtpwrap.decide.nvml_replay import RecordedNvmlError as RecordedNvmlError
+from mtpwrap.decide.nvml_replay import NVML_TEMPERATURE_GPU, RECORD_FORMAT, RecordedNvml
 from mtpwrap.errors import ConfigError
 from mtpwrap.units import GiB, MiB
 
@@ -77,10 +74,6 @@ class GpuInfo:
         return None if self.memory_total is None else self.memory_total / GiB
 
     @property
-    def memory_free_gib(self) -> float | None:
-        return None if self.memory_free is None else self.memory_free / GiB
-
-    @property
     def cuda_arch(self) -> str | None:
         """The CMAKE_CUDA_ARCHITECTURES value for this card ("89" for an RTX 4090)."""
         if self.compute_capability is None:
@@ -119,12 +112,6 @@ class HardwareSnapshot:
     @property
     def has_gpu(self) -> bool:
         return bool(self.gpus)
-
-    @property
-    def total_gpu_memory(self) -> int | None:
-        if not self.gpus or any(g.memory_total is None for g in self.gpus):
-            return None
-        return sum(g.memory_total or 0 for g in self.gpus)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -387,12 +374,6 @@ def gpu_readings(nvml: Any | None = None) -> list[GpuReading]:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
     return out
-
-
-def gpu_metrics(nvml: Any | None = None) -> list[dict[str, Any]]:
-    """`gpu_readings` as JSON-ready dicts."""
-    return [{**asdict(r), "throttle_reasons": list(r.throttle_reasons)}
-            for r in gpu_readings(nvml)]
 
 
 def throttle_reason_names(mask: int | None) -> list[str]:

@@ -79,8 +79,6 @@ TABLE: dict[str, KvType] = {t.name: t for t in (
     _t("turbo3", 128, 50, "turbo", _TURBO.format("turbo3", "TURBO3")),
     _t("turbo4", 128, 68, "turbo", _TURBO.format("turbo4", "TURBO4")),
 )}
-#: upstream llama.cpp's own types (what a binary without the fork's or TheTom's offers)
-UPSTREAM_TYPES = tuple(n for n, t in TABLE.items() if t.family in ("float", "upstream"))
 
 
 def size(t: str, measured: Mapping[str, Any] | None = None) -> tuple[int, int]:

@@ -2,8 +2,8 @@
 and rendered once into llama-server's argv and environment.
 
 The flag spellings and the KV and speculation vocabularies live in `vocab`. `choose` decides
-(each choice with its reason), `render` spells, `step_down` makes cheaper variants after
-out-of-memory starts — all on `LaunchConfig`, never on argv strings.
+(each choice with its reason), `render` spells, and `ladder.step_down` makes cheaper variants
+after out-of-memory starts — all on `LaunchConfig`, never on argv strings.
 
 Only flags the built binary lists are emitted; a flag it lacks is a ConfigError naming the flag
 and the binary. Flags llama.cpp has removed (`--draft`, `--draft-n`, `--draft-max`,
@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 from mtpwrap.decide import kv
 from mtpwrap.decide.endpoint import Endpoint, host_and_port
 from mtpwrap.decide.extra_args import check_exposure, check_extra
-from mtpwrap.decide.ladder import ladder as ladder
-from mtpwrap.decide.ladder import step_down as step_down
 from mtpwrap.decide.vocab import (
     DEPTH_FLAGS,
     FULL_PRECISION_KV,
@@ -40,7 +38,7 @@ if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
-    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.profile_types import Profile
 
 
 @dataclass(frozen=True)

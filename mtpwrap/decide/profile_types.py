@@ -109,10 +109,6 @@ class Profile:
     proxy: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
 
-    @property
-    def context_tokens(self) -> int | None:
-        return self.context if isinstance(self.context, int) else None
-
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,

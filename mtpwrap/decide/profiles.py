@@ -23,12 +23,14 @@ from mtpwrap import paths
 from mtpwrap.config.coerce import check_section
 from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
-from mtpwrap.decide.profile_types import ClassPolicy as ClassPolicy
-from mtpwrap.decide.profile_types import HardwareReq as HardwareReq
-from mtpwrap.decide.profile_types import KvTypes as KvTypes
-from mtpwrap.decide.profile_types import Profile as Profile
-from mtpwrap.decide.profile_types import SpecAdapt as SpecAdapt
-from mtpwrap.decide.profile_types import Speculation as Speculation
+from mtpwrap.decide.profile_types import (
+    ClassPolicy,
+    HardwareReq,
+    KvTypes,
+    Profile,
+    SpecAdapt,
+    Speculation,
+)
 from mtpwrap.decide.request_class import CLASSES
 from mtpwrap.decide.vocab import FLASH_ATTN, KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError

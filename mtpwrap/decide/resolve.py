@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from mtpwrap.decide import gguf_facts, kv, planner
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
-from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render, step_down
+from mtpwrap.decide.ladder import step_down
+from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
@@ -29,7 +30,7 @@ from mtpwrap.units import GiB
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.hardware import HardwareSnapshot
-    from mtpwrap.decide.profiles import Profile
+    from mtpwrap.decide.profile_types import Profile
 
 
 

@@ -89,12 +89,6 @@ GEMMA = KnownModel(
 
 KNOWN: tuple[KnownModel, ...] = (DEMO, GEMMA)
 
-# The demo model's names, as older callers spell them.
-DEMO_FILE = DEMO.file
-DEMO_ALIASES = DEMO.aliases
-DEMO_WHEEL = DEMO.wheels[0].filename
-DEMO_WHEEL_SHA256 = DEMO.wheels[0].sha256
-
 
 def known_model(name: str) -> KnownModel | None:
     """The known model one of whose names is `name`."""

@@ -157,7 +157,7 @@ def hub_token(token_file: Path | None) -> str | None:
 @contextlib.contextmanager
 def hub_errors(repo: str, endpoint: str, revision: str) -> Iterator[None]:
     """The library's exceptions as one sentence each (never with a header or token)."""
-    import httpx2
+    import httpx2  # huggingface_hub's HTTP client: its transport errors come through unwrapped
     from huggingface_hub import errors as hf
 
     at = public_endpoint(endpoint)

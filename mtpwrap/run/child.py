@@ -33,7 +33,6 @@ _OOM_PATTERNS = re.compile(
     r"|ErrorOutOfDeviceMemory|unable to allocate .*buffer",
     re.IGNORECASE,
 )
-_BIND_PATTERNS = re.compile(r"couldn't bind|address already in use", re.IGNORECASE)
 _ERROR_WORDS = re.compile(r"error|failed|abort|out of memory|couldn't", re.IGNORECASE)
 #: llama.cpp's own log prefix: elapsed time, then the level letter ("0.00.036.626 W srv ...")
 _LEVEL_PREFIX = re.compile(r"^\s*(?:\d+\.\d+\.\d+\.\d+\s+)?([DIWE])\s")
@@ -98,12 +97,10 @@ class ChildProcess:
         self.base_url = base_url
         self.socket = socket
         self.api_key = api_key
-        self.started_mono = time.monotonic()
         self.started_at = time.time()
         self.health_ok_at: float | None = None  # first /health 200, wall time
         self.last_output = time.monotonic()
         self.saw_oom = False
-        self.saw_bind_error = False
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self._file_logger = file_logger
         self._limiter = _RateLimiter(lines_per_s, burst=max(10, int(lines_per_s * 3)))
@@ -160,8 +157,6 @@ class ChildProcess:
         self.tail.append(line)
         if _OOM_PATTERNS.search(line):
             self.saw_oom = True
-        if _BIND_PATTERNS.search(line):
-            self.saw_bind_error = True
         if self._file_logger is not None:
             self._file_logger.info(line)
         if self._limiter.allow():

@@ -16,7 +16,7 @@ from mtpwrap.build.binary import find_binary
 from mtpwrap.decide import hardware, profiles
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.hardware import HardwareSnapshot
-from mtpwrap.decide.profiles import Profile
+from mtpwrap.decide.profile_types import Profile
 from mtpwrap.decide.resolve import GiB, Inputs, Resolved, device_bytes, on_device, resolve
 from mtpwrap.errors import ConfigError, MissingToolError, MtpwrapError
 from mtpwrap.models import known as models

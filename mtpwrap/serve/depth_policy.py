@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from mtpwrap.decide import acceptance
-from mtpwrap.decide.profiles import ClassPolicy, SpecAdapt
+from mtpwrap.decide.profile_types import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import CLASSES, classify
 from mtpwrap.serve.info import ServeInfo
 

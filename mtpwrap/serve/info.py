@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mtpwrap.decide.profiles import Speculation
+from mtpwrap.decide.profile_types import Speculation
 
 #: what `build/spec_probe` says of a binary and a request's own `speculative.n_max`
 PER_REQUEST_DEPTH = ("honoured", "ignored", "unknown")
