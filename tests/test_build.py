@@ -473,3 +473,18 @@ def test_the_pin_is_the_checkouts_own_gitlink(tmp_path: Path) -> None:
     held = source.resolve(None, root=root)
     assert held.kind == "submodule" and held.pinned and held.commit == head
     assert source.pin_status(root) == (head, head)
+
+
+def test_the_ui_download_is_turned_off_only_where_the_tree_declares_it(tmp_path: Path) -> None:
+    """Upstream 0c1e570 downloads a prebuilt UI unless LLAMA_USE_PREBUILT_UI is off; the fork
+    does not declare it, and CMake would call the option unused (configure-only fails then)."""
+    upstream, fork = tmp_path / "upstream", tmp_path / "fork"
+    for tree in (upstream, fork):
+        tree.mkdir()
+    (upstream / "CMakeLists.txt").write_text(
+        'option(LLAMA_BUILD_UI        "llama: build the embedded Web UI for server" OFF)\n'
+        'option(LLAMA_USE_PREBUILT_UI "llama: use prebuilt UI from HF Bucket" ON)\n')
+    (fork / "CMakeLists.txt").write_text('option(LLAMA_BUILD_WEBUI "Build the Web UI" ON)\n')
+    assert planning.webui_options(upstream)[0] == {"LLAMA_USE_PREBUILT_UI": "OFF"}
+    assert planning.webui_options(fork)[0] == {"LLAMA_BUILD_WEBUI": "OFF"}  # no bundle.js
+    assert "LLAMA_USE_PREBUILT_UI" not in planning.plan_build(cpu=True).options

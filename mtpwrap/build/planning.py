@@ -258,7 +258,6 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
         "LLAMA_OPENSSL": "OFF",
         "LLAMA_BUILD_TESTS": "OFF",
         "LLAMA_BUILD_EXAMPLES": "OFF",
-        "LLAMA_USE_PREBUILT_UI": "OFF",
         "BUILD_SHARED_LIBS": "OFF",
         **isa_options(cpu_isa),
     }
@@ -312,7 +311,7 @@ def source_is_fork(source_spec: str | None) -> bool:
     return source_spec in (None, "", "auto") and source.submodule_source() is not None
 
 
-_OPTION = re.compile(r"option\s*\(\s*(LLAMA_BUILD_WEBUI|LLAMA_BUILD_UI)\s")
+_OPTION = re.compile(r"option\s*\(\s*(LLAMA_BUILD_WEBUI|LLAMA_BUILD_UI|LLAMA_USE_PREBUILT_UI)\s")
 
 
 def _declared_options(tree: Path) -> set[str]:
@@ -344,11 +343,16 @@ def webui_options(tree: Path) -> tuple[dict[str, str], dict[str, Any]]:
         return {"LLAMA_BUILD_WEBUI": "ON"}, {
             "in_binary": True, "why": "built from the tree's tools/server/public bundle "
                                       "(LLAMA_BUILD_WEBUI=ON)"}
+    # Newer upstream downloads a prebuilt UI at configure time unless told not to; a tree that
+    # does not declare the option (the fork) is not given it (CMake would call it unused).
+    no_download = ({"LLAMA_USE_PREBUILT_UI": "OFF"} if "LLAMA_USE_PREBUILT_UI" in declared
+                   else {})
     if "LLAMA_BUILD_UI" in declared:
         dist = tree / "tools" / "ui" / "dist" / "index.html"
         if dist.is_file():
-            return {}, {"in_binary": True, "why": "the tree has a built UI in tools/ui/dist"}
-        return {}, {"in_binary": False,
+            return no_download, {"in_binary": True,
+                                 "why": "the tree has a built UI in tools/ui/dist"}
+        return no_download, {"in_binary": False,
                     "why": "no built UI in tools/ui/dist, and LLAMA_BUILD_UI (npm) and "
                            "LLAMA_USE_PREBUILT_UI (download) are off"}
-    return {}, {"in_binary": None, "why": "the tree declares no web UI option"}
+    return no_download, {"in_binary": None, "why": "the tree declares no web UI option"}
