@@ -38,7 +38,7 @@ lint: install
 	$(BIN)/vulture  # dead code; paths and whitelist in pyproject.toml [tool.vulture]
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
-# time and ccache makes a rebuild after a patch or flag change quick; the fleet tests run HAProxy
+# time and ccache lets a rebuild under a new cache key reuse unchanged objects; the fleet tests run HAProxy
 # and Prometheus (with promtool) for real. Installed with
 # apt-get when missing and run as root; otherwise one line says what to install.
 BUILD_TOOLS := patch:patch ccache:ccache

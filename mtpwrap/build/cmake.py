@@ -177,7 +177,11 @@ def _compile_targets(build_dir: Path, log: Path, tag: str, jobs: int | None,
     n = jobs or os.cpu_count() or 2
     cmd = ["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(n), "--target"]
     cmd += list(TARGETS)
-    rc, tail = _run_logged(cmd, log, "compile" + tag, progress, dict(os.environ))
+    # ccache (when it is the launcher) hashes absolute paths: relative to this build's own
+    # folder, which holds the patched overlay too, the same source compiles to the same cache
+    # entry whichever cache key (patch set, options) the build folder is named by.
+    env = {**os.environ, "CCACHE_BASEDIR": str(build_dir), "CCACHE_NOHASHDIR": "true"}
+    rc, tail = _run_logged(cmd, log, "compile" + tag, progress, env)
     if rc != 0:
         raise BuildError(
             f"compiling {', '.join(TARGETS)} failed (exit {rc}).",
