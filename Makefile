@@ -38,9 +38,9 @@ lint: install
 	$(BIN)/vulture  # dead code; paths and whitelist in pyproject.toml [tool.vulture]
 
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
-# time and ccache lets a rebuild under a new cache key reuse unchanged objects; the fleet tests run HAProxy
-# and Prometheus (with promtool) for real. Installed with
-# apt-get when missing and run as root; otherwise one line says what to install.
+# time, and ccache lets a rebuild under a new cache key reuse unchanged objects; the fleet tests
+# run HAProxy and Prometheus (with promtool) for real. Installed with apt-get when missing and
+# run as root; otherwise one line says what to install.
 BUILD_TOOLS := patch:patch ccache:ccache
 SYSTEM_TOOLS := $(BUILD_TOOLS) haproxy:haproxy prometheus:prometheus promtool:prometheus \
                 openssl:openssl
