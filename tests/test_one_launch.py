@@ -64,13 +64,12 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(snap)}, env={})
     try:
-        launch = up_launch.resolve_launch(s)
+        # `args` shows the launch without the snapshot directory of a running service
+        launch = up_launch.resolve_launch(s, slot_save_path=None)
     except ConfigError as exc:
         return EXIT_CONFIG, str(exc)
     if launch.deferred is not None:
         launch.deferred()
-    # `args` shows the launch without the snapshot directory of a running service
-    launch.slot_save_path = None
     # the socket `up` would bind, or, for a binary without socket support, the port `args` shows
     where = launch.endpoint if launch.endpoint.socket else Endpoint(port=PORT)
     spec = launch.factory(where, "internal-key", 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -31,11 +32,12 @@ def replay(tmp_path: Path, free_gib: float | None = None, gpu: str = "rtx4090") 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
             free_gib: float | None = None, plan: str | None = None,
-            gpu: str = "rtx4090") -> up_launch.Launch:
+            gpu: str = "rtx4090",
+            slot_save_path: Path | None | Literal["settings"] = "settings") -> up_launch.Launch:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib, gpu)),
                                 "plan": plan}, env={})
-    return up_launch.resolve_launch(s)
+    return up_launch.resolve_launch(s, slot_save_path)
 
 
 def recorded_fork(tmp_path: Path, name: str) -> Path:
@@ -181,9 +183,7 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         tmp_path: Path, fork_binary: Path, model_27b: Path) -> None:
     from mtpwrap.config.objects import default_snapshot_dir
 
-    launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
-
-    def saves_in() -> str | None:
+    def saves_in(launch: up_launch.Launch) -> str | None:
         spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
         # the command names the launch it renders: snapshots are matched on its fields
         assert spec is not None and launch.resolved is not None
@@ -192,11 +192,14 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         argv = list(spec.argv)
         return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
 
-    assert saves_in() == str(default_snapshot_dir())  # persist.dir's default
-    launch.slot_save_path = tmp_path / "store"  # the directory the service opened
-    assert saves_in() == str(tmp_path / "store")
-    launch.slot_save_path = None  # persistence off
-    assert saves_in() is None
+    def launch(slot_save_path: Path | None | Literal["settings"]) -> up_launch.Launch:
+        return resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary,
+                       slot_save_path=slot_save_path)
+
+    assert saves_in(launch("settings")) == str(default_snapshot_dir())  # persist.dir's default
+    # the directory of the store the running service opened, kept across a reload
+    assert saves_in(launch(tmp_path / "store")) == str(tmp_path / "store")
+    assert saves_in(launch(None)) is None  # persistence off
 
 
 def test_plan_that_does_not_fit_stops_before_the_start(tmp_path: Path,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from mtpwrap import promtext
+
 # The acceptance model lives in decide: the front's depth policy uses it too.
 from mtpwrap.decide.acceptance import alpha_for_tokens_per_step, expected_tokens_per_step
 
@@ -28,19 +30,17 @@ M_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
 def parse_metrics(text: str) -> dict[str, object]:
     """Prometheus text → {sample name: value}, per-position counter → {name: {pos: value}}.
 
-    Parsed with prometheus_client's own parser rather than by hand.
+    Read by the one Prometheus text reader (`mtpwrap.promtext`); other labelled samples are
+    left out.
     """
-    from prometheus_client.parser import text_string_to_metric_families
-
     out: dict[str, object] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if "position" in s.labels:
-                per = out.setdefault(s.name, {})
-                assert isinstance(per, dict)
-                per[int(s.labels["position"])] = s.value
-            elif not s.labels:
-                out[s.name] = s.value
+    for s in promtext.samples(text):
+        if "position" in s.labels:
+            per = out.setdefault(s.name, {})
+            assert isinstance(per, dict)
+            per[int(s.labels["position"])] = s.value
+        elif not s.labels:
+            out[s.name] = s.value
     return out
 
 

@@ -138,9 +138,9 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: Pat
                               kv_limits=resolve.limit_types(inp.kv_sizes, inp.caps))
     if r.plan is None:
         raise ConfigError(f"{inp.model}: {r.plan_text}")
-    if measure and inp.caps is not None and r.measured_text is None:
-        inputs.measure(r, refuse=False)
     p = r.plan
+    if measure and inp.caps is not None and r.measured_text is None:
+        r = inputs.measure(r, refuse=False)  # the same plan, with llama.cpp's own figures
     device = resolve.device_bytes(inp.profile, snap)
     desc = (snap.gpus[0].name or "GPU 0") if device is not None else "CPU (host memory)"
     if as_json:

@@ -50,10 +50,14 @@ class Inputs:
     manifest: Any = None  #: the build's manifest when `binary` is the built one
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolved:
     """The launch and its memory plan (made now on a device or for `context: max`, else on
-    demand: planning reads the model's header)."""
+    demand: planning reads the model's header).
+
+    Frozen: made once by `resolve`. What is learnt later is a new Resolved, never a change to
+    this one: `ensure_plan` returns the planned launch, `mtpwrap.run.inputs.measure` the
+    measured one, and a step-down (`step_down`) is a new LaunchConfig."""
 
     inputs: Inputs
     launch: LaunchConfig
@@ -252,7 +256,7 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
     r = Resolved(inputs=inp, launch=cfg, facts=facts)
     gpu = on_device(profile, snapshot)
     if plan or (plan is None and (profile.context == "max" or gpu)):
-        ensure_plan(r, kv_limits=kv_limits, refuse=refuse)
+        r = ensure_plan(r, kv_limits=kv_limits, refuse=refuse)
         if refuse and r.plan is None and gpu:
             why = (r.plan_text or "").removeprefix("not planned (").removesuffix(")")
             raise ConfigError(
@@ -266,28 +270,31 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
 
 def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
                 refuse: bool = True) -> Resolved:
-    """Make r's memory plan (once). Sets `plan_text` to "not planned (why)" when the planner
-    cannot size this configuration; raises ConfigError when it does not fit the device."""
+    """r with its memory plan (r itself when it is planned already): a new Resolved, whose
+    `plan_text` is "not planned (why)" when the planner cannot size this configuration; raises
+    ConfigError when it does not fit the device. For `context: max` on a device the new one's
+    launch has the largest context that fits."""
     if r.planned and kv_limits is None:
         return r
     prof, inp = r.profile, r.inputs
     device = device_bytes(prof, inp.snapshot)
     backend = "cuda" if on_device(prof, inp.snapshot) else "cpu"
+    launch = r.launch
     try:
-        facts = r.facts or gguf_facts.read_facts(Path(r.launch.model))
-        draft = (gguf_facts.read_facts(Path(r.launch.draft_model)).tensor_bytes
-                 if r.launch.spec == "draft" and r.launch.draft_model else 0)
-        pc = plan_config(r.launch, facts, backend=backend, draft_weight_bytes=draft,
+        facts = r.facts or gguf_facts.read_facts(Path(launch.model))
+        draft = (gguf_facts.read_facts(Path(launch.draft_model)).tensor_bytes
+                 if launch.spec == "draft" and launch.draft_model else 0)
+        pc = plan_config(launch, facts, backend=backend, draft_weight_bytes=draft,
                          caps=inp.caps)
         if prof.context == "max" and device:
             n = planner.largest_context(facts, pc, device, inp.kv_sizes)
             if n > 0:
-                r.launch = r.launch.replace(
+                launch = launch.replace(
                     context=n, why={"context": "context: max; the memory plan's largest "
                                                "context that fits"})
                 pc = dataclasses.replace(pc, n_ctx=n)
         if kv_limits is not None:
-            target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+            target = dataclasses.replace(kv_target(inp), flash_attn=launch.flash_attn or "auto")
             listed, refused = admitted_types(kv_limits, facts, target)
             p = planner.plan_with_limits(facts, pc, device, inp.kv_sizes, kv_types=listed)
             p.not_admitted = refused
@@ -295,15 +302,13 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
             p = planner.plan(facts, pc, device, inp.kv_sizes)
     except ConfigError as exc:
         # e.g. a KV type the planner has no size for yet: plan nothing rather than refuse.
-        r.plan, r.plan_text = None, f"not planned ({exc})"
-        return r
-    r.facts = facts
+        return dataclasses.replace(r, launch=launch, plan=None, plan_text=f"not planned ({exc})")
     if device is not None and refuse and not p.fits:
         # the largest context that does fit, for the chosen KV type and each of the profile's
         # fallbacks (it is the context, not everything, that no longer fits)
         wanted = list(dict.fromkeys([pc.type_k, *prof.kv.k, *prof.kv.v]))
         offered = set(limit_types(inp.kv_sizes, inp.caps)) if inp.caps is not None else None
-        target = dataclasses.replace(kv_target(inp), flash_attn=r.launch.flash_attn or "auto")
+        target = dataclasses.replace(kv_target(inp), flash_attn=launch.flash_attn or "auto")
         listed, _ = admitted_types([t for t in wanted if offered is None or t in offered
                                     or t == pc.type_k], facts, target)
         for t in listed:
@@ -313,10 +318,8 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
             except ConfigError:
                 continue  # a type without a known size
         planner.check_fits(p)
-    r.plan = p
     where = "GPU" if device is not None else "host"
     text = f"{p.total / GiB:.2f} GiB on the {where} at context {p.context:,}"
     if p.headroom is not None:
         text += f", headroom {p.headroom / GiB:.2f} GiB"
-    r.plan_text = text
-    return r
+    return dataclasses.replace(r, launch=launch, facts=facts, plan=p, plan_text=text)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap import upstream
+from mtpwrap import promtext, upstream
 from mtpwrap.build.smoke import judge_completion
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.proc import child_env, signal_group, start_async, stop_async
@@ -218,17 +218,12 @@ class ChildProcess:
             return None
         if r.status_code != 200:
             return None
-        from prometheus_client.parser import text_string_to_metric_families
-
-        out: dict[str, float] = {}
         try:
-            for family in text_string_to_metric_families(r.text):
-                for sample in family.samples:
-                    if sample.name.startswith("llamacpp:") and not sample.labels:
-                        out[sample.name[len("llamacpp:"):]] = sample.value
+            page = promtext.samples(r.text)
         except ValueError:  # a page that is not Prometheus text: no readings
             return None
-        return out
+        return {s.name[len("llamacpp:"):]: s.value for s in page
+                if s.name.startswith("llamacpp:") and not s.labels}
 
     async def slot_action(self, slot: int, action: str, filename: str | None = None,
                           timeout: float = 600.0) -> tuple[bool, dict[str, Any]]:

@@ -6,6 +6,7 @@ hardware snapshot or a recording of one, the profile and the model — then the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def resolve_inputs(inp: Inputs, *, plan: bool | None = None,
                 binary=inp.binary, kv_sizes=inp.kv_sizes, plan=plan, kv_limits=kv_limits,
                 inputs=inp, refuse=refuse)
     if refuse and r.plan is not None and on_device(inp.profile, inp.snapshot):
-        measure(r)
+        r = measure(r)
     return r
 
 
@@ -107,22 +108,22 @@ def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Reso
     and prints the buffers llama.cpp would allocate (nothing is allocated). A flag that
     llama-fit-params lacks and that does not size memory (the fork's rejects --spec-type) is
     left out and named; the plan's rows for what it left out (the MTP rows) are added to its
-    figure. The figures go next to the plan's (`measured`); where there is a device, the verdict
-    uses them: a launch llama.cpp itself sizes beyond the free memory is refused. Without the
-    binary or the model file, `measured_text` says why nothing was measured."""
+    figure. The figures go next to the plan's (`measured`, in the new Resolved returned); where
+    there is a device, the verdict uses them: a launch llama.cpp itself sizes beyond the free
+    memory is refused. Without the binary or the model file, `measured_text` says why nothing
+    was measured."""
     inp = r.inputs
     if inp.binary is None or not Path(r.launch.model).is_file():
-        r.measured_text = "not measured (no built binary or no model file here)"
-        return r
+        return dataclasses.replace(
+            r, measured_text="not measured (no built binary or no model file here)")
     try:
         fit = calibrate.fit_params_binary(inp.binary)
         rendered = calibrate.fit_params_launch(fit, r.launch)
         a = calibrate.parse_allocations(calibrate.run_fit_params(
             fit, Path(r.launch.model), rendered.argv[3:], timeout=timeout))
     except (MtpwrapError, OSError) as exc:
-        r.measured_text = f"not measured ({exc})"
-        return r
-    r.measured = {"weights": a.model_total, "kv": a.kv_total, "recurrent": a.recurrent_total,
+        return dataclasses.replace(r, measured_text=f"not measured ({exc})")
+    measured = {"weights": a.model_total, "kv": a.kv_total, "recurrent": a.recurrent_total,
                   "compute": sum(a.compute_per_context) or a.compute_total,
                   "output": a.output}
     note = ""
@@ -131,22 +132,24 @@ def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Reso
         planned = sum(row.bytes for row in (r.plan.rows if r.plan else [])
                       if row.name.startswith("MTP") and row.where == "gpu") if spec_dropped else 0
         if planned:
-            r.measured["planned MTP"] = planned
+            measured["planned MTP"] = planned
         # without --spec-type llama.cpp keeps one recurrent row per slot; MTP keeps
         # 1 + depth of them (common/common.cpp: n_rs_seq = the draft depth)
         snapshots = (max(0, r.plan.row("recurrent state").bytes - a.recurrent_total)
                      if spec_dropped and r.plan else 0)
         if snapshots:
-            r.measured["planned recurrent snapshots"] = snapshots
+            measured["planned recurrent snapshots"] = snapshots
             planned += snapshots
         note = (f" without {', '.join(rendered.dropped)} (this llama-fit-params lacks "
                 + ("them" if len(rendered.dropped) > 1 else "it")
                 + (f"; the plan's {planned / GiB:.2f} GiB of MTP rows"
                    + (" and recurrent snapshots" if snapshots else "") + " added)" if planned
                    else ")"))
-    total = sum(r.measured.values())
-    r.measured["total"] = total
-    r.measured_text = f"{total / GiB:.2f} GiB measured by llama-fit-params{note}"
+    total = sum(measured.values())
+    measured["total"] = total
+    r = dataclasses.replace(r, measured=measured,
+                            measured_text=f"{total / GiB:.2f} GiB measured by llama-fit-params"
+                                          f"{note}")
     device = device_bytes(r.profile, inp.snapshot)
     if (refuse and device is not None and r.plan is not None
             and total + r.plan.config.margin > device):

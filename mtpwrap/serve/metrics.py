@@ -20,9 +20,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
+from mtpwrap import promtext
 from mtpwrap.decide import hardware
 from mtpwrap.decide.hardware import GpuReading
 from mtpwrap.run.state import State, SupervisorStatus
@@ -228,7 +228,7 @@ def _gpu_families(samples: list[GpuReading]) -> Iterator[Metric]:
 def parse_backend(text: str) -> list[Metric]:
     """llama-server's exposition with `llamacpp:` names moved under `mtpwrap_backend_`."""
     out: list[Metric] = []
-    for fam in text_string_to_metric_families(text):
+    for fam in promtext.families(text):
         name = BACKEND_PREFIX + fam.name.split(":", 1)[-1].replace(":", "_")
         m = Metric(name, fam.documentation, fam.type, fam.unit)
         for s in fam.samples:

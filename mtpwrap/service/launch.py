@@ -4,10 +4,11 @@ that can fail on bad input runs here, so a refusal starts nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mtpwrap import paths
 from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
@@ -29,8 +30,33 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class ChildFactory:
+    """The supervisor's `LaunchFactory` for a resolved launch: each start's rung of the
+    step-down ladder (`Resolved.step_down`), rendered with that start's endpoint and key and
+    with the snapshot directory decided with the launch.
+
+    `resolved` is replaced once at most: by the deferred plan (`Launch.deferred`), with the
+    planned launch, so that later step-downs are ordered by its plan."""
+
+    resolved: Resolved
+    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence off)
+    slot_save_path: Path | None
+    listen_why: str  #: why llama-server listens where it does (the endpoint's `why`)
+
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+        r = self.resolved
+        rung = r.step_down(step)
+        if rung is None:
+            return None
+        spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.listen_why),
+                        api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path)
+        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
+
+
+@dataclass
 class Launch:
-    """Everything `up` decided before starting anything."""
+    """Everything `up` decided before starting anything. The service's record: the deferred
+    plan, run once llama-server is starting, replaces `info` (and the factory's `resolved`)."""
 
     factory: LaunchFactory
     info: ServeInfo  # static facts: summary, /healthz, state file
@@ -41,24 +67,28 @@ class Launch:
     slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
     #: work that only informs (the summary), run once llama-server is starting
     deferred: Callable[[], None] | None = None
-    resolved: Resolved | None = None  #: the resolved launch this one renders
-    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence
-    #: off); the running service sets the directory of the store it opened
-    slot_save_path: Path | None = None
     #: where llama-server listens (its port, over TCP, is the supervisor's at each start)
     endpoint: Endpoint = field(default_factory=Endpoint)
+
+    @property
+    def resolved(self) -> Resolved | None:
+        """The resolved launch this one renders (None for a factory of another kind)."""
+        return self.factory.resolved if isinstance(self.factory, ChildFactory) else None
 
     @property
     def socket(self) -> Path | None:
         return Path(self.endpoint.socket) if self.endpoint.socket is not None else None
 
 
-def resolve_launch(settings: Settings) -> Launch:
+def resolve_launch(settings: Settings,
+                   slot_save_path: Path | None | Literal["settings"] = "settings") -> Launch:
     """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
-    and the factory the supervisor calls for each start (port, key, step-down rung)."""
-    import dataclasses
+    and the factory the supervisor calls for each start (port, key, step-down rung).
 
-
+    slot_save_path: the KV snapshot directory llama-server saves slots in, decided here once:
+    "settings" for the settings' own `persist.dir` (None when persistence is off) — the
+    directory of the store a new service opens —, else the directory of the store a running
+    service keeps across a reload (None: no store)."""
     inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
                         replay=settings.hw_replay)
     skip = settings.plan == "skip"
@@ -66,25 +96,19 @@ def resolve_launch(settings: Settings) -> Launch:
     gpu = resolve.on_device(inp.profile, inp.snapshot)
     warnings = list(inp.warnings)
     if skip:
-        r.plan_text = "skipped (--no-plan)"
+        r = dataclasses.replace(r, plan_text="skipped (--no-plan)")
         if gpu:
             warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
                             "checked against the GPU's free memory")
     cfg = r.launch
     pcfg = persist_config(settings)
     snapshots = pcfg.directory if pcfg is not None else None
+    saves_in = snapshots if isinstance(slot_save_path, str) else slot_save_path
     listen = upstream_endpoint(r)
-    # spells every flag now: a bad one fails here
+    # spells every flag now, with the settings' own persist.dir: a bad one fails here
     first = r.render(endpoint=dataclasses.replace(listen, port=listen.port or 0),
                      api_key="x", slot_save_path=snapshots)
-
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
-        rung = r.step_down(step)
-        if rung is None:
-            return None
-        spec = r.render(endpoint=dataclasses.replace(endpoint, why=listen.why), api_key=api_key,
-                        cfg=rung, slot_save_path=result.slot_save_path)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
+    factory = ChildFactory(r, slot_save_path=saves_in, listen_why=listen.why)
 
     depth = _per_request_depth(inp.manifest)
     webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
@@ -104,15 +128,18 @@ def resolve_launch(settings: Settings) -> Launch:
                                for d in first.decisions],
                     warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
-                    slots=cfg.slots, resolved=r, slot_save_path=snapshots, endpoint=listen)
+                    slots=cfg.slots, endpoint=listen)
     if not r.planned and not skip:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only.
         def plan_later() -> None:
+            text: str | None
             try:
-                text = resolve.ensure_plan(r).memory_text
+                planned = resolve.ensure_plan(factory.resolved)
             except Exception as exc:  # informational only: never stop serving over it
                 text = f"not planned ({exc})"
+            else:
+                factory.resolved, text = planned, planned.memory_text
             result.info = dataclasses.replace(result.info, memory_plan=text)
 
         result.deferred = plan_later
@@ -173,10 +200,13 @@ def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> F
     return Front(supervisor, config, launch.info)
 
 
-def prepare(settings: Settings) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
-    """Every check `up` makes before starting anything, for a new configuration: the launch,
-    the supervisor's and the front's settings. Raises ConfigError and starts nothing."""
-    launch = resolve_launch(settings)
+def prepare(settings: Settings,
+            slot_save_path: Path | None | Literal["settings"] = "settings"
+            ) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
+    """Every check `up` makes before starting anything, for a new configuration: the launch
+    (slot_save_path as `resolve_launch` takes it), the supervisor's and the front's settings.
+    Raises ConfigError and starts nothing."""
+    launch = resolve_launch(settings, slot_save_path)
     cfg = supervisor_config(settings, launch)
     front_config = proxy_config(settings, launch)
     return launch, cfg, front_config

@@ -106,7 +106,9 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
                             0 if ok else 1)
     try:
         new_settings = await asyncio.to_thread(reread_settings, inputs)
-        launch, cfg, new_front = await asyncio.to_thread(prepare, new_settings)
+        # llama-server keeps the running store's directory (persist settings wait for a restart)
+        launch, cfg, new_front = await asyncio.to_thread(
+            prepare, new_settings, store.directory if store is not None else None)
     except MtpwrapError as exc:
         return ReloadResult(ReloadOutcome.REFUSED,
                             f"not reloaded, llama-server left as it was: {exc}", exc.exit_code)
@@ -124,8 +126,6 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         notes.append("proxy settings change only when mtpwrap restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
         notes.append("persist settings change only when mtpwrap restarts")
-    # llama-server keeps the running store's directory (persist settings wait for a restart)
-    launch.slot_save_path = store.directory if store is not None else None
     ok, message = await sup.reload(launch.factory, new_settings.drain_s)
     message = "; ".join([message, *notes])
     if not ok:

@@ -100,8 +100,8 @@ class Service:
         self.announce = announce
         self.config = supervisor_config(settings, launch)
         self.inputs = reload_inputs(settings)
+        # the launch saves slots in this store's directory: both are the settings' persist.dir
         self.store = open_snapshots(settings)
-        launch.slot_save_path = self.store.directory if self.store is not None else None
         self.sup = Supervisor(launch.factory, self.config, snapshots=self.store,
                               socket=launch.socket)
         self.url = public_url(settings.host, settings.port)
