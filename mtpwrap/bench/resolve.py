@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,11 +33,7 @@ def model_path(explicit: str | None) -> Path:
             return p
 
         return Path(models.resolve_model(explicit))
-    env = os.environ.get("MTPWRAP_DEMO_MODEL")
-    if env and Path(env).is_file():
-        return Path(env)
-
-    return Path(models.ensure_demo_model())
+    return Path(models.ensure_demo_model())  # honours MTPWRAP_DEMO_MODEL (models.known)
 
 
 def int_list(value: str, what: str) -> list[int]:
