@@ -166,6 +166,15 @@ def test_fork_options_are_set_only_for_the_fork(tmp_path: Path,
         assert fork.options[name] == planning.FORK_CUDA_OPTIONS[name][0]
     assert fork.cuda is not None
     assert set(fork.cuda["fork_options"]) == set(planning.FORK_CUDA_OPTIONS)
+    # tbq4_0's flash attention does not need FA_ALL_QUANTS (the fork's own sources); planar/iso do
+    assert fork.options["GGML_CUDA_FA_ALL_QUANTS"] == "OFF"
+    assert "compiled in either way" in fork.cuda["fork_options"]["GGML_CUDA_FA_ALL_QUANTS"]["why"]
+    asked = planning.plan_build(cuda_arch="89", fork=True, fa_all_quants=True)
+    assert asked.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON"
+    assert asked.options["GGML_CUDA_FA"] == "ON"
+    plain = planning.plan_build(cuda_arch="89", fa_all_quants=True)
+    assert plain.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON" and plain.cuda is not None
+    assert "--fa-all-quants" in plain.cuda["fa_all_quants"]
 
 
 def test_fork_cuda_option_names_are_the_forks_own(repo_root: Path) -> None:
@@ -437,19 +446,3 @@ def test_the_cuda_build_made_here_answers_help_without_a_gpu() -> None:
     if not planning.present_gpu_archs():
         assert m.smoke_status == "skipped" and "no NVIDIA GPU" in (m.smoke or {})["detail"]
 
-
-def test_fa_all_quants_is_off_for_the_fork_unless_asked(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch,
-                                                        isolated_home: Path) -> None:
-    """tbq4_0's flash attention does not need it (the fork's own sources); planar/iso do."""
-    tk = _toolkit(tmp_path)
-    monkeypatch.setattr(toolchain, "cuda_toolkit", lambda: tk)
-    fork = planning.plan_build(cuda_arch="89", fork=True)
-    assert fork.options["GGML_CUDA_FA_ALL_QUANTS"] == "OFF"
-    assert "compiled in either way" in fork.cuda["fork_options"]["GGML_CUDA_FA_ALL_QUANTS"]["why"]
-    asked = planning.plan_build(cuda_arch="89", fork=True, fa_all_quants=True)
-    assert asked.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON"
-    assert asked.options["GGML_CUDA_FA"] == "ON"
-    upstream = planning.plan_build(cuda_arch="89", fa_all_quants=True)
-    assert upstream.options["GGML_CUDA_FA_ALL_QUANTS"] == "ON" and upstream.cuda is not None
-    assert "--fa-all-quants" in upstream.cuda["fa_all_quants"]

@@ -13,11 +13,11 @@ checked before a machine is lent; the run records what each cell really took.
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import proc
 from mtpwrap.build import source
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
@@ -130,11 +130,15 @@ def plan(facts: ModelFacts, bandwidth: float | None = None, budget_s: float = BU
             "n_predict": N_PREDICT, "speculation": "off"}
 
 
+def _bytes(root: Path, names: list[str]) -> int:
+    """The size of the files `names` (relative to `root`) that are there."""
+    return sum((root / n).stat().st_size for n in names if n and (root / n).is_file())
+
+
 def carry(repo: Path, tracked: list[str]) -> list[dict]:
     """What the machine needs carried (it has no network): the tracked tree, the runtime
     wheels (`make wheelhouse`) and a build made elsewhere (`.prebuilt/`), where present."""
-    items = [{"path": ".", "bytes": sum((repo / f).stat().st_size for f in tracked
-                                        if (repo / f).is_file())}]
+    items = [{"path": ".", "bytes": _bytes(repo, tracked)}]
     for extra in (".wheelhouse", ".prebuilt"):
         d = repo / extra
         files = [f for f in d.rglob("*") if f.is_file()] if d.is_dir() else []
@@ -146,11 +150,10 @@ def carry(repo: Path, tracked: list[str]) -> list[dict]:
 def _tree_bytes(tree: Path) -> int | None:
     """The size of a git tree's checked-out files (None: not a git tree)."""
     try:
-        names = subprocess.run(["git", "-C", str(tree), "ls-files", "-z"], capture_output=True,
-                               check=True, timeout=60).stdout.decode().split("\0")
-    except (OSError, subprocess.SubprocessError):
+        done = proc.run(["git", "-C", str(tree), "ls-files", "-z"], timeout=60)
+    except proc.ProcError:
         return None
-    return sum((tree / n).stat().st_size for n in names if n and (tree / n).is_file())
+    return _bytes(tree, done.stdout.split("\0")) if done.returncode == 0 else None
 
 
 def engine(repo: Path, carried: dict[str, Any] | None, carried_bytes: int | None,

@@ -130,18 +130,19 @@ def for_source(kind: str, commit: str | None, *, no_patches: bool = False,
     applied, opted_out = select(no_patches or own_tree, skip, directory)
     why_out = ("a --source PATH tree is built as it is" if own_tree
                else "--no-patches" if no_patches else "--skip-patch")
-    records = [p.record("opted-out", why_out) for p in opted_out]
-    kept: list[Patch] = []
     here = f"{kind} at {commit[:12]}" if commit else kind
-    for p in applied:
-        if p.meant_for(kind, commit):
+    kept: list[Patch] = []
+    records: list[dict[str, Any]] = []
+    for p in sorted([*applied, *opted_out], key=lambda p: p.name):  # the set's own order
+        if p in opted_out:
+            records.append(p.record("opted-out", why_out))
+        elif p.meant_for(kind, commit):
             kept.append(p)
-            continue
-        records.append(p.record("not-for-source", f"written for {', '.join(p.sources)}; this "
-                                f"build's source is the {here}"))
-    order = {p.name: i for i, p in enumerate(available(directory))}
-    records = [p.record("applied") for p in kept] + records
-    return kept, sorted(records, key=lambda r: order.get(r["name"], 0))
+            records.append(p.record("applied"))
+        else:
+            records.append(p.record("not-for-source", f"written for {', '.join(p.sources)}; "
+                                    f"this build's source is the {here}"))
+    return kept, records
 
 
 def key_part(applied: Sequence[Patch]) -> list[list[str]]:
