@@ -48,7 +48,10 @@ def _cfg(**kw: object) -> ProxyConfig:
 
 @pytest.fixture
 def front(fake: FakeUpstream) -> Iterator[object]:
-    with serve_front(fake.base_url, fake.api_key, _cfg()) as (srv, _sup):
+    from mtpwrap.serve.info import ServeInfo
+
+    with serve_front(fake.base_url, fake.api_key, _cfg(), ServeInfo(n_vocab=1000)) as (srv,
+                                                                                     _sup):
         yield srv
 
 
@@ -96,7 +99,7 @@ CASES_400 = [
     ("/completion", b'{"prompt": "x", "n_probs": Infinity}', "Infinity"),
     ("/completion", b'{"prompt": "x", "n_probs": 1e400}', "finite"),
     ("/completion", b'{"prompt": "x", "n_discard": NaN}', "NaN"),
-    ("/completion", b'{"prompt": "x", "seed": ' + b"9" * 4301 + b"}", "cannot be read"),
+    ("/completion", b'{"prompt": "x", "seed": ' + b"9" * 4301 + b"}", "4301 digits"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 49152}', "logprobs must be 0..100"),
     ("/v1/chat/completions", b'{"messages": [], "logprobs": true, "top_logprobs": 49152}',
      "top_logprobs must be 0..100"),
@@ -104,6 +107,28 @@ CASES_400 = [
     ("/v1/chat/completions", b'{"messages": [], "max_completion_tokens": 100000}',
      "max_completion_tokens must be -1..256"),
     ("/completion", b'{"prompt": "x", "n_predict": -5}', "n_predict must be -1..256"),
+    # Python's json reads these, llama-server's parser does not (or reads them differently)
+    ("/completion", b'{"prompt": "x", "n_probs": 1, "n_probs": 100000}', "twice"),
+    ("/completion", b'{"prompt": "x \\ud800 y"}', "lone UTF-16 surrogate"),
+    ("/completion", b'{"prompt": ["\\udc00"]}', "lone UTF-16 surrogate"),
+    ("/completion", '{"prompt": "x"}'.encode("utf-16-le"), "not valid JSON"),
+    ("/completion", '{"prompt": "x"}'.encode("utf-16"), "not valid UTF-8"),
+    ("/completion", b'{"prompt": "x", "seed": -' + b"1" * 400 + b"}", "400 digits"),
+    # a body llama-server reads as one object, and answers a 500 for anything else
+    ("/tokenize", b"", "the body is empty"),
+    ("/v1/messages", b'"x"', "got a JSON string"),
+    ("/v1/chat/completions", b"[]", "got a JSON array"),
+    ("/detokenize", b"null", "got a JSON null"),
+    # token ids outside the vocabulary (the front knows its size from the model's header)
+    ("/detokenize", b'{"tokens": [1, 4294967295]}', "outside this model's vocabulary"),
+    ("/detokenize", b'{"tokens": [-1]}', "outside this model's vocabulary"),
+    ("/v1/completions", b'{"prompt": [-1]}', "outside this model's vocabulary"),
+    ("/completion", b'{"prompt": [[1, 2], [1000]]}', "outside this model's vocabulary"),
+    ("/completion", b'{"prompt": "x", "logit_bias": {"1000": 1}}', "logit_bias"),
+    ("/completion", b'{"prompt": "x", "logit_bias": [[5000, 1]]}', "logit_bias"),
+    # what crashes llama-server's grammar parser (llama.cpp issue #26600)
+    ("/completion", b'{"prompt": "x", "grammar": "root ::= ' + b"(" * 300 + b'\\"a\\"'
+     + b")" * 300 + b'"}', "grammar nests 300 groups deep"),
 ]
 
 
@@ -119,6 +144,48 @@ def test_bodies_the_front_cannot_accept_get_a_json_400(fake: FakeUpstream, front
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
     assert fake.seen == []
+
+
+def test_what_the_front_accepts_passes_byte_for_byte(fake: FakeUpstream, front: object) -> None:
+    bodies = [b'{"tokens": [0, 999]}', b'{"prompt": "x \\ud83d\\ude00", "logit_bias": {"hi": 1}}',
+              b'{"prompt": "x", "grammar": "root ::= (((\\"(\\"))) [(]"}',
+              b'\xef\xbb\xbf{"prompt": [1, 2, "x"], "unknown_field": {"a": [1e300]}}']
+    for body in bodies:
+        r = httpx.post(front.url + "/completion", content=body,  # type: ignore[attr-defined]
+                       headers={**AUTH, "content-type": "application/json"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-mtpwrap-answered-by"] == "llama-server"
+    assert [seen.body for seen in fake.seen] == bodies
+
+
+def test_every_answer_says_who_made_it(fake: FakeUpstream, front: object) -> None:
+    url = front.url  # type: ignore[attr-defined]
+    made_by_front = [
+        httpx.get(url + "/livez"), httpx.get(url + "/readyz"),
+        httpx.get(url + "/healthz", headers=AUTH), httpx.get(url + "/metrics", headers=AUTH),
+        httpx.get(url + "/nowhere", headers=AUTH), httpx.get(url + "/v1/models"),
+        httpx.post(url + "/completion", headers=AUTH, content=b"{"),
+        httpx.get(url + "/slots", headers=AUTH),
+    ]
+    for r in made_by_front:
+        assert r.headers["x-mtpwrap-answered-by"] == "front", (r.request.url, r.status_code)
+    s = _connect(url)
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              + b"".join(b"X-H%d: v\r\n" % i for i in range(200)) + b"\r\n")
+    data, _closed = _read_all(s, 5)
+    s.close()
+    assert _status(data) == 431 and b"x-mtpwrap-answered-by: front" in data
+    r = httpx.get(url + "/v1/models", headers=AUTH)
+    assert r.status_code == 200 and r.headers["x-mtpwrap-answered-by"] == "llama-server"
+
+
+def test_a_key_that_is_not_ascii_is_refused_not_crashed(front: object) -> None:
+    # (hmac.compare_digest raises TypeError on a str that is not ASCII: keys are bytes)
+    for key, status in (("ключ-0123456789", 401), ("k\udcff", 401), ("\x7f", 400)):
+        r = httpx.get(front.url + "/v1/models",  # type: ignore[attr-defined]
+                      headers=[(b"authorization", b"Bearer " + key.encode("utf-8",
+                                                                            "surrogateescape"))])
+        assert r.status_code == status and r.headers["x-mtpwrap-answered-by"] == "front"
 
 
 def test_limits_hold_whatever_the_content_type_claims(fake: FakeUpstream, front: object) -> None:

@@ -230,7 +230,7 @@ def test_chunked_body_is_read_only_up_to_the_limit(fake, front):
 
 @pytest.mark.parametrize("body,needle", [
     (b'{"messages": [}', "not valid JSON"),
-    (b"{\"a\": \"\xc3\x28\"}", "not valid UTF-8 JSON"),
+    (b"{\"a\": \"\xc3\x28\"}", "not valid UTF-8"),
     (b'{"prompt": "x", "n_discard": -1}', "n_discard"),
     (b'{"prompt": "x", "n_probs": 1000000}', "n_probs must be 0..100"),
     (b'{"messages": [], "top_logprobs": 5000}', "top_logprobs"),

@@ -95,6 +95,9 @@ class Route:
     message: str = ""
     slot: bool = False   # the request occupies one of llama-server's slots
     json_body: bool = False  # llama-server parses the body as JSON, whatever its Content-Type
+    #: llama-server reads the body as one JSON object (the model APIs): an empty body or
+    #: another JSON value gets its 500, so the front refuses it with a 400
+    object_body: bool = False
 
 
 def _feature(method: str, path: str) -> tuple[str | None, str]:
@@ -129,8 +132,9 @@ def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
             message=(f"{path} is disabled on this server; the operator can enable it with "
                      f"proxy.enable_paths: [{feature}]."),
         )
+    json_body = method == "POST" and path not in FORM_PATHS
     return Route(0, label, UPSTREAM_PATH.get(path, path), slot=path in SLOT_PATHS,
-                 json_body=method == "POST" and path not in FORM_PATHS)
+                 json_body=json_body, object_body=json_body and feature == "")
 
 
 # ---------------------------------------------------------------------------------------------

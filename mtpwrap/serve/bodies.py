@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +26,60 @@ def _no_constant(name: str) -> Any:
                   "finite number.")
 
 
+#: The largest magnitude a double holds: llama-server's JSON parser (nlohmann) fails on a
+#: number beyond it ("number overflow"), where Python's reads an infinity or a huge integer.
+_MAX_DOUBLE = 1.7976931348623157e308
+
+
+def _float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise BadBody(f"The request body has the number {text[:24]}, which is beyond the range "
+                      "of a 64-bit float; send a finite number.")
+    return v
+
+
+def _int(text: str) -> int:
+    # Python reads up to 4300 digits; nlohmann reads past uint64 as a double, so the limit is
+    # the double's range (309 digits), checked on the length before any conversion.
+    if len(text.lstrip("-")) > 308:
+        raise BadBody(f"The request body has an integer of {len(text.lstrip('-'))} digits, "
+                      "beyond the range of a 64-bit float.")
+    return int(text)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for k, _v in pairs:
+            if k in seen:
+                raise BadBody(f"The request body has the key {json.dumps(k)[:60]} twice in one "
+                              "object; send each key once.")
+            seen.add(k)
+    return doc
+
+
+#: a JSON escape of a UTF-16 surrogate: the only way a lone one gets into Python's strings
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def parse_json_body(body: bytes) -> Any:
-    """The body as JSON, or BadBody with one sentence: never another exception."""
+    """The body as JSON, or BadBody with one sentence: never another exception.
+
+    Stricter than `json.loads` where llama-server's parser is: UTF-8 only (Python also reads
+    UTF-16 and UTF-32), no NaN or infinity and no number beyond a double's range, no lone
+    surrogate in a string, and no key twice in one object (the front's checks and llama-server
+    must read the same value)."""
     try:
-        doc = json.loads(body, parse_constant=_no_constant)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadBody(f"The request body is not valid UTF-8 (byte {err.start}).") from err
+    try:
+        doc = json.loads(text.removeprefix("\ufeff"), parse_constant=_no_constant,
+                         parse_float=_float, parse_int=_int, object_pairs_hook=_no_duplicates)
     except BadBody:
         raise
-    except UnicodeDecodeError as err:
-        raise BadBody("The request body is not valid UTF-8 JSON.") from err
     except json.JSONDecodeError as err:
         raise BadBody(
             f"The request body is not valid JSON: {err.msg} "
@@ -43,20 +90,59 @@ def parse_json_body(body: bytes) -> Any:
             from err
     except ValueError as err:  # e.g. an integer of more than 4300 digits
         raise BadBody(f"The request body has a number that cannot be read: {err}.") from err
-    _check_depth(doc)
+    _check_depth(doc, _SURROGATE_ESCAPE.search(body) is not None)
     return doc
 
 
-def _check_depth(doc: Any) -> None:
+def require_object(doc: Any, empty: bool) -> None:
+    """Refuse a body that is not a JSON object (`empty`: no body at all) where llama-server
+    reads one: it answers such a body with a 500."""
+    if empty:
+        raise BadBody("This route needs a JSON object as the request body; the body is empty.")
+    if not isinstance(doc, dict):
+        raise BadBody(f"The request body must be a JSON object, got a JSON "
+                      f"{_json_type(doc)}.")
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        return "number"
+    return "string" if isinstance(v, str) else "array"
+
+
+def _check_depth(doc: Any, surrogates: bool) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and (when `surrogates`: the body has a
+    surrogate escape) a string or key holding a lone surrogate, which is not Unicode."""
+    if surrogates and isinstance(doc, str):
+        _unicode((doc,))
     stack = [(doc, 1)]
     while stack:
         node, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise BadBody(f"The request body is nested more than {MAX_JSON_DEPTH} levels deep.")
         if isinstance(node, dict):
+            if surrogates:
+                _unicode(node.keys())
+                _unicode(v for v in node.values() if isinstance(v, str))
             stack.extend((v, depth + 1) for v in node.values() if isinstance(v, (dict, list)))
         elif isinstance(node, list):
+            if surrogates:
+                _unicode(v for v in node if isinstance(v, str))
             stack.extend((v, depth + 1) for v in node if isinstance(v, (dict, list)))
+
+
+def _unicode(strings: Any) -> None:
+    for s in strings:
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise BadBody(f"The request body has a string with a lone UTF-16 surrogate "
+                          f"(\\u{ord(s[err.start]):04x}), which is not text; escape whole "
+                          "characters only.") from err
 
 
 def _number(doc: Mapping[str, Any], key: str) -> float | None:
@@ -112,3 +198,120 @@ def check_fields(doc: Any, max_n_probs: int, max_choices: int = 1, max_predict: 
     _check_range(doc, PREDICT_FIELDS, -1, max_predict or None, "tokens to generate")
     _check_range(doc, ("id_slot", "slot_id"), -1, None, "-1 is any slot")
     _check_range(doc, ("n_keep",), -1, None, "-1 keeps the whole prompt")
+
+
+#: Fields that hold prompts llama-server reads as token ids where they are integers.
+TOKEN_FIELDS = ("prompt", "tokens", "input", "content", "input_extra", "input_prefix",
+                "input_suffix")
+
+
+def check_tokens(doc: Any, n_vocab: int | None) -> None:
+    """Refuse token ids outside the model's vocabulary, wherever llama-server accepts them:
+    token prompts (and batches of them), `/detokenize`'s `tokens`, `logit_bias` keys. Past the
+    vocabulary llama-server indexes out of range (a 500, or the end of the process)."""
+    if not isinstance(doc, dict) or not n_vocab:
+        return
+    for key in TOKEN_FIELDS:
+        if key in doc:
+            _token_ids(doc[key], key, n_vocab, 0)
+    bias = doc.get("logit_bias")
+    if isinstance(bias, dict):
+        for k in bias:
+            if k.lstrip("-").isdigit() and _out_of(int(k), n_vocab):
+                raise BadBody(_beyond("logit_bias", int(k), n_vocab))
+    elif isinstance(bias, list):
+        for pair in bias:
+            if isinstance(pair, list) and pair and _is_int(pair[0]) \
+                    and _out_of(pair[0], n_vocab):
+                raise BadBody(_beyond("logit_bias", pair[0], n_vocab))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _out_of(v: int, n_vocab: int) -> bool:
+    return v < 0 or v >= n_vocab
+
+
+def _beyond(key: str, v: int, n_vocab: int) -> str:
+    return (f"{key} has the token id {_short(v)}, outside this model's vocabulary "
+            f"(0..{n_vocab - 1}).")
+
+
+def _token_ids(v: Any, key: str, n_vocab: int, depth: int) -> None:
+    if _is_int(v):
+        if _out_of(v, n_vocab):
+            raise BadBody(_beyond(key, v, n_vocab))
+    elif isinstance(v, list) and depth < 3:
+        for x in v:
+            _token_ids(x, key, n_vocab, depth + 1)
+    elif isinstance(v, dict) and depth < 3:  # {"prompt_string": ..., "multimodal_data": ...}
+        for x in v.values():
+            if isinstance(x, list):
+                _token_ids(x, key, n_vocab, depth + 1)
+
+
+#: Grammar groups nested deeper than this are refused: llama.cpp's grammar parser recurses once
+#: per group, and tens of thousands exhaust its stack (a SIGSEGV).
+MAX_GRAMMAR_NESTING = 256
+
+
+def check_grammar(doc: Any) -> None:
+    """Refuse a GBNF `grammar` nested deeper than MAX_GRAMMAR_NESTING groups (counted outside
+    string literals, character classes and comments)."""
+    if not isinstance(doc, dict):
+        return
+    g = doc.get("grammar")
+    if not isinstance(g, str) or g.count("(") <= MAX_GRAMMAR_NESTING:
+        return
+    depth = deepest = 0
+    i, n = 0, len(g)
+    while i < n:
+        c = g[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and g[i] != close:
+                i += 2 if g[i] == "\\" else 1
+        elif c == "#":
+            while i < n and g[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise BadBody(f"grammar nests {deepest} groups deep; at most {MAX_GRAMMAR_NESTING} are "
+                      "accepted.")
+
+
+def check_messages(doc: Any) -> None:
+    """The shape of a chat's `messages` (OpenAI's and Anthropic's routes alike): an array of
+    objects, each `role` a string, each `content` a string, null or an array of parts that are
+    objects with a string `type`. llama-server answers another shape with a 500."""
+    if not isinstance(doc, dict) or "messages" not in doc:
+        return
+    msgs = doc["messages"]
+    if not isinstance(msgs, list):
+        raise BadBody(f"messages must be an array of message objects, got a JSON "
+                      f"{_json_type(msgs)}.")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadBody(f"messages[{i}] must be an object, got a JSON {_json_type(m)}.")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise BadBody(f"messages[{i}].role must be a string, got "
+                          f"{'nothing' if 'role' not in m else 'a JSON ' + _json_type(role)}.")
+        content = m.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadBody(f"messages[{i}].content must be a string or an array of parts, got a "
+                          f"JSON {_json_type(content)}.")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadBody(f"messages[{i}].content[{j}] must be an object with a string "
+                              "type.")

@@ -40,12 +40,30 @@ from mtpwrap.serve import depth_policy, ops
 from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
 from mtpwrap.serve.admission import Admission, Refusal
-from mtpwrap.serve.bodies import BadBody, check_fields, parse_json_body
+from mtpwrap.serve.bodies import (
+    BadBody,
+    check_fields,
+    check_grammar,
+    check_messages,
+    check_tokens,
+    parse_json_body,
+    require_object,
+)
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.relay import Exchange, Relay, relay_wire
-from mtpwrap.serve.replies import ASGIApp, Receive, Replies, Scope, Send, declares_body
+from mtpwrap.serve.replies import (
+    ANSWERED_BY,
+    BY_FRONT,
+    ASGIApp,
+    Message,
+    Receive,
+    Replies,
+    Scope,
+    Send,
+    declares_body,
+)
 from mtpwrap.upstream import UpstreamClients
 
 if TYPE_CHECKING:
@@ -274,13 +292,18 @@ class Front:
             return
         stream = False
         decision: DepthDecision | None = None
-        if body and route.json_body:
+        if route.json_body and (body or route.object_body):
             # llama-server parses the body as JSON whatever its Content-Type says, so every
             # limit is checked on what it will parse.
             try:
-                doc = parse_json_body(body)
+                doc = parse_json_body(body) if body else None
+                if route.object_body:
+                    require_object(doc, not body)
                 check_fields(doc, self.config.max_n_probs, self.config.max_choices,
                              self.config.max_predict)
+                check_tokens(doc, self.info.n_vocab)
+                check_grammar(doc)
+                check_messages(doc)
             except BadBody as err:
                 self.metrics.refused.labels("body").inc()
                 await self.replies.error(send, 400, str(err), label, t0)
@@ -353,6 +376,7 @@ class AccessGuard:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         t0 = time.perf_counter()
         path = scope["path"]
+        send = _marking(send)
         denial = self.access.check(scope["method"], path, headers)
         if denial is not None:
             self.replies.metrics.refused.labels(denial.reason).inc()
@@ -372,3 +396,15 @@ class AccessGuard:
                 await self.replies.error(send, 500, "The front failed on this request. The "
                                          "error is in mtpwrap's log.", "other", t0, close=True,
                                          path=path)
+
+
+def _marking(send: Send) -> Send:
+    """`send`, with `X-Mtpwrap-Answered-By: front` added to every response the relay did not
+    mark as llama-server's."""
+    async def marked(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers") or ())
+            if not any(k == ANSWERED_BY for k, _v in headers):
+                message = {**message, "headers": [*headers, BY_FRONT]}
+        await send(message)
+    return marked

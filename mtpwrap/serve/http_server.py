@@ -152,8 +152,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         body = json.dumps({"error": {"code": status, "message": message,
                                      "type": "invalid_request_error"}}).encode()
         head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n" % (status, _REASONS.get(status, b"Error"),
-                                                 len(body)))
+                b"x-mtpwrap-answered-by: front\r\nconnection: close\r\n\r\n"
+                % (status, _REASONS.get(status, b"Error"), len(body)))
         if not self.transport.is_closing():
             self.transport.write(head + body)
             self.transport.close()

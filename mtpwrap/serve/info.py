@@ -25,6 +25,8 @@ class ServeInfo:
     commit: str | None = None
     model: str | None = None
     context: int | None = None
+    #: the model's vocabulary size (its GGUF header): token ids at or past it are refused
+    n_vocab: int | None = None
     #: the KV cache types as rendered, "K / V"
     kv: str | None = None
     #: the rendered `--spec-type` ("none" when the launch does not speculate)

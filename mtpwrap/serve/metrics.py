@@ -263,8 +263,9 @@ class FrontMetrics:
                             "not ready, draining, queue timeout)", ["reason"], registry=r)
         self.cancelled = Counter("mtpwrap_cancelled", "Requests cut short, by cause",
                                  ["reason"], registry=r)
-        self.upstream_errors = Counter("mtpwrap_upstream_errors",
-                                       "Failures talking to the child", ["kind"], registry=r)
+        self.upstream_errors = Counter(
+            "mtpwrap_upstream_errors", "Failures talking to the child, and its 500s by class",
+            ["kind", "class"], registry=r)
         self.refused = Counter("mtpwrap_refused", "Requests refused by policy", ["reason"],
                                registry=r)
         self.reloads = Counter("mtpwrap_reloads", "Reloads and restarts of llama-server asked "

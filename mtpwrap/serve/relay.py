@@ -39,6 +39,7 @@ import collections
 import contextlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -48,7 +49,7 @@ from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireRespons
 from mtpwrap.serve import depth_policy
 from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
 from mtpwrap.serve.metrics import FrontMetrics
-from mtpwrap.serve.replies import Receive, Replies, Scope, Send, error_kind
+from mtpwrap.serve.replies import BY_UPSTREAM, Receive, Replies, Scope, Send, error_kind
 
 log = logging.getLogger("mtpwrap.proxy")
 
@@ -68,6 +69,54 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+
+#: llama-server's 500s by the text of their message: (class, caused by the request). Its
+#: handlers answer every exception but `std::invalid_argument` with a 500, so a request whose
+#: JSON has the wrong shape where it reads it (nlohmann's type and range errors, a missing
+#: field) gets a 500 for the client's mistake; the relay answers those with 400 and llama-server's
+#: own message (`X-Mtpwrap-Status-Was: 500`). Each is counted in
+#: `mtpwrap_upstream_errors_total{kind="status_500", class}` (docs/reliability.md lists them).
+UPSTREAM_500: tuple[tuple[re.Pattern[str], str, bool], ...] = tuple(
+    (re.compile(pattern, re.I), klass, client) for pattern, klass, client in (
+        (r"type must be|type_error|cannot use operator|is not an? (object|array|string)",
+         "json_type", True),
+        (r"is required|key '[^']*' not found|out_of_range\.403", "missing_field", True),
+        (r"parse_error|parse error|syntax error", "json_parse", True),
+        (r"_M_range_check|out_of_range|out of range|invalid token", "out_of_range", True),
+        (r"grammar", "grammar", True),
+        (r"template|jinja", "template", False),
+        (r"image|audio|mtmd|multimodal|projector", "multimodal", True),
+    ))
+
+
+def upstream_500_class(message: str) -> tuple[str, bool]:
+    """The class of a llama-server 500 by its message, and whether the request caused it."""
+    for pattern, klass, client in UPSTREAM_500:
+        if pattern.search(message):
+            return klass, client
+    return "other", False
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        err = json.loads(raw).get("error")
+        return str(err.get("message", "")) if isinstance(err, dict) else ""
+    except (ValueError, AttributeError):
+        return raw[:500].decode("utf-8", "replace")
+
+
+def _as_client_error(raw: bytes) -> bytes:
+    """llama-server's error body with the code and type of a client's mistake."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if not isinstance(err, dict):
+        return raw
+    err.update(code=400, type="invalid_request_error")
+    return json.dumps(doc, ensure_ascii=False).encode()
 
 
 @dataclass(eq=False)  # identity: one exchange is one request (kept in a dict while open)
@@ -157,7 +206,7 @@ class Relay:
                     keep=not ex.stream)
             except ConnectFailed:
                 # Nothing reached the child; one retry is safe (a restart may have just moved it).
-                self.metrics.upstream_errors.labels("connect").inc()
+                self.metrics.upstream_errors.labels("connect", "").inc()
                 if attempt == 2:
                     raise
                 up = await self.supervisor.wait_ready(min(5.0, self.config.queue_timeout_s))
@@ -185,6 +234,29 @@ class Relay:
 
     # ------------------------------------------------------------------ relaying
 
+    async def _server_error(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
+        """llama-server's 500, counted by class; one the request caused goes out as a 400."""
+        raw = await resp.read()
+        klass, client = upstream_500_class(_error_message(raw))
+        self.metrics.upstream_errors.labels("status_500", klass).inc()
+        status = 400 if client else 500
+        if ex.committed_sse:
+            await self._end_with_error(ex, send, status, _error_message(raw)
+                                       or "The model server failed on this request.")
+            return
+        if client:
+            raw = _as_client_error(raw)
+        headers = [(k, v) for k, v in self._response_headers(ex, resp, False)
+                   if k != b"content-length"]
+        headers.append((b"content-length", str(len(raw)).encode()))
+        if client:
+            headers.append((b"x-mtpwrap-status-was", b"500"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        ex.started = True
+        ex.phase = "done"
+        await send({"type": "http.response.body", "body": raw})
+        self.replies.record(ex.label, status, ex.t0)
+
     async def _error_as_event(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
         """Headers already went out as an event stream: the child's error becomes an event."""
         raw = await resp.read()
@@ -207,6 +279,7 @@ class Relay:
             headers.append((b"x-accel-buffering", b"no"))
         if ex.depth is not None:
             headers.append((depth_policy.HEADER, ex.depth.header()))
+        headers.append(BY_UPSTREAM)
         return headers
 
     async def _relay(self, ex: Exchange, resp: WireResponse, send: Send,
@@ -214,6 +287,9 @@ class Relay:
         ex.status = resp.status
         sse = resp.header(b"content-type").startswith(b"text/event-stream")
         async with ex.send_lock:
+            if resp.status == 500 and not sse:
+                await self._server_error(ex, resp, send)
+                return
             if ex.committed_sse:
                 if resp.status != 200 or not sse:
                     await self._error_as_event(ex, resp, send)
@@ -281,7 +357,7 @@ class Relay:
 
     async def _upstream_failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
         if not isinstance(err, ConnectFailed):  # a failed connect is counted where it happens
-            self.metrics.upstream_errors.labels(err.kind).inc()
+            self.metrics.upstream_errors.labels(err.kind, "").inc()
         message = ("The model server closed the connection before finishing the response "
                    f"({err.kind}: {err}).")
         if ex.phase == "headers" and not ex.started:

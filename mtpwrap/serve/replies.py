@@ -23,6 +23,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 access_log = logging.getLogger("mtpwrap.access")
 
+#: Who made an answer: every response carries it (docs/operations/endpoints.md). The relay
+#: marks what it passes on from llama-server; the access guard marks everything else.
+ANSWERED_BY = b"x-mtpwrap-answered-by"
+BY_FRONT = (ANSWERED_BY, b"front")
+BY_UPSTREAM = (ANSWERED_BY, b"llama-server")
+
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           421: "invalid_request_error", 429: "rate_limit_error"}
@@ -64,7 +70,7 @@ class Replies:
         body = error_body(status, message, error_kind(status), path or label)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
-        if retry:
+        if retry or status == 503:  # a 503 always says when to come back
             headers.append((b"retry-after", str(self.retry_after_s).encode()))
         if close:
             headers.append((b"connection", b"close"))

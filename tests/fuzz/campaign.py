@@ -1,0 +1,426 @@
+"""The front's fuzz campaign: `make fuzz` (the whole of it) and the CI smoke (90 s, fixed seed).
+
+One `mtpwrap up` with the demo profile, API keys and the real llama-server; then, in phases:
+
+1. seeds — every file of tests/fuzz/seeds/ (llama.cpp's reported crashes, Python's own traps,
+   and every failure an earlier campaign found), each with the answer it must get;
+2. bodies — hypothesis-generated request bodies (tests/fuzz/cases.py) on 13 routes, each answer
+   judged by tests/fuzz/oracle.py;
+3. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py).
+
+After each phase: the front must be ready, its open file descriptors back to where they stood
+after the warm-up (± 2), its RSS grown by at most 16 MiB, llama-server generating nothing for
+anyone. At the end the log must hold no traceback. Failures are grouped by class; the smallest
+body of each class is shrunk further (keys dropped, values simplified, while the class stays)
+and, with `--save-found`, written to tests/fuzz/seeds/ as a new seed.
+
+Usage: python -m tests.fuzz.campaign [--seconds S] [--bodies N] [--raw N] [--seed N]
+           [--out DIR] [--save-found]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from tests.fuzz import cases, oracle, raw, seeds
+
+KEY = "fuzz-key-0123456789abcdef"
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = """\
+description: the demo profile for the fuzz campaign (8 tokens unless a request asks)
+hardware:
+  requires_gpu: false
+model: SmolLM2-135M-Instruct.Q4_1.gguf
+context: 4096
+kv:
+  k: [f16]
+  v: [f16]
+spec:
+  kind: none
+gpu_layers: 0
+slots: 2
+flash_attn: auto
+extra_args: ["--n-predict", "8"]
+"""
+CONFIG = """\
+proxy:
+  max_predict: 64
+  header_timeout_s: 2
+  idle_timeout_s: 3
+  queue_timeout_s: 120
+  max_connections: 512
+"""
+
+
+@dataclass
+class Failure:
+    klass: str
+    count: int = 0
+    smallest: dict[str, Any] | None = None
+    size: int = 1 << 62
+
+
+@dataclass
+class Phase_:
+    name: str
+    tried: int = 0
+    seconds: float = 0.0
+    failures: dict[str, Failure] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+    leaks: dict[str, Any] = field(default_factory=dict)
+    slowest: list[tuple[float, str, str]] = field(default_factory=list)
+
+    def timed(self, seconds: float, route: str, what: str) -> None:
+        self.slowest.append((round(seconds, 2), route, what))
+        self.slowest.sort(reverse=True)
+        del self.slowest[5:]
+
+    def fail(self, klass: str, seed: dict[str, Any], size: int) -> None:
+        f = self.failures.setdefault(klass, Failure(klass))
+        f.count += 1
+        if size < f.size:
+            f.smallest, f.size = seed, size
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+class Target:
+    """The instance under test: `mtpwrap up` in a process of its own."""
+
+    def __init__(self, work: Path) -> None:
+        from mtpwrap.build.manifest import load_manifest
+        from mtpwrap.models import known
+        from mtpwrap.proc import free_loopback_port
+        from tests.helpers import Instance
+
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "fuzz.yaml").write_text(PROFILE)
+        (work / "mtpwrap.yaml").write_text(CONFIG)
+        binary = Path(os.environ.get("MTPWRAP_BINARY") or load_manifest().binary("llama-server"))
+        self.log = work / "up.log"
+        self.inst = Instance(work / "home", free_loopback_port(), binary,
+                             known.ensure_demo_model(), log=self.log,
+                             profile=str(work / "fuzz.yaml"), MTPWRAP_API_KEYS=KEY,
+                             MTPWRAP_CONFIG=str(work / "mtpwrap.yaml"))
+        self.base = self.inst.base
+        self.port = self.inst.port
+        self.inst.wait_ready(180)
+        self.client = httpx.Client(base_url=self.base, timeout=120,
+                                   headers={"authorization": f"Bearer {KEY}"})
+        self.pid = self.inst.proc.pid
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(self.base + "/readyz", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def processing(self) -> float:
+        """Requests llama-server is working on, from its own /metrics (through the front)."""
+        text = self.client.get("/metrics").text
+        for line in text.splitlines():
+            if line.startswith("mtpwrap_backend_requests_processing"):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def usage(self) -> tuple[int, int]:
+        p = psutil.Process(self.pid)
+        return p.num_fds(), p.memory_info().rss
+
+    def close(self) -> str:
+        self.client.close()
+        self.inst.proc.terminate()
+        with contextlib.suppress(Exception):
+            self.inst.proc.wait(60)
+        self.inst.close()
+        return self.log.read_text(errors="replace")
+
+
+def _send(t: Target, route: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    r = t.client.post(route, content=body, headers={"content-type": "application/json"})
+    return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
+
+
+def _verdict(t: Target, route: str, body: bytes) -> str | None:
+    try:
+        status, headers, content = _send(t, route, body)
+    except httpx.HTTPError as err:
+        return f"no answer on {route}: {type(err).__name__}"
+    return oracle.verdict(route, status, headers, content)
+
+
+# --------------------------------------------------------------------------- shrinking
+
+def _smaller(doc: Any) -> Iterator[Any]:
+    """Simpler variants of a JSON value, simplest first: one change each."""
+    if isinstance(doc, dict):
+        for k in list(doc):
+            yield {kk: v for kk, v in doc.items() if kk != k}
+        for k, v in doc.items():
+            for s in _smaller(v):
+                yield {**doc, k: s}
+    elif isinstance(doc, list):
+        for i in range(len(doc)):
+            yield doc[:i] + doc[i + 1:]
+        for i, v in enumerate(doc):
+            for s in _smaller(v):
+                yield doc[:i] + [s] + doc[i + 1:]
+    elif isinstance(doc, str) and doc:
+        yield ""
+        if len(doc) > 1:
+            yield doc[: len(doc) // 2]
+    elif isinstance(doc, (int, float)) and not isinstance(doc, bool) and doc not in (0, 1):
+        yield 0
+        yield 1
+    elif doc is not None and not isinstance(doc, bool):
+        yield None
+
+
+def shrink(route: str, doc: Any, klass: str, still: Callable[[Any], bool],
+           budget: int = 150) -> Any:
+    """Greedy: take the first simpler variant that keeps the class, until none does or the
+    request budget is spent."""
+    tries = 0
+    improved = True
+    while improved and tries < budget:
+        improved = False
+        for cand in _smaller(doc):
+            tries += 1
+            if still(cand):
+                doc, improved = cand, True
+                break
+            if tries >= budget:
+                break
+    return doc
+
+
+# --------------------------------------------------------------------------- phases
+
+def phase_seeds(t: Target) -> Phase_:
+    ph = Phase_("seeds")
+    t0 = time.monotonic()
+    for s in seeds.load():
+        ph.tried += 1
+        status, headers, content = _send(t, s.route, s.body)
+        bad = oracle.verdict(s.route, status, headers, content)
+        want = {"4xx": range(400, 500), "2xx": range(200, 300), "any": range(100, 600)}[
+            s.expect]
+        if bad is None and status not in want:
+            bad = f"seed {s.name}: {status}, expected {s.expect}"
+        if bad is None and s.needle and s.needle not in content.decode("utf-8", "replace"):
+            bad = f"seed {s.name}: the message lacks {s.needle!r}"
+        ph.count(str(status))
+        if bad is not None:
+            ph.fail(bad, {"seed": s.name}, 0)
+        if not t.ready():
+            ph.fail(f"seed {s.name} left the front or llama-server not ready", {"seed": s.name},
+                    0)
+            _wait_ready(t)
+    ph.seconds = time.monotonic() - t0
+    return ph
+
+
+def _wait_ready(t: Target, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not t.ready() and time.monotonic() < end:
+        time.sleep(0.2)
+
+
+#: cases per hypothesis run: the phase runs batches until its count or its time is spent
+BATCH = 250
+
+
+def phase_bodies(t: Target, n: int, seconds: float, seed: int) -> Phase_:
+    ph = Phase_("bodies")
+    t0 = time.monotonic()
+    stop_at = t0 + seconds
+
+    def one(case: cases.Case) -> None:
+        if time.monotonic() >= stop_at or ph.tried >= n:
+            return
+        ph.tried += 1
+        c0 = time.monotonic()
+        bad = _verdict(t, case.route, case.body)
+        ph.timed(time.monotonic() - c0, case.route,
+                 f"{case.what}: {case.body[:160].decode('utf-8', 'replace')}")
+        ph.count(case.route)
+        if bad is not None:
+            ph.fail(bad, case.as_seed(), len(case.body))
+
+    batch = 0
+    while time.monotonic() < stop_at and ph.tried < n:
+        run = given(case=cases.cases())(one)
+        run = settings(max_examples=BATCH, deadline=None, database=None,
+                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))(run)
+        hypothesis_seed(seed * 1000 + batch)(run)()
+        batch += 1
+    ph.seconds = time.monotonic() - t0
+    for f in ph.failures.values():
+        if f.smallest is None or "body" not in f.smallest:
+            continue
+        route = f.smallest["route"]
+        klass = f.klass
+
+        def still(doc: Any, route: str = route, klass: str = klass) -> bool:
+            body = json.dumps(doc, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            return _verdict(t, route, body) == klass
+        f.smallest = {**f.smallest, "body": shrink(route, f.smallest["body"], klass, still)}
+    return ph
+
+
+def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
+    ph = Phase_("raw")
+    rng = random.Random(seed)
+    t0 = time.monotonic()
+    stop_at = t0 + seconds
+    key = KEY.encode()
+    while ph.tried < n and time.monotonic() < stop_at:
+        data, what = raw.mutate(rng, rng.choice(raw.SEEDS).replace(b"{key}", key))
+        kind, same = raw.judge(data)
+        ph.tried += 1
+        ph.count(kind)
+        ans = raw.send_raw("127.0.0.1", t.port, data,
+                           wait_s=0.3 if kind == "incomplete" else 5.0,
+                           expect=max(1, same) if kind == "agree-ok" else 1)
+        bad = raw.raw_verdict(kind, same, ans)
+        if bad is not None:
+            ph.fail(bad, {"raw_hex": data.hex(), "what": what}, len(data))
+    ph.seconds = time.monotonic() - t0
+    return ph
+
+
+# --------------------------------------------------------------------------- the run
+
+def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
+    # Connections the clients left open close within the idle timeout (3 s): wait for it.
+    end = time.monotonic() + 15
+    fds, rss = t.usage()
+    while fds > start[0] + 2 and time.monotonic() < end:
+        time.sleep(0.25)
+        fds, rss = t.usage()
+    busy = t.processing()
+    ph.leaks = {"fds": [start[0], fds], "rss_mib": [round(start[1] / 2**20, 1),
+                                                    round(rss / 2**20, 1)],
+                "llama_server_processing": busy, "ready": t.ready()}
+    if fds > start[0] + 2:
+        ph.fail(f"{fds - start[0]} file descriptors more than after the warm-up", {}, 0)
+    if rss > start[1] + 16 * 2**20:
+        ph.fail(f"RSS grew by {(rss - start[1]) / 2**20:.0f} MiB", {}, 0)
+    if busy:
+        ph.fail(f"llama-server still processing {busy:g} request(s)", {}, 0)
+    if not ph.leaks["ready"]:
+        ph.fail("not ready at the end of the phase", {}, 0)
+
+
+def run(out: Path, seconds: float, n_bodies: int, n_raw: int, seed: int,
+        save_found: bool = False) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    t = Target(out / "instance")
+    started = time.monotonic()
+    phases: list[Phase_] = []
+    try:
+        for body in (b'{"prompt": "Hi", "n_predict": 2}', b'{"content": "Hi"}'):
+            _send(t, "/completion", body)
+        _send(t, "/tokenize", b'{"content": "Hi"}')
+        start = t.usage()
+        ph = phase_seeds(t)
+        check_leaks(t, ph, start)
+        phases.append(ph)
+        ph = phase_bodies(t, n_bodies, seconds * 0.6, seed)
+        check_leaks(t, ph, start)
+        phases.append(ph)
+        ph = phase_raw(t, n_raw, max(5.0, seconds - (time.monotonic() - started)), seed)
+        check_leaks(t, ph, start)
+        phases.append(ph)
+    finally:
+        log = t.close()
+    tracebacks = log.count("Traceback (most recent call last)")
+    report = {
+        "seed": seed, "seconds_budget": seconds, "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(), "load": os.getloadavg(),
+        "phases": [{"name": p.name, "tried": p.tried, "seconds": round(p.seconds, 1),
+                    "per_second": round(p.tried / p.seconds, 1) if p.seconds else 0,
+                    "outcomes": p.outcomes, "leaks": p.leaks, "slowest": p.slowest,
+                    "failures": [{"class": f.klass, "count": f.count, "smallest": f.smallest}
+                                 for f in sorted(p.failures.values(), key=lambda f: -f.count)]}
+                   for p in phases],
+        "tracebacks_in_log": tracebacks,
+    }
+    if save_found:
+        found = []
+        for p in phases:
+            if p.name != "bodies":
+                continue
+            for f in p.failures.values():
+                if f.smallest and "route" in f.smallest:
+                    found.append(str(seeds.save_found(seeds.SEEDS, f.klass, f.smallest)))
+        report["saved_seeds"] = found
+    (out / "fuzz-report.json").write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    return report
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    out = [f"{p['name']}: {f['class']} (×{f['count']})" for p in report["phases"]
+           for f in p["failures"]]
+    if report["tracebacks_in_log"]:
+        out.append(f"{report['tracebacks_in_log']} traceback(s) in the log")
+    return out
+
+
+def describe(report: dict[str, Any]) -> str:
+    lines = [f"fuzz campaign, seed {report['seed']}, {report['cores']} cores "
+             f"({report['cpu']}), load {', '.join(f'{x:.2f}' for x in report['load'])}",
+             f"{'phase':<8} {'cases':>7} {'s':>7} {'cases/s':>8} {'failures':>9}  leaks"]
+    for p in report["phases"]:
+        lk = p["leaks"]
+        lines.append(f"{p['name']:<8} {p['tried']:>7} {p['seconds']:>7.1f} "
+                     f"{p['per_second']:>8.1f} {sum(f['count'] for f in p['failures']):>9}  "
+                     f"fds {lk.get('fds')} RSS MiB {lk.get('rss_mib')} ready {lk.get('ready')}")
+        for f in p["failures"]:
+            lines.append(f"    {f['count']:>6} × {f['class']}")
+            if f["smallest"]:
+                example = json.dumps(f["smallest"], ensure_ascii=False)[:200]
+                lines.append(f"           e.g. {example}")
+    lines.append(f"tracebacks in the log: {report['tracebacks_in_log']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.campaign", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=840, help="time for the phases")
+    ap.add_argument("--bodies", type=int, default=20_000, help="body cases at most")
+    ap.add_argument("--raw", type=int, default=10_000, help="raw HTTP cases at most")
+    ap.add_argument("--seed", type=int, default=None, help="default: random, and logged")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--save-found", action="store_true",
+                    help="write each new failure class's shrunk body to tests/fuzz/seeds/")
+    a = ap.parse_args(argv)
+    seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
+    out = a.out or REPO / "build" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"fuzz campaign: seed {seed}, results in {out}", flush=True)
+    report = run(out, a.seconds, a.bodies, a.raw, seed, a.save_found)
+    print(describe(report))
+    bad = failures(report)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
