@@ -123,9 +123,9 @@ CASES_400 = [
     ("/detokenize", b'{"tokens": [1, 4294967295]}', "outside this model's vocabulary"),
     ("/detokenize", b'{"tokens": [-1]}', "outside this model's vocabulary"),
     ("/v1/completions", b'{"prompt": [-1]}', "outside this model's vocabulary"),
-    ("/completion", b'{"prompt": [[1, 2], [1000]]}', "outside this model's vocabulary"),
-    ("/completion", b'{"prompt": "x", "logit_bias": {"1000": 1}}', "logit_bias"),
-    ("/completion", b'{"prompt": "x", "logit_bias": [[5000, 1]]}', "logit_bias"),
+    ("/completion", b'{"prompt": [[1, 2], [100000]]}', "outside this model's vocabulary"),
+    ("/completion", b'{"prompt": "x", "logit_bias": {"100000": 1}}', "logit_bias"),
+    ("/completion", b'{"prompt": "x", "logit_bias": [[500000, 1]]}', "logit_bias"),
     # what crashes llama-server's grammar parser (llama.cpp issue #26600)
     ("/completion", b'{"prompt": "x", "grammar": "root ::= ' + b"(" * 300 + b'\\"a\\"'
      + b")" * 300 + b'"}', "grammar nests 300 groups deep"),
