@@ -232,15 +232,9 @@ def phase_seeds(t: Target) -> Phase_:
         if not t.ready():
             ph.fail(f"seed {s.name} left the front or llama-server not ready", {"seed": s.name},
                     0)
-            _wait_ready(t)
+            t.inst.wait_ready(120)
     ph.seconds = time.monotonic() - t0
     return ph
-
-
-def _wait_ready(t: Target, timeout: float = 120) -> None:
-    end = time.monotonic() + timeout
-    while not t.ready() and time.monotonic() < end:
-        time.sleep(0.2)
 
 
 #: cases per hypothesis run: the phase runs batches until its count or its time is spent
