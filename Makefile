@@ -59,8 +59,9 @@ system-deps:
 	       apt-get install -y --no-install-recommends $$missing; }; \
 	else echo "missing system packages: $$missing(run: sudo make system-deps)"; fi
 
-# Lint and the unit tier first, so a broken unit test fails before anything is compiled.
-test: install lint unit system-deps model build
+# System tools first (the unit tier runs HAProxy and promtool), then lint and the unit tier,
+# so a broken unit test fails before anything is compiled.
+test: install system-deps lint unit model build
 	$(BIN)/python -m pytest -m "integration or slow"
 
 # The unit tier: every test not marked integration or slow; each gets an empty MTPWRAP_HOME.
