@@ -74,19 +74,20 @@ hermetic: install
 	.ci/hermetic $(BIN)/python -m pytest -m "not integration"
 
 # The runtime wheels (matplotlib left out: plots are skipped) for a machine without network or
-# venv, such as a lent GPU machine: `make wheelhouse PYVER=3.12`, then carry .wheelhouse.
+# venv: `make wheelhouse PYVER=3.12`, then carry .wheelhouse. WHEELS=lent leaves out what the
+# lent GPU machine's image already has (mtpwrap/bench/gpu_plan.py LENT_IMAGE_HAS).
 WHEELHOUSE ?= .wheelhouse
+WHEELS ?= all
 PYVER ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 ARCH  ?= $(shell uname -m)
 wheelhouse: install
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
-	$(BIN)/python -m pip download -q --only-binary=:all: --implementation cp \
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --implementation cp \
 	  --python-version $(PYVER) --platform manylinux_2_28_$(ARCH) \
 	  --platform manylinux_2_27_$(ARCH) --platform manylinux_2_17_$(ARCH) \
 	  --platform manylinux2014_$(ARCH) -d $(WHEELHOUSE) \
-	  $$($(BIN)/python -c "from importlib.metadata import requires; \
-	    print(' '.join(r.split(';')[0].replace(' ', '') for r in requires('mtpwrap') \
-	    if 'extra' not in r and not r.startswith('matplotlib')))")
+	  $$($(BIN)/python -c "from mtpwrap.bench import gpu_plan; \
+	    print(' '.join(gpu_plan.wheels('$(WHEELS)' == 'lent')))")
 	du -sh $(WHEELHOUSE)
 
 clean:

@@ -136,15 +136,16 @@ def speed_plan(model: Path) -> dict:
     return gpu_plan.plan(gguf_facts.read_facts(model), bandwidth=bw)
 
 
-def engine_plan(out: Path, carried: Path | None) -> dict:
+def engine_plan(out: Path, carried: Path | None) -> tuple[dict, list[dict]]:
     """Which llama-server runs (gpu_plan.engine): the carried build gpu_check.sh installed, else
-    one compiled there from the checkout's source."""
+    one compiled there from the checkout's source; and what is carried (gpu_plan.carry)."""
     manifest = None
     if carried is not None and (out / "prebuilt-manifest.json").is_file():
         manifest = json.loads((out / "prebuilt-manifest.json").read_text())
     tracked = proc.run(["git", "ls-files"], cwd=REPO, timeout=60).stdout.split()
+    items = gpu_plan.carry(REPO, tracked)
     return gpu_plan.engine(REPO, manifest, carried.stat().st_size if manifest and carried
-                           else None, gpu_plan.carry(REPO, tracked))
+                           else None, items), items
 
 
 def launch_context(contexts: tuple[int, ...], n_predict: int = 64) -> int:
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                        "seconds_to_write": round(time.monotonic() - t0, 2)}
     if model:
         result["gpu_plan"] = speed_plan(model)
-        result["gpu_plan"]["engine"] = engine_plan(out, args.carried)
+        result["gpu_plan"]["engine"], result["gpu_plan"]["carry"] = engine_plan(out,
+                                                                                 args.carried)
         (out / "gpu_plan.txt").write_text("\n".join(gpu_plan.describe(result["gpu_plan"]))
                                           + "\n")
         result["commands"] = command_lines(args.server_bin, model, contexts)

@@ -267,3 +267,32 @@ def test_the_engine_plan_names_what_runs_and_what_it_costs(repo_root: Path) -> N
     assert "7.2 min for the first run, 6.7 min for a rerun: fits" in text
     text = "\n".join(gpu_plan.describe({**plan, "engine": here}))
     assert "does NOT fit" in text
+
+
+def test_the_wheels_for_the_lent_image_are_only_what_it_lacks() -> None:
+    """`make wheelhouse WHEELS=lent` carries what the image cannot import at the versions
+    mtpwrap needs; everything else comes from the image."""
+    from mtpwrap.bench import gpu_plan
+
+    every = {w.split("==")[0] for w in gpu_plan.wheels(False)}
+    lent = {w.split("==")[0] for w in gpu_plan.wheels(True)}
+    assert {"gguf", "starlette", "uvicorn", "httptools", "click", "numpy"} <= every
+    assert "matplotlib" not in every  # plots are skipped where it is missing
+    assert {"gguf", "starlette", "uvicorn", "httptools", "huggingface-hub"} <= lent
+    assert not lent & gpu_plan.LENT_IMAGE_HAS and lent < every
+    # the closure is what is installed: each pin names the version here
+    from importlib import metadata
+    for w in gpu_plan.wheels(True):
+        name, version = w.split("==")
+        assert metadata.version(name) == version
+
+
+def test_the_carry_line_adds_the_parts_against_the_limit() -> None:
+    from mtpwrap.bench import gpu_plan
+
+    items = [{"path": ".", "bytes": 9 * 2**20}, {"path": ".wheelhouse", "bytes": 2 * 2**20},
+             {"path": ".prebuilt", "bytes": 52 * 2**20}]
+    assert gpu_plan.carry_line(items) == (
+        "  carry: . 9.0 + .wheelhouse 2.0 + .prebuilt 52.0 = 63.0 MiB: fits the 64 MiB limit")
+    items[2]["bytes"] = 54 * 2**20
+    assert "= 65.0 MiB: does NOT fit" in gpu_plan.carry_line(items)

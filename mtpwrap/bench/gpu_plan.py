@@ -13,9 +13,13 @@ checked before a machine is lent; the run records what each cell really took.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from packaging.requirements import Requirement
 
 from mtpwrap import proc
 from mtpwrap.build import source
@@ -48,6 +52,42 @@ CUDA_COMPILE_CORE_S = 29.5 * 60 * 2
 LENT_CORES = 16
 CONFIGURE_S = 30
 PREBUILT_INSTALL_S = 30
+
+#: Distributions the lent machine's image holds (the device notes' package list, read
+#: 2026-11-17) at versions mtpwrap accepts: a wheelhouse made for it (`make wheelhouse
+#: WHEELS=lent`) leaves them out. Not here although the image has it: huggingface-hub (its 1.33
+#: is older than the 2.x mtpwrap needs).
+LENT_IMAGE_HAS = frozenset({
+    "annotated-doc", "anyio", "certifi", "charset-normalizer", "click", "contourpy", "cycler",
+    "filelock", "fonttools", "fsspec", "h11", "hf-xet", "httpcore", "httpx", "idna",
+    "kiwisolver", "markdown-it-py", "matplotlib", "mdurl", "numpy", "nvidia-ml-py", "packaging",
+    "pillow", "prometheus-client", "psutil", "pygments", "pyparsing", "python-dateutil",
+    "pyyaml", "requests", "rich", "shellingham", "six", "tqdm", "typer", "typing-extensions",
+    "urllib3", "uvloop"})
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheels(for_lent: bool) -> list[str]:
+    """`name==version` of every distribution mtpwrap needs at run time (its requirements and
+    theirs, as installed here; matplotlib left out: plots are skipped where it is missing), less
+    what the lent image has when `for_lent`."""
+    seen: dict[str, str] = {}
+    todo = ["mtpwrap"]
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        for line in dist.requires or []:
+            req = Requirement(line)
+            name = _norm(req.name)
+            if (name in seen or name == "matplotlib"
+                    or (req.marker and not req.marker.evaluate({"extra": ""}))):
+                continue
+            seen[name] = metadata.version(req.name)
+            todo.append(req.name)
+    return sorted(f"{n}=={v}" for n, v in seen.items()
+                  if not (for_lent and n in LENT_IMAGE_HAS))
 
 
 @dataclass(frozen=True)
@@ -147,6 +187,15 @@ def carry(repo: Path, tracked: list[str]) -> list[dict]:
     return items
 
 
+def carry_line(items: list[dict[str, Any]]) -> str:
+    """The carried total against the limit, part by part."""
+    total = sum(i["bytes"] for i in items)
+    parts = " + ".join(f"{i['path']} {i['bytes'] / 2**20:.1f}" for i in items if i["bytes"])
+    verdict = "fits" if total <= CARRY_LIMIT else "does NOT fit"
+    return (f"  carry: {parts} = {total / 2**20:.1f} MiB: {verdict} the"
+            f" {CARRY_LIMIT // 2**20} MiB limit")
+
+
 def _tree_bytes(tree: Path) -> int | None:
     """The size of a git tree's checked-out files (None: not a git tree)."""
     try:
@@ -205,6 +254,8 @@ def describe(p: dict) -> list[str]:
                  f" budget inside the {p['lease_s'] / 60:.0f}-minute lease; bandwidth"
                  f" {p['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s")
     lines += [f"  left out: {why}" for why in p["left_out"]]
+    if p.get("carry"):
+        lines.append(carry_line(p["carry"]))
     e = p.get("engine")
     if e:
         size = f", {e['bytes'] / 2**20:.1f} MiB" if e.get("bytes") else ""
