@@ -33,6 +33,8 @@ _.format_options  # click.Command (config.options.SettingsCommand)
 _.on_body  # httptools parser callback (run.wire)
 _.on_message_complete  # httptools parser callback (run.wire)
 _.send_400_response  # uvicorn's HttpToolsProtocol (serve.http_server)
+_.eof_received  # asyncio.Protocol (serve.http_server: a half-close keeps its answer)
+_.disconnected  # uvicorn's RequestResponseCycle, read by its receive() (serve.http_server)
 _.capture_signals  # uvicorn.Server (service.server: mtpwrap owns the signals)
 _.collect  # prometheus_client custom collectors (serve.metrics)
 

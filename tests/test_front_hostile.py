@@ -311,6 +311,157 @@ def test_connections_beyond_the_limit_are_closed(fake: FakeUpstream) -> None:
         assert httpx.get(srv.url + "/livez", timeout=5).status_code == 200
 
 
+@pytest.mark.parametrize("head,needle", [
+    (b"GET  /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
+    (b"GET /livezHTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
+    (b"GET /livez HTTP/0.9\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
+    (b"GET /livez HTTP/1.1\r\n\r\n", b"exactly one Host header (RFC 9112 \\u00a73.2); this one has"
+     b" 0"),
+    (b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: x\r\n\r\n", b"this one has 2"),
+    (b"GET /livez HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n", b"this one has 2"),
+])
+@pytest.mark.parametrize("how", ["one write", "byte by byte"])
+def test_what_another_parser_reads_differently_is_refused(front: object, head: bytes,
+                                                          needle: bytes, how: str) -> None:
+    """llhttp reads these; h11 (and RFC 9112) do not: the front refuses them, whole or in
+    bytes, rather than guess which request was meant."""
+    s = _connect(front.url)  # type: ignore[attr-defined]
+    try:
+        if how == "one write":
+            s.sendall(head)
+        else:
+            for b in head:
+                s.sendall(bytes([b]))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # refused before everything was sent
+    data, closed = _read_all(s, 3)
+    s.close()
+    assert _status(data) == 400 and needle in data and closed, data[:300]
+    assert b"x-mtpwrap-answered-by: front" in data
+
+
+def test_what_both_parsers_read_alike_is_served(front: object) -> None:
+    """HTTP/1.0 without Host, empty lines before a request, pipelined and kept-alive requests:
+    read as before (a request line inside a pipelined chunk is llhttp's alone to read)."""
+    for head in (b"GET /livez HTTP/1.0\r\n\r\n", b"\r\nGET /livez HTTP/1.1\r\nHost: a\r\n\r\n"):
+        s = _connect(front.url)  # type: ignore[attr-defined]
+        s.sendall(head + (b"" if b"1.0" in head else b"GET /livez HTTP/1.1\r\nHost: a\r\n"
+                          b"Connection: close\r\n\r\n"))
+        data, closed = _read_all(s, 5)
+        s.close()
+        assert closed and data.count(b"HTTP/1.") == (1 if b"1.0" in head else 2), data
+        assert b"200 OK" in data and b" 400 " not in data
+    # kept alive: the second request's line is checked as the first was
+    s = _connect(front.url)  # type: ignore[attr-defined]
+    s.sendall(b"GET /livez HTTP/1.1\r\nHost: a\r\n\r\n")
+    s.settimeout(5)
+    first = s.recv(65536)
+    s.sendall(b"GET  /livez HTTP/1.1\r\nHost: a\r\n\r\n")
+    data, closed = _read_all(s, 3)
+    s.close()
+    assert _status(first) == 200 and _status(data) == 400 and closed
+
+
+def test_a_body_trickled_below_the_minimum_rate_gets_408(fake: FakeUpstream) -> None:
+    """Slowloris on the body: 1 s after the head plus 1 s per 1,000 bytes, then 408 and closed;
+    a body that keeps up with the rate is read to its end however long it takes."""
+    cfg = _cfg(body_timeout_s=1.0, body_min_rate=1000)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n")
+    with serve_front(fake.base_url, fake.api_key, cfg) as (srv, _):
+        slow = _connect(srv.url)
+        slow.sendall(head % 100_000 + b"{")
+        t0 = time.monotonic()
+        data, closed = b"", False
+        while not data and time.monotonic() - t0 < 10:  # 10 bytes a second
+            try:
+                slow.sendall(b" ")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            data, closed = _read_all(slow, 0.1)
+        if not closed:
+            more, closed = _read_all(slow, 3)
+            data += more
+        took = time.monotonic() - t0
+        slow.close()
+        assert _status(data) == 408 and closed, data[:300]
+        assert b"did not arrive in time: 1 s after the head plus 1 s per 1000 bytes" in data
+        assert took < 4, took
+        assert fake.seen == []
+        # 3,000 bytes a second for about 2.5 s: past the first second, never below the rate
+        body = b'{"messages": [{"role": "user", "content": "' + b"x" * 7400 + b'"}]}'
+        ok = _connect(srv.url)
+        ok.sendall(head % len(body))
+        for i in range(0, len(body), 300):
+            ok.sendall(body[i:i + 300])
+            time.sleep(0.1)  # the client's own pace, not a synchronisation
+        ok.settimeout(10)
+        answer = ok.recv(65536)
+        ok.close()
+        assert _status(answer) == 200, answer[:300]
+
+
+def test_a_client_that_half_closes_after_its_request_gets_the_answer() -> None:
+    """shutdown(SHUT_WR) after a complete request: the answer still comes, then the close (a
+    full close is told apart by the reset that answers the interim 100: see
+    test_proxy_faults.py::test_disconnect_before_first_token_cancels_upstream)."""
+    slow = FakeUpstream(mode="slow_json", interval=0.3).start()
+    try:
+        with serve_front(slow.base_url, slow.api_key, _cfg()) as (srv, _):
+            s = _connect(srv.url)
+            body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n"
+                      b"Content-Type: application/json\r\n\r\n%s" % (len(body), body))
+            s.shutdown(socket.SHUT_WR)
+            data, closed = _read_all(s, 5)
+            s.close()
+            # the interim answer that tells a half-close from a close comes first
+            interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+            assert data.startswith(interim), data[:100]
+            data = data.removeprefix(interim)
+            assert _status(data) == 200 and data.endswith(b'{"ok": true}') and closed, data
+            # half a request and then EOF: closed without an answer, nothing forwarded
+            seen = len(slow.seen)
+            s = _connect(srv.url)
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 99\r\n"
+                      b"\r\n{")
+            s.shutdown(socket.SHUT_WR)
+            data, closed = _read_all(s, 5)
+            s.close()
+            assert closed and b"200 OK" not in data and len(slow.seen) == seen
+    finally:
+        slow.stop()
+
+
+def test_an_answer_sent_before_the_body_was_read_is_not_lost_to_a_reset(
+        fake: FakeUpstream) -> None:
+    """The front answers 413 to a 3 MiB body at its head and closes: without a lingering close
+    the unread bytes make the kernel reset the connection, and the client, which reads only
+    after it has sent everything (as most do), gets ECONNRESET on its send instead of the 413.
+    (A small send buffer keeps the body from fitting in the kernel's buffers at once.)"""
+    with serve_front(fake.base_url, fake.api_key, _cfg(max_body_bytes=2**20)) as (srv, _):
+        host, port = srv.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+            s.settimeout(10)
+            s.connect((host, int(port)))
+            body = b"{" + b" " * (3 * 2**20) + b"}"
+            try:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                          b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d"
+                          b"\r\nContent-Type: application/json\r\n\r\n%s" % (len(body), body))
+                data, closed = _read_all(s, 5)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                pytest.fail(f"the connection was reset before the answer was read: {e!r}")
+            finally:
+                s.close()
+            assert _status(data) == 413 and closed, data[:300]
+    assert fake.seen == []
+
+
 def test_probes_answer_any_host_and_the_rest_does_not(front: object) -> None:
     for path in ("/livez", "/readyz"):
         r = httpx.get(front.url + path, headers={"host": "10.1.2.3:8080"}, timeout=5)  # type: ignore

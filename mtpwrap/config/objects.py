@@ -129,9 +129,11 @@ class ProxyConfig:
     max_n_probs: int = _X["max_n_probs"]
     max_choices: int = _X["max_choices"]
     max_predict: int = _X["max_predict"]
-    # The connection layer (see mtpwrap.serve.http_server): time to a complete request head,
-    # idle keep-alive, open connections, and the size and count of request headers.
+    # The connection layer (see mtpwrap.serve.http_server): time to a complete request head and
+    # body, idle keep-alive, open connections, and the size and count of request headers.
     header_timeout_s: float = _X["header_timeout_s"]
+    body_timeout_s: float = _X["body_timeout_s"]
+    body_min_rate: int = _X["body_min_rate"]
     idle_timeout_s: float = _X["idle_timeout_s"]
     max_connections: int = _X["max_connections"]
     max_header_bytes: int = _X["max_header_bytes"]

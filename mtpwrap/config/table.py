@@ -203,6 +203,9 @@ PROXY: dict[str, Key] = {
     "max_predict": _count(0, "Most tokens to generate per request.", "tokens", positive=False,
                           zero="no cap beyond the context"),
     "header_timeout_s": _seconds(10.0, "Time to a complete request head.", positive=True),
+    "body_timeout_s": _seconds(10.0, "Time to a complete request body after its head, plus 1 s"
+                               " for every body_min_rate bytes that arrive.", positive=True),
+    "body_min_rate": _count(1024, "The slowest request body the front waits for.", "bytes/s"),
     "idle_timeout_s": _seconds(30.0, "Idle keep-alive connections are closed after this.",
                                positive=True),
     "max_connections": _count(1024, "Open client connections."),

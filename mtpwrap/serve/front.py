@@ -175,7 +175,8 @@ class Front:
 
         cfg = self.config
         limits = ConnectionLimits(
-            header_timeout_s=cfg.header_timeout_s, max_connections=cfg.max_connections,
+            header_timeout_s=cfg.header_timeout_s, body_timeout_s=cfg.body_timeout_s,
+            body_min_rate=cfg.body_min_rate, max_connections=cfg.max_connections,
             max_header_bytes=cfg.max_header_bytes, max_headers=cfg.max_headers,
             on_refuse=lambda kind: self.metrics.refused.labels(kind).inc())
         return uvicorn_config(self.app, limits, cfg.idle_timeout_s, **kwargs)
