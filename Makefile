@@ -2,6 +2,7 @@
 #   make up    install, build llama-server for the CPU, fetch the demo model, serve it
 #   make test  install, lint, the unit tier (minutes, no build); then build, fetch and run
 #              the rest (slow and integration tests): every test once
+#   make fuzz  the front's whole fuzz campaign (15 minutes)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,7 +10,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 
-.PHONY: install build model up test unit hermetic lint clean wheelhouse system-deps build-deps
+.PHONY: install build model up test unit hermetic lint clean wheelhouse system-deps build-deps fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +64,14 @@ system-deps:
 # so a broken unit test fails before anything is compiled.
 test: install system-deps lint unit model build
 	$(BIN)/python -m pytest -m "integration or slow"
+
+# The front's fuzz campaign (tests/fuzz/campaign.py): seeds, generated bodies, raw HTTP/1.1 and
+# upstream faults on the real llama-server in FUZZ_SECONDS (a random seed, printed; FUZZ_SEED to
+# repeat one). Every new failure class is shrunk and kept in tests/fuzz/seeds/.
+FUZZ_SECONDS ?= 840
+fuzz: build model
+	$(BIN)/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS) --save-found \
+	  $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
 # The unit tier: every test not marked integration or slow; each gets an empty MTPWRAP_HOME.
 unit: install

@@ -101,6 +101,20 @@ def test_shrinking_keeps_the_class_and_drops_the_rest() -> None:
     assert campaign.shrink("/r", doc, "k", still) == {"messages": [{"role": 0}]}
 
 
+def test_the_fault_oracle() -> None:
+    from tests.fuzz.faults import Fault, check
+
+    assert check(Fault(), 200, "complete") is None
+    assert check(Fault(), 504, "complete") == "504 without a fault (none)"
+    assert check(Fault("latency", 0, 0.1), 200, "error-event") is None
+    assert check(Fault("cut", 60), None, "cut: RemoteProtocolError") is None
+    assert check(Fault(), None, "cut: RemoteProtocolError") == "cut: RemoteProtocolError under none"
+    assert check(Fault("reset", 0), 502, "complete") is None
+    assert check(Fault("reset", 0), 500, "complete") == "500 under reset"
+    assert check(Fault("stall", 5, 9), 200, "truncated") == (
+        "a 200 answer framed complete but truncated under stall")
+
+
 # --------------------------------------------------------------------------- on the real server
 
 
@@ -138,3 +152,33 @@ def test_seed_replays(target: campaign.Target, seed: seeds.Seed) -> None:
     if seed.needle:
         assert seed.needle in r.text, r.text[:300]
     assert target.ready(), "the front or llama-server is not ready after the seed"
+
+
+@pytest.mark.integration
+def test_the_front_keeps_its_promises_under_upstream_faults(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
+    """60 fixed-seed scenarios through the fault relay on the real llama-server (the campaign
+    runs 300 and more with other seeds)."""
+    from tests.fuzz import faults
+
+    with faults.rig(llama_server_bin, demo_model, tmp_path) as r:
+        done, bad = faults.run_scenarios(r, 60, seed=7)
+        assert done == 60
+        assert not bad, "\n".join(bad)
+        relay = r.relay
+    assert relay.open == 0, f"{relay.open} connections to llama-server left after the front"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_campaign_smoke(tmp_path: Path, llama_server_bin: Path, demo_model: Path,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make fuzz` in 90 s with a fixed seed: every phase ran, nothing broken, nothing leaked."""
+    monkeypatch.setenv("MTPWRAP_BINARY", str(llama_server_bin))
+    monkeypatch.setenv("MTPWRAP_DEMO_MODEL", str(demo_model))
+    report = campaign.run(tmp_path, seconds=90, n_bodies=2000, n_raw=2000, n_faults=300,
+                          seed=20261202)
+    print(campaign.describe(report))
+    assert [p["name"] for p in report["phases"]] == ["seeds", "bodies", "raw", "faults"]
+    assert all(p["tried"] > 0 for p in report["phases"]), campaign.describe(report)
+    assert campaign.failures(report) == [], campaign.describe(report)

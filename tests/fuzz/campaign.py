@@ -6,7 +6,10 @@ One `mtpwrap up` with the demo profile, API keys and the real llama-server; then
    and every failure an earlier campaign found), each with the answer it must get;
 2. bodies — hypothesis-generated request bodies (tests/fuzz/cases.py) on 13 routes, each answer
    judged by tests/fuzz/oracle.py;
-3. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py).
+3. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py);
+4. faults — stateful scenarios through a fault-injecting relay between a front and a second
+   real llama-server (tests/fuzz/faults.py): no 5xx but 502/504, those only under a fault,
+   every stream ended, the front recovered after each.
 
 After each phase: the front must be ready, its open file descriptors back to where they stood
 after the warm-up (± 2), its RSS grown by at most 16 MiB, llama-server generating nothing for
@@ -14,8 +17,8 @@ anyone. At the end the log must hold no traceback. Failures are grouped by class
 body of each class is shrunk further (keys dropped, values simplified, while the class stays)
 and, with `--save-found`, written to tests/fuzz/seeds/ as a new seed.
 
-Usage: python -m tests.fuzz.campaign [--seconds S] [--bodies N] [--raw N] [--seed N]
-           [--out DIR] [--save-found]
+Usage: python -m tests.fuzz.campaign [--seconds S] [--bodies N] [--raw N] [--faults N]
+           [--seed N] [--out DIR] [--save-found]
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import psutil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.fuzz import cases, oracle, raw, seeds
+from tests.fuzz import cases, faults, oracle, raw, seeds
 
 KEY = "fuzz-key-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
@@ -113,10 +116,12 @@ class Target:
         work.mkdir(parents=True, exist_ok=True)
         (work / "fuzz.yaml").write_text(PROFILE)
         (work / "mtpwrap.yaml").write_text(CONFIG)
-        binary = Path(os.environ.get("MTPWRAP_BINARY") or load_manifest().binary("llama-server"))
+        self.binary = binary = Path(os.environ.get("MTPWRAP_BINARY")
+                                    or load_manifest().binary("llama-server"))
+        self.model = known.ensure_demo_model()
         self.log = work / "up.log"
         self.inst = Instance(work / "home", free_loopback_port(), binary,
-                             known.ensure_demo_model(), log=self.log,
+                             self.model, log=self.log,
                              profile=str(work / "fuzz.yaml"), MTPWRAP_API_KEYS=KEY,
                              MTPWRAP_CONFIG=str(work / "mtpwrap.yaml"))
         self.base = self.inst.base
@@ -300,6 +305,24 @@ def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     return ph
 
 
+def phase_faults(binary: Path, model: Path, work: Path, n: int, seconds: float,
+                 seed: int) -> Phase_:
+    ph = Phase_("faults")
+    t0 = time.monotonic()
+    with faults.rig(binary, model, work) as r:
+        ph.tried, bad = faults.run_scenarios(r, n, seed, seconds)
+        for b in bad:
+            ph.fail(b.split(" [")[0], {"scenario": b}, len(b))
+        busy, held = r.settled(0)
+        relay = r.relay
+    ph.leaks = {"llama_server_processing": busy, "upstream_connections": held,
+                "left_after_the_front": relay.open, "ready": not busy}
+    if relay.open:
+        ph.fail(f"{relay.open} upstream connection(s) left open after the front stopped", {}, 0)
+    ph.seconds = time.monotonic() - t0
+    return ph
+
+
 # --------------------------------------------------------------------------- the run
 
 def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
@@ -323,8 +346,9 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
         ph.fail("not ready at the end of the phase", {}, 0)
 
 
-def run(out: Path, seconds: float, n_bodies: int, n_raw: int, seed: int,
+def run(out: Path, seconds: float, n_bodies: int, n_raw: int, n_faults: int, seed: int,
         save_found: bool = False) -> dict[str, Any]:
+    """The four phases in `seconds`: bodies take 45 % of it, raw up to 65 %, faults the rest."""
     out.mkdir(parents=True, exist_ok=True)
     t = Target(out / "instance")
     started = time.monotonic()
@@ -337,14 +361,16 @@ def run(out: Path, seconds: float, n_bodies: int, n_raw: int, seed: int,
         ph = phase_seeds(t)
         check_leaks(t, ph, start)
         phases.append(ph)
-        ph = phase_bodies(t, n_bodies, seconds * 0.6, seed)
+        ph = phase_bodies(t, n_bodies, seconds * 0.45, seed)
         check_leaks(t, ph, start)
         phases.append(ph)
-        ph = phase_raw(t, n_raw, max(5.0, seconds - (time.monotonic() - started)), seed)
+        ph = phase_raw(t, n_raw, max(5.0, seconds * 0.65 - (time.monotonic() - started)), seed)
         check_leaks(t, ph, start)
         phases.append(ph)
     finally:
         log = t.close()
+    phases.append(phase_faults(t.binary, t.model, out / "faults", n_faults,
+                               max(10.0, seconds - (time.monotonic() - started)), seed))
     tracebacks = log.count("Traceback (most recent call last)")
     report = {
         "seed": seed, "seconds_budget": seconds, "cpu": platform.processor() or platform.machine(),
@@ -386,7 +412,7 @@ def describe(report: dict[str, Any]) -> str:
         lk = p["leaks"]
         lines.append(f"{p['name']:<8} {p['tried']:>7} {p['seconds']:>7.1f} "
                      f"{p['per_second']:>8.1f} {sum(f['count'] for f in p['failures']):>9}  "
-                     f"fds {lk.get('fds')} RSS MiB {lk.get('rss_mib')} ready {lk.get('ready')}")
+                     + ", ".join(f"{k} {v}" for k, v in lk.items()))
         for f in p["failures"]:
             lines.append(f"    {f['count']:>6} × {f['class']}")
             if f["smallest"]:
@@ -402,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=840, help="time for the phases")
     ap.add_argument("--bodies", type=int, default=20_000, help="body cases at most")
     ap.add_argument("--raw", type=int, default=10_000, help="raw HTTP cases at most")
+    ap.add_argument("--faults", type=int, default=1_000, help="fault scenarios at most")
     ap.add_argument("--seed", type=int, default=None, help="default: random, and logged")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--save-found", action="store_true",
@@ -410,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     out = a.out or REPO / "build" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"fuzz campaign: seed {seed}, results in {out}", flush=True)
-    report = run(out, a.seconds, a.bodies, a.raw, seed, a.save_found)
+    report = run(out, a.seconds, a.bodies, a.raw, a.faults, seed, a.save_found)
     print(describe(report))
     bad = failures(report)
     return 1 if bad else 0
