@@ -49,7 +49,15 @@ from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireRespons
 from mtpwrap.serve import depth_policy
 from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
 from mtpwrap.serve.metrics import FrontMetrics
-from mtpwrap.serve.replies import BY_UPSTREAM, Receive, Replies, Scope, Send, error_kind
+from mtpwrap.serve.replies import (
+    BY_UPSTREAM,
+    Receive,
+    Replies,
+    Scope,
+    Send,
+    error_kind,
+    error_message,
+)
 
 log = logging.getLogger("mtpwrap.proxy")
 
@@ -99,11 +107,8 @@ def upstream_500_class(message: str) -> tuple[str, bool]:
 
 
 def _error_message(raw: bytes) -> str:
-    try:
-        err = json.loads(raw).get("error")
-        return str(err.get("message", "")) if isinstance(err, dict) else ""
-    except (ValueError, AttributeError):
-        return raw[:500].decode("utf-8", "replace")
+    """llama-server's error message, or the start of its body when it has none."""
+    return error_message(raw) or raw[:500].decode("utf-8", "replace")
 
 
 def _as_client_error(raw: bytes) -> bytes:

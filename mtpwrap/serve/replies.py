@@ -29,6 +29,19 @@ ANSWERED_BY = b"x-mtpwrap-answered-by"
 BY_FRONT = (ANSWERED_BY, b"front")
 BY_UPSTREAM = (ANSWERED_BY, b"llama-server")
 
+
+def error_message(body: bytes) -> str | None:
+    """The `error.message` of an error body (the front's and llama-server's shape alike), or
+    None when the body has none."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    err = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        return err["message"]
+    return None
+
 _KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
           421: "invalid_request_error", 429: "rate_limit_error"}

@@ -11,27 +11,15 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
+
+from mtpwrap.serve.replies import error_message
 
 ANSWERED_BY = "x-mtpwrap-answered-by"
 #: front-made 5xx allowed in a campaign without injected faults (503: busy or not ready)
 FRONT_5XX_WITHOUT_FAULTS = frozenset({503})
 FRONT_5XX_WITH_FAULTS = frozenset({502, 503, 504})
-
-
-def _message(body: bytes) -> str | None:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    err = doc.get("error")
-    if isinstance(err, dict) and isinstance(err.get("message"), str):
-        return err["message"]
-    return None
 
 
 def normalise(message: str) -> str:
@@ -51,7 +39,7 @@ def verdict(route: str, status: int, headers: Mapping[str, str], body: bytes,
         return f"traceback in a {status} from the {by}"
     if status < 400:
         return None
-    message = _message(body)
+    message = error_message(body)
     if status < 500:
         if message is None and not body.startswith(b"data:"):
             return f"{status} from the {by} without an error message"
