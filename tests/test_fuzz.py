@@ -101,6 +101,25 @@ def test_shrinking_keeps_the_class_and_drops_the_rest() -> None:
     assert campaign.shrink("/r", doc, "k", still) == {"messages": [{"role": 0}]}
 
 
+def test_the_vendor_schemas_give_requests_for_every_route_both_ways() -> None:
+    from hypothesis import HealthCheck, Phase
+
+    from tests.fuzz import schema
+
+    seen: set[tuple[str, str]] = set()
+
+    @given(req=schema.requests())
+    @settings(max_examples=150, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def draw(req: schema.Request) -> None:
+        assert isinstance(req.body, bytes) and req.route in cases.BASE
+        seen.add((req.route, req.mode))
+
+    draw()
+    assert {r for r, _ in seen} == {r for _, _, r in schema.OPERATIONS}
+    assert {m for _, m in seen} == {"positive", "negative"}
+
+
 def test_the_fault_oracle() -> None:
     from tests.fuzz.faults import Fault, check
 
@@ -176,9 +195,9 @@ def test_the_campaign_smoke(tmp_path: Path, llama_server_bin: Path, demo_model: 
     """`make fuzz` in 90 s with a fixed seed: every phase ran, nothing broken, nothing leaked."""
     monkeypatch.setenv("MTPWRAP_BINARY", str(llama_server_bin))
     monkeypatch.setenv("MTPWRAP_DEMO_MODEL", str(demo_model))
-    report = campaign.run(tmp_path, seconds=90, n_bodies=2000, n_raw=2000, n_faults=300,
-                          seed=20261202)
+    report = campaign.run(tmp_path, seconds=90, n_bodies=2000, n_schema=1000, n_raw=2000,
+                          n_faults=300, seed=20261202)
     print(campaign.describe(report))
-    assert [p["name"] for p in report["phases"]] == ["seeds", "bodies", "raw", "faults"]
+    assert [p["name"] for p in report["phases"]] == ["seeds", "bodies", "schema", "raw", "faults"]
     assert all(p["tried"] > 0 for p in report["phases"]), campaign.describe(report)
     assert campaign.failures(report) == [], campaign.describe(report)

@@ -6,8 +6,10 @@ One `mtpwrap up` with the demo profile, API keys and the real llama-server; then
    and every failure an earlier campaign found), each with the answer it must get;
 2. bodies — hypothesis-generated request bodies (tests/fuzz/cases.py) on 13 routes, each answer
    judged by tests/fuzz/oracle.py;
-3. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py);
-4. faults — stateful scenarios through a fault-injecting relay between a front and a second
+3. schema — schemathesis requests from OpenAI's and Anthropic's own OpenAPI documents
+   (tests/fuzz/schema.py), valid and invalid, judged by the same oracle;
+4. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py);
+5. faults — stateful scenarios through a fault-injecting relay between a front and a second
    real llama-server (tests/fuzz/faults.py): no 5xx but 502/504, those only under a fault,
    every stream ended, the front recovered after each.
 
@@ -17,7 +19,7 @@ anyone. At the end the log must hold no traceback. Failures are grouped by class
 body of each class is shrunk further (keys dropped, values simplified, while the class stays)
 and, with `--save-found`, written to tests/fuzz/seeds/ as a new seed.
 
-Usage: python -m tests.fuzz.campaign [--seconds S] [--bodies N] [--raw N] [--faults N]
+Usage: python -m tests.fuzz.campaign [--seconds S] [--bodies N] [--schema N] [--raw N] [--faults N]
            [--seed N] [--out DIR] [--save-found]
 """
 
@@ -41,7 +43,7 @@ import psutil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.fuzz import cases, faults, oracle, raw, seeds
+from tests.fuzz import cases, faults, oracle, raw, schema, seeds
 
 KEY = "fuzz-key-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
@@ -284,6 +286,31 @@ def phase_bodies(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     return ph
 
 
+def phase_schema(t: Target, n: int, seconds: float, seed: int) -> Phase_:
+    ph = Phase_("schema")
+    t0 = time.monotonic()
+    stop_at = t0 + seconds
+
+    def one(req: schema.Request) -> None:
+        if time.monotonic() >= stop_at or ph.tried >= n:
+            return
+        ph.tried += 1
+        bad = _verdict(t, req.route, req.body)
+        ph.count(f"{req.route} {req.mode}")
+        if bad is not None:
+            ph.fail(bad, req.as_seed(), len(req.body))
+
+    batch = 0
+    while time.monotonic() < stop_at and ph.tried < n:
+        run = given(req=schema.requests())(one)
+        run = settings(max_examples=BATCH, deadline=None, database=None,
+                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))(run)
+        hypothesis_seed(seed * 1000 + 500 + batch)(run)()
+        batch += 1
+    ph.seconds = time.monotonic() - t0
+    return ph
+
+
 def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     ph = Phase_("raw")
     rng = random.Random(seed)
@@ -346,9 +373,10 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
         ph.fail("not ready at the end of the phase", {}, 0)
 
 
-def run(out: Path, seconds: float, n_bodies: int, n_raw: int, n_faults: int, seed: int,
-        save_found: bool = False) -> dict[str, Any]:
-    """The four phases in `seconds`: bodies take 45 % of it, raw up to 65 %, faults the rest."""
+def run(out: Path, seconds: float, n_bodies: int, n_schema: int, n_raw: int, n_faults: int,
+        seed: int, save_found: bool = False) -> dict[str, Any]:
+    """The phases in `seconds`: bodies to 35 % of it, schema to 50 %, raw to 65 %, faults the
+    rest."""
     out.mkdir(parents=True, exist_ok=True)
     t = Target(out / "instance")
     started = time.monotonic()
@@ -361,7 +389,11 @@ def run(out: Path, seconds: float, n_bodies: int, n_raw: int, n_faults: int, see
         ph = phase_seeds(t)
         check_leaks(t, ph, start)
         phases.append(ph)
-        ph = phase_bodies(t, n_bodies, seconds * 0.45, seed)
+        ph = phase_bodies(t, n_bodies, seconds * 0.35, seed)
+        check_leaks(t, ph, start)
+        phases.append(ph)
+        ph = phase_schema(t, n_schema, max(5.0, seconds * 0.5 - (time.monotonic() - started)),
+                          seed)
         check_leaks(t, ph, start)
         phases.append(ph)
         ph = phase_raw(t, n_raw, max(5.0, seconds * 0.65 - (time.monotonic() - started)), seed)
@@ -386,7 +418,7 @@ def run(out: Path, seconds: float, n_bodies: int, n_raw: int, n_faults: int, see
     if save_found:
         found = []
         for p in phases:
-            if p.name != "bodies":
+            if p.name not in ("bodies", "schema"):
                 continue
             for f in p.failures.values():
                 if f.smallest and "route" in f.smallest:
@@ -427,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=840, help="time for the phases")
     ap.add_argument("--bodies", type=int, default=20_000, help="body cases at most")
+    ap.add_argument("--schema", type=int, default=5_000, help="schemathesis cases at most")
     ap.add_argument("--raw", type=int, default=10_000, help="raw HTTP cases at most")
     ap.add_argument("--faults", type=int, default=1_000, help="fault scenarios at most")
     ap.add_argument("--seed", type=int, default=None, help="default: random, and logged")
@@ -437,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
     out = a.out or REPO / "build" / f"fuzz-{time.strftime('%Y%m%d-%H%M%S')}"
     print(f"fuzz campaign: seed {seed}, results in {out}", flush=True)
-    report = run(out, a.seconds, a.bodies, a.raw, a.faults, seed, a.save_found)
+    report = run(out, a.seconds, a.bodies, a.schema, a.raw, a.faults, seed, a.save_found)
     print(describe(report))
     bad = failures(report)
     return 1 if bad else 0

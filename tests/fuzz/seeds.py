@@ -56,6 +56,6 @@ def save_found(folder: Path, klass: str, seed: dict[str, Any]) -> Path:
     """Write a failure the campaign found (shrunk) as a new seed; returns its path."""
     slug = re.sub(r"[^a-z0-9]+", "-", klass.lower()).strip("-")[:60] or "case"
     path = folder / f"found-{slug}.json"
-    doc = {**seed, "expect": "4xx", "why": f"found by the campaign: {klass}"}
+    doc = {"expect": "4xx", **seed, "why": f"found by the campaign: {klass}"}
     path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
