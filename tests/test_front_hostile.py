@@ -105,8 +105,9 @@ CASES_400 = [
      "top_logprobs must be 0..100"),
     ("/v1/chat/completions", b'{"messages": [], "n": 4}', "n must be 1..1"),
     ("/v1/chat/completions", b'{"messages": [], "max_completion_tokens": 100000}',
-     "max_completion_tokens must be -1..256"),
-    ("/completion", b'{"prompt": "x", "n_predict": -5}', "n_predict must be -1..256"),
+     "max_completion_tokens must be 0..256"),
+    ("/completion", b'{"prompt": "x", "n_predict": -5}', "n_predict must be 0..256"),
+    ("/completion", b'{"prompt": "x", "n_predict": -1}', "n_predict must be 0..256"),
     # Python's json reads these, llama-server's parser does not (or reads them differently)
     ("/completion", b'{"prompt": "x", "n_probs": 1, "n_probs": 100000}', "twice"),
     ("/completion", b'{"prompt": "x \\ud800 y"}', "lone UTF-16 surrogate"),

@@ -195,7 +195,9 @@ def check_fields(doc: Any, max_n_probs: int, max_choices: int = 1, max_predict: 
     if not isinstance(lp, bool):
         _check_range(doc, ("logprobs",), 0, max_n_probs, "top tokens per position")
     _check_range(doc, CHOICE_FIELDS, 1, max_choices, "choices per request")
-    _check_range(doc, PREDICT_FIELDS, -1, max_predict or None, "tokens to generate")
+    # -1 is llama-server's "until the context is full": not within a cap
+    _check_range(doc, PREDICT_FIELDS, 0 if max_predict else -1, max_predict or None,
+                 "tokens to generate")
     _check_range(doc, ("id_slot", "slot_id"), -1, None, "-1 is any slot")
     _check_range(doc, ("n_keep",), -1, None, "-1 keeps the whole prompt")
 

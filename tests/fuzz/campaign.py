@@ -32,8 +32,10 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,11 +92,13 @@ class Phase_:
     outcomes: dict[str, int] = field(default_factory=dict)
     leaks: dict[str, Any] = field(default_factory=dict)
     slowest: list[tuple[float, str, str]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def timed(self, seconds: float, route: str, what: str) -> None:
-        self.slowest.append((round(seconds, 2), route, what))
-        self.slowest.sort(reverse=True)
-        del self.slowest[5:]
+        with self._lock:  # the senders' threads
+            self.slowest.append((round(seconds, 2), route, what))
+            self.slowest.sort(reverse=True)
+            del self.slowest[5:]
 
     def fail(self, klass: str, seed: dict[str, Any], size: int) -> None:
         f = self.failures.setdefault(klass, Failure(klass))
@@ -244,34 +248,52 @@ def phase_seeds(t: Target) -> Phase_:
     return ph
 
 
-#: cases per hypothesis run: the phase runs batches until its count or its time is spent
+#: cases drawn per hypothesis run, then sent at once by WORKERS threads (most are refused at the
+#: front in milliseconds; the rest queue for llama-server's slots)
 BATCH = 250
+WORKERS = 8
+
+
+def _draw(strategy: Any, n: int, seed: int) -> list[Any]:
+    """`n` examples of a strategy, reproducibly from `seed`."""
+    out: list[Any] = []
+
+    def keep(x: Any) -> None:
+        out.append(x)
+
+    run = given(x=strategy)(keep)
+    run = settings(max_examples=n, deadline=None, database=None, phases=[Phase.generate],
+                   suppress_health_check=list(HealthCheck))(run)
+    hypothesis_seed(seed)(run)()
+    return out
+
+
+def _judged(t: Target, ph: Phase_, batch: list[Any], what: Callable[[Any], str]
+            ) -> list[tuple[Any, str | None]]:
+    """Each request of `batch` (with .route and .body) sent, WORKERS at a time, and judged."""
+    def one(req: Any) -> tuple[Any, str | None]:
+        c0 = time.monotonic()
+        bad = _verdict(t, req.route, req.body)
+        ph.timed(time.monotonic() - c0, req.route, what(req))
+        return req, bad
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return list(pool.map(one, batch))
 
 
 def phase_bodies(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     ph = Phase_("bodies")
     t0 = time.monotonic()
-    stop_at = t0 + seconds
-
-    def one(case: cases.Case) -> None:
-        if time.monotonic() >= stop_at or ph.tried >= n:
-            return
-        ph.tried += 1
-        c0 = time.monotonic()
-        bad = _verdict(t, case.route, case.body)
-        ph.timed(time.monotonic() - c0, case.route,
-                 f"{case.what}: {case.body[:160].decode('utf-8', 'replace')}")
-        ph.count(case.route)
-        if bad is not None:
-            ph.fail(bad, case.as_seed(), len(case.body))
-
-    batch = 0
-    while time.monotonic() < stop_at and ph.tried < n:
-        run = given(case=cases.cases())(one)
-        run = settings(max_examples=BATCH, deadline=None, database=None,
-                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))(run)
-        hypothesis_seed(seed * 1000 + batch)(run)()
-        batch += 1
+    batch_no = 0
+    while time.monotonic() < t0 + seconds and ph.tried < n:
+        batch = _draw(cases.cases(), min(BATCH, n - ph.tried), seed * 1000 + batch_no)
+        batch_no += 1
+        for case, bad in _judged(t, ph, batch, lambda c: f"{c.what}: "
+                                 f"{c.body[:160].decode('utf-8', 'replace')}"):
+            ph.tried += 1
+            ph.count(case.route)
+            if bad is not None:
+                ph.fail(bad, case.as_seed(), len(case.body))
     ph.seconds = time.monotonic() - t0
     for f in ph.failures.values():
         if f.smallest is None or "body" not in f.smallest:
@@ -289,45 +311,42 @@ def phase_bodies(t: Target, n: int, seconds: float, seed: int) -> Phase_:
 def phase_schema(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     ph = Phase_("schema")
     t0 = time.monotonic()
-    stop_at = t0 + seconds
-
-    def one(req: schema.Request) -> None:
-        if time.monotonic() >= stop_at or ph.tried >= n:
-            return
-        ph.tried += 1
-        bad = _verdict(t, req.route, req.body)
-        ph.count(f"{req.route} {req.mode}")
-        if bad is not None:
-            ph.fail(bad, req.as_seed(), len(req.body))
-
-    batch = 0
-    while time.monotonic() < stop_at and ph.tried < n:
-        run = given(req=schema.requests())(one)
-        run = settings(max_examples=BATCH, deadline=None, database=None,
-                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))(run)
-        hypothesis_seed(seed * 1000 + 500 + batch)(run)()
-        batch += 1
+    batch_no = 0
+    while time.monotonic() < t0 + seconds and ph.tried < n:
+        batch = _draw(schema.requests(), min(BATCH, n - ph.tried), seed * 1000 + 500 + batch_no)
+        batch_no += 1
+        for req, bad in _judged(t, ph, batch, lambda r: f"{r.mode}: "
+                                f"{r.body[:160].decode('utf-8', 'replace')}"):
+            ph.tried += 1
+            ph.count(f"{req.route} {req.mode}")
+            if bad is not None:
+                ph.fail(bad, req.as_seed(), len(req.body))
     ph.seconds = time.monotonic() - t0
     return ph
+
+
+def _raw_case(t: Target, data: bytes) -> tuple[str, str | None]:
+    kind, same = raw.judge(data)
+    ans = raw.send_raw("127.0.0.1", t.port, data, wait_s=0.3 if kind == "incomplete" else 5.0,
+                       expect=max(1, same) if kind == "agree-ok" else 1)
+    return kind, raw.raw_verdict(kind, same, ans)
 
 
 def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     ph = Phase_("raw")
     rng = random.Random(seed)
     t0 = time.monotonic()
-    stop_at = t0 + seconds
     key = KEY.encode()
-    while ph.tried < n and time.monotonic() < stop_at:
-        data, what = raw.mutate(rng, rng.choice(raw.SEEDS).replace(b"{key}", key))
-        kind, same = raw.judge(data)
-        ph.tried += 1
-        ph.count(kind)
-        ans = raw.send_raw("127.0.0.1", t.port, data,
-                           wait_s=0.3 if kind == "incomplete" else 5.0,
-                           expect=max(1, same) if kind == "agree-ok" else 1)
-        bad = raw.raw_verdict(kind, same, ans)
-        if bad is not None:
-            ph.fail(bad, {"raw_hex": data.hex(), "what": what}, len(data))
+    with ThreadPoolExecutor(WORKERS * 2) as pool:
+        while ph.tried < n and time.monotonic() < t0 + seconds:
+            batch = [raw.mutate(rng, rng.choice(raw.SEEDS).replace(b"{key}", key))
+                     for _ in range(min(BATCH, n - ph.tried))]
+            results = pool.map(lambda dw: _raw_case(t, dw[0]), batch)
+            for (data, what), (kind, bad) in zip(batch, results, strict=True):
+                ph.tried += 1
+                ph.count(kind)
+                if bad is not None:
+                    ph.fail(bad, {"raw_hex": data.hex(), "what": what}, len(data))
     ph.seconds = time.monotonic() - t0
     return ph
 
