@@ -436,6 +436,24 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer() -> None:
         slow.stop()
 
 
+def test_a_bad_request_pipelined_behind_one_in_progress_closes_cleanly(
+        front: object, caplog: pytest.LogCaptureFixture) -> None:
+    """The first request is still being answered (here: refused for its missing key) when the
+    second, unreadable, is parsed: the front answers 400 and closes; the first's answer is
+    dropped with the connection, and nothing fails inside the front."""
+    for first in (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                  b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                  + KEY.encode() + b"\r\n\r\n"):
+        s = _connect(front.url)  # type: ignore[attr-defined]
+        s.sendall(first + b"GET /livez HTTP/1.1\r\nHost: a\r\nContent-Length: 1\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        data, closed = _read_all(s, 5)
+        s.close()
+        assert b" 400 Bad Request" in data and closed, data[:300]
+    assert httpx.get(front.url + "/livez", timeout=5).status_code == 200  # type: ignore
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
 def test_an_answer_sent_before_the_body_was_read_is_not_lost_to_a_reset(
         fake: FakeUpstream) -> None:
     """The front answers 413 to a 3 MiB body at its head and closes: without a lingering close

@@ -88,10 +88,14 @@ class _Transport(asyncio.Transport):
         self.raw.abort()
 
     def write(self, data: Any) -> None:
-        self.raw.write(data)
+        # Lingering, the sending side is shut: an answer still being written to a connection
+        # that was refused (a bad request pipelined behind it) is dropped with it.
+        if not self._protocol.lingering:
+            self.raw.write(data)
 
     def writelines(self, list_of_data: Any) -> None:
-        self.raw.writelines(list_of_data)
+        if not self._protocol.lingering:
+            self.raw.writelines(list_of_data)
 
     def write_eof(self) -> None:
         self.raw.write_eof()
@@ -208,6 +212,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raw.close()
             return
         self.lingering = True
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:  # its answer cannot be sent now
+            cycle.disconnected = True
+            cycle.message_event.set()
         self._disarm_head_timer()
         self._disarm_body_timer()
         raw.resume_reading()

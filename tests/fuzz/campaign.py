@@ -250,7 +250,7 @@ def phase_seeds(t: Target) -> Phase_:
 
 #: cases drawn per hypothesis run, then sent at once by WORKERS threads (most are refused at the
 #: front in milliseconds; the rest queue for llama-server's slots)
-BATCH = 250
+BATCH = 50
 WORKERS = 8
 
 
