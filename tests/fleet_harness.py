@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import io
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +18,9 @@ import yaml
 
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port
-from tests.helpers import REPO, Instance, run_cli
+from tests.helpers import REPO, Instance, run_cli, wait_for
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
-
-
-def wait_for(what: str, ok: Callable[[], bool], timeout: float, every: float = 0.1) -> float:
-    """Seconds until `ok()` held; TimeoutError naming `what` when it never did."""
-    t0 = time.monotonic()
-    while not ok():
-        if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(every)
-    return time.monotonic() - t0
 
 
 def answers(url: str, status: int = 200) -> bool:

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,17 @@ def load_snapshot(name: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- `mtpwrap up`
+
+
+def wait_for(what: str, ok: Callable[[], bool], timeout: float, every: float = 0.1) -> float:
+    """Seconds until `ok()` held; TimeoutError naming `what` when it never did. The one way
+    tests wait for a condition."""
+    t0 = time.monotonic()
+    while not ok():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(every)
+    return time.monotonic() - t0
 
 
 def wait_ready(base: str, process: Any, output: Any, timeout: float = 120) -> None:

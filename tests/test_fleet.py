@@ -274,7 +274,8 @@ def balancer(tmp_path: Path, backends: list[Backend], *args: str,
              scheme: str = "http", rows: dict[str, dict[str, str]] | None = None) -> Iterator[str]:
     """The real HAProxy on `mtpwrap fleet haproxy` for `backends`; yields its base URL once every
     backend is UP."""
-    from tests.fleet_harness import start_haproxy, stop, wait_for
+    from tests.fleet_harness import start_haproxy, stop
+    from tests.helpers import wait_for
 
     require_tool("haproxy", "haproxy")
     port, stats = free_loopback_port(), free_loopback_port()

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fleet_harness import LocalFleet, answers, chat, p99, wait_for
-from tests.helpers import REPO, require_tool
+from tests.fleet_harness import LocalFleet, answers, chat, p99
+from tests.helpers import REPO, require_tool, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -46,6 +46,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from tests.fuzz import cases, faults, oracle, raw, schema, seeds
+from tests.helpers import wait_for
 
 KEY = "fuzz-key-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[2]
@@ -373,11 +374,9 @@ def phase_faults(binary: Path, model: Path, work: Path, n: int, seconds: float,
 
 def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
     # Connections the clients left open close within the idle timeout (3 s): wait for it.
-    end = time.monotonic() + 15
+    with contextlib.suppress(TimeoutError):
+        wait_for("fds back", lambda: t.usage()[0] <= start[0] + 2, 15, every=0.25)
     fds, rss = t.usage()
-    while fds > start[0] + 2 and time.monotonic() < end:
-        time.sleep(0.25)
-        fds, rss = t.usage()
     busy = t.processing()
     ph.leaks = {"fds": [start[0], fds], "rss_mib": [round(start[1] / 2**20, 1),
                                                     round(rss / 2**20, 1)],

@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from mtpwrap.proc import free_loopback_port
+from tests.helpers import wait_for
 
 KINDS = ("none", "latency", "bandwidth", "cut", "reset", "stall", "slow_close",
          "garbage_head", "bad_length")
@@ -298,9 +299,8 @@ def rig(binary: Path, model: Path, work: Path) -> Iterator[Rig]:
                 base_url=srv.url, timeout=60, headers={"authorization": f"Bearer {KEY}"}) as c:
             yield Rig(c, relay, child.client(timeout=10))
         # the front is gone: every connection it had through the relay must close
-        end = time.monotonic() + 10
-        while relay.open and time.monotonic() < end:
-            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            wait_for("the front's connections closed", lambda: relay.open == 0, 10, every=0.05)
     finally:
         relay.stop()
         child.kill()
@@ -319,12 +319,10 @@ class Rig:
     def settled(self, timeout: float = 15) -> tuple[int, int]:
         """Wait until llama-server processes nothing and the front's connections through the
         relay are no more than its slots; return both counts as they then stood."""
-        end = time.monotonic() + timeout
-        while True:
-            busy, held = self.processing(), self.relay.open
-            if (busy == 0 and held <= 2) or time.monotonic() > end:
-                return busy, held
-            time.sleep(0.05)
+        with contextlib.suppress(TimeoutError):
+            wait_for("settled", lambda: self.processing() == 0 and self.relay.open <= 2,
+                     timeout, every=0.05)
+        return self.processing(), self.relay.open
 
 
 def run_scenarios(r: Rig, n: int, seed: int, seconds: float = 1e9) -> tuple[int, list[str]]:
