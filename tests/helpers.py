@@ -286,13 +286,14 @@ def ignoring_draft_depth(real: Path, folder: Path) -> Path:
 
 def listening(pid: int) -> tuple[list[tuple[str, int]], list[str]]:
     """What process `pid` listens on now: its TCP (ip, port) listeners and its UNIX socket
-    paths."""
+    paths, each once (a connection it accepted on a UNIX socket carries the socket's path
+    too)."""
     import psutil
 
     p = psutil.Process(pid)
     return ([(c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="inet")
              if c.status == psutil.CONN_LISTEN],
-            [c.laddr for c in p.net_connections(kind="unix") if c.laddr])
+            sorted({c.laddr for c in p.net_connections(kind="unix") if c.laddr}))
 
 
 # ---------------------------------------------------------------- no compile in a test
