@@ -94,6 +94,14 @@ def _json_of(raw: bytes) -> dict:
 
 DEEP = b"[" * 1000 + b"]" * 1000
 CASES_400 = [
+    # tools and tool calls llama-server cannot read: a 500 there
+    ("/v1/chat/completions", b'{"messages": [], "tools": {"a": 1}}',
+     "tools must be an array, got a JSON object"),
+    ("/v1/chat/completions", b'{"messages": [], "tools": [{"type": "custom", "custom": {}}]}',
+     'tools[0].type must be "function" (the only tool type llama-server has), got'
+     ' "custom".'),
+    ("/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{}]}]}',
+     "messages[0].tool_calls[0].type must be"),
     ("/completion", b'{"prompt": "x", "n": ' + DEEP + b"}", "nested more than"),
     ("/completion", b'{"prompt": "x", "n_probs": NaN}', "NaN"),
     ("/completion", b'{"prompt": "x", "n_probs": Infinity}', "Infinity"),
@@ -156,7 +164,17 @@ def test_what_the_front_accepts_passes_byte_for_byte(fake: FakeUpstream, front: 
                        headers={**AUTH, "content-type": "application/json"}, timeout=30)
         assert r.status_code == 200, r.text
         assert r.headers["x-mtpwrap-answered-by"] == "llama-server"
-    assert [seen.body for seen in fake.seen] == bodies
+    # a function tool and a call of one; Anthropic's tools, which have no type
+    chat = [("/v1/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{"id":'
+             b' "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],'
+             b' "tools": [{"type": "function", "function": {"name": "f"}}]}'),
+            ("/v1/messages", b'{"model": "m", "max_tokens": 8, "messages": [{"role": "user",'
+             b' "content": "hi"}], "tools": [{"name": "f", "input_schema": {}}]}')]
+    for path, body in chat:
+        r = httpx.post(front.url + path, content=body,  # type: ignore[attr-defined]
+                       headers={**AUTH, "content-type": "application/json"}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert [seen.body for seen in fake.seen] == bodies + [b for _, b in chat]
 
 
 def test_every_answer_says_who_made_it(fake: FakeUpstream, front: object) -> None:

@@ -111,6 +111,8 @@ def _json_type(v: Any) -> str:
         return "null"
     if isinstance(v, (int, float)):
         return "number"
+    if isinstance(v, dict):
+        return "object"
     return "string" if isinstance(v, str) else "array"
 
 
@@ -317,3 +319,32 @@ def check_messages(doc: Any) -> None:
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise BadBody(f"messages[{i}].content[{j}] must be an object with a string "
                               "type.")
+
+
+def check_tools(doc: Any) -> None:
+    """OpenAI's `tools` and each message's `tool_calls` as llama-server reads them: arrays of
+    objects of type "function", the only tool type it has (another shape or type is a 500
+    there). Anthropic's tools, which have no type, are converted by llama-server itself: this
+    is for the OpenAI-shaped routes."""
+    if not isinstance(doc, dict):
+        return
+    if doc.get("tools") is not None:
+        _functions(doc["tools"], "tools")
+    msgs = doc.get("messages")
+    for i, m in enumerate(msgs if isinstance(msgs, list) else ()):
+        if isinstance(m, dict) and m.get("tool_calls") is not None:
+            _functions(m["tool_calls"], f"messages[{i}].tool_calls")
+
+
+def _functions(value: Any, where: str) -> None:
+    if not isinstance(value, list):
+        raise BadBody(f"{where} must be an array, got a JSON {_json_type(value)}.")
+    for j, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise BadBody(f"{where}[{j}] must be an object, got a JSON {_json_type(item)}.")
+        kind = item.get("type")
+        if kind != "function":
+            got = "nothing" if "type" not in item else json.dumps(kind)[:40]
+            raise BadBody(f'{where}[{j}].type must be "function" (the only tool type '
+                          f"llama-server has), got {got}.")
+

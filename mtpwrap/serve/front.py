@@ -46,6 +46,7 @@ from mtpwrap.serve.bodies import (
     check_grammar,
     check_messages,
     check_tokens,
+    check_tools,
     parse_json_body,
     require_object,
 )
@@ -305,6 +306,8 @@ class Front:
                 check_tokens(doc, self.info.n_vocab)
                 check_grammar(doc)
                 check_messages(doc)
+                if not scope["path"].startswith("/v1/messages"):
+                    check_tools(doc)
             except BadBody as err:
                 self.metrics.refused.labels("body").inc()
                 await self.replies.error(send, 400, str(err), label, t0)

@@ -95,6 +95,7 @@ UPSTREAM_500: tuple[tuple[re.Pattern[str], str, bool], ...] = tuple(
         (r"grammar", "grammar", True),
         (r"template|jinja", "template", False),
         (r"image|audio|mtmd|multimodal|projector", "multimodal", True),
+        (r"failed to parse (tools|messages)", "request_shape", True),
     ))
 
 
