@@ -334,6 +334,7 @@ def test_connections_beyond_the_limit_are_closed(fake: FakeUpstream) -> None:
     (b"GET  /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
     (b"GET /livezHTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
     (b"GET /livez HTTP/0.9\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
+    (b"\nGET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", b"one space between"),
     (b"GET /livez HTTP/1.1\r\n\r\n", b"exactly one Host header (RFC 9112 \\u00a73.2); this one has"
      b" 0"),
     (b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\nHost: x\r\n\r\n", b"this one has 2"),

@@ -262,7 +262,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _request_line(self, data: bytes) -> bool:
         """Collect the request line; False (and refused) when it is not RFC 9112's."""
         self._line = (self._line + data)[: self.limits.max_header_bytes]
-        line = self._line.lstrip(b"\r\n")  # empty lines before a request are ignored
+        line = self._line
+        while line.startswith(b"\r\n"):  # empty lines (CRLF, RFC 9112 §2.2) before it
+            line = line[2:]
         end = line.find(b"\n")
         if end < 0:
             return True

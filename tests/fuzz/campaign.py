@@ -341,7 +341,7 @@ def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     with ThreadPoolExecutor(WORKERS * 6) as pool:  # most of a raw case's time is waiting
         while ph.tried < n and time.monotonic() < t0 + seconds:
             batch = [raw.mutate(rng, rng.choice(raw.SEEDS).replace(b"{key}", key))
-                     for _ in range(min(BATCH, n - ph.tried))]
+                     for _ in range(min(BATCH * 10, n - ph.tried))]
             results = pool.map(lambda dw: _raw_case(t, dw[0]), batch)
             for (data, what), (kind, bad) in zip(batch, results, strict=True):
                 ph.tried += 1
