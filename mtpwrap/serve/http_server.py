@@ -14,7 +14,8 @@ closed) and is the faster of uvicorn's two parsers. What uvicorn lacks, added he
   not `METHOD SP target SP HTTP/1.x` (two spaces, HTTP/0.9), an HTTP/1.1 request without a
   `Host` or any request with two: 400, closed — a request two parsers read differently is
   refused, never guessed at;
-- a client's half-close after a complete request still gets its answer (uvicorn closes at EOF);
+- a client's half-close after a complete request still gets its answer when the answer has not
+  begun (uvicorn closes at EOF; a stream already begun ends, as for a disconnect);
 - a lingering close: when the front closes a connection whose client may still be sending
   (an answer before the body was read, a refused head), it shuts down its side, reads and
   drops what still comes for up to `linger_s` and `linger_bytes`, then closes — so the client
@@ -175,21 +176,22 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
         """The client shut down its sending side: a half-close, or a full close that looks the
-        same until something is sent. A complete HTTP/1.1 request still being answered keeps
-        the connection open for its answer; a `100 Continue` (which every HTTP/1.1 client
-        skips) is sent at once, and a peer that had closed for good answers it with a reset,
-        which `_probe` reads as the disconnect it is. Anything else closes."""
+        same until something is sent. A complete HTTP/1.1 request whose answer has not begun
+        keeps the connection open for it; a `100 Continue` (which every HTTP/1.1 client skips)
+        is sent at once, and a peer that had closed for good answers it with a reset, which
+        `_probe` reads as the disconnect it is. Anything else closes."""
         cycle = self.cycle
         answering = cycle is not None and not cycle.response_complete and not self.pipeline
         if self.lingering or not answering or self._mid_request:
             return None
         assert cycle is not None
-        if not cycle.response_started:
-            if self.scope.get("http_version") == "1.0":
-                return None  # no interim answer may be sent to HTTP/1.0: a disconnect
-            self._raw.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            for delay in (0.05, 0.5, 2.0):
-                self.loop.call_later(delay, self._probe)
+        if cycle.response_started or self.scope.get("http_version") == "1.0":
+            # Nothing can be sent now to tell a close from a half-close (a stream's head is out;
+            # HTTP/1.0 takes no interim answer): a disconnect, so the generation stops at once.
+            return None
+        self._raw.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        for delay in (0.05, 0.5, 2.0):
+            self.loop.call_later(delay, self._probe)
         self._half_closed = True
         return True
 
