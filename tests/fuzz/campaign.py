@@ -153,8 +153,15 @@ class Target:
         return 0.0
 
     def usage(self) -> tuple[int, int]:
+        """The front's open fds other than its connections to llama-server (a pool, over the
+        UNIX socket, that keeps idle connections until their next use: `upstream()`), and its
+        RSS."""
         p = psutil.Process(self.pid)
-        return p.num_fds(), p.memory_info().rss
+        return p.num_fds() - self.upstream(), p.memory_info().rss
+
+    def upstream(self) -> int:
+        """The front's connections to llama-server (UNIX sockets) open now."""
+        return len(psutil.Process(self.pid).net_connections(kind="unix"))
 
     def close(self) -> str:
         self.client.close()
@@ -380,7 +387,8 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
     busy = t.processing()
     ph.leaks = {"fds": [start[0], fds], "rss_mib": [round(start[1] / 2**20, 1),
                                                     round(rss / 2**20, 1)],
-                "llama_server_processing": busy, "ready": t.ready()}
+                "upstream_connections": t.upstream(), "llama_server_processing": busy,
+                "ready": t.ready()}
     if fds > start[0] + 2:
         ph.fail(f"{fds - start[0]} file descriptors more than after the warm-up", {}, 0)
     if rss > start[1] + 16 * 2**20:
