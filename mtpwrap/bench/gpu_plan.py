@@ -13,13 +13,13 @@ checked before a machine is lent; the run records what each cell really took.
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from mtpwrap import proc
 from mtpwrap.build import source
@@ -66,10 +66,6 @@ LENT_IMAGE_HAS = frozenset({
     "urllib3", "uvloop"})
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def wheels(for_lent: bool) -> list[str]:
     """`name==version` of every distribution mtpwrap needs at run time (its requirements and
     theirs, as installed here; matplotlib left out: plots are skipped where it is missing), less
@@ -80,7 +76,7 @@ def wheels(for_lent: bool) -> list[str]:
         dist = metadata.distribution(todo.pop())
         for line in dist.requires or []:
             req = Requirement(line)
-            name = _norm(req.name)
+            name = canonicalize_name(req.name)
             if (name in seen or name == "matplotlib"
                     or (req.marker and not req.marker.evaluate({"extra": ""}))):
                 continue

@@ -66,6 +66,12 @@ class ConnectionLimits:
     on_refuse: Callable[[str], None] = lambda _kind: None
 
 
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel a timer if there is one (its holder then forgets it)."""
+    if timer is not None:
+        timer.cancel()
+
+
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing; uvicorn turns it into a 400 path."""
 
@@ -143,7 +149,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str, str] | None = None
         # the request line as it arrives: "expect" (the next bytes start one), "reading" (from
-        # the start of a chunk), "unknown" (it began inside a chunk, after a pipelined request)
+        # the start of a chunk), "done" (checked), "unknown" (it began inside a chunk, after a
+        # pipelined request)
         self._line_state = "expect"
         self._line = b""
         self._mid_request = False  # part of a request has arrived, not all of it
@@ -170,8 +177,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
         self._disarm_body_timer()
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
+        _cancel(self._linger_timer)
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:  # type: ignore[override]
@@ -214,10 +220,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raw.close()
             return
         self.lingering = True
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:  # its answer cannot be sent now
-            cycle.disconnected = True
-            cycle.message_event.set()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self._disconnect_cycle()  # its answer cannot be sent now
         self._disarm_head_timer()
         self._disarm_body_timer()
         raw.resume_reading()
@@ -231,9 +235,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                                                     self._head_timed_out)
 
     def _disarm_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        _cancel(self._head_timer)
+        self._head_timer = None
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -324,9 +327,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_timer = self.loop.call_at(self._body_deadline, self._body_timed_out)
 
     def _disarm_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        _cancel(self._body_timer)
+        self._body_timer = None
+
+    def _disconnect_cycle(self) -> None:
+        """The application's request sees a disconnect (as uvicorn's connection_lost does)."""
+        assert self.cycle is not None
+        self.cycle.disconnected = True
+        self.cycle.message_event.set()
 
     def _body_timed_out(self) -> None:
         self._body_timer = None
@@ -337,8 +345,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if cycle is not None:  # the application sees a disconnect, not a half body
-            cycle.disconnected = True
-            cycle.message_event.set()
+            self._disconnect_cycle()
         self._mid_request = self._body_open = False  # a slow sender is not lingered for
         if cycle is not None and cycle.response_started:
             self.transport.close()
