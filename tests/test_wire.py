@@ -27,6 +27,7 @@ class Server:
                                         Awaitable[None]], tcp: bool = False) -> None:
         self.answer, self.tcp = answer, tcp
         self.accepted = 0
+        self.ended = 0  # connections whose serving ended (the client closed, mostly)
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
         self.path = str(Path(tempfile.mkdtemp(prefix="wire-")) / "s.sock")
@@ -73,6 +74,7 @@ class Server:
             pass
         finally:
             writer.close()
+            self.ended += 1
 
 
 def json_head(body: bytes, extra: bytes = b"") -> bytes:
@@ -201,7 +203,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_taken() -> None:
             for _ in range(4):
                 assert await get(p, s) == JSON  # no failure: a fresh connection each time
                 assert p.idle() == 1
-                await asyncio.sleep(0.2)  # the server's close arrives
+                await until("the server's close reaching the pool", lambda: p.idle() == 0)
             assert s.accepted == 4
 
     run(main())
@@ -216,9 +218,37 @@ def test_an_idle_connection_past_its_expiry_is_dropped(monkeypatch: pytest.Monke
             assert await get(p, s) == JSON
             assert await get(p, s) == JSON
             assert s.accepted == 1
-            await asyncio.sleep(0.3)
+            await until("the expiry", lambda: p.idle() == 0)
             assert await get(p, s) == JSON
             assert s.accepted == 2
+
+    run(main())
+
+
+async def until(what: str, cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait, yielding to the event loop, until `cond()`; fail saying `what` otherwise."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_bursts_connections_close_after_their_expiry_without_another_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "KEEPALIVE_EXPIRY_S", 0.3)
+
+    async def main() -> None:
+        async with Server(keep_alive) as s:
+            p = WirePool(connect_timeout_s=2.0, write_timeout_s=2.0, max_idle=3)
+            # six at once: six connections, of which no more than three are kept
+            assert await asyncio.gather(*(get(p, s) for _ in range(6))) == [JSON] * 6
+            assert s.accepted == 6 and p.idle() == 3
+            await until("the three beyond max_idle closed", lambda: s.ended == 3)
+            # nothing more is asked: the sweep closes the kept ones once they expire
+            await until("the kept connections expired", lambda: p.idle() == 0 and s.ended == 6)
+            assert await get(p, s) == JSON and s.accepted == 7  # and the pool still serves
+            await p.aclose()
 
     run(main())
 

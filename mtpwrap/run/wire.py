@@ -15,7 +15,10 @@ loopback URL. The Host header is the URL's.
 Reuse: an answer that llama-server lets live (llhttp's `should_keep_alive`: HTTP/1.1, no
 `Connection: close`) and that was read to its end goes back to the pool, most recent first.
 A kept connection is dropped after `KEEPALIVE_EXPIRY_S` idle, well inside cpp-httplib's own
-5 s, and one the server has closed meanwhile (end of stream seen) is never taken. A streamed
+5 s, and one the server has closed meanwhile (end of stream seen) is never taken. Expiry is
+kept by a sweep the event loop runs while any connection is idle, so a burst's connections are
+closed soon after it rather than at the next request; and no more than `max_idle` are kept per
+place (llama-server serves only as many at once as it has slots). A streamed
 request says `Connection: close` (see `mtpwrap.serve.relay`), so its connection ends with it.
 
 Faults are `UpstreamError`s with a `kind` for the front's metrics: `connect` (nothing was sent:
@@ -189,7 +192,10 @@ class WirePool:
 
     connect_timeout_s: float
     write_timeout_s: float
+    #: idle connections kept per place at most; the oldest beyond it are closed
+    max_idle: int = 8
     _idle: dict[_Place, list[_Connection]] = field(default_factory=dict)
+    _sweep: asyncio.TimerHandle | None = None
 
     async def request(self, up: Upstream, method: str, target: str,
                       headers: list[tuple[bytes, bytes]], body: bytes, *,
@@ -253,19 +259,39 @@ class WirePool:
         return None
 
     def put(self, place: _Place, conn: _Connection) -> None:
-        now = time.monotonic()
+        conn.idle_since = time.monotonic()
         idle = self._idle.setdefault(place, [])
-        # the oldest come first: drop those past their time, then keep this one
-        while idle and (now - idle[0].idle_since >= KEEPALIVE_EXPIRY_S or not idle[0].usable):
-            idle.pop(0).close()
-        conn.idle_since = now
         idle.append(conn)
+        self._expire(conn.idle_since)
+        while len(idle) > self.max_idle:
+            idle.pop(0).close()
+        if self._sweep is None:
+            self._sweep = asyncio.get_running_loop().call_later(KEEPALIVE_EXPIRY_S,
+                                                                self._swept)
+
+    def _expire(self, now: float) -> None:
+        """Close the connections idle past their time or ended by the server (oldest first)."""
+        for idle in self._idle.values():
+            while idle and (now - idle[0].idle_since >= KEEPALIVE_EXPIRY_S
+                            or not idle[0].usable):
+                idle.pop(0).close()
+
+    def _swept(self) -> None:
+        self._sweep = None
+        self._expire(time.monotonic())
+        oldest = min((v[0].idle_since for v in self._idle.values() if v), default=None)
+        if oldest is not None:
+            wait = max(0.05, oldest + KEEPALIVE_EXPIRY_S - time.monotonic())
+            self._sweep = asyncio.get_running_loop().call_later(wait, self._swept)
 
     def idle(self) -> int:
-        """Connections kept for reuse now."""
-        return sum(len(v) for v in self._idle.values())
+        """Connections kept for reuse now (not those the server has ended meanwhile)."""
+        return sum(conn.usable for conns in self._idle.values() for conn in conns)
 
     async def aclose(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         idle, self._idle = self._idle, {}
         for conns in idle.values():
             for conn in conns:

@@ -168,7 +168,9 @@ class Exchange:
 def relay_wire(config: ProxyConfig) -> WirePool:
     """The relay's connections to llama-server (`mtpwrap.run.wire`)."""
     return WirePool(connect_timeout_s=config.connect_timeout_s,
-                    write_timeout_s=config.write_timeout_s)
+                    write_timeout_s=config.write_timeout_s,
+                    # llama-server's slots, and two for the routes that take none (tokenize …)
+                    max_idle=config.max_concurrency + 2)
 
 
 class Relay:
