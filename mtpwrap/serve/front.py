@@ -51,9 +51,10 @@ from mtpwrap.serve.bodies import (
     require_object,
 )
 from mtpwrap.serve.depth_policy import DepthDecision
+from mtpwrap.serve.exchange import Exchange, Step
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
-from mtpwrap.serve.relay import Exchange, Relay, relay_wire
+from mtpwrap.serve.relay import Relay, relay_wire
 from mtpwrap.serve.replies import (
     ANSWERED_BY,
     BY_FRONT,
@@ -335,6 +336,7 @@ class Front:
             upstream = await self.admission.admit(ex.slot)
         except Refusal as r:
             await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry)
+            ex.to(Step.DONE)
             return
         if not ex.slot:
             await self.relay.exchange(ex, scope, send, body, path, upstream)

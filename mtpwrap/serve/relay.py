@@ -41,13 +41,13 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import SupervisorPort, Upstream
 from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireResponse
 from mtpwrap.serve import depth_policy
-from mtpwrap.serve.depth_policy import DepthDecision, DepthPolicy
+from mtpwrap.serve.depth_policy import DepthPolicy
+from mtpwrap.serve.exchange import UPSTREAM_OWES, Exchange, Step
 from mtpwrap.serve.metrics import FrontMetrics
 from mtpwrap.serve.replies import (
     BY_UPSTREAM,
@@ -69,7 +69,6 @@ _DROP_RESPONSE = frozenset({
     b"proxy-authenticate", b"trailer", b"upgrade",
 })
 _KEEPALIVE = b": keep-alive\n\n"
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 #: the response's last chunks kept for the depth policy (its timings are in the final event)
 _TAIL_CHUNKS = 64
 _SSE_HEADERS = [
@@ -123,46 +122,6 @@ def _as_client_error(raw: bytes) -> bytes:
         return raw
     err.update(code=400, type="invalid_request_error")
     return json.dumps(doc, ensure_ascii=False).encode()
-
-
-@dataclass(eq=False)  # identity: one exchange is one request (kept in a dict while open)
-class Exchange:
-    """Mutable state of one forwarded request, shared by its worker and its watch."""
-
-    label: str
-    stream: bool
-    t0: float
-    phase: str = "queued"            # queued -> headers -> body -> done
-    started: bool = False            # http.response.start sent to the client
-    committed_sse: bool = False      # we sent event-stream headers before the child answered
-    sse: bool = False
-    #: the last chunk sent to the client (a reference: whether it ends an SSE event is read
-    #: from it only when the front writes bytes of its own)
-    last_chunk: bytes = b"\n\n"
-    #: loop time the relay's current client write began; 0.0 while none is in progress
-    sending_since: float = 0.0
-    first_chunk: bool = False
-    last_progress: float = 0.0
-    last_keepalive: float = 0.0
-    cancel_reason: str | None = None
-    status: int = 0
-    generation: int | None = None
-    slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
-    depth: DepthDecision | None = None  # the draft depth chosen for this request
-    #: the response's last chunks (references, not copies), while `depth` is set
-    tail: collections.deque[bytes] | None = None
-    #: held while the front's own bytes (headers, a keep-alive comment) are written; the relay
-    #: takes it only when it is held (see `_relay`)
-    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def at_boundary(self) -> bool:
-        """The last byte sent ends an SSE event (a comment or an event may follow)."""
-        return self.last_chunk.endswith(_EVENT_ENDS)
-
-    @property
-    def in_send(self) -> bool:
-        return self.sending_since != 0.0
 
 
 def relay_wire(config: ProxyConfig) -> WirePool:
@@ -226,7 +185,7 @@ class Relay:
     async def exchange(self, ex: Exchange, scope: Scope, send: Send, body: bytes, path: str,
                        upstream: Upstream) -> None:
         loop = asyncio.get_running_loop()
-        ex.phase = "headers"
+        ex.to(Step.WAITING)
         ex.last_progress = loop.time()
         try:
             resp = await self._send_upstream(ex, scope, body, upstream, path)
@@ -248,7 +207,7 @@ class Relay:
         klass, client = upstream_500_class(_error_message(raw))
         self.metrics.upstream_errors.labels("status_500", klass).inc()
         status = 400 if client else 500
-        if ex.committed_sse:
+        if ex.state is Step.KEPT_ALIVE:
             await self._end_with_error(ex, send, status, _error_message(raw)
                                        or "The model server failed on this request.")
             return
@@ -260,8 +219,7 @@ class Relay:
         if client:
             headers.append((b"x-mtpwrap-status-was", b"500"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
-        ex.started = True
-        ex.phase = "done"
+        ex.to(Step.DONE)
         await send({"type": "http.response.body", "body": raw})
         self.replies.record(ex.label, status, ex.t0)
 
@@ -275,7 +233,7 @@ class Relay:
         err.setdefault("code", resp.status)
         await send({"type": "http.response.body",
                     "body": b"data: " + json.dumps({"error": err}).encode() + b"\n\n"})
-        ex.phase = "done"
+        ex.to(Step.DONE)
         await send({"type": "http.response.body", "body": b""})
         self.replies.record(ex.label, resp.status, ex.t0)
 
@@ -298,18 +256,17 @@ class Relay:
             if resp.status == 500 and not sse:
                 await self._server_error(ex, resp, send)
                 return
-            if ex.committed_sse:
+            if ex.state is Step.KEPT_ALIVE:
                 if resp.status != 200 or not sse:
                     await self._error_as_event(ex, resp, send)
                     return
             else:
                 await send({"type": "http.response.start", "status": resp.status,
                             "headers": self._response_headers(ex, resp, sse)})
-                ex.started = True
-        ex.sse = sse
-        ex.phase = "body"
+            ex.event_stream = sse
+            ex.to(Step.RELAYING)
         await self._body(ex, resp, send, loop)
-        ex.phase = "done"
+        ex.to(Step.DONE)
         await send({"type": "http.response.body", "body": b""})
         self.replies.record(ex.label, resp.status, ex.t0)
         self._observe_depth(ex)
@@ -325,7 +282,7 @@ class Relay:
         lock = ex.send_lock
         tail = ex.tail = collections.deque(maxlen=_TAIL_CHUNKS) if ex.depth is not None else None
         gaps: list[float] = []
-        gap = gaps.append if ex.sse else None
+        gap = gaps.append if ex.event_stream else None
         last = 0.0
         try:
             async for chunk in resp.chunks():
@@ -334,7 +291,7 @@ class Relay:
                     gap(now - last)
                 elif not ex.first_chunk:
                     ex.first_chunk = True
-                    if ex.sse:
+                    if ex.event_stream:
                         self.metrics.ttft.labels(ex.label).observe(time.perf_counter() - ex.t0)
                 last = ex.last_progress = now
                 if tail is not None:
@@ -368,17 +325,18 @@ class Relay:
             self.metrics.upstream_errors.labels(err.kind, "").inc()
         message = ("The model server closed the connection before finishing the response "
                    f"({err.kind}: {err}).")
-        if ex.phase == "headers" and not ex.started:
+        if ex.state is Step.WAITING:
             await self.replies.error(send, 502, message, ex.label, ex.t0)
+            ex.to(Step.DONE)
             return
         self.metrics.cancelled.labels("upstream_error").inc()
         await self._end_with_error(ex, send, 502, message)
 
     async def _end_with_error(self, ex: Exchange, send: Send, status: int, message: str) -> None:
         """End a started response so that no client can take it for a complete one."""
-        ex.phase = "done"
+        ex.to(Step.DONE)
         self.replies.record(ex.label, status, ex.t0)
-        if ex.sse or ex.committed_sse:
+        if ex.event_stream:
             event = b"data: " + json.dumps(
                 {"error": {"code": status, "message": message,
                            "type": error_kind(status)}}).encode()
@@ -399,13 +357,15 @@ class Relay:
             # nginx's "client closed request"; for a slow reader, returning with the response
             # incomplete makes uvicorn close the connection.
             self.replies.record(ex.label, 499, ex.t0)
+            ex.to(Step.DONE)
             return
         if reason == "shutdown":
             message = ("The server is shutting down and its drain time ran out; the request "
                        "was stopped before it finished. Retry it.")
-            if not ex.started:
+            if not ex.head_sent:
                 await self.replies.error(send, 503, message, ex.label, ex.t0, retry=True,
                                          close=True)
+                ex.to(Step.DONE)
             else:
                 await self._end_with_error(ex, send, 503, message)
             return
@@ -418,8 +378,9 @@ class Relay:
                     ex.generation, f"no progress on {ex.label} for {budget:g} s")
             except Exception as err:
                 log.warning("could not report a stall: %s", err)
-        if not ex.started:
+        if not ex.head_sent:
             await self.replies.error(send, 504, message, ex.label, ex.t0)
+            ex.to(Step.DONE)
             return
         await self._end_with_error(ex, send, 504, message)
 
@@ -438,7 +399,7 @@ class Relay:
             try:
                 msg = await asyncio.wait_for(receive(), self.tick)
                 if msg["type"] == "http.disconnect":
-                    if ex.phase == "done":
+                    if ex.state is Step.DONE:
                         return  # uvicorn says "disconnect" once the response is complete
                     ex.cancel_reason = "client_disconnect"
                     worker.cancel()
@@ -452,7 +413,7 @@ class Relay:
                     worker.cancel()
                     return
                 continue
-            if ex.phase not in ("headers", "body"):
+            if ex.state not in UPSTREAM_OWES:
                 continue
             idle = loop.time() - ex.last_progress
             budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
@@ -467,12 +428,13 @@ class Relay:
 
     async def _keepalive(self, ex: Exchange, send: Send) -> None:
         async with ex.send_lock:
-            if not ex.at_boundary or ex.in_send or ex.phase == "done":
+            if not ex.at_boundary or ex.in_send or ex.state is Step.DONE:
                 return
-            if not ex.started:
-                ex.committed_sse = ex.started = True
+            if ex.state is Step.WAITING:
+                ex.event_stream = True
+                ex.to(Step.KEPT_ALIVE)
                 await send({"type": "http.response.start", "status": 200,
                             "headers": list(_SSE_HEADERS)})
-            elif not (ex.sse or ex.committed_sse):
+            elif not ex.event_stream:
                 return
             await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
