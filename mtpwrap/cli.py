@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("mtpwrap.commands.plan", "Will a model fit a GPU at a context? Memory per buffer."),
     "profiles": ("mtpwrap.commands.profiles", "List and show profiles."),
     "tune": ("mtpwrap.commands.tune", "Sweep speculation settings, pick the fastest."),
+    "usage": ("mtpwrap.commands.usage", "Requests and tokens per key, day or route (audit)."),
     "up": ("mtpwrap.commands.up", "Launch, supervise and serve llama-server for a profile."),
     "status": ("mtpwrap.commands.status", "Report on the running instance."),
     "down": ("mtpwrap.commands.down", "Stop the running instance cleanly."),

@@ -15,6 +15,7 @@ from mtpwrap.cli import cli
 from mtpwrap.commands.up import command as up_command
 from mtpwrap.config import reference
 from mtpwrap.config.objects import (
+    AuditConfig,
     PersistConfig,
     ProxyConfig,
     SupervisorConfig,
@@ -23,6 +24,7 @@ from mtpwrap.config.objects import (
 from mtpwrap.config.options import given
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.config.table import (
+    AUDIT,
     FEATURES,
     PERSIST,
     PROXY,
@@ -110,6 +112,8 @@ def built(s: Settings, dotted: str) -> Any:
         return getattr(cfg, name)
     if section == "persist":
         return getattr(PersistConfig(**s.persist), name)
+    if section == "audit":
+        return getattr(AuditConfig(**s.audit), name)
     return getattr(ProxyConfig.from_mapping(s.proxy, s.proxy_source), name)
 
 
@@ -143,7 +147,8 @@ def test_a_bad_value_names_where_it_came_from(dotted: str) -> None:
 
 
 @pytest.mark.parametrize("cls, table", [(SupervisorConfig, SUPERVISOR),
-                                        (PersistConfig, PERSIST), (ProxyConfig, PROXY)])
+                                        (PersistConfig, PERSIST), (ProxyConfig, PROXY),
+                                        (AuditConfig, AUDIT)])
 def test_objects_take_the_tables_names_and_defaults(cls: type, table: dict[str, Key]) -> None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name, k in table.items():

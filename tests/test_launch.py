@@ -724,3 +724,14 @@ def test_the_demo_model_takes_q4_0_from_a_tbq_list(demo_model: Path, tmp_path: P
                         facts=read_facts(demo_model))
     assert (cfg.cache_k, cfg.cache_v) == ("q4_0", "q4_0")
     assert f"{demo_model.name}'s K row (head size × KV heads) is 192" in cfg.reason("cache_k")
+
+
+def test_the_web_ui_stays_off_unless_the_front_serves_it() -> None:
+    """--no-webui is passed unless proxy.enable_paths lists webui (the front's setting could
+    never work otherwise)."""
+    prof, caps = SHIPPED["cpu-demo"], CAPS["upstream"]
+    cfg = launch.choose(prof, caps, None, model=MODEL)
+    off = launch.render(cfg, caps, binary=EXE, port=PORT)
+    on = launch.render(cfg, caps, binary=EXE, port=PORT, webui=True)
+    assert "--no-webui" in off.argv and "--no-webui" not in on.argv
+    assert [a for a in off.argv if a != "--no-webui"] == on.argv

@@ -12,7 +12,7 @@ from mtpwrap.serve.access import (
     classify,
     derive_allowed_hosts,
     host_of,
-    key_scopes,
+    find_key,
     presented_key,
     required_scope,
 )
@@ -83,10 +83,11 @@ def test_presented_key():
     assert presented_key({"authorization": "Basic abc", "x-api-key": "abc"}) is None
     assert presented_key({"api-key": "abc"}) is None
     table = key_table(("zzz", "abc inference"), "t")
-    assert key_scopes(None, table) is None
-    assert key_scopes("abc", table) == frozenset({"inference"})
-    assert key_scopes("zzz", table) == frozenset({"inference", "admin", "metrics"})
-    assert key_scopes("ab", table) is None
+    assert find_key(None, table) is None
+    abc, zzz = find_key("abc", table), find_key("zzz", table)
+    assert abc is not None and abc.scopes == frozenset({"inference"})
+    assert zzz is not None and zzz.scopes == frozenset({"inference", "admin", "metrics"})
+    assert find_key("ab", table) is None
 
 
 @pytest.mark.parametrize("method,path,scope", [
@@ -115,7 +116,7 @@ def test_scoped_key_file(tmp_path):
     f.write_text("# ops\nops-key-0123456789   metrics\nadm-key-0123456789 admin, inference\n"
                  "old-key-0123456789\n")
     entries = read_keys_file(str(f), "--api-key-file")
-    table = dict(key_table(entries, "t"))
+    table = {k.secret: k.scopes for k in key_table(entries, "t")}
     assert table[b"ops-key-0123456789"] == frozenset({"metrics"})
     assert table[b"adm-key-0123456789"] == frozenset({"admin", "inference"})
     assert table[b"old-key-0123456789"] == frozenset({"inference", "admin", "metrics"})
@@ -124,7 +125,7 @@ def test_scoped_key_file(tmp_path):
         read_keys_file(str(f), "--api-key-file")
     assert f"--api-key-file: {f} line 2: unknown scope 'root'" in str(err.value)
     assert "secret-key" not in str(err.value)  # the message never repeats a key
-    with pytest.raises(ConfigError, match="listed twice with different scopes"):
+    with pytest.raises(ConfigError, match="listed twice with different fields"):
         ProxyConfig(api_keys=("same-key-0123456789 admin", "same-key-0123456789"))
 
 

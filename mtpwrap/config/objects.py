@@ -13,12 +13,13 @@ from typing import Any
 from mtpwrap import paths
 from mtpwrap.config.apikeys import key_table
 from mtpwrap.config.coerce import convert
-from mtpwrap.config.table import PERSIST, PROXY, REFUSED, SUPERVISOR, TOP, Key, MiB
+from mtpwrap.config.table import AUDIT, PERSIST, PROXY, REFUSED, SUPERVISOR, TOP, Key, MiB
 from mtpwrap.errors import ConfigError
 
 _S = {name: key.default for name, key in SUPERVISOR.items()}
 _P = {name: key.default for name, key in PERSIST.items()}
 _X = {name: key.default for name, key in PROXY.items()}
+_A = {name: key.default for name, key in AUDIT.items()}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,20 @@ class PersistConfig:
         return self.max_mb * MiB
 
 
+@dataclass(frozen=True)
+class AuditConfig:
+    """The `audit.*` settings: the audit trail's sink, its directory and retention."""
+
+    sink: str = _A["sink"]
+    dir: str | None = _A["dir"]
+    retention_days: int = _A["retention_days"]
+
+    @property
+    def directory(self) -> Path:
+        """Beside the models, like the snapshots: the state directory is RAM under systemd."""
+        return Path(self.dir).expanduser() if self.dir else paths.home() / "audit"
+
+
 #: the front's fields that `up` sets, never a config file: the keys (from api_key_file and
 #: MTPWRAP_API_KEYS), the listen address (`host`), the slots (the launch's -np)
 SET_BY_UP: dict[str, Key] = {
@@ -119,6 +134,8 @@ class ProxyConfig:
     max_concurrency: int = SET_BY_UP["max_concurrency"].default
     queue_size: int = _X["queue_size"]
     queue_timeout_s: float = _X["queue_timeout_s"]
+    batch_queue_timeout_s: float = _X["batch_queue_timeout_s"]
+    priority_aging_s: float = _X["priority_aging_s"]
     stream_stall_s: float = _X["stream_stall_s"]
     prefill_stall_s: float = _X["prefill_stall_s"]
     keepalive_s: float = _X["keepalive_s"]
@@ -151,7 +168,8 @@ class ProxyConfig:
             if not k.accepts(value):  # the table's rule, as the coercer applies it
                 raise ConfigError(f"{source}: proxy.{name}: expected {k.expected()}, got "
                                   f"{value!r}.")
-        if any(len(k) < 8 for k, _ in key_table(self.api_keys, f"{source}: proxy.api_keys")):
+        if any(len(k.secret) < 8
+               for k in key_table(self.api_keys, f"{source}: proxy.api_keys")):
             raise ConfigError(f"{source}: proxy.api_keys: each key must be at least 8 "
                               "characters without spaces")
 

@@ -17,6 +17,7 @@ from typing import Any
 from mtpwrap.config.apikeys import read_keys_file
 from mtpwrap.config.coerce import check_names, convert, unknown_key
 from mtpwrap.config.table import (
+    AUDIT,
     DEFAULT_CONFIG_FILE,
     PERSIST,
     SECTIONS,
@@ -55,6 +56,8 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)  # key -> where its value came from
     persist: dict[str, Any] = field(
         default_factory=lambda: {k: key.default for k, key in PERSIST.items()})
+    audit: dict[str, Any] = field(
+        default_factory=lambda: {k: key.default for k, key in AUDIT.items()})
 
     @property
     def proxy_source(self) -> str:
@@ -162,5 +165,5 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         ready_timeout_s=values["ready_timeout_s"],
         log_level=values["log_level"], supervisor=sections["supervisor"], proxy=proxy,
         api_keys=tuple(dict.fromkeys(api_keys)), config_file=config_path, sources=sources,
-        persist=sections["persist"],
+        persist=sections["persist"], audit=sections["audit"],
     )

@@ -152,6 +152,19 @@ PERSIST: dict[str, Key] = {
 }
 
 
+#: the audit trail and usage (mtpwrap.serve.audit)
+AUDIT: dict[str, Key] = {
+    "sink": Key("str", "file", "Where the audit trail goes: one JSON line per request in a daily "
+                               "file, journald's structured fields, or off.",
+                choices=("file", "journald", "off")),
+    "dir": Key("str", None, "Audit files (0600, one per UTC day) and the budgets' counts "
+                            "(default: <MTPWRAP_HOME>/audit; under systemd "
+                            "/var/lib/mtpwrap/audit)."),
+    "retention_days": Key("int", 90, "Audit files older than this many days are deleted.",
+                          "days", _pos, "an integer number of days >= 1"),
+}
+
+
 #: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.serve.access maps
 #: each to its paths)
 FEATURES: tuple[str, ...] = (
@@ -184,7 +197,13 @@ PROXY: dict[str, Key] = {
     "max_body_bytes": _count(8 * MiB, "Largest request body.", "bytes"),
     "queue_size": _count(32, "Requests waiting for a free slot beyond those running.",
                          positive=False),
-    "queue_timeout_s": _seconds(30.0, "Longest wait in the queue before 503.", positive=True),
+    "queue_timeout_s": _seconds(30.0, "Longest wait in the queue before 503 (keys of class "
+                                "interactive).", positive=True),
+    "batch_queue_timeout_s": _seconds(600.0, "Longest wait in the queue before 503 for keys "
+                                      "of class batch.", positive=True),
+    "priority_aging_s": _seconds(30.0, "A queued batch request counts as interactive once it "
+                                 "has waited this long (batch work is never starved).",
+                                 positive=True),
     "stream_stall_s": _seconds(60.0, "A stream that sends nothing this long is cut.",
                                positive=True),
     "prefill_stall_s": _seconds(600.0, "Longest wait for the first token.", positive=True),
@@ -221,7 +240,7 @@ PROXY: dict[str, Key] = {
 }
 
 SECTIONS: dict[str, dict[str, Key]] = {
-    "supervisor": SUPERVISOR, "persist": PERSIST, "proxy": PROXY,
+    "supervisor": SUPERVISOR, "persist": PERSIST, "proxy": PROXY, "audit": AUDIT,
 }
 
 #: keys that are refused, with what to do instead

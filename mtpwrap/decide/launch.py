@@ -445,13 +445,15 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
            extra: Sequence[str] = (), serve: bool = True,
            slot_save_path: Path | str | None = None,
-           endpoint: Endpoint | None = None) -> RenderedLaunch:
+           endpoint: Endpoint | None = None, webui: bool = False) -> RenderedLaunch:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
     serve=False: for llama-fit-params, which serves nothing: no serving flags, and a flag it
     lacks that does not size memory (e.g. --spec-type on the fork's) is left out and named in
     `dropped` instead of refused.
     slot_save_path: mtpwrap's KV snapshot directory, where llama-server saves slots.
-    endpoint: where it listens (`listen_on`); when given it replaces `host` and `port`."""
+    endpoint: where it listens (`listen_on`); when given it replaces `host` and `port`.
+    webui: the front serves llama-server's own web UI (`proxy.enable_paths` lists webui), so
+    --no-webui is left out."""
     b = _Argv(caps, lenient=not serve)
     r = cfg.reason
     b.add("model", cfg.model, r("model"))
@@ -509,8 +511,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
               "mtpwrap's KV snapshot directory (persist.dir), never a client's")
     if serve:
         b.add("metrics", None, "the proxy re-exports llama-server's Prometheus metrics")
-        if caps.first_of(SPELLINGS["no_webui"]):
-            b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it")
+        if caps.first_of(SPELLINGS["no_webui"]) and not webui:
+            b.add("no_webui", None, "the built-in web UI stays off; the proxy does not serve it "
+                  "(proxy.enable_paths: [webui] serves it)")
 
     env: dict[str, str] = dict(cfg.env)
     for name, value in cfg.env:

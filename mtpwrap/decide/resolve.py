@@ -120,14 +120,14 @@ class Resolved:
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, cfg: LaunchConfig | None = None,
                slot_save_path: Path | str | None = None,
-               endpoint: Endpoint | None = None) -> RenderedLaunch:
+               endpoint: Endpoint | None = None, webui: bool = False) -> RenderedLaunch:
         caps = self.inputs.caps
         if caps is None:
             raise MissingToolError("no llama-server to spell the command line for.",
                                    hint="Run `mtpwrap build`, or pass --binary PATH.")
         return render(cfg or self.launch, caps, binary=self.inputs.binary, host=host,
                       port=port, api_key=api_key, slot_save_path=slot_save_path,
-                      endpoint=endpoint)
+                      endpoint=endpoint, webui=webui)
 
 
 # --------------------------------------------------------------------------- planning

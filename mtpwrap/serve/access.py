@@ -7,13 +7,14 @@ in front of the app (serve/front.py) asks `Access.check` and answers what it say
 
 from __future__ import annotations
 
+import base64
 import hmac
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mtpwrap.config.apikeys import KeyTable, key_table
+from mtpwrap.config.apikeys import ApiKey, KeyTable, key_table
 from mtpwrap.config.objects import ProxyConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -161,28 +162,42 @@ def required_scope(method: str, path: str) -> str:
     return FEATURE_SCOPES[feature or ""]
 
 
-def presented_key(headers: Mapping[str, str]) -> str | None:
-    """The key a client sent as `Authorization: Bearer K` or `X-Api-Key: K` (nothing else)."""
+#: the status page (serve/status.py): a browser gives the key as Basic authentication's
+#: password, and a key with either scope may see it
+STATUS_PAGES = frozenset({"/status", "/status.json"})
+STATUS_SCOPES = frozenset({"metrics", "admin"})
+
+
+def presented_key(headers: Mapping[str, str], basic: bool = False) -> str | None:
+    """The key a client sent as `Authorization: Bearer K` or `X-Api-Key: K`; with `basic`
+    (the status page), also as the password of `Authorization: Basic`."""
     auth = headers.get("authorization")
     if auth:
         scheme, _, value = auth.strip().partition(" ")
         if scheme.lower() == "bearer" and value.strip():
             return value.strip()
+        if basic and scheme.lower() == "basic":
+            try:
+                decoded = base64.b64decode(value.strip(), validate=True).decode("utf-8")
+            except (ValueError, UnicodeDecodeError):
+                return None
+            password = decoded.partition(":")[2]
+            return password or None
         return None
     key = headers.get("x-api-key")
     return key.strip() if key else None
 
 
-def key_scopes(presented: str | None, keys: KeyTable) -> frozenset[str] | None:
-    """The scopes of the presented key; None when it is no configured key. Constant-time:
-    every configured key is compared (no early exit on a match)."""
+def find_key(presented: str | None, keys: KeyTable) -> ApiKey | None:
+    """The configured key presented; None when it is none of them. Constant-time: every
+    configured key is compared (no early exit on a match)."""
     if presented is None:
         return None
     given = presented.encode("utf-8", "surrogateescape")
-    found: frozenset[str] | None = None
-    for k, scopes in keys:
-        if hmac.compare_digest(given, k):
-            found = scopes
+    found: ApiKey | None = None
+    for k in keys:
+        if hmac.compare_digest(given, k.secret):
+            found = k
     return found
 
 
@@ -262,9 +277,10 @@ class Access:
                    hosts=derive_allowed_hosts(cfg), metrics_public=cfg.metrics_public,
                    healthz_public=cfg.healthz_public)
 
-    def check(self, method: str, path: str, headers: Mapping[str, str]) -> Denial | None:
-        """None when the request may go on; else what to answer. `headers`: lower-case names,
-        the first value of each."""
+    def check(self, method: str, path: str, headers: Mapping[str, str]
+              ) -> Denial | ApiKey | None:
+        """What to answer when the request may not go on; else the key it presented (None when
+        it needs none). `headers`: lower-case names, the first value of each."""
         if "transfer-encoding" in headers and "content-length" in headers:
             # RFC 9112 §6.1: a sign of request smuggling; the parser refuses it too.
             return Denial(400, "bad_request", "Content-Length and Transfer-Encoding together "
@@ -277,14 +293,22 @@ class Access:
         needs_key = bool(self.keys) and path not in OPEN_PATHS and not (
             (path == "/metrics" and self.metrics_public)
             or (path == "/healthz" and self.healthz_public))
+        page = path in STATUS_PAGES
+        key = find_key(presented_key(headers, basic=page), self.keys) if self.keys else None
         if not needs_key:
-            return None
-        scopes = key_scopes(presented_key(headers), self.keys)
-        if scopes is None:
+            return key
+        if key is None:
             # Without a key nothing of the body is read: the connection closes after the 401.
+            # The status page asks a browser for the key (as Basic authentication's password).
+            challenge = b'Basic realm="mtpwrap status", charset="UTF-8"' if page else b"Bearer"
             return Denial(401, "auth", "Invalid or missing API key.",
-                          headers=((b"www-authenticate", b"Bearer"),))
-        if (need := required_scope(method, path)) not in scopes:
+                          headers=((b"www-authenticate", challenge),))
+        if page:
+            if not key.scopes & STATUS_SCOPES:
+                return Denial(403, "scope", f"This API key may not use {path}: that needs a "
+                              "key with the metrics or admin scope.")
+            return key
+        if (need := required_scope(method, path)) not in key.scopes:
             return Denial(403, "scope", f"This API key may not use {path}: that needs a key "
                           f"with the {need} scope.")
-        return None
+        return key

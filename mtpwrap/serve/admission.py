@@ -5,13 +5,21 @@ up to `queue_size` more wait (also while the child restarts) for at most `queue_
 get 503 + `Retry-After`. Beyond that, requests are refused at once: 429 when the child is ready
 (overload), 503 when not. Requests that take no slot (tokenize, props, models, ...) only wait
 for a ready child. While draining, every new request is refused.
+
+Priority: a key's class (`class=interactive|batch` on its line) places its requests in the
+queue. A freed slot goes to the interactive request that has waited longest; a batch request
+only when no interactive one waits — or once it has waited `priority_aging_s`, from when it
+counts as interactive, so batch work is never starved. Batch requests may wait
+`batch_queue_timeout_s`, interactive ones `queue_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
+from dataclasses import dataclass, field
 
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.run.supervisor import State, SupervisorPort, SupervisorStatus, Upstream
@@ -24,6 +32,77 @@ class Refusal(Exception):
     def __init__(self, status: int, reason: str, message: str, retry: bool = True) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.retry = status, reason, message, retry
+
+
+#: the queue's classes, by rank (the order they are served in)
+RANKS = {"interactive": 0, "batch": 1}
+
+
+@dataclass(order=True)
+class _Waiter:
+    rank: int
+    since: float
+    seq: int
+    future: asyncio.Future[None] = field(compare=False)
+
+
+class PriorityGate:
+    """`max_concurrency` permits, handed to waiters by class and age (see the module
+    docstring); FIFO within a class. Touched only from the event loop."""
+
+    def __init__(self, permits: int, aging_s: float) -> None:
+        self.free = permits
+        self.aging_s = aging_s
+        self._waiters: list[_Waiter] = []
+        self._seq = itertools.count()
+
+    def locked(self) -> bool:
+        return self.free == 0 or bool(self._waiters)
+
+    def waiting(self) -> dict[str, int]:
+        by_rank = {rank: name for name, rank in RANKS.items()}
+        out = dict.fromkeys(RANKS, 0)
+        for w in self._waiters:
+            out[by_rank[w.rank]] += 1
+        return out
+
+    async def acquire(self, klass: str = "interactive") -> None:
+        if not self.locked():
+            self.free -= 1
+            return
+        loop = asyncio.get_running_loop()
+        w = _Waiter(RANKS[klass], loop.time(), next(self._seq), loop.create_future())
+        self._waiters.append(w)
+        try:
+            await w.future
+        except asyncio.CancelledError:
+            if w in self._waiters:
+                self._waiters.remove(w)
+            elif w.future.done() and not w.future.cancelled():
+                self.release()  # handed a permit as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        self.free += 1
+        self._hand_on()
+
+    def _next(self, now: float) -> _Waiter:
+        def key(w: _Waiter) -> tuple[int, float, int]:
+            aged = w.rank and now - w.since >= self.aging_s
+            return (0 if aged else w.rank, w.since, w.seq)
+        return min(self._waiters, key=key)
+
+    def _hand_on(self) -> None:
+        if not self._waiters:
+            return
+        now = asyncio.get_running_loop().time()
+        while self.free > 0 and self._waiters:
+            w = self._next(now)
+            self._waiters.remove(w)
+            if w.future.done():
+                continue
+            self.free -= 1
+            w.future.set_result(None)
 
 
 def _ready(st: SupervisorStatus) -> bool:
@@ -42,7 +121,7 @@ class Admission:
         self.queued = 0       # waiting for a slot or a ready child
         self.forwarding = 0   # slot-taking requests sent to llama-server and not finished
         self.draining = False
-        self._gate = asyncio.Semaphore(config.max_concurrency)
+        self.gate = PriorityGate(config.max_concurrency, config.priority_aging_s)
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -88,9 +167,9 @@ class Admission:
                        "The server is busy; retry later." if ready else
                        "The model is not ready; retry later.")
 
-    async def admit(self, slot: bool) -> Upstream:
+    async def admit(self, slot: bool, klass: str = "interactive") -> Upstream:
         """Wait for a forwarding slot (when `slot`) and a ready child; the child's address, or
-        Refusal. A slot taken here is given back with `done`."""
+        Refusal. A slot taken here is given back with `done`. `klass`: the key's class."""
         cfg = self.config
         st = self.supervisor.status()
         if not slot:
@@ -102,8 +181,8 @@ class Admission:
                 self.metrics.shed.labels("not_ready").inc()
                 raise Refusal(503, "not_ready", "The model is not ready; retry later.")
             return up
-        if not self._gate.locked() and _ready(st):
-            await self._gate.acquire()  # uncontended: returns without suspending
+        if not self.gate.locked() and _ready(st):
+            await self.gate.acquire(klass)  # uncontended: returns without suspending
             assert st.upstream is not None
             return self._took(st.upstream)
         if self.queued >= cfg.queue_size:
@@ -111,14 +190,15 @@ class Admission:
         self.queued += 1
         t = time.perf_counter()
         try:
-            return self._took(await self._queue())
+            return self._took(await self._queue(klass))
         finally:
             self.queued -= 1
             self.metrics.queue_wait.observe(time.perf_counter() - t)
 
-    async def _queue(self) -> Upstream:
+    async def _queue(self, klass: str) -> Upstream:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.queue_timeout_s
+        deadline = loop.time() + (self.config.batch_queue_timeout_s if klass == "batch"
+                                  else self.config.queue_timeout_s)
         while True:
             up = await self.supervisor.wait_ready(max(0.0, deadline - loop.time()))
             if up is None:
@@ -127,7 +207,8 @@ class Admission:
                 self.metrics.shed.labels(reason).inc()
                 raise Refusal(503, reason, f"The model is not ready ({state}); retry later.")
             try:
-                await asyncio.wait_for(self._gate.acquire(), max(0.0, deadline - loop.time()))
+                await asyncio.wait_for(self.gate.acquire(klass),
+                                       max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:  # not the builtin before Python 3.11
                 self.metrics.shed.labels("queue_timeout").inc()
                 raise Refusal(503, "queue_timeout",
@@ -139,7 +220,7 @@ class Admission:
                 return st.upstream
             # A restart (planned or not) began meanwhile: wait for the next child in the
             # queue rather than send this request to the one that is going away.
-            self._gate.release()
+            self.gate.release()
 
     def _took(self, up: Upstream) -> Upstream:
         self.forwarding += 1
@@ -148,4 +229,4 @@ class Admission:
     def done(self) -> None:
         """A slot-taking request admitted by `admit` has finished."""
         self.forwarding -= 1
-        self._gate.release()
+        self.gate.release()

@@ -26,12 +26,12 @@ last keep-alive) are what the relay's watch reads to find stalls and slow reader
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from mtpwrap.serve.audit import Ticket
     from mtpwrap.serve.depth_policy import DepthDecision
 
 
@@ -91,8 +91,9 @@ class Exchange:
     cancel_reason: str | None = None
     status: int = 0
     generation: int | None = None
-    #: the response's last chunks (references, not copies), while `depth` is set
-    tail: collections.deque[bytes] | None = None
+    #: its audit ticket, which also keeps the answer's last chunks (the depth policy reads
+    #: the draft figures from them)
+    ticket: Ticket | None = None
     #: held while the front's own bytes (headers, a keep-alive comment) are written; the relay
     #: takes it only when it is held (see `Relay._body`)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)

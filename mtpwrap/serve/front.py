@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -34,12 +34,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.config.apikeys import ApiKey
+from mtpwrap.config.objects import AuditConfig, ProxyConfig
 from mtpwrap.run.state import SupervisorPort
-from mtpwrap.serve import depth_policy, ops
-from mtpwrap.serve.access import Access, classify
+from mtpwrap.serve import audit, depth_policy, ops, status
+from mtpwrap.serve.access import Access, Denial, classify
 from mtpwrap.serve.access import Route as Verdict
 from mtpwrap.serve.admission import Admission, Refusal
+from mtpwrap.serve.audit import UNAUDITED, NoSink, Ticket, Trail
 from mtpwrap.serve.bodies import (
     BadBody,
     check_fields,
@@ -50,6 +52,7 @@ from mtpwrap.serve.bodies import (
     parse_json_body,
     require_object,
 )
+from mtpwrap.serve.budgets import Budgets
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.exchange import Exchange, Step
 from mtpwrap.serve.info import ServeInfo
@@ -58,6 +61,7 @@ from mtpwrap.serve.relay import Relay, relay_wire
 from mtpwrap.serve.replies import (
     ANSWERED_BY,
     BY_FRONT,
+    BY_UPSTREAM,
     ASGIApp,
     Message,
     Receive,
@@ -83,7 +87,8 @@ class Front:
     """The ASGI front for one supervised llama-server (see the module docstring)."""
 
     def __init__(self, supervisor: SupervisorPort, config: ProxyConfig,
-                 info: ServeInfo | None = None) -> None:
+                 info: ServeInfo | None = None, audit_config: AuditConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.supervisor = supervisor
         self.config = config
         #: the launch served; replaced (not changed) after a reload
@@ -96,6 +101,11 @@ class Front:
         self.metrics = FrontMetrics(supervisor.status, self._front_stats)
         self.admission = Admission(supervisor, config, self.metrics)
         self.replies = Replies(self.metrics, config.retry_after_s)
+        #: the audit trail, usage and budgets (audit_config None: no trail, budgets in memory)
+        self.budgets = Budgets(audit_config.directory / "budgets.json" if audit_config
+                               else None, clock)
+        self.trail = Trail(audit.open_sink(audit_config, clock) if audit_config else NoSink(),
+                           self.metrics, self.budgets, lambda: self.info.model, clock)
         #: httpx clients for what is not relayed (the metrics scrape); the relay has its wire
         self.clients = UpstreamClients(
             timeout=httpx.Timeout(config.connect_timeout_s, read=None),
@@ -105,15 +115,18 @@ class Front:
         self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
                            self.depth)
         self._warn_at_start(config)
+        status_page, status_data = status.make_pages(self)
         routes = [
             Route("/livez", ops.livez, methods=["GET", "HEAD"]),
             Route("/readyz", ops.make_readyz(self), methods=["GET", "HEAD"]),
             Route("/healthz", ops.make_healthz(self), methods=["GET", "HEAD"]),
             Route("/metrics", self._metrics_endpoint, methods=["GET", "HEAD"]),
+            Route("/status", status_page, methods=["GET", "HEAD"]),
+            Route("/status.json", status_data, methods=["GET", "HEAD"]),
             Mount("", app=self._proxy),
         ]
         middleware = [Middleware(AccessGuard, access=Access.from_config(config),
-                                 replies=self.replies)]
+                                 replies=self.replies, trail=self.trail)]
         if config.cors_origins:
             from starlette.middleware.cors import CORSMiddleware
 
@@ -186,9 +199,13 @@ class Front:
     async def aclose(self) -> None:
         await self.wire.aclose()
         await self.clients.aclose()
+        self.trail.close()
 
     def _front_stats(self) -> dict[str, float]:
+        by_class = self.admission.gate.waiting()
         return {"requests_in_flight": float(self.inflight), "queue_depth": float(self.queued),
+                "queue_interactive": float(by_class["interactive"]),
+                "queue_batch": float(by_class["batch"]),
                 "forwarding": float(self.forwarding),
                 "draining": 1.0 if self.draining else 0.0}
 
@@ -226,6 +243,9 @@ class Front:
         t0 = time.perf_counter()
         method = scope["method"]
         route = classify(method, scope.get("raw_path") or scope["path"].encode(), self._enabled)
+        ticket = audit.current.get()
+        if ticket is not None:
+            ticket.route = route.label
         if not route.status and route.label in _WEBUI_PATHS and self.info.webui is False:
             route = Verdict(404, route.label,
                             message=f"The web UI is unavailable: {self._no_webui()}.")
@@ -233,11 +253,11 @@ class Front:
             self.metrics.refused.labels("path").inc()
             # The body is not read: close rather than read a refused upload to its end.
             await self.replies.error(send, route.status, route.message, route.label, t0,
-                                     close=declares_body(scope))
+                                     close=declares_body(scope), reason="path")
             return
         if (r := self.admission.refuse_draining()) is not None:
             await self.replies.error(send, r.status, r.message, route.label, t0, retry=True,
-                                     close=True)
+                                     close=True, reason=r.reason)
             return
         self.admission.hold()
         try:
@@ -259,7 +279,7 @@ class Front:
                     await self.replies.error(send, 413 if declared > limit else 400,
                                              f"The request body is larger than {limit} bytes."
                                              if declared > limit else "Bad Content-Length.",
-                                             label, t0, close=True)
+                                             label, t0, close=True, reason="body_size")
                     return None
         chunks: list[bytes] = []
         size = 0
@@ -268,7 +288,7 @@ class Front:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 self.metrics.cancelled.labels("client_disconnect").inc()
-                self.replies.record(label, 499, t0)
+                self.replies.record(label, 499, t0, "client_disconnect")
                 return None
             part = msg.get("body", b"")
             size += len(part)
@@ -276,7 +296,7 @@ class Front:
                 # Stop reading here: memory stays bounded by the limit plus one read.
                 self.metrics.refused.labels("body_size").inc()
                 await self.replies.error(send, 413, f"The request body is larger than {limit} "
-                                         "bytes.", label, t0, close=True)
+                                         "bytes.", label, t0, close=True, reason="body_size")
                 return None
             if part:
                 chunks.append(part)
@@ -288,7 +308,7 @@ class Front:
         label = route.label
         if (r := self.admission.shed_early(route.slot)) is not None:
             await self.replies.error(send, r.status, r.message, label, t0, retry=True,
-                                     close=True)
+                                     close=True, reason=r.reason)
             return
         body = await self._read_body(scope, receive, send, label, t0)
         if body is None:
@@ -311,11 +331,15 @@ class Front:
                     check_tools(doc)
             except BadBody as err:
                 self.metrics.refused.labels("body").inc()
-                await self.replies.error(send, 400, str(err), label, t0)
+                await self.replies.error(send, 400, str(err), label, t0, reason="body")
                 return
             stream = isinstance(doc, dict) and doc.get("stream") is True
             decision, body = self._decide_depth(label, doc, body)
-        ex = Exchange(label=label, stream=stream, t0=t0, slot=route.slot, depth=decision)
+        ticket = audit.current.get()
+        if ticket is not None:
+            ticket.stream = stream
+        ex = Exchange(label=label, stream=stream, t0=t0, slot=route.slot, depth=decision,
+                      ticket=ticket)
         worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path))
         watch = asyncio.create_task(self.relay.watch(ex, receive, send, worker))
         self._workers[ex] = worker
@@ -333,9 +357,14 @@ class Front:
     async def _work(self, ex: Exchange, scope: Scope, send: Send, body: bytes,
                     path: str) -> None:
         try:
-            upstream = await self.admission.admit(ex.slot)
+            t = time.perf_counter()
+            upstream = await self.admission.admit(
+                ex.slot, ex.ticket.klass if ex.ticket is not None else "interactive")
+            if ex.ticket is not None:
+                ex.ticket.queued_s = time.perf_counter() - t
         except Refusal as r:
-            await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry)
+            await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry,
+                                     reason=r.reason)
             ex.to(Step.DONE)
             return
         if not ex.slot:
@@ -364,14 +393,15 @@ class Front:
 
 
 class AccessGuard:
-    """Host check and API keys, in front of everything (ops endpoints included): asks
-    `Access.check` and answers a denial through `Replies`; also the last word on an error
-    inside the app."""
+    """Host check, API keys and budgets, in front of everything (ops endpoints included): asks
+    `Access.check` and answers a denial through `Replies`; opens each request's audit ticket
+    and ends it when the answer has gone; also the last word on an error inside the app."""
 
-    def __init__(self, app: ASGIApp, access: Access, replies: Replies) -> None:
+    def __init__(self, app: ASGIApp, access: Access, replies: Replies, trail: Trail) -> None:
         self.app = app
         self.access = access
         self.replies = replies
+        self.trail = trail
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -382,13 +412,39 @@ class AccessGuard:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         t0 = time.perf_counter()
         path = scope["path"]
-        send = _marking(send)
-        denial = self.access.check(scope["method"], path, headers)
-        if denial is not None:
-            self.replies.metrics.refused.labels(denial.reason).inc()
-            close = declares_body(scope) if denial.close is None else denial.close
-            await self.replies.error(send, denial.status, denial.message, "other", t0,
-                                     close=close, extra=list(denial.headers), path=path)
+        verdict = self.access.check(scope["method"], path, headers)
+        if path in UNAUDITED:
+            await self._answer(scope, receive, _marking(send), verdict, t0, path)
+            return
+        key = verdict if isinstance(verdict, ApiKey) else None
+        ticket = self.trail.begin(scope, path, key)
+        token = audit.current.set(ticket)
+        try:
+            await self._answer(scope, _counting(receive, ticket), _observing(send, ticket),
+                               verdict, t0, path)
+        finally:
+            audit.current.reset(token)
+            if (refused := scope.get("mtpwrap.refused")) is not None:  # the connection's
+                ticket.status, ticket.reason = refused
+            elif not ticket.status:
+                ticket.status, ticket.reason = 499, ticket.reason or "client_disconnect"
+            self.trail.end(ticket)
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send,
+                      verdict: Denial | ApiKey | None, t0: float, path: str) -> None:
+        if isinstance(verdict, Denial):
+            self.replies.metrics.refused.labels(verdict.reason).inc()
+            close = declares_body(scope) if verdict.close is None else verdict.close
+            await self.replies.error(send, verdict.status, verdict.message, "other", t0,
+                                     close=close, extra=list(verdict.headers), path=path,
+                                     reason=verdict.reason)
+            return
+        if verdict is not None and (over := self.trail.budgets.check(verdict)) is not None:
+            self.replies.metrics.refused.labels("budget").inc()
+            await self.replies.error(
+                send, 429, over.message(verdict.name), "other", t0, close=declares_body(scope),
+                extra=[(b"retry-after", str(over.retry_after_s).encode())], path=path,
+                reason=f"budget_{over.budget}")
             return
         try:
             await self.app(scope, receive, send)
@@ -401,7 +457,35 @@ class AccessGuard:
             with contextlib.suppress(Exception):
                 await self.replies.error(send, 500, "The front failed on this request. The "
                                          "error is in mtpwrap's log.", "other", t0, close=True,
-                                         path=path)
+                                         path=path, reason="internal")
+
+
+def _counting(receive: Receive, ticket: Ticket) -> Receive:
+    """`receive`, counting the request body's bytes on the ticket."""
+    async def counted() -> Message:
+        message = await receive()
+        if message["type"] == "http.request":
+            ticket.bytes_in += len(message.get("body", b""))
+        return message
+    return counted
+
+
+def _observing(send: Send, ticket: Ticket) -> Send:
+    """`_marking(send)` that also notes on the ticket the status, who answered, the bytes out
+    and, of llama-server's answers, the last chunks (their usage and timings)."""
+    marked = _marking(send)
+
+    async def observed(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            ticket.status = message["status"]
+            if BY_UPSTREAM in (message.get("headers") or ()):
+                ticket.by = "llama-server"
+        elif body := message.get("body"):
+            ticket.bytes_out += len(body)
+            if ticket.by != "front":
+                ticket.tail.append(body)
+        await marked(message)
+    return observed
 
 
 def _marking(send: Send) -> Send:

@@ -345,6 +345,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         cycle = self.cycle
         if cycle is not None:  # the application sees a disconnect, not a half body
+            scope: dict[str, Any] = cycle.scope  # type: ignore[assignment]
+            scope["mtpwrap.refused"] = (408, "body_timeout")  # for its audit line
             self._disconnect_cycle()
         self._mid_request = self._body_open = False  # a slow sender is not lingered for
         if cycle is not None and cycle.response_started:

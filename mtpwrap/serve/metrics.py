@@ -271,6 +271,15 @@ class FrontMetrics:
         self.reloads = Counter("mtpwrap_reloads", "Reloads and restarts of llama-server asked "
                                "for by the operator, by outcome (ok, refused, failed)",
                                ["outcome"], registry=r)
+        # Usage by key name: the names are the configured ones (and "-" for requests without
+        # a key), so the label sets stay as few as the key file's lines.
+        self.key_requests = Counter("mtpwrap_key_requests", "Requests by key name and status "
+                                    "class (2xx, 4xx, 5xx)", ["key", "status"], registry=r)
+        self.key_tokens = Counter("mtpwrap_key_tokens", "Tokens by key name, prompt or "
+                                  "completion (llama-server's usage)", ["key", "kind"],
+                                  registry=r)
+        self.key_refused = Counter("mtpwrap_key_refused", "Requests refused by the front, by "
+                                   "key name and reason", ["key", "reason"], registry=r)
         self.live = _LiveCollector(status, front_stats)
         r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.

@@ -35,7 +35,6 @@ arrives as an error event instead of an HTTP status).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -69,8 +68,6 @@ _DROP_RESPONSE = frozenset({
     b"proxy-authenticate", b"trailer", b"upgrade",
 })
 _KEEPALIVE = b": keep-alive\n\n"
-#: the response's last chunks kept for the depth policy (its timings are in the final event)
-_TAIL_CHUNKS = 64
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -280,7 +277,6 @@ class Relay:
         comment or an error event is to be written."""
         clock = loop.time
         lock = ex.send_lock
-        tail = ex.tail = collections.deque(maxlen=_TAIL_CHUNKS) if ex.depth is not None else None
         gaps: list[float] = []
         gap = gaps.append if ex.event_stream else None
         last = 0.0
@@ -292,10 +288,11 @@ class Relay:
                 elif not ex.first_chunk:
                     ex.first_chunk = True
                     if ex.event_stream:
-                        self.metrics.ttft.labels(ex.label).observe(time.perf_counter() - ex.t0)
+                        ttft = time.perf_counter() - ex.t0
+                        self.metrics.ttft.labels(ex.label).observe(ttft)
+                        if ex.ticket is not None:
+                            ex.ticket.ttft_s = ttft
                 last = ex.last_progress = now
-                if tail is not None:
-                    tail.append(chunk)
                 if lock.locked():  # a keep-alive comment is being written: let it end first
                     async with lock:
                         pass
@@ -311,10 +308,12 @@ class Relay:
                 self.metrics.itl.labels(ex.label).observe_many(gaps)
 
     def _observe_depth(self, ex: Exchange) -> None:
-        if self.depth is None or ex.depth is None or ex.status != 200 or not ex.tail:
+        """What the drafts of a relayed answer came to (its timings end it: the audit ticket
+        keeps its last chunks), for the depth policy."""
+        if (self.depth is None or ex.depth is None or ex.status != 200 or ex.ticket is None
+                or not ex.ticket.tail):
             return
-        counts = depth_policy.draft_counts(b"".join(ex.tail)[-depth_policy.TAIL_BYTES:])
-        ex.tail = None
+        counts = depth_policy.draft_counts(b"".join(ex.ticket.tail)[-depth_policy.TAIL_BYTES:])
         if counts is not None:
             self.depth.observe(ex.depth, *counts)
 
@@ -326,7 +325,8 @@ class Relay:
         message = ("The model server closed the connection before finishing the response "
                    f"({err.kind}: {err}).")
         if ex.state is Step.WAITING:
-            await self.replies.error(send, 502, message, ex.label, ex.t0)
+            await self.replies.error(send, 502, message, ex.label, ex.t0,
+                                     reason="upstream_error")
             ex.to(Step.DONE)
             return
         self.metrics.cancelled.labels("upstream_error").inc()
@@ -335,7 +335,7 @@ class Relay:
     async def _end_with_error(self, ex: Exchange, send: Send, status: int, message: str) -> None:
         """End a started response so that no client can take it for a complete one."""
         ex.to(Step.DONE)
-        self.replies.record(ex.label, status, ex.t0)
+        self.replies.record(ex.label, status, ex.t0, ex.cancel_reason or "upstream_error")
         if ex.event_stream:
             event = b"data: " + json.dumps(
                 {"error": {"code": status, "message": message,
@@ -356,7 +356,7 @@ class Relay:
         if reason in ("client_disconnect", "slow_reader"):
             # nginx's "client closed request"; for a slow reader, returning with the response
             # incomplete makes uvicorn close the connection.
-            self.replies.record(ex.label, 499, ex.t0)
+            self.replies.record(ex.label, 499, ex.t0, reason)
             ex.to(Step.DONE)
             return
         if reason == "shutdown":
@@ -364,7 +364,7 @@ class Relay:
                        "was stopped before it finished. Retry it.")
             if not ex.head_sent:
                 await self.replies.error(send, 503, message, ex.label, ex.t0, retry=True,
-                                         close=True)
+                                         close=True, reason="shutdown")
                 ex.to(Step.DONE)
             else:
                 await self._end_with_error(ex, send, 503, message)
@@ -379,7 +379,7 @@ class Relay:
             except Exception as err:
                 log.warning("could not report a stall: %s", err)
         if not ex.head_sent:
-            await self.replies.error(send, 504, message, ex.label, ex.t0)
+            await self.replies.error(send, 504, message, ex.label, ex.t0, reason="stall")
             ex.to(Step.DONE)
             return
         await self._end_with_error(ex, send, 504, message)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from mtpwrap.serve import audit
 from mtpwrap.serve.metrics import FrontMetrics
 
 # The ASGI types, as the ASGI spec writes them (its messages are plain mappings).
@@ -79,7 +80,8 @@ class Replies:
     async def error(self, send: Send, status: int, message: str, label: str, t0: float,
                     retry: bool = False, close: bool = False,
                     extra: list[tuple[bytes, bytes]] | None = None,
-                    path: str | None = None) -> None:
+                    path: str | None = None, reason: str | None = None) -> None:
+        """A front-made error answer; `reason`: why, for the audit trail (a metrics label)."""
         body = error_body(status, message, error_kind(status), path or label)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
@@ -90,9 +92,15 @@ class Replies:
         headers += extra or []
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.record(label, status, t0)
+        self.record(label, status, t0, reason or error_kind(status))
 
-    def record(self, label: str, status: int, t0: float) -> None:
+    def record(self, label: str, status: int, t0: float, reason: str | None = None) -> None:
+        """The one record of a finished request: its metrics, the access log, and the status
+        and reason its audit ticket ends with."""
+        if (ticket := audit.current.get()) is not None:
+            ticket.status = status
+            if reason is not None:
+                ticket.reason = reason
         dt = time.perf_counter() - t0
         self.metrics.requests.labels(label, str(status)).inc()
         self.metrics.duration.labels(label).observe(dt)

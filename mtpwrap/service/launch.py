@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from mtpwrap import paths
-from mtpwrap.config.objects import PersistConfig, ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import AuditConfig, PersistConfig, ProxyConfig, SupervisorConfig
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings
 from mtpwrap.decide import resolve
@@ -42,6 +42,8 @@ class ChildFactory:
     #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence off)
     slot_save_path: Path | None
     listen_why: str  #: why llama-server listens where it does (the endpoint's `why`)
+    #: the front serves llama-server's web UI (proxy.enable_paths lists webui)
+    webui: bool = False
 
     def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
         r = self.resolved
@@ -49,7 +51,8 @@ class ChildFactory:
         if rung is None:
             return None
         spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.listen_why),
-                        api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path)
+                        api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
+                        webui=self.webui)
         return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
 
@@ -106,9 +109,11 @@ def resolve_launch(settings: Settings,
     saves_in = snapshots if isinstance(slot_save_path, str) else slot_save_path
     listen = upstream_endpoint(r)
     # spells every flag now, with the settings' own persist.dir: a bad one fails here
+    webui_on = "webui" in [*inp.profile.proxy.get("enable_paths", []),
+                           *settings.proxy.get("enable_paths", [])]
     first = r.render(endpoint=dataclasses.replace(listen, port=listen.port or 0),
-                     api_key="x", slot_save_path=snapshots)
-    factory = ChildFactory(r, slot_save_path=saves_in, listen_why=listen.why)
+                     api_key="x", slot_save_path=snapshots, webui=webui_on)
+    factory = ChildFactory(r, slot_save_path=saves_in, listen_why=listen.why, webui=webui_on)
 
     depth = _per_request_depth(inp.manifest)
     webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
@@ -194,11 +199,36 @@ def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
-def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig) -> Front:
+def audit_config(settings: Settings) -> AuditConfig:
+    """The audit trail's settings (`audit:`), its directory created (0700) or journald's socket
+    found; ConfigError before anything starts otherwise."""
+    cfg = AuditConfig(**settings.audit)
+    if cfg.sink == "journald":
+        from mtpwrap.serve.audit import JOURNAL_SOCKET
+
+        if not Path(JOURNAL_SOCKET).exists():
+            raise ConfigError(f"audit.sink: journald, but there is no journald socket at "
+                              f"{JOURNAL_SOCKET}.",
+                              hint="Run under systemd, or set audit.sink: file.")
+    try:
+        cfg.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        probe = cfg.directory / ".writable"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"audit.dir: cannot use {cfg.directory} for the audit trail and "
+                          f"the budgets' counts ({exc.strerror}).",
+                          hint="Point audit.dir at a directory the service user can write.") \
+            from exc
+    return cfg
+
+
+def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig,
+               audit: AuditConfig | None = None) -> Front:
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
     from mtpwrap.serve.front import Front
 
-    return Front(supervisor, config, launch.info)
+    return Front(supervisor, config, launch.info, audit)
 
 
 def prepare(settings: Settings,
@@ -210,6 +240,7 @@ def prepare(settings: Settings,
     launch = resolve_launch(settings, slot_save_path)
     cfg = supervisor_config(settings, launch)
     front_config = proxy_config(settings, launch)
+    audit_config(settings)
     return launch, cfg, front_config
 
 

@@ -31,6 +31,7 @@ from mtpwrap.run.supervisor import State, Supervisor
 from mtpwrap.run.systemd import Notifier
 from mtpwrap.service.launch import (
     Launch,
+    audit_config,
     make_front,
     open_snapshots,
     proxy_config,
@@ -148,7 +149,7 @@ class Service:
         try:
             import uvicorn
 
-            front = make_front(sup, self.launch, self.front_config)
+            front = make_front(sup, self.launch, self.front_config, audit_config(self.settings))
             server_config = front.server_config(timeout_graceful_shutdown=5)
             sup.busy = lambda: front.forwarding
             self.front = front

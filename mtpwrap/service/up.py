@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtpwrap.config.objects import AuditConfig
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
@@ -64,10 +65,18 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(child_log_file())),
         ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
+        ("audit", _audit_line(settings)),
     ]
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
     out += [f"  warning: {w}" for w in launch.warnings]
     return out
+
+
+def _audit_line(settings: Settings) -> str:
+    cfg = AuditConfig(**settings.audit)
+    if cfg.sink == "file":
+        return f"{cfg.directory} (kept {cfg.retention_days} days)"
+    return cfg.sink
 
 
 def run_up(settings: Settings) -> int:

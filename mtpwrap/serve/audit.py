@@ -1,0 +1,379 @@
+"""The audit trail: one JSON line per request, written when its answer ends or its client goes.
+
+A line says who asked (the key's name, never the key), from where, which route, what came of
+it (status, who answered, the finish or refusal reason), how many tokens (llama-server's own
+`usage` and `timings`: prompt, cached, completion, drafted, accepted), how long it waited in
+the queue, its time to the first token and in all, and the bytes in and out. Never a prompt, an
+answer, a header or a key: the line is built from the fields below only.
+
+Sinks: a file per UTC day under `audit.dir` (`audit-YYYY-MM-DD.jsonl`, 0600 in a 0700
+directory, one `write` per line so lines never interleave), files older than
+`audit.retention_days` deleted when the day turns and at start; or journald, each field as a
+structured field (`MTPWRAP_KEY=`, `MTPWRAP_TOKENS_IN=` …) for a SIEM via rsyslog; or off.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import datetime as dt
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from mtpwrap.config.apikeys import ApiKey
+from mtpwrap.config.objects import AuditConfig
+from mtpwrap.serve.budgets import Budgets
+from mtpwrap.serve.metrics import FrontMetrics
+
+log = logging.getLogger("mtpwrap.audit")
+
+#: the front's own pages, audited under their path (every other path is a route's label)
+FRONT_PAGES = frozenset({"/metrics", "/healthz", "/status", "/status.json"})
+#: the answer's last bytes kept to read its usage and timings from (they end the answer)
+TAIL_BYTES = 16 * 1024
+#: journald's native socket
+JOURNAL_SOCKET = "/run/systemd/journal/socket"
+
+# One token count each, the last in the answer: usage (OpenAI's and Anthropic's names) and
+# timings. `(?<!\\)` skips a name inside a JSON string of the answer (its quotes are escaped).
+_COUNT = {name: re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*(\d+)') for name in (
+    "prompt_tokens", "completion_tokens", "cached_tokens", "input_tokens", "output_tokens",
+    "cache_read_input_tokens", "prompt_n", "cache_n", "predicted_n", "draft_n",
+    "draft_n_accepted")}
+_FINISH = re.compile(rb'(?<!\\)"(?:finish_reason|stop_reason)"\s*:\s*"([a-z_]{1,32})"')
+
+
+def _last(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
+    found = pattern.findall(tail)
+    return int(found[-1]) if found else None
+
+
+def answer_counts(tail: bytes) -> dict[str, Any]:
+    """Token counts and the finish reason from the end of a relayed answer: llama-server's
+    `usage` where it gave one, else its `timings` (a stream without `include_usage`)."""
+    n = {name: _last(p, tail) for name, p in _COUNT.items()}
+    prompt_n, cache_n = n["prompt_n"], n["cache_n"]
+    from_timings = None if prompt_n is None else prompt_n + (cache_n or 0)
+    out: dict[str, Any] = {
+        "prompt_tokens": _first(n["prompt_tokens"], n["input_tokens"], from_timings),
+        "cached_tokens": _first(n["cached_tokens"], n["cache_read_input_tokens"], cache_n),
+        "completion_tokens": _first(n["completion_tokens"], n["output_tokens"],
+                                    n["predicted_n"]),
+        "drafted_tokens": n["draft_n"], "accepted_tokens": n["draft_n_accepted"],
+    }
+    finish = _FINISH.findall(tail)
+    out["finish"] = finish[-1].decode() if finish else None
+    return out
+
+
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request as the audit trail sees it; filled in by whoever learns a field."""
+
+    method: str
+    route: str
+    client: str
+    key: str = "-"
+    klass: str = "interactive"
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    at: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.perf_counter)
+    status: int = 0
+    by: str = "front"
+    stream: bool = False
+    bytes_in: int = 0
+    bytes_out: int = 0
+    queued_s: float = 0.0
+    ttft_s: float | None = None
+    #: why the front refused it (the `mtpwrap_refused`/`shed` reason), or how it was cut
+    reason: str | None = None
+    #: the relayed answer's last chunks (references), for its token counts and draft figures
+    tail: collections.deque[bytes] = field(default_factory=lambda: collections.deque(maxlen=64))
+    api_key: ApiKey | None = field(default=None, repr=False)
+
+    def record(self, model: str) -> dict[str, Any]:
+        counts = answer_counts(b"".join(self.tail)[-TAIL_BYTES:]) if self.by != "front" \
+            else {}
+        return {
+            "time": _iso(self.at), "id": self.id, "key": self.key, "class": self.klass,
+            "client": self.client, "method": self.method, "route": self.route, "model": model,
+            "status": self.status, "by": self.by, "stream": self.stream,
+            "prompt_tokens": counts.get("prompt_tokens"),
+            "cached_tokens": counts.get("cached_tokens"),
+            "completion_tokens": counts.get("completion_tokens"),
+            "drafted_tokens": counts.get("drafted_tokens"),
+            "accepted_tokens": counts.get("accepted_tokens"),
+            "queued_s": round(self.queued_s, 4),
+            "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
+            "total_s": round(time.perf_counter() - self.t0, 4),
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "finish": counts.get("finish"), "reason": self.reason,
+        }
+
+
+#: the current request's ticket (the guard sets it; the worker tasks it starts see the same)
+current: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("mtpwrap_ticket",
+                                                                        default=None)
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def tokens(record: dict[str, Any]) -> int:
+    """The tokens a record counts against a budget: its prompt and completion together."""
+    return (record.get("prompt_tokens") or 0) + (record.get("completion_tokens") or 0)
+
+
+# --------------------------------------------------------------------------- sinks
+
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoSink:
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def day_of(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+_FILE = re.compile(r"^audit-(\d{4}-\d{2}-\d{2})\.jsonl$")
+
+
+class FileSink:
+    """A JSON line per request in today's file; the day's turn opens the next one."""
+
+    def __init__(self, directory: Path, retention_days: int,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.directory, self.retention_days, self.clock = directory, retention_days, clock
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        self._fd = -1
+        self._day = ""
+        self.prune()
+
+    def write(self, record: dict[str, Any]) -> None:
+        day = day_of(self.clock())
+        if day != self._day:
+            self._open(day)
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        os.write(self._fd, line.encode())
+
+    def _open(self, day: str) -> None:
+        self.close()
+        path = self.directory / f"audit-{day}.jsonl"
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.fchmod(self._fd, 0o600)
+        self._day = day
+        self.prune()
+
+    def prune(self) -> list[Path]:
+        """Delete the files older than the retention; the deleted ones."""
+        oldest = day_of(self.clock() - self.retention_days * 86400)
+        gone = []
+        for path in sorted(self.directory.iterdir()):
+            m = _FILE.match(path.name)
+            if m and m.group(1) < oldest:
+                path.unlink(missing_ok=True)
+                gone.append(path)
+        if gone:
+            log.info("audit: deleted %d file(s) older than %d days", len(gone),
+                     self.retention_days)
+        return gone
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self._day = ""
+
+
+class JournalSink:
+    """Each record as a journald entry with structured fields, over journald's own socket."""
+
+    def __init__(self, path: str = JOURNAL_SOCKET) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.connect(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        fields = [f"MESSAGE=mtpwrap audit {record['route']} {record['status']} "
+                  f"key={record['key']}", "PRIORITY=6", "SYSLOG_IDENTIFIER=mtpwrap-audit"]
+        fields += [f"MTPWRAP_{name.upper()}={_plain(value)}" for name, value in record.items()
+                   if value is not None]
+        fields += [f"MTPWRAP_TOKENS_IN={record.get('prompt_tokens') or 0}",
+                   f"MTPWRAP_TOKENS_OUT={record.get('completion_tokens') or 0}"]
+        try:
+            self.sock.send("\n".join(fields).encode() + b"\n")
+        except OSError as err:
+            log.warning("audit: journald refused a record (%s)", err)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _plain(value: Any) -> str:
+    return str(value).replace("\n", " ")
+
+
+def open_sink(cfg: AuditConfig, clock: Callable[[], float] = time.time) -> Sink:
+    if cfg.sink == "off":
+        return NoSink()
+    if cfg.sink == "journald":
+        return JournalSink()
+    return FileSink(cfg.directory, cfg.retention_days, clock)
+
+
+def read_records(directory: Path, since: str | None = None) -> Iterator[dict[str, Any]]:
+    """The audit files' records, oldest first; `since`: a YYYY-MM-DD day, the first read."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.iterdir()):
+        m = _FILE.match(path.name)
+        if not m or (since is not None and m.group(1) < since):
+            continue
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except ValueError:
+                        continue  # a line cut by a crash mid-write
+
+
+# --------------------------------------------------------------------------- the trail
+
+#: the front's pages that are not audited: probes carry no key and come every few seconds
+UNAUDITED = frozenset({"/livez", "/readyz"})
+
+
+class Trail:
+    """Ends each request's ticket: its audit line, its usage counters, its budget's tokens;
+    and keeps the last refusals for the status page."""
+
+    def __init__(self, sink: Sink, metrics: FrontMetrics, budgets: Budgets,
+                 model: Callable[[], str | None], clock: Callable[[], float] = time.time
+                 ) -> None:
+        self.sink, self.metrics, self.budgets, self.model = sink, metrics, budgets, model
+        self.clock = clock
+        self.refusals: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
+        self.lines = 0
+        self._failed = False
+        #: today's totals per key (UTC day), for the status page; seeded from today's file
+        self._day = day_of(clock())
+        self._today: dict[str, dict[str, int]] = {}
+        #: (end time, completion tokens) of the last minute's requests
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        if isinstance(sink, FileSink):
+            for record in read_records(sink.directory, since=self._day):
+                self._add_today(record)
+
+    def begin(self, scope: dict[str, Any] | Any, path: str, key: ApiKey | None) -> Ticket:
+        client = scope.get("client")
+        t = Ticket(method=scope["method"], route=path if path in FRONT_PAGES else "other",
+                   client=client[0] if client else "-")
+        if key is not None:
+            t.key, t.klass, t.api_key = key.name, key.klass, key
+        return t
+
+    def end(self, t: Ticket) -> dict[str, Any]:
+        record = t.record(self.model() or "-")
+        try:
+            self.sink.write(record)
+            self.lines += 1
+            self._failed = False
+        except OSError as err:
+            if not self._failed:  # once per run of failures, not once per request
+                log.error("audit: cannot write the audit trail (%s); requests are still "
+                          "served", err)
+            self._failed = True
+        status = record["status"]
+        self.metrics.key_requests.labels(t.key, f"{status // 100}xx").inc()
+        for kind in ("prompt", "completion"):
+            if record[f"{kind}_tokens"]:
+                self.metrics.key_tokens.labels(t.key, kind).inc(record[f"{kind}_tokens"])
+        if t.reason is not None and status >= 400:
+            self.metrics.key_refused.labels(t.key, t.reason).inc()
+            self.refusals.append({k: record[k] for k in ("time", "key", "route", "status",
+                                                        "reason")})
+        if t.api_key is not None:
+            self.budgets.spend(t.api_key, tokens(record))
+        self._add_today(record)
+        if record["completion_tokens"]:
+            self._recent.append((self.clock(), record["completion_tokens"]))
+        return record
+
+    def _add_today(self, record: dict[str, Any]) -> None:
+        day = day_of(self.clock())
+        if day != self._day:
+            self._day, self._today = day, {}
+        if str(record.get("time", ""))[:10] != day:
+            return
+        row = self._today.setdefault(str(record.get("key") or "-"), dict.fromkeys(
+            ("requests", "refused", "prompt_tokens", "completion_tokens"), 0))
+        row["requests"] += 1
+        if record.get("by") == "front" and (record.get("status") or 0) >= 400:
+            row["refused"] += 1
+        for name in ("prompt_tokens", "completion_tokens"):
+            row[name] += record.get(name) or 0
+
+    def usage_today(self) -> list[dict[str, Any]]:
+        if day_of(self.clock()) != self._day:
+            self._day, self._today = day_of(self.clock()), {}
+        return [{"key": k, **v} for k, v in sorted(self._today.items())]
+
+    def tokens_per_s(self, window_s: float = 60.0) -> float:
+        """Completion tokens of the requests that ended in the last `window_s`, per second."""
+        start = self.clock() - window_s
+        while self._recent and self._recent[0][0] < start:
+            self._recent.popleft()
+        return sum(n for _t, n in self._recent) / window_s
+
+    def close(self) -> None:
+        self.budgets.close()
+        self.sink.close()
+
+
+# --------------------------------------------------------------------------- usage
+
+#: what `mtpwrap usage` groups by, and the record field each reads
+GROUPS = {"key": "key", "route": "route", "day": "time"}
+SUMS = ("requests", "refused", "prompt_tokens", "cached_tokens", "completion_tokens",
+        "bytes_in", "bytes_out")
+
+
+def summarize(records: Iterator[dict[str, Any]], by: str) -> list[dict[str, Any]]:
+    """Totals per key, route or day: requests, refusals by the front, tokens and bytes."""
+    field_ = GROUPS[by]
+    totals: dict[str, dict[str, Any]] = {}
+    for r in records:
+        group = str(r.get(field_) or "-")
+        if by == "day":
+            group = group[:10]
+        t = totals.setdefault(group, {by: group, **dict.fromkeys(SUMS, 0)})
+        t["requests"] += 1
+        if r.get("by") == "front" and (r.get("status") or 0) >= 400:
+            t["refused"] += 1
+        for name in SUMS[2:]:
+            t[name] += r.get(name) or 0
+    return [totals[k] for k in sorted(totals)]

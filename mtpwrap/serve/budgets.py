@@ -1,0 +1,138 @@
+"""Per-key budgets: requests per minute, tokens per hour and per day (`rpm=`,
+`tokens_per_hour=`, `tokens_per_day=` on the key's line).
+
+Windows are the UTC calendar's: a minute, an hour, a day; a budget resets at its window's end,
+which is what the 429 says (`Retry-After` and the time). A request is checked before it is
+forwarded (a request past `rpm`, or any once the tokens are spent); its tokens count when its
+answer ends (llama-server's usage). The hour's and the day's counts are kept in
+`<audit.dir>/budgets.json` (written at most every 2 s while they change, and at the end), so a
+restart does not give a key its day again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtpwrap.config.apikeys import ApiKey
+
+log = logging.getLogger("mtpwrap.budgets")
+
+#: window name -> (seconds, the budget field it counts against, what it counts)
+WINDOWS = {"minute": (60, "rpm", "requests"), "hour": (3600, "tokens_per_hour", "tokens"),
+           "day": (86400, "tokens_per_day", "tokens")}
+SAVE_EVERY_S = 2.0
+
+
+@dataclass(frozen=True)
+class OverBudget:
+    budget: str      # the field: rpm, tokens_per_hour, tokens_per_day
+    limit: int
+    resets_at: float  # epoch seconds
+    retry_after_s: int
+
+    def message(self, key: str) -> str:
+        when = time.strftime("%H:%M:%S UTC", time.gmtime(self.resets_at))
+        what = ("requests per minute" if self.budget == "rpm"
+                else f"tokens per {self.budget.rsplit('_', 1)[1]}")
+        return (f"The API key {key!r} has used its budget of {self.limit} {what}; it resets at "
+                f"{when} (in {self.retry_after_s} s).")
+
+
+class Budgets:
+    """Counts per key name and window; `check` before a request, `spend` after it."""
+
+    def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
+        self.path, self.clock = path, clock
+        #: (key name, window) -> [window start, count]
+        self.counts: dict[tuple[str, str], list[float]] = {}
+        self._save: asyncio.TimerHandle | None = None
+        self._load()
+
+    def _count(self, name: str, window: str, now: float) -> list[float]:
+        span = WINDOWS[window][0]
+        start = now - now % span
+        c = self.counts.get((name, window))
+        if c is None or c[0] != start:
+            c = self.counts[(name, window)] = [start, 0.0]
+        return c
+
+    def used(self, name: str, window: str) -> int:
+        return int(self._count(name, window, self.clock())[1])
+
+    def check(self, key: ApiKey) -> OverBudget | None:
+        """Whether `key` may send one more request now; counts it against its rpm if so."""
+        limits = key.budget.limits()
+        if not limits:
+            return None
+        now = self.clock()
+        for window, (span, field, _what) in WINDOWS.items():
+            limit = limits.get(field)
+            if limit and self._count(key.name, window, now)[1] >= limit:
+                resets = self._count(key.name, window, now)[0] + span
+                return OverBudget(field, limit, resets, max(1, int(resets - now + 0.999)))
+        if "rpm" in limits:
+            self._count(key.name, "minute", now)[1] += 1
+        return None
+
+    def spend(self, key: ApiKey, tokens: int) -> None:
+        """A finished request's tokens, for a key with a token budget."""
+        b = key.budget
+        if not tokens or not (b.tokens_per_hour or b.tokens_per_day):
+            return
+        now = self.clock()
+        for window in ("hour", "day"):
+            self._count(key.name, window, now)[1] += tokens
+        self._schedule_save()
+
+    # ------------------------------------------------------------------ persistence
+
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        try:
+            data = json.loads(self.path.read_text())
+            for row in data["counts"]:
+                self.counts[(row["key"], row["window"])] = [float(row["start"]),
+                                                             float(row["count"])]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            log.warning("budgets: %s is unreadable (%s); counting from zero", self.path, err)
+
+    def _schedule_save(self) -> None:
+        if self.path is None or self._save is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.save()
+            return
+        self._save = loop.call_later(SAVE_EVERY_S, self.save)
+
+    def save(self) -> None:
+        self._save = None
+        if self.path is None:
+            return
+        rows = [{"key": k, "window": w, "start": c[0], "count": c[1]}
+                for (k, w), c in self.counts.items() if w != "minute"]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"counts": rows}, f)
+            os.replace(tmp, self.path)
+        except OSError as err:
+            log.warning("budgets: cannot write %s (%s)", self.path, err)
+
+    def close(self) -> None:
+        if self._save is not None:
+            self._save.cancel()
+            self._save = None
+        with contextlib.suppress(Exception):
+            self.save()

@@ -1,0 +1,176 @@
+"""Named keys: the key file's fields, their one-sentence errors, and the budgets and queue
+priority they give (`mtpwrap.config.apikeys`, `serve.budgets`, `serve.admission`), without a
+server: the real-server checks are in tests/test_audit_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import pytest
+
+from mtpwrap.config.apikeys import Budget, default_name, key_table, parse_key, read_keys_file
+from mtpwrap.errors import ConfigError
+from mtpwrap.serve.admission import PriorityGate
+from mtpwrap.serve.budgets import Budgets
+from tests.helpers import until
+
+SECRET = "s3cret-key-0123456789"
+
+
+def test_the_fields_of_a_key_line() -> None:
+    k = parse_key(f"{SECRET} name=contracts-app scopes=inference,metrics class=batch "
+                  "rpm=30 tokens_per_day=2000000", "f")
+    assert (k.name, k.scopes, k.klass) == ("contracts-app", frozenset({"inference", "metrics"}),
+                                           "batch")
+    assert k.budget == Budget(rpm=30, tokens_per_day=2_000_000)
+    assert SECRET not in repr(k)  # a key never shows in a repr (logs, tracebacks)
+    # the older forms keep working; their name is a short hash of the key
+    old = parse_key(f"{SECRET} admin, inference", "f")
+    assert old.scopes == frozenset({"admin", "inference"}) and old.klass == "interactive"
+    assert old.name == default_name(SECRET) and old.name.startswith("key-")
+    assert len(old.name) == 12 and SECRET not in old.name
+    assert parse_key(SECRET, "f").scopes == frozenset({"inference", "admin", "metrics"})
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ("owner=x", "unknown field 'owner'"),
+    ("name=a name=b", "the field 'name' is given twice"),
+    ("name=-x", "name='-x' is not a usable name"),
+    ("class=urgent", "class='urgent': expected one of interactive, batch"),
+    ("rpm=0", "rpm='0': expected a whole number >= 1"),
+    ("tokens_per_hour=lots", "tokens_per_hour='lots': expected a whole number >= 1"),
+    ("scopes=root", "unknown scope 'root'"),
+    ("inference scopes=admin", "scopes are given twice"),
+])
+def test_a_bad_line_is_one_sentence_with_file_and_line(tmp_path: Path, fields: str,
+                                                       message: str) -> None:
+    f = tmp_path / "keys"
+    f.write_text(f"# the team's keys\nfirst-key-0123456789 name=first\n{SECRET} {fields}\n")
+    with pytest.raises(ConfigError) as err:
+        read_keys_file(str(f), "api_key_file")
+    text = str(err.value)
+    assert text.startswith(f"api_key_file: {f} line 3: ") and message in text
+    assert SECRET not in text and "\n" not in text
+
+
+def test_one_name_for_two_keys_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text(f"a-key-0123456789 name=app\n\n{SECRET} name=app\n")
+    with pytest.raises(ConfigError, match=rf"{f} line 3: the name 'app' is already used on "
+                                          "line 1; give each key its own name"):
+        read_keys_file(str(f), "api_key_file")
+    # keys from MTPWRAP_API_KEYS and the file meet in the table
+    with pytest.raises(ConfigError, match="two keys are named 'app'"):
+        key_table(("a-key-0123456789 name=app", f"{SECRET} name=app"), "keys")
+
+
+# --------------------------------------------------------------------------- budgets
+
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_rpm_refuses_the_request_after_the_nth_and_resets_at_the_minute(tmp_path: Path
+                                                                        ) -> None:
+    clock = Clock(1_800_000_000.0 + 10)  # 10 s into a minute
+    b = Budgets(None, clock)
+    k = parse_key(f"{SECRET} name=app rpm=3", "f")
+    assert [b.check(k) for _ in range(3)] == [None] * 3
+    over = b.check(k)
+    assert over is not None and over.budget == "rpm" and over.limit == 3
+    assert over.retry_after_s == 50 and over.resets_at == 1_800_000_000.0 + 60
+    assert "'app' has used its budget of 3 requests per minute" in over.message("app")
+    clock.t += 50  # the next minute
+    assert b.check(k) is None
+
+
+def test_token_budgets_count_what_was_spent_and_survive_a_restart(tmp_path: Path) -> None:
+    clock = Clock(1_800_000_000.0)
+    path = tmp_path / "budgets.json"
+    k = parse_key(f"{SECRET} name=app tokens_per_day=100", "f")
+    b = Budgets(path, clock)
+    assert b.check(k) is None
+    b.spend(k, 60)  # outside an event loop: saved at once
+    assert b.check(k) is None
+    b.spend(k, 45)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # a new process: the day's count is still there
+    again = Budgets(path, clock)
+    assert again.used("app", "day") == 105
+    over = again.check(k)
+    assert over is not None and over.budget == "tokens_per_day"
+    assert "tokens per day" in over.message("app")
+    clock.t += 86400
+    assert again.check(k) is None  # a new day
+
+
+# --------------------------------------------------------------------------- priority
+
+def test_an_interactive_request_goes_before_queued_batch_work_which_ages_in() -> None:
+    async def main() -> list[str]:
+        gate = PriorityGate(1, aging_s=3600)
+        order: list[str] = []
+        await gate.acquire("interactive")  # the one slot is busy
+
+        async def ask(name: str, klass: str) -> None:
+            await gate.acquire(klass)
+            order.append(name)
+            gate.release()
+
+        tasks = [asyncio.create_task(ask(f"batch{i}", "batch")) for i in range(5)]
+        await until("5 batch requests waiting", lambda: gate.waiting()["batch"] == 5, 5)
+        tasks.append(asyncio.create_task(ask("person", "interactive")))
+        await until("the interactive request waiting",
+                    lambda: gate.waiting()["interactive"] == 1, 5)
+        gate.release()
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(main()) == ["person", "batch0", "batch1", "batch2", "batch3", "batch4"]
+
+
+def test_batch_work_that_waited_past_the_aging_goes_first() -> None:
+    async def main() -> list[str]:
+        gate = PriorityGate(1, aging_s=0.05)
+        order: list[str] = []
+        await gate.acquire()
+
+        async def ask(name: str, klass: str) -> None:
+            await gate.acquire(klass)
+            order.append(name)
+            gate.release()
+
+        batch = asyncio.create_task(ask("batch", "batch"))
+        await until("the batch request waiting", lambda: gate.waiting()["batch"] == 1, 5)
+        loop = asyncio.get_running_loop()
+        aged = loop.time() + 0.05
+        await until("the batch request aged", lambda: loop.time() >= aged, 5)  # it ages in
+        person = asyncio.create_task(ask("person", "interactive"))
+        await until("the interactive request waiting",
+                    lambda: gate.waiting()["interactive"] == 1, 5)
+        gate.release()
+        await asyncio.gather(batch, person)
+        return order
+
+    assert asyncio.run(main()) == ["batch", "person"]
+
+
+def test_a_cancelled_waiter_takes_no_permit() -> None:
+    async def main() -> None:
+        gate = PriorityGate(1, aging_s=30)
+        await gate.acquire()
+        waiter = asyncio.create_task(gate.acquire("batch"))
+        await until("the batch request waiting", lambda: gate.waiting()["batch"] == 1, 5)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(waiter, 0.01)
+        assert gate.waiting() == {"interactive": 0, "batch": 0}
+        gate.release()
+        assert gate.free == 1 and not gate.locked()
+
+    asyncio.run(main())
