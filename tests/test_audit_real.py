@@ -12,6 +12,7 @@ named keys, the audit trail, usage, budgets and priority, with the official `ope
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import threading
@@ -25,7 +26,7 @@ import pytest
 
 from mtpwrap.errors import EXIT_CONFIG
 from mtpwrap.proc import free_loopback_port
-from tests.helpers import Instance, cli_env, run_cli, wait_for
+from tests.helpers import Instance, cli_env, require_tool, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -186,16 +187,21 @@ def test_a_budget_refuses_the_next_request_and_says_which_and_when(up: Up) -> No
 
 
 def test_an_interactive_request_is_admitted_before_queued_batch_work(up: Up) -> None:
-    """cpu-demo has two slots: two long generations hold them, five batch requests queue,
-    then one interactive request; it is admitted (arrival + queue wait) before all five."""
+    """cpu-demo has two slots: two streams hold them, five batch requests queue, then one
+    interactive request; when the first stream lets its slot go, the interactive request takes
+    it (admitted, by arrival and queue wait, before all five)."""
     results: list[Exception] = []
+    release = [threading.Event(), threading.Event()]
 
-    def long(n: int) -> None:
+    def hold(i: int) -> None:
         try:
-            with up.http("contracts-app") as c:
-                r = c.post("/completion", json={"prompt": "Count: 1, 2, 3,", "n_predict": n,
-                                                "ignore_eos": True})
-            assert r.status_code == 200, r.text
+            with up.http("contracts-app") as c, c.stream(
+                    "POST", "/completion", json={"prompt": "Count: 1, 2, 3,", "stream": True,
+                                                 "n_predict": 100000, "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                for _chunk in r.iter_bytes():
+                    if release[i].is_set():
+                        break  # the client goes: the front cancels, the slot is free
         except Exception as err:  # reported by the main thread
             results.append(err)
 
@@ -207,20 +213,25 @@ def test_an_interactive_request_is_admitted_before_queued_batch_work(up: Up) -> 
             results.append(err)
 
     before = len(up.lines())
-    threads = [threading.Thread(target=long, args=(n,)) for n in (150, 450)]
-    for t in threads:
+    holders = [threading.Thread(target=hold, args=(i,)) for i in (0, 1)]
+    for t in holders:
         t.start()
     wait_for("both slots busy", lambda: up.gauge("mtpwrap_forwarding") == 2, 60, every=0.05)
-    for _ in range(5):
-        threads.append(threading.Thread(target=short, args=("nightly",)))
-        threads[-1].start()
+    asks = [threading.Thread(target=short, args=("nightly",)) for _ in range(5)]
+    for t in asks:
+        t.start()
     wait_for("five batch requests queued", lambda: up.gauge("mtpwrap_queue_batch") == 5, 60,
              every=0.05)
-    threads.append(threading.Thread(target=short, args=("contracts-app",)))
-    threads[-1].start()
+    asks.append(threading.Thread(target=short, args=("contracts-app",)))
+    asks[-1].start()
     wait_for("the interactive request queued",
              lambda: up.gauge("mtpwrap_queue_interactive") == 1, 60, every=0.05)
-    for t in threads:
+    release[0].set()
+    wait_for("the interactive request admitted",
+             lambda: up.gauge("mtpwrap_queue_interactive") == 0, 60, every=0.05)
+    assert up.gauge("mtpwrap_queue_batch") == 5  # none of them went before it
+    release[1].set()
+    for t in [*holders, *asks]:
         t.join(300)
     assert not results, results
     lines = up.wait_lines(before + 8)[before:]
@@ -252,6 +263,58 @@ def test_usage_totals_equal_the_lines(up: Up) -> None:
     r = run_cli("usage", "--since", "yesterday", env=cli_env(MTPWRAP_HOME=str(up.home)))
     assert r.returncode == EXIT_CONFIG and "Traceback" not in r.stderr
     assert "Invalid value for --since: expected a day as YYYY-MM-DD" in r.stderr
+
+
+def test_the_status_page_in_a_real_browser(up: Up, tmp_path: Path) -> None:
+    """Debian's Chromium, driven by its chromedriver: the page asks for the key, then shows the
+    state, the usage per key today and the last refusals, refreshing itself; no script error,
+    nothing the page's Content-Security-Policy refused."""
+    import base64
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium = require_tool("chromium", "chromium")
+    driver_bin = require_tool("chromedriver", "chromium-driver")
+    # one request and one refusal (the ops key has no inference scope) for the page to show
+    up.client("contracts-app").chat.completions.create(model="demo", messages=MESSAGES,
+                                                       max_tokens=4)
+    with up.http("ops") as c:
+        assert c.get("/v1/models").status_code == 403
+        bare = httpx.get(up.base + "/status")
+    assert bare.status_code == 401 and bare.headers["www-authenticate"].startswith("Basic ")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1100,1000",
+                f"--user-data-dir={tmp_path / 'profile'}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    browser = webdriver.Chrome(service=Service(driver_bin), options=opts)
+    try:
+        basic = base64.b64encode(f"ops:{KEYS['ops']}".encode()).decode()
+        browser.execute_cdp_cmd("Network.enable", {})
+        browser.execute_cdp_cmd("Network.setExtraHTTPHeaders",
+                                {"headers": {"Authorization": f"Basic {basic}"}})
+        browser.get(up.base + "/status")
+        wait = WebDriverWait(browser, 30)
+        wait.until(lambda b: b.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
+        assert browser.find_element(By.ID, "state").text == "ready"
+        assert browser.find_element(By.ID, "slots").text.endswith("of 2")
+        wait.until(lambda b: "contracts-app" in b.find_element(By.ID, "usage").text)
+        refusals = browser.find_element(By.ID, "refusals").text
+        assert "ops" in refusals and "scope" in refusals and "403" in refusals
+        first = browser.find_element(By.ID, "when").text
+        wait.until(lambda b: b.find_element(By.ID, "when").text != first)  # it refreshes
+        shot = Path(os.environ.get("MTPWRAP_SCREENSHOT_DIR") or tmp_path) / "status-page.png"
+        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 5000
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+    finally:
+        browser.quit()
 
 
 def test_a_restart_keeps_the_days_counts(up: Up) -> None:

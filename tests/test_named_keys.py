@@ -174,3 +174,14 @@ def test_a_cancelled_waiter_takes_no_permit() -> None:
         assert gate.free == 1 and not gate.locked()
 
     asyncio.run(main())
+
+
+def test_keys_in_the_environment_take_plus_between_scopes() -> None:
+    from mtpwrap.config.objects import ProxyConfig
+    from mtpwrap.config.settings import load_settings
+    from mtpwrap.serve.access import Access, find_key
+
+    s = load_settings({}, env={"MTPWRAP_API_KEYS": f"{SECRET} name=app scopes=inference+metrics,"
+                                                   "other-key-0123456789 name=ops"})
+    k = find_key(SECRET, Access.from_config(ProxyConfig(api_keys=s.api_keys)).keys)
+    assert k is not None and k.name == "app" and k.scopes == frozenset({"inference", "metrics"})

@@ -2,7 +2,8 @@
 budget, and the one key table.
 
 A key file line is the key, then either its scopes (`KEY inference,metrics`, the older form) or
-fields (`KEY name=contracts-app scopes=inference class=batch tokens_per_day=2000000`). The name
+fields (`KEY name=contracts-app scopes=inference class=batch tokens_per_day=2000000`; scopes
+separated by `,` or `+`, the latter for MTPWRAP_API_KEYS, whose keys a comma separates). The name
 — never the key — is what logs, metrics and the audit trail show; a key without a name gets
 `key-` and the first 8 hex digits of its SHA-256. Messages about a bad line never repeat the key.
 """
@@ -63,7 +64,7 @@ def default_name(secret: str) -> str:
 
 
 def _scopes(text: str, where: str) -> frozenset[str]:
-    scopes = text.replace(",", " ").split()
+    scopes = text.replace(",", " ").replace("+", " ").split()
     for x in scopes:
         if x not in SCOPES:
             raise ConfigError(f"{where}: unknown scope {x!r}; known scopes: "

@@ -112,6 +112,12 @@ def _feature(method: str, path: str) -> tuple[str | None, str]:
     return feature, path
 
 
+def route_label(method: str, path: str) -> str:
+    """The metrics and audit label of a request line: the allow-list's route, or "other"."""
+    feature, label = _feature(method, path)
+    return "other" if feature is None else label
+
+
 def classify(method: str, raw_path: bytes, enabled: frozenset[str]) -> Route:
     try:
         path = raw_path.decode("ascii")
@@ -260,6 +266,8 @@ class Denial:
     #: close the connection after the answer: always, or only when a body was declared
     close: bool | None = None
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    #: the key presented, when it was a configured one (a 403 for its scope)
+    key: ApiKey | None = None
 
 
 @dataclass(frozen=True)
@@ -306,9 +314,9 @@ class Access:
         if page:
             if not key.scopes & STATUS_SCOPES:
                 return Denial(403, "scope", f"This API key may not use {path}: that needs a "
-                              "key with the metrics or admin scope.")
+                              "key with the metrics or admin scope.", key=key)
             return key
         if (need := required_scope(method, path)) not in key.scopes:
             return Denial(403, "scope", f"This API key may not use {path}: that needs a key "
-                          f"with the {need} scope.")
+                          f"with the {need} scope.", key=key)
         return key

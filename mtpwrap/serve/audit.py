@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.config.objects import AuditConfig
+from mtpwrap.serve.access import route_label
 from mtpwrap.serve.budgets import Budgets
 from mtpwrap.serve.metrics import FrontMetrics
 
@@ -290,8 +291,8 @@ class Trail:
 
     def begin(self, scope: dict[str, Any] | Any, path: str, key: ApiKey | None) -> Ticket:
         client = scope.get("client")
-        t = Ticket(method=scope["method"], route=path if path in FRONT_PAGES else "other",
-                   client=client[0] if client else "-")
+        route = path if path in FRONT_PAGES else route_label(scope["method"], path)
+        t = Ticket(method=scope["method"], route=route, client=client[0] if client else "-")
         if key is not None:
             t.key, t.klass, t.api_key = key.name, key.klass, key
         return t

@@ -416,7 +416,7 @@ class AccessGuard:
         if path in UNAUDITED:
             await self._answer(scope, receive, _marking(send), verdict, t0, path)
             return
-        key = verdict if isinstance(verdict, ApiKey) else None
+        key = verdict.key if isinstance(verdict, Denial) else verdict
         ticket = self.trail.begin(scope, path, key)
         token = audit.current.set(ticket)
         try:
