@@ -26,6 +26,10 @@ socket in a 0700 directory; every path reaches that same socket: the direct clie
 front through mtpwrap's upstream client, nginx with `server unix:PATH`, HAProxy with
 `server s1 unix@PATH`. `--upstream tcp` puts them on a loopback port instead.
 
+`--audit` adds a fifth path, `audited`: a second mtpwrap front with a named key that has budgets
+(high enough never to refuse) and the audit trail written to a file, beside the plain front
+(keys and the trail off), so their tokens/s stand side by side in one run.
+
 The llama-server binary and model come from MTPWRAP_BINARY / MTPWRAP_DEMO_MODEL, else from
 mtpwrap's build and models modules.
 """
@@ -191,17 +195,26 @@ class StaticSupervisor:
         pass
 
 
-def front_main(upstream: Target, port: int, concurrency: int) -> None:
-    """mtpwrap's front over a fixed upstream, served like `mtpwrap up` serves it."""
+AUDIT_KEY = "bench-client-key-0123456789"
+
+
+def front_main(upstream: Target, port: int, concurrency: int, audit_dir: str = "") -> None:
+    """mtpwrap's front over a fixed upstream, served like `mtpwrap up` serves it; with
+    `audit_dir`, behind a named key with budgets and with the audit trail in that directory."""
     import uvicorn
 
     sys.path.insert(0, str(REPO))
+    from mtpwrap.config.objects import AuditConfig
     from mtpwrap.serve import loop as event_loop
     from mtpwrap.serve.front import Front, ProxyConfig
     from mtpwrap.serve.info import ServeInfo
 
-    cfg = ProxyConfig(max_concurrency=concurrency, queue_size=concurrency * 2)
-    front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, ServeInfo(profile="bench"))
+    keys = ((f"{AUDIT_KEY} name=bench rpm=100000000 tokens_per_hour=100000000000 "
+             "tokens_per_day=100000000000",) if audit_dir else ())
+    cfg = ProxyConfig(max_concurrency=concurrency, queue_size=concurrency * 2, api_keys=keys)
+    audit = AuditConfig(sink="file", dir=audit_dir) if audit_dir else None
+    front = Front(StaticSupervisor(upstream, INTERNAL_KEY), cfg, ServeInfo(profile="bench"),
+                  audit)
     kw = {}
     if os.environ.get("BENCH_UVICORN_HTTP"):
         kw["http"] = os.environ["BENCH_UVICORN_HTTP"]
@@ -312,7 +325,7 @@ DIRECT_HEADERS = {"authorization": f"Bearer {INTERNAL_KEY}"}
 #: The ways a client reaches the same upstream: straight, through the two proxies operators
 #: compare with, and through mtpwrap's front. nginx and HAProxy forward the client's
 #: Authorization header as it is, so they get the internal key like the direct path.
-PATHS = ("direct", "nginx", "haproxy", "mtpwrap")
+PATHS = ("direct", "nginx", "haproxy", "mtpwrap", "audited")
 
 
 def _med(xs: list[float]) -> float:
@@ -355,6 +368,10 @@ def compare(name: str, urls: dict[str, tuple[str, str | None]], levels: list[int
             "itl_p99_ms"]
         print(f"{c:>4} mtpwrap adds {added:+.3f} ms to the p99 inter-chunk gap of "
               f"{'nginx' if 'nginx' in med else 'direct'}")
+        if "audited" in med:
+            share = med["audited"]["tokens_per_s"] / med["mtpwrap"]["tokens_per_s"] * 100
+            print(f"{c:>4} with the audit trail and budgets on, mtpwrap keeps {share:.1f} % of "
+                  "its tokens/s with them off")
         rows.append({"upstream": name, "concurrency": c, "rounds": runs, "median": med})
     return rows
 
@@ -366,6 +383,8 @@ def _headers(path: str) -> dict:
     upstream connections as configured, and meet that race as a 502 or a cut answer."""
     if path == "mtpwrap":
         return {}
+    if path == "audited":
+        return {"authorization": f"Bearer {AUDIT_KEY}"}
     return {**DIRECT_HEADERS, "connection": "close"} if path == "direct" else DIRECT_HEADERS
 
 
@@ -462,7 +481,8 @@ backend b
 
 
 def start_paths(upstream: Target, concurrency: int, work: Path, procs: list,
-                pids: dict[str, int] | None = None) -> dict[str, tuple[str, str | None]]:
+                pids: dict[str, int] | None = None,
+                audit: bool = False) -> dict[str, tuple[str, str | None]]:
     """Each path's base URL and the socket it is reached on (None: its URL's port); the
     processes started go to `procs`, and each proxy's pid to `pids` when given."""
     urls: dict[str, tuple[str, str | None]] = {"direct": (upstream.base_url, upstream.socket)}
@@ -478,6 +498,12 @@ def start_paths(upstream: Target, concurrency: int, work: Path, procs: list,
     urls["mtpwrap"] = (furl, None)
     if pids is not None:
         pids["mtpwrap"] = front.pid
+    if audit:
+        audited, aurl = start_front(upstream, concurrency, audit_dir=work / "audit")
+        procs.append(audited)
+        urls["audited"] = (aurl, None)
+        if pids is not None:
+            pids["audited"] = audited.pid
     return urls
 
 
@@ -519,10 +545,11 @@ def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,
     return srv.process
 
 
-def start_front(upstream: Target, concurrency: int,
-                env: dict | None = None) -> tuple[proc.Process, str]:
+def start_front(upstream: Target, concurrency: int, env: dict | None = None,
+                audit_dir: Path | None = None) -> tuple[proc.Process, str]:
     port = free_port()
-    p = spawn([PY, __file__, "_front", upstream.arg, str(port), str(concurrency)], env=env)
+    p = spawn([PY, __file__, "_front", upstream.arg, str(port), str(concurrency),
+               str(audit_dir or "")], env=env)
     wait_http(f"http://127.0.0.1:{port}/livez", 30)
     return p, f"http://127.0.0.1:{port}"
 
@@ -551,6 +578,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=24,
                     help="synthetic upstream: streams per path and round at c=1 (at least 2 "
                          "per worker at higher concurrency)")
+    ap.add_argument("--audit", action="store_true",
+                    help="add a front with the audit trail and budgets on (path `audited`)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -565,7 +594,7 @@ def main() -> None:
             procs.append(spawn([PY, __file__, "_synthetic", st.arg,
                                 str(args.interval_ms / 1000)]))
             wait_target(st, "/health", 30)
-            urls = start_paths(st, max(levels), work / "synthetic", procs)
+            urls = start_paths(st, max(levels), work / "synthetic", procs, audit=args.audit)
             body = {"model": "x", "stream": True, "max_tokens": 100,
                     "messages": [{"role": "user", "content": "hi"}]}
             rows += compare(f"synthetic ({args.interval_ms:g} ms/chunk)",
@@ -576,7 +605,7 @@ def main() -> None:
             rlevels = [int(x) for x in (args.real_levels or args.levels).split(",")]
             lt = new_target(args.upstream, work / "sockets", "llama")
             procs.append(start_llama(lt, max(rlevels), threads=args.real_threads or None))
-            urls = start_paths(lt, max(rlevels), work / "real", procs)
+            urls = start_paths(lt, max(rlevels), work / "real", procs, audit=args.audit)
             body = {"model": "x", "stream": True, "max_tokens": args.real_tokens,
                     "temperature": 0,
                     "seed": 1, "messages": [{"role": "user",
@@ -598,6 +627,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_synthetic":
         synthetic_main(Target.parse(sys.argv[2]), float(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_front":
-        front_main(Target.parse(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        front_main(Target.parse(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                   sys.argv[5] if len(sys.argv) > 5 else "")
     else:
         main()

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from mtpwrap.errors import EXIT_CONFIG
 from mtpwrap.proc import free_loopback_port
@@ -45,7 +46,8 @@ KEY_FILE = f"""# one line per key: the name, never the key, is what the records 
 {KEYS['ops']} name=ops scopes=metrics
 """
 CANARY = "CANARY-PROMPT-9d7e61"
-MESSAGES = [{"role": "user", "content": f"Repeat after me: {CANARY}. Then say hello."}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": f"Repeat after me: {CANARY}. Then say hello."}]
 
 
 class Up:
