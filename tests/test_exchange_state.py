@@ -82,7 +82,7 @@ def test_what_the_watch_and_the_error_paths_read_from_the_state() -> None:
     assert {s for s in Step if walk_to(s).head_sent} == HEAD_SENT
     assert not walk_to(Step.WAITING).head_sent  # an error now can still be a status
     assert walk_to(Step.KEPT_ALIVE).head_sent  # now only an event
-    assert UPSTREAM_OWES == {Step.WAITING, Step.KEPT_ALIVE, Step.RELAYING}
+    assert {Step.WAITING, Step.KEPT_ALIVE, Step.RELAYING} == UPSTREAM_OWES
 
 
 def walk_to(target: Step) -> Exchange:

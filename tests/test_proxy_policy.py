@@ -11,8 +11,8 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.serve.access import (
     classify,
     derive_allowed_hosts,
-    host_of,
     find_key,
+    host_of,
     presented_key,
     required_scope,
 )
