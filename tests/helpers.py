@@ -5,6 +5,7 @@ conftest or from each other."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -76,28 +77,40 @@ def load_snapshot(name: str) -> dict[str, Any]:
 
 def wait_for(what: str, ok: Callable[[], bool], timeout: float, every: float = 0.1) -> float:
     """Seconds until `ok()` held; TimeoutError naming `what` when it never did. The one way
-    tests wait for a condition."""
+    tests wait for a condition (`until` is its twin for a test inside an event loop)."""
     t0 = time.monotonic()
     while not ok():
         if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-        time.sleep(every)
+            raise TimeoutError(f"{what}: not within {timeout:g}s")
+        time.sleep(every)  # the helper's poll
+    return time.monotonic() - t0
+
+
+async def until(what: str, ok: Callable[[], bool], timeout: float, every: float = 0.01) -> float:
+    """`wait_for` inside an event loop: seconds until `ok()` held, yielding to the loop between
+    polls; TimeoutError naming `what` when it never did."""
+    t0 = time.monotonic()
+    while not ok():
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{what}: not within {timeout:g}s")
+        await asyncio.sleep(every)  # the helper's poll
     return time.monotonic() - t0
 
 
 def wait_ready(base: str, process: Any, output: Any, timeout: float = 120) -> None:
     """Poll `base`/readyz until it answers 200; fail with `output()` if `process` (a Popen)
     exits first or the time runs out."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+    def ready() -> bool:
         assert process.poll() is None, output()
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                return
+            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    pytest.fail("mtpwrap never became ready:\n" + output())
+            return False
+
+    try:
+        wait_for("mtpwrap ready", ready, timeout)
+    except TimeoutError:
+        pytest.fail("mtpwrap never became ready:\n" + output())
 
 
 class Instance:

@@ -241,7 +241,7 @@ class Backend:
                         data = f"data: {{\"i\": {i}}}\n\n".encode()
                         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                         self.wfile.flush()
-                        time.sleep(backend.gap_s)
+                        time.sleep(backend.gap_s)  # the backend's pace between chunks
                     self.done()
                     self.wfile.write(b"0\r\n\r\n")
                     return

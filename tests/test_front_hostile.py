@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
+from tests.helpers import wait_for
 
 KEY = "client-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -319,14 +320,14 @@ def test_connections_beyond_the_limit_are_closed(fake: FakeUpstream) -> None:
     with serve_front(fake.base_url, fake.api_key, _cfg(max_connections=4,
                                                        header_timeout_s=5.0)) as (srv, _):
         held = [_connect(srv.url) for _ in range(4)]
-        time.sleep(0.2)
+        wait_for("the 4 connections accepted", lambda: srv.connections == 4, 5, every=0.02)
         extra = _connect(srv.url)
         _data, closed = _read_all(extra, 2)
         assert closed
         for s in held:
             s.close()
         extra.close()
-        time.sleep(0.2)
+        wait_for("the closes seen", lambda: srv.connections == 0, 5, every=0.02)
         assert httpx.get(srv.url + "/livez", timeout=5).status_code == 200
 
 
@@ -525,16 +526,19 @@ def test_the_front_sends_no_more_than_the_slots_and_queues_the_rest() -> None:
                     return r.status_code
             with cf.ThreadPoolExecutor(8) as pool:
                 futs = [pool.submit(stream) for _ in range(8)]
-                peak_active = peak_queued = 0
-                while not all(f.done() for f in futs):
-                    peak_active = max(peak_active, srv.front.forwarding)
-                    peak_queued = max(peak_queued, srv.front.queued)
+                peak = {"active": 0, "queued": 0}
+
+                def sampled_until_done() -> bool:
+                    peak["active"] = max(peak["active"], srv.front.forwarding)
+                    peak["queued"] = max(peak["queued"], srv.front.queued)
                     # requests that do not take a slot are not stuck behind the streams
                     assert httpx.get(srv.url + "/v1/models", headers=AUTH,
                                      timeout=1).status_code == 200
-                    time.sleep(0.01)
+                    return all(f.done() for f in futs)
+
+                wait_for("the 8 streams done", sampled_until_done, 60, every=0.01)
                 assert [f.result() for f in futs] == [200] * 8
-            assert peak_active == 2 and peak_queued >= 4
+            assert peak["active"] == 2 and peak["queued"] >= 4
             metrics = httpx.get(srv.url + "/metrics", headers=AUTH, timeout=5).text
             waited = {s.name: s.value for f in text_string_to_metric_families(metrics)
                       for s in f.samples}["mtpwrap_queue_wait_seconds_count"]
@@ -556,7 +560,7 @@ def test_a_drain_that_runs_out_stops_open_streams_with_a_shutdown_event() -> Non
                         got.append(chunk)
             with cf.ThreadPoolExecutor(1) as pool:
                 fut = pool.submit(stream)
-                time.sleep(0.5)
+                wait_for("the stream flowing", lambda: bool(got), 10, every=0.02)
                 t0 = time.monotonic()
                 srv.call(lambda: srv.front.drain(1.0))
                 took = time.monotonic() - t0
@@ -565,8 +569,9 @@ def test_a_drain_that_runs_out_stops_open_streams_with_a_shutdown_event() -> Non
             event = json.loads(tail.removeprefix(b"data: "))
             assert event["error"]["code"] == 503 and "shutting down" in event["error"]["message"]
             assert took < 2.5
-            time.sleep(0.3)
-            assert all(s.closed_at is not None for s in endless.seen)  # upstream closed too
+            # the upstream connection is closed too
+            wait_for("the upstream closed", lambda: all(s.closed_at is not None
+                                                        for s in endless.seen), 5, every=0.02)
     finally:
         endless.stop()
 
@@ -668,7 +673,7 @@ class TestAgainstTheRealServer:
                                   text, re.M)
                     if m:
                         peak = max(peak or 0.0, float(m.group(1)))
-                    await asyncio.sleep(0.05)
+                    await asyncio.wait(tasks, timeout=0.05)  # the next sample, or all done
                 return [t.result() for t in tasks], peak
         codes, deferred = asyncio.run(run())
         assert codes == [200] * 8
@@ -694,10 +699,9 @@ def test_drain_grace_leaves_rotation_before_refusing(tmp_path: Path, llama_serve
         inst.wait_ready()
         os.kill(inst.proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
-        end = t0 + 10
-        while httpx.get(inst.base + "/readyz", timeout=5).status_code == 200:
-            assert time.monotonic() < end, "readiness never dropped"
-            time.sleep(0.05)
+        wait_for("readiness dropping",
+                 lambda: httpx.get(inst.base + "/readyz", timeout=5).status_code != 200, 10,
+                 every=0.05)
         assert httpx.get(inst.base + "/readyz", timeout=5).json()["status"] == "draining"
         # out of rotation, still serving: a request that arrives now is answered
         r = httpx.post(inst.base + "/completion", json={"prompt": "Hi", "n_predict": 2},
@@ -728,10 +732,7 @@ def test_stop_past_the_drain_budget_names_the_shutdown(tmp_path: Path, llama_ser
                     got.append(chunk)
         with cf.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(stream)
-            end = time.monotonic() + 30
-            while not got and time.monotonic() < end:
-                time.sleep(0.05)
-            assert got, "the stream never started"
+            wait_for("the stream started", lambda: bool(got), 30, every=0.05)
             t0 = time.monotonic()
             os.kill(inst.proc.pid, signal.SIGTERM)
             assert inst.proc.wait(60) == 0

@@ -18,20 +18,25 @@ import pytest
 from mtpwrap import proc
 from mtpwrap.errors import EXIT_RUNTIME, EXIT_UNAVAILABLE, RuntimeFailure
 from mtpwrap.serve import loop as event_loop
+from tests.helpers import wait_for
 
-#: A leader that prints its grandchild's pid, then waits. The grandchild ignores SIGTERM, so
-#: only a SIGKILL to the group ends it; `IGNORE=1` makes the leader ignore SIGTERM too.
+#: A leader that prints its grandchild's pid once the grandchild has said `ready`, then waits.
+#: The grandchild ignores SIGTERM, so only a SIGKILL to the group ends it; `IGNORE=1` makes the
+#: leader ignore SIGTERM too.
 LEADER = r"""
 import os, signal, subprocess, sys, time
 gc = subprocess.Popen([sys.executable, "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); "
+    "time.sleep(600)  # stays alive until the group is killed"],
+    stdout=subprocess.PIPE, text=True)
 if os.environ.get("IGNORE") == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 else:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-time.sleep(0.3)  # the grandchild has installed its handler
+assert gc.stdout.readline() == "ready\n"  # the grandchild has installed its handler
 print(gc.pid, flush=True)
-time.sleep(600)
+time.sleep(600)  # the leader stays alive until it is stopped
 """
 
 
@@ -44,10 +49,12 @@ def alive(pid: int) -> bool:
 
 
 def gone(pid: int, within: float = 5.0) -> bool:
-    end = time.monotonic() + within
-    while alive(pid) and time.monotonic() < end:
-        time.sleep(0.02)
-    return not alive(pid)
+    """True once process `pid` has ended (within `within` seconds)."""
+    try:
+        wait_for(f"process {pid} ending", lambda: not alive(pid), within, every=0.02)
+    except TimeoutError:
+        return False
+    return True
 
 
 def start_leader(ignore: bool) -> tuple[proc.Process, int]:
@@ -114,7 +121,7 @@ def test_start_async_sets_the_mask_and_the_child_dies_with_its_parent(kind: str)
               "async def main():\n"
               "    p = await proc.start_async(['sleep', '600'], umask=0o027)\n"
               "    print(p.pid, flush=True)\n"
-              "    await asyncio.sleep(600)\n"
+              "    await asyncio.sleep(600)  # stays alive until the test kills it\n"
               f"loop.run(main(), kind={kind!r})\n")
     outer = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     try:
@@ -133,9 +140,9 @@ def test_start_async_sets_the_mask_and_the_child_dies_with_its_parent(kind: str)
 def test_a_started_process_dies_with_its_parent() -> None:
     parent = (f"import sys; sys.path.insert(0, {str(Path(proc.__file__).parent.parent)!r})\n"
               "from mtpwrap import proc\n"
-              "p = proc.start([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "p = proc.start([sys.executable, '-c', 'import time; time.sleep(600)  # alive'])\n"
               "print(p.pid, flush=True)\n"
-              "import time; time.sleep(600)\n")
+              "import time; time.sleep(600)  # both stay alive until the test kills them\n")
     outer = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     try:
         assert outer.stdout is not None
@@ -223,7 +230,7 @@ def test_start_server_reports_an_early_exit(tmp_path: Path) -> None:
 
 def test_running_server_waits_for_listening_and_stops_the_group(tmp_path: Path) -> None:
     script = ("import time; print('server is listening on http://x', flush=True); "
-              "time.sleep(600)")
+              "time.sleep(600)")  # the server stays up until the block ends
     with proc.running_server([sys.executable, "-c", script], base_url="http://127.0.0.1:9",
                              ready="listening", log_path=tmp_path / "s.log", timeout=30) as srv:
         assert alive(srv.pid) and srv.proc.pid == srv.pid

@@ -18,6 +18,7 @@ from mtpwrap.proc import free_loopback_port as free_port
 from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream, sse_events
 from tests.fakes.front_harness import State, Upstream, serve_front
+from tests.helpers import wait_for
 
 KEY = "client-key-0123456789"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -55,6 +56,14 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def counted(url: str, name: str, **labels: str) -> float:
+    """`metric`, or 0 while the front has not shown it yet."""
+    try:
+        return metric(url, name, **labels)
+    except KeyError:
+        return 0.0
+
+
 def post(url: str, body: dict, timeout: float = 30) -> httpx.Response:
     return HTTP.post(url + CHAT, json=body, headers=AUTH, timeout=timeout)
 
@@ -68,7 +77,10 @@ def test_requests_during_restart_wait_then_are_served_and_all_are_accounted(fake
                      state=State.STARTING) as (srv, sup):
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(post, srv.url, {"messages": []}) for _ in range(5)]
-            time.sleep(0.8)  # the child is "restarting"; 3 wait, 2 are refused at once
+            # the child is "restarting"; 3 wait, 2 are refused at once
+            wait_for("3 queued and 2 refused",
+                     lambda: srv.front.queued == 3 and sum(f.done() for f in futs) == 2, 10,
+                     every=0.02)
             assert srv.front.queued == 3
             sup.set_state(State.READY, new_generation=True)
             codes = [f.result().status_code for f in futs]
@@ -127,7 +139,8 @@ def test_disconnect_mid_stream_cancels_upstream_within_a_second(fake):
         t = time.monotonic()
         closed = fake.wait_closed(0, 3)
         assert closed is not None and closed - t < 1.0
-        time.sleep(0.1)
+        wait_for("the cancel counted", lambda: counted(
+            srv.url, "mtpwrap_cancelled_total", reason="client_disconnect") >= 1, 5)
         assert metric(srv.url, "mtpwrap_cancelled_total", reason="client_disconnect") == 1
 
 
@@ -140,10 +153,7 @@ def test_disconnect_before_first_token_cancels_upstream(fake):
                   b"Authorization: Bearer " + KEY.encode() + b"\r\n"
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                   % (len(body), body))
-        deadline = time.monotonic() + 5
-        while not fake.seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert fake.seen, "the request never reached the upstream"
+        wait_for("the request reaching the upstream", lambda: bool(fake.seen), 5, every=0.01)
         s.close()
         t = time.monotonic()
         closed = fake.wait_closed(0, 3)
@@ -159,7 +169,7 @@ def test_no_retry_once_the_body_was_sent(fake):
         r = post(srv.url, {"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 502
         assert r.json()["error"]["type"] == "unavailable_error"
-        time.sleep(0.2)
+        time.sleep(0.2)  # the thing under test: no retry comes in this time
         assert len(fake.seen) == 1
         assert metric(srv.url, "mtpwrap_upstream_errors_total", kind="disconnected") == 1
 
@@ -193,7 +203,13 @@ def test_overload_is_shed_fast_and_accepted_requests_complete(fake):
 
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(timed) for _ in range(8)]
-            time.sleep(0.5)
+
+            def shed_and_queued() -> bool:
+                shed = sum(1 for f in futs if f.done() and f.result()[0] == 429)
+                return shed == 4 and srv.front.queued == 2
+
+            # two forwarded (1 s each), two queued, four shed
+            wait_for("4 shed and 2 queued", shed_and_queued, 5, every=0.02)
             depth = metric(srv.url, "mtpwrap_queue_depth")
             results = [f.result() for f in futs]
         shed = [r for r in results if r[0] == 429]
@@ -288,9 +304,9 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         with cf.ThreadPoolExecutor(2) as pool:
             inflight = pool.submit(post, srv.url, {"stream": True, "messages": []})
-            time.sleep(0.2)
+            wait_for("the stream forwarded", lambda: srv.front.forwarding == 1, 5, every=0.02)
             drained = pool.submit(srv.call, lambda: srv.front.drain(10))
-            time.sleep(0.1)
+            wait_for("the drain begun", lambda: srv.front.draining, 5, every=0.02)
             r = post(srv.url, {"messages": []})
             assert r.status_code == 503 and r.headers["retry-after"]
             assert httpx.get(srv.url + "/readyz").status_code == 503

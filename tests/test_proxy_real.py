@@ -29,6 +29,7 @@ from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import sse_events
 from tests.fakes.front_harness import LlamaChild, serve_front
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -104,12 +105,11 @@ def front_headers() -> dict:
 
 
 def wait_slots_free(llama: LlamaChild, within: float) -> float | None:
-    t = time.monotonic()
-    while time.monotonic() - t < within:
-        if llama.slots_busy() == 0:
-            return time.monotonic() - t
-        time.sleep(0.05)
-    return None
+    """Seconds until no slot of `llama` is busy; None if that took longer than `within`."""
+    try:
+        return wait_for("the slots free", lambda: llama.slots_busy() == 0, within, every=0.05)
+    except TimeoutError:
+        return None
 
 
 # --------------------------------------------------------------------------- the openai client
@@ -271,8 +271,8 @@ def test_disconnect_mid_stream_closes_the_upstream_request_with_speculation(llam
                     break
     left = time.monotonic()
     assert before >= 1, "the stream's connection to the child was not seen"
-    while _open_conns_to(llama_spec) >= before and time.monotonic() - left < 5:
-        time.sleep(0.02)
+    wait_for("the child's connection closed", lambda: _open_conns_to(llama_spec) < before, 5,
+             every=0.02)
     took = time.monotonic() - left
     assert took < 1.0, f"the front kept the child's connection open for {took:.1f} s"
 
@@ -297,9 +297,7 @@ def _leave_during_prefill(child: LlamaChild, front_port: int) -> tuple[float, in
     s.sendall(b"POST /completion HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer "
               + KEY.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
               + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    deadline = time.monotonic() + 20
-    while child.slots_busy() == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for("the request reaching a slot", lambda: child.slots_busy() > 0, 20, every=0.02)
     assert child.slots_busy() == 1, "the request never reached a slot"
     s.settimeout(0.01)
     try:
@@ -317,8 +315,8 @@ def test_disconnect_before_first_token_closes_the_upstream_request(llama, front)
     # notices a closed connection during prompt processing late (57 s for a client talking
     # to it directly on a loaded 2-core machine), so that is not timed here.
     left, before = _leave_during_prefill(llama, front.port)
-    while _open_conns_to(llama) >= before and time.monotonic() - left < 5:
-        time.sleep(0.02)
+    wait_for("the child's connection closed", lambda: _open_conns_to(llama) < before, 5,
+             every=0.02)
     took = time.monotonic() - left
     assert took < 1.0, f"the front kept the child's connection open for {took:.1f} s"
 

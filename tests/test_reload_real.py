@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from mtpwrap import proc
-from tests.helpers import REPO, cli_env, run_cli, wait_ready, without
+from tests.helpers import REPO, cli_env, run_cli, wait_for, wait_ready, without
 
 pytestmark = pytest.mark.integration
 
@@ -180,10 +180,8 @@ def test_invalid_reload_is_refused_and_the_child_is_untouched(make_served: MakeS
 
     # The running instance checks again: a SIGHUP with the same bad profile is refused there.
     os.kill(s.proc.pid, signal.SIGHUP)
-    end = time.monotonic() + 60
-    while (s.state().get("reload") or {}).get("result") in (None, "running"):
-        assert time.monotonic() < end
-        time.sleep(0.1)
+    wait_for("the reload's result",
+             lambda: (s.state().get("reload") or {}).get("result") not in (None, "running"), 60)
     st = s.state()
     assert st["reload"]["result"] == "refused" and "f17" in st["reload"]["message"]
     assert st["child_pid"] == child and st["state"] == "ready"
@@ -240,11 +238,12 @@ def test_reload_under_load_fails_no_request(make_served: MakeServed, llama_serve
     for t in threads:
         t.start()
     try:
-        time.sleep(2)
+        wait_for("the load under way", lambda: len(finished) >= 8, 60)
         s.set_profile(slots=1, context=2048)
         r = s.reload()
         reloaded = time.monotonic()
-        time.sleep(4)
+        wait_for("the load served by the new child",
+                 lambda: sum(t > reloaded for t in finished) >= 8, 60)
     finally:
         done.set()
         for t in threads:
@@ -268,10 +267,8 @@ def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeSer
                     MTPWRAP_API_KEYS="client-key-0123")
     s.wait_ready()
     full = prompt_n(s.complete(LONG))
-    end = time.monotonic() + 60
-    while not (s.state().get("persist") or {}).get("checkpoint"):
-        assert time.monotonic() < end, "no checkpoint was taken"
-        time.sleep(0.2)
+    wait_for("a checkpoint taken", lambda: bool((s.state().get("persist") or {}).get("checkpoint")),
+             60, every=0.2)
     files = list(s.snapshot_dir().iterdir())
     assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     # No client reaches the snapshots: /slots needs the key and stays off even with it, and
@@ -285,10 +282,8 @@ def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeSer
     assert sorted(s.snapshot_dir().iterdir()) == sorted(files)
     child = s.state()["child_pid"]
     os.kill(child, signal.SIGKILL)
-    end = time.monotonic() + 10
-    while s.state()["child_pid"] == child or s.state()["state"] != "ready":
-        assert time.monotonic() < end + 60, "never ready again"
-        time.sleep(0.1)
+    wait_for("ready again on a new child",
+             lambda: s.state()["child_pid"] != child and s.state()["state"] == "ready", 70)
     st = s.state()
     assert st["last_exit"] == "signal 9 (SIGKILL)"
     assert st["persist"]["restored"]["restored"] >= 1

@@ -18,7 +18,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import REPO, cli_env
+from tests.helpers import REPO, cli_env, wait_for, wait_ready
+
+
+def dead(pid: int) -> bool:
+    """True once process `pid` is gone or a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _free_port() -> int:
@@ -46,14 +54,7 @@ class Served:
             return None
 
     def wait_ready(self, timeout: float = 20) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            assert self.proc.poll() is None, self.output()
-            r = self.readyz()
-            if r is not None and r.status_code == 200:
-                return
-            time.sleep(0.05)
-        pytest.fail("never ready:\n" + self.output())
+        wait_ready(self.base, self.proc, self.output, timeout)
 
     def state(self) -> dict:
         return json.loads((self.home / "state" / "instance.json").read_text())
@@ -117,31 +118,33 @@ def test_sigterm_drains_in_flight_streams_then_stops(served: Served) -> None:
     got: list[str] = []
     t = threading.Thread(target=sse, args=(served.base, 20, got))
     t.start()
-    time.sleep(0.5)
+    wait_for("the stream under way", lambda: any(ln.startswith("data:") for ln in got), 10)
     served.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    r = served.readyz()
-    assert r is not None and r.status_code == 503  # readiness drops at once
+
+    def not_ready() -> bool:
+        r = served.readyz()
+        return r is not None and r.status_code == 503
+
+    wait_for("readiness dropping", not_ready, 5, every=0.02)  # at once, while the stream runs
     late = httpx.post(f"{served.base}/v1/chat/completions", timeout=5,
                       json={"messages": [], "max_tokens": 2})
     assert late.status_code == 503 and "retry-after" in late.headers
     t.join(20)
     assert got[0] == "status 200" and got[-1] == "data: [DONE]"  # finished whole
     assert served.proc.wait(20) == 0
-    assert not Path(f"/proc/{child}").exists() or \
-        Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert dead(child)
 
 
 @pytest.mark.parametrize("served", [("exit=3", {"MTPWRAP_SUPERVISOR_MAX_FAILURES": "3",
                                                 "MTPWRAP_SUPERVISOR_BACKOFF_MAX_S": "0.5"})],
                          indirect=True)
 def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
+    def failed() -> bool:
         r = served.readyz()
-        if r is not None and "failed" in r.text:
-            break
-        time.sleep(0.1)
+        return r is not None and "failed" in r.text
+
+    wait_for("/readyz saying failed", failed, 20)
+    r = served.readyz()
     assert r is not None and r.status_code == 503
     assert "exit 3" in r.text
     assert served.state()["state"] == "failed"
@@ -170,7 +173,7 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
               f"for line in p.stdout:\n"
               f"    if 'grandchild pid' in line:\n"
               f"        print(p.pid, line.split()[-1], flush=True); break\n"
-              f"time.sleep(60)\n")
+              f"time.sleep(60)\n")  # the parent stays alive until the test kills it
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
@@ -180,13 +183,11 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
         os.kill(child, signal.SIGKILL)  # what PR_SET_PDEATHSIG does when mtpwrap dies
         parent.kill()
         parent.wait()
-        time.sleep(0.3)
+        wait_for("the child dead", lambda: dead(child), 5, every=0.02)
         assert Path(f"/proc/{grandchild}").exists()  # an orphan, still running
         data = {"pid": parent.pid, "child_pgid": child, "binary": sys.executable}
         assert instance.reap_leftovers(data) == [grandchild]
-        time.sleep(0.3)
-        stat = Path(f"/proc/{grandchild}/stat")
-        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        wait_for("the grandchild dead", lambda: dead(grandchild), 5, every=0.02)
         # A live group that is not an orphan (our own) is never touched.
         assert instance.reap_leftovers({"pid": parent.pid, "child_pgid": os.getpgid(0),
                                       "binary": "/nonexistent"}) == []
@@ -227,22 +228,25 @@ def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     "MTPWRAP_SUPERVISOR_LOAD_STALL_S": "1"})], indirect=True)
 def test_slow_load_is_live_but_not_ready(served: Served) -> None:
     """Loading takes three times the stall budget, with progress: live, not ready, no restart."""
-    end = time.monotonic() + 10
     seen_loading = False
-    while time.monotonic() < end:
+
+    def ready() -> bool:
+        """Live all along; 503 while loading, then 200."""
+        nonlocal seen_loading
         try:
             live = httpx.get(f"{served.base}/livez", timeout=2)
         except httpx.HTTPError:
-            time.sleep(0.05)
-            continue
-        ready = served.readyz()
+            return False  # not listening yet
+        r = served.readyz()
         assert live.status_code == 200
-        if ready is not None and ready.status_code == 200:
-            break
-        assert ready is not None and ready.status_code == 503
+        if r is not None and r.status_code == 200:
+            return True
+        assert r is not None and r.status_code == 503
         seen_loading = True
-        time.sleep(0.1)
-    assert seen_loading and ready is not None and ready.status_code == 200
+        return False
+
+    wait_for("ready after the slow load", ready, 10, every=0.05)
+    assert seen_loading
     assert served.state()["restarts"] == 0
 
 
@@ -270,9 +274,7 @@ def test_wedged_stream_ends_in_an_error_and_the_child_is_replaced(tmp_path: Path
         assert got[0] == "status 200"
         assert "[DONE]" not in got[-1] and "error" in got[-1]
         assert 1.0 <= took < 10
-        end = time.monotonic() + 15
-        while time.monotonic() < end and s.state().get("restarts", 0) < 1:
-            time.sleep(0.1)
+        wait_for("the child replaced", lambda: s.state().get("restarts", 0) >= 1, 15)
         st = s.state()
         assert st["restarts"] == 1
         s.wait_ready()
@@ -299,7 +301,7 @@ def test_llama_arg_variables_never_reach_llama_server(tmp_path: Path,
     script = ("import os, sys, time\n"
               "print(sorted(k for k in os.environ if k.startswith(('LLAMA_ARG_', 'MTPWRAP_TEST'))),"
               " 'listening on', flush=True)\n"
-              "time.sleep(30)\n")
+              "time.sleep(30)\n")  # the stand-in stays up until the block ends
     with running_server([sys.executable, "-c", script], base_url="http://127.0.0.1:9",
                         ready="listening", timeout=30, env={"LLAMA_API_KEY": "k"},
                         log_path=tmp_path / "child.log") as srv:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import httpx
 import pytest
 
 from mtpwrap.run.supervisor import State, Supervisor
-from tests.helpers import fake_factory, make
+from tests.helpers import fake_factory, make, until, wait_for
 
 
 def alive(pid: int) -> bool:
@@ -35,10 +36,20 @@ def alive(pid: int) -> bool:
 
 async def left_ready(sup: Supervisor, timeout: float = 5.0) -> None:
     """Wait until the owner has noticed what the client already saw."""
-    end = time.monotonic() + timeout
-    while sup.status().state is State.READY and time.monotonic() < end:
-        await asyncio.sleep(0.01)
-    assert sup.status().state is not State.READY
+    await until("the supervisor leaving READY", lambda: sup.status().state is not State.READY,
+                timeout)
+
+
+def logged(tmp_path: Path, text: str) -> Callable[[], bool]:
+    """True once the child's log file (`make(..., tmp_path)`) holds `text`."""
+    log = tmp_path / "llama-server.log"
+    return lambda: log.exists() and text in log.read_text()
+
+
+async def backoff(events: list[tuple[float, Any, Any, str | None]]) -> str:
+    """Wait for the first BACKOFF among `events`; its reason."""
+    await until("a BACKOFF", lambda: any(e[2] is State.BACKOFF for e in events), 30)
+    return next(e[3] for e in events if e[2] is State.BACKOFF) or ""
 
 
 def run(coro: Any) -> Any:
@@ -54,9 +65,9 @@ async def chat(base_url: str, key: str, stream: bool = False, n: int = 4) -> htt
 
 def test_ready_means_an_answer_and_the_child_is_fenced(tmp_path: Path) -> None:
     async def scenario() -> None:
-        sup, events = make({"load_s": 0.4}, tmp_path)
+        sup, events = make({"load_s": 1.0}, tmp_path)
         await sup.start()
-        await asyncio.sleep(0.2)
+        await until("the child loading", logged(tmp_path, "loading model tensors"), 10)
         assert sup.status().state is State.STARTING  # /health is 503 while loading
         up = await sup.wait_ready(10)
         assert up is not None and up.generation == 1
@@ -141,7 +152,7 @@ def test_crash_loop_backs_off_then_fails_with_reason(tmp_path: Path) -> None:
         assert gaps[0] < gaps[1] < gaps[2]
         assert gaps[0] >= 0.1 and gaps[2] >= 0.4 and gaps[2] < 2.0
         # FAILED is terminal: nothing restarts it, and waiting answers at once.
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.6)  # the thing under test: nothing happens in this time
         assert sup.status().state is State.FAILED
         t1 = time.monotonic()
         assert await sup.wait_ready(5) is None and time.monotonic() - t1 < 0.1
@@ -166,10 +177,7 @@ def test_silent_load_is_a_stall(tmp_path: Path) -> None:
     async def scenario() -> None:
         sup, events = make({"load_s": 30, "silent_load": 1}, tmp_path, load_stall_s=0.6)
         await sup.start()
-        while not any(e[2] is State.BACKOFF for e in events):
-            await asyncio.sleep(0.05)
-        why = next(e[3] for e in events if e[2] is State.BACKOFF) or ""
-        assert "no loading progress" in why
+        assert "no loading progress" in await backoff(events)
         await sup.stop(3)
 
     run(scenario())
@@ -195,10 +203,7 @@ def test_wedged_child_is_restarted_by_token_watchdog(tmp_path: Path) -> None:
         task = asyncio.create_task(stream())
         up2 = await sup.wait_ready(0.1)
         assert up2 is not None and up2.generation == 1  # still healthy as far as /health goes
-        while not any(e[2] is State.BACKOFF for e in events):
-            await asyncio.sleep(0.05)
-        why = next(e[3] for e in events if e[2] is State.BACKOFF) or ""
-        assert "no token progress" in why
+        assert "no token progress" in await backoff(events)
         with pytest.raises(httpx.HTTPError):
             await task
         assert len(got) == 2
@@ -222,10 +227,7 @@ def test_a_long_prompt_batch_on_the_cpu_is_not_taken_for_a_wedge(
         if restarted:
             with pytest.raises(httpx.HTTPError):
                 await chat(up.base_url, up.api_key)
-            while not any(e[2] is State.BACKOFF for e in events):
-                await asyncio.sleep(0.05)
-            why = next(e[3] for e in events if e[2] is State.BACKOFF) or ""
-            assert "no token progress" in why
+            assert "no token progress" in await backoff(events)
         else:
             r = await chat(up.base_url, up.api_key)
             assert r.status_code == 200
@@ -235,7 +237,7 @@ def test_a_long_prompt_batch_on_the_cpu_is_not_taken_for_a_wedge(
     run(scenario())
 
 
-def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path) -> None:
+def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path, caplog: Any) -> None:
     async def scenario() -> None:
         sup, events = make({"wedge_after_chunks": 1, "counter": tmp_path / "n",
                             "fault_starts": 1}, tmp_path, wedge_s=0.0)
@@ -243,7 +245,8 @@ def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path) -> None
         up = await sup.wait_ready(10)
         assert up is not None
         sup.report_stall(up.generation, "no token for 30s")  # but nothing is processing
-        await asyncio.sleep(1.0)
+        await until("the stall report looked at", lambda: "stall report ignored" in caplog.text,
+                    10)
         assert sup.status().state is State.READY and sup.status().upstream == up
 
         async def stream() -> None:
@@ -254,9 +257,9 @@ def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path) -> None
                     pass
 
         task = asyncio.create_task(stream())
-        await asyncio.sleep(0.3)
+        await until("the stream wedged", logged(tmp_path, "fault: wedged"), 10)
         sup.report_stall(up.generation + 7, "from a child long gone")
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # the thing under test: nothing happens in this time
         assert sup.status().state is State.READY  # wrong generation: ignored
         sup.report_stall(up.generation, "no token for 30s")
         await left_ready(sup)
@@ -267,7 +270,8 @@ def test_front_stall_report_restarts_only_a_wedged_child(tmp_path: Path) -> None
             await task
         await sup.stop(3)
 
-    run(scenario())
+    with caplog.at_level(logging.INFO, logger="mtpwrap.supervisor"):
+        run(scenario())
 
 
 def test_sigterm_ignored_kills_the_group_and_frees_the_port(tmp_path: Path) -> None:
@@ -278,7 +282,7 @@ def test_sigterm_ignored_kills_the_group_and_frees_the_port(tmp_path: Path) -> N
         assert up is not None
         pid = sup.status().pid
         assert pid is not None
-        await asyncio.sleep(0.2)
+        await until("the grandchild's pid logged", logged(tmp_path, "grandchild pid "), 10)
         text = (tmp_path / "llama-server.log").read_text()
         grandchild = int(text.split("grandchild pid ")[1].split()[0])
         assert alive(grandchild) and os.getpgid(grandchild) == pid
@@ -287,10 +291,7 @@ def test_sigterm_ignored_kills_the_group_and_frees_the_port(tmp_path: Path) -> N
         took = time.monotonic() - t0
         assert 0.8 <= took < 3
         assert sup.status().last_exit == "signal 9 (SIGKILL)"
-        for _ in range(50):
-            if not alive(grandchild):
-                break
-            await asyncio.sleep(0.05)
+        await until("the grandchild gone", lambda: not alive(grandchild), 5)
         assert not alive(pid) and not alive(grandchild)
         port = int(up.base_url.rsplit(":", 1)[1])
         with socket.socket() as s:
@@ -313,7 +314,7 @@ async def main():
     await sup.start()
     await sup.wait_ready(10)
     print(sup.status().pid, flush=True)
-    await asyncio.sleep(60)
+    await asyncio.sleep(60)  # mtpwrap stays alive until the test kills it
 asyncio.run(main())
 """
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -323,9 +324,7 @@ asyncio.run(main())
         assert alive(child)
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 5
-        while alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the child gone", lambda: not alive(child), 5, every=0.05)
         assert not alive(child)
     finally:
         proc.kill()
@@ -338,7 +337,7 @@ def test_drain_keeps_the_child_serving_until_stop(tmp_path: Path) -> None:
         up = await sup.wait_ready(10)
         assert up is not None
         inflight = asyncio.create_task(chat(up.base_url, up.api_key, stream=True, n=15))
-        await asyncio.sleep(0.1)
+        await until("the stream started", logged(tmp_path, "POST /v1/chat/completions"), 10)
         sup.begin_drain()
         assert sup.status().state is State.DRAINING
         assert await sup.wait_ready(5) is None  # at once: no new work for this instance
@@ -437,9 +436,7 @@ def test_out_of_memory_while_serving_is_a_crash_not_a_load_failure(tmp_path: Pat
                            oom_step_after=1, max_failures=2, steps=steps)
         await sup.start()
         assert await sup.wait_ready(10) is not None
-        deadline = time.monotonic() + 20
-        while sup.status().state is not State.FAILED and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
+        await until("FAILED", lambda: sup.status().state is State.FAILED, 20, every=0.1)
         st = sup.status()
         assert st.state is State.FAILED and "failed 2 times" in (st.reason or ""), st.reason
         assert st.step == 0
@@ -457,7 +454,7 @@ def test_restart_swaps_the_child_after_in_flight_requests_finish(tmp_path: Path)
         assert up is not None
         old_pid = sup.status().pid
         streaming = asyncio.create_task(chat(up.base_url, up.api_key, stream=True, n=20))
-        await asyncio.sleep(0.2)
+        await until("the stream started", logged(tmp_path, "POST /v1/chat/completions"), 10)
         ok, message = await sup.reload(None, drain_s=10)
         assert ok and message == "llama-server restarted"
         done = await streaming  # it was let finish on the old child
@@ -497,7 +494,7 @@ def test_a_reload_pending_at_stop_is_answered(tmp_path: Path) -> None:
         assert ok and "applies to its next start" in message  # not ready yet: nothing to swap
         assert await sup.wait_ready(10) is not None
         pending = asyncio.create_task(sup.reload(None, drain_s=5))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one yield: the task files its reload (no await comes before)
         await sup.stop(3)
         assert await asyncio.wait_for(pending, 5) == (False, "mtpwrap is shutting down")
         assert sup.status().state is State.STOPPED

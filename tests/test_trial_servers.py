@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,8 +64,7 @@ def watch(fn: Callable[[], Any]) -> tuple[Any, Seen]:
     t.start()
     while t.is_alive():
         _look(seen)
-        time.sleep(0.02)
-    t.join()
+        t.join(0.02)  # the next look, or the end of fn
     if "error" in out:
         raise out["error"]
     return out["result"], seen

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from mtpwrap import proc
-from tests.helpers import REPO, Instance, cli_env, run_cli
+from tests.helpers import REPO, Instance, cli_env, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -88,10 +88,9 @@ def test_up_serves_recovers_from_a_killed_child_and_stops_clean(instance: Instan
     assert "/uvloop/loop." in Path(f"/proc/{instance.proc.pid}/maps").read_text()
 
     os.kill(child, signal.SIGKILL)
-    end = time.monotonic() + 10
-    while httpx.get(f"{instance.base}/readyz", timeout=2).status_code == 200:
-        assert time.monotonic() < end, "readiness never dropped after the crash"
-        time.sleep(0.02)
+    wait_for("readiness dropping after the crash",
+             lambda: httpx.get(f"{instance.base}/readyz", timeout=2).status_code != 200, 10,
+             every=0.02)
     instance.wait_ready(60)
     assert ask(instance.base)
     rc, st = instance.status()
@@ -136,10 +135,7 @@ def test_llama_server_dies_with_a_sigkilled_mtpwrap(instance: Instance,
     child = instance.status()[1]["child_pid"]
     instance.proc.kill()
     instance.proc.wait(10)
-    end = time.monotonic() + 5
-    while alive(child) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not alive(child)
+    wait_for("llama-server gone", lambda: not alive(child), 5, every=0.05)
     # The next start is not blocked by leftovers (stale state file, port, process group).
     again = Instance(instance.home, instance.port, llama_server_bin, demo_model)
     try:
@@ -195,7 +191,12 @@ def test_sd_notify_sequence_with_the_real_server(tmp_path: Path, llama_server_bi
     try:
         assert ready.wait(120), inst.output()
         assert ask(inst.base)  # at READY=1 the model answers, no retry needed
-        time.sleep(1.2)
+
+        def pinged() -> bool:
+            first_ready = next(i for i, m in enumerate(got) if "READY=1" in m)
+            return sum(m == "WATCHDOG=1" for m in got[first_ready:]) >= 2
+
+        wait_for("two watchdog pings after READY=1", pinged, 10)
         inst.proc.send_signal(signal.SIGTERM)
         assert inst.proc.wait(30) == 0
     finally:

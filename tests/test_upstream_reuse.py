@@ -103,7 +103,7 @@ def test_reused_upstream_connections_fail_no_request(child: LlamaChild) -> None:
         # sequential, with the idle gaps
         for i in range(100):
             if i % 20 == 19:
-                time.sleep(GAPS[(i // 20) % len(GAPS)])
+                time.sleep(GAPS[(i // 20) % len(GAPS)])  # the idle gap under test
             ok, why = _ask(client, srv.url, i)
             sent += 1
             if not ok:

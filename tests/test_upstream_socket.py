@@ -10,7 +10,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket, listen_on
 from mtpwrap.errors import ConfigError, RuntimeFailure
 from mtpwrap.run import sockets
-from tests.helpers import DATA, listening, without_socket_help
+from tests.helpers import DATA, listening, until, without_socket_help
 
 HELP = DATA / "help"
 PLAIN = launch.plain("m.gguf", context=512, why="test")
@@ -121,12 +120,7 @@ def _client(up):
 
 
 async def _wait_state(sup, want, timeout: float = 120.0) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while sup.status().state.value != want:
-        assert time.monotonic() < deadline, f"{want} not reached: {sup.status()}"
-        await asyncio.sleep(0.05)
+    await until(f"state {want}", lambda: sup.status().state.value == want, timeout, every=0.05)
 
 
 @pytest.mark.integration

@@ -15,6 +15,7 @@ import pytest
 from mtpwrap.run import wire
 from mtpwrap.run.state import Upstream
 from mtpwrap.run.wire import BadResponse, ConnectFailed, Disconnected, WirePool
+from tests.helpers import until
 
 JSON = b'{"ok":true}'
 
@@ -203,7 +204,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_taken() -> None:
             for _ in range(4):
                 assert await get(p, s) == JSON  # no failure: a fresh connection each time
                 assert p.idle() == 1
-                await until("the server's close reaching the pool", lambda: p.idle() == 0)
+                await until("the server's close reaching the pool", lambda: p.idle() == 0, 5.0)
             assert s.accepted == 4
 
     run(main())
@@ -218,20 +219,11 @@ def test_an_idle_connection_past_its_expiry_is_dropped(monkeypatch: pytest.Monke
             assert await get(p, s) == JSON
             assert await get(p, s) == JSON
             assert s.accepted == 1
-            await until("the expiry", lambda: p.idle() == 0)
+            await until("the expiry", lambda: p.idle() == 0, 5.0)
             assert await get(p, s) == JSON
             assert s.accepted == 2
 
     run(main())
-
-
-async def until(what: str, cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Wait, yielding to the event loop, until `cond()`; fail saying `what` otherwise."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 def test_a_bursts_connections_close_after_their_expiry_without_another_request(
@@ -244,9 +236,10 @@ def test_a_bursts_connections_close_after_their_expiry_without_another_request(
             # six at once: six connections, of which no more than three are kept
             assert await asyncio.gather(*(get(p, s) for _ in range(6))) == [JSON] * 6
             assert s.accepted == 6 and p.idle() == 3
-            await until("the three beyond max_idle closed", lambda: s.ended == 3)
+            await until("the three beyond max_idle closed", lambda: s.ended == 3, 5.0)
             # nothing more is asked: the sweep closes the kept ones once they expire
-            await until("the kept connections expired", lambda: p.idle() == 0 and s.ended == 6)
+            await until("the kept connections expired", lambda: p.idle() == 0 and s.ended == 6,
+                        5.0)
             assert await get(p, s) == JSON and s.accepted == 7  # and the pool still serves
             await p.aclose()
 

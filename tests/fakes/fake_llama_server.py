@@ -202,7 +202,7 @@ class Handler(BaseHTTPRequestHandler):
     def _whole(self, chat: bool, n: int) -> None:
         if self.st.wedged:
             while True:
-                time.sleep(3600)
+                time.sleep(3600)  # the fault: a wedged child never answers
         text = "".join(self._tokens(n))
         with self.st.lock:
             self.st.tokens_predicted += n
@@ -235,7 +235,7 @@ class Handler(BaseHTTPRequestHandler):
                 st.wedged = True
                 log("srv  fault: wedged, no more tokens")
                 while True:
-                    time.sleep(3600)
+                    time.sleep(3600)  # the fault: no more tokens, ever
             if chat:
                 ev = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake",
                       "created": int(time.time()),
@@ -246,7 +246,7 @@ class Handler(BaseHTTPRequestHandler):
             with st.lock:
                 st.tokens_predicted += 1
                 st.n_decode += 1
-            time.sleep(delay)
+            time.sleep(delay)  # the fake's pace between tokens
         if chat:
             ev = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake",
                   "created": int(time.time()),
@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if faults.get("grandchild"):
-        gc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        gc = subprocess.Popen([sys.executable, "-c",
+                               "import time; time.sleep(3600)  # alive until its group is killed"])
         log(f"main: grandchild pid {gc.pid}")
     if "rss_mb" in faults:
         st.ballast.append(bytearray(os.urandom(1)) * int(float(faults["rss_mb"]) * 2**20))
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log("llama_model_load: loading model")
     if faults.get("oom"):
-        time.sleep(0.05)
+        time.sleep(0.05)  # the fake's load pace: a moment of loading, then the failure
         log("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 20480.00 MiB on device 0: "
             "cudaMalloc failed: out of memory")
         log("llama_model_load: error loading model: unable to allocate CUDA0 buffer")
@@ -327,12 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         if not faults.get("silent_load"):
             pct = int(100 * (time.monotonic() - t0) / load_s)
             log(f"load_tensors: loading model tensors ... {pct}%")
-        time.sleep(min(progress_s, load_s))
+        time.sleep(min(progress_s, load_s))  # the fake's load pace
     st.loaded = True
     log("main: model loaded")
     oom_after = st.num("oom_after_s", 0.0)
     if oom_after:  # out of memory while serving (a long request), not while loading
-        time.sleep(oom_after)
+        time.sleep(oom_after)  # the fault: serving for a while, then out of memory
         log("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: "
             "cudaMalloc failed: out of memory")
         return 1

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.helpers import wait_for
+
 
 @dataclass
 class Seen:
@@ -75,13 +77,16 @@ class FakeUpstream:
         self._thread.join(5)
 
     def wait_closed(self, index: int, timeout: float) -> float | None:
-        """Seconds from now until request `index`'s connection was closed by the front."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.seen) > index and self.seen[index].closed_at is not None:
-                return self.seen[index].closed_at
-            time.sleep(0.01)
-        return None
+        """When (time.monotonic) request `index`'s connection was closed by the front; None
+        if it was not within `timeout` seconds."""
+        def closed() -> bool:
+            return len(self.seen) > index and self.seen[index].closed_at is not None
+
+        try:
+            wait_for(f"request {index}'s connection closed", closed, timeout, every=0.01)
+        except TimeoutError:
+            return None
+        return self.seen[index].closed_at
 
     # ------------------------------------------------------------------ server
 
@@ -185,7 +190,7 @@ class FakeUpstream:
             w.close()
             return False
         if mode == "stall_before_headers":
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # the fault: an upstream that never answers
             return False
         if mode == "json":
             body = json.dumps({"ok": True, "path": seen.path}).encode()
@@ -195,7 +200,7 @@ class FakeUpstream:
             await w.drain()
             return True
         if mode == "slow_json":
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.interval)  # the fault: a slow answer
             body = b'{"ok": true}'
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -218,7 +223,7 @@ class FakeUpstream:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     w.transport.abort()
                 else:
-                    await asyncio.sleep(3600)
+                    await asyncio.sleep(3600)  # the fault: a stream that stalls
                 return False
             if mode != "endless" and i >= self.events:
                 break
@@ -226,7 +231,7 @@ class FakeUpstream:
             await w.drain()
             i += 1
             if mode != "endless" and self.interval:
-                await asyncio.sleep(self.interval)
+                await asyncio.sleep(self.interval)  # the fake's pace between events
         w.write(self._chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await w.drain()
         return True

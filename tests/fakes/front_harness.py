@@ -25,6 +25,7 @@ from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
 from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
 from mtpwrap.serve import loop as event_loop
+from tests.helpers import until
 
 
 class SupervisorDouble:
@@ -131,6 +132,11 @@ class FrontServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def connections(self) -> int:
+        """Client connections the server holds open now."""
+        return 0 if self._server is None else len(self._server.server_state.connections)
+
     def _run(self) -> None:
         import uvicorn
 
@@ -141,8 +147,7 @@ class FrontServer:
             self._server = uvicorn.Server(self.front.server_config(host="127.0.0.1",
                                                                    port=self.port))
             task = asyncio.ensure_future(self._server.serve())
-            while not self._server.started and not task.done():
-                await asyncio.sleep(0.01)
+            await until("uvicorn started", lambda: self._server.started or task.done(), 15)
             self._started.set()
             await task
             await self.front.aclose()

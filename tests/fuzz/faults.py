@@ -141,12 +141,12 @@ class FaultRelay:
         assert isinstance(sent, int)
         state["sent"] = sent + len(data)
         if f.kind == "latency":
-            await asyncio.sleep(f.value)
+            await asyncio.sleep(f.value)  # the fault: latency on every chunk
         elif f.kind == "bandwidth":
             for i in range(0, len(data), 256):
                 w.write(data[i:i + 256])
                 await w.drain()
-                await asyncio.sleep(256 / f.value)
+                await asyncio.sleep(256 / f.value)  # the fault: a narrow link
             return True
         elif f.kind == "garbage_head" and sent == 0:
             w.write(b"HTTP/1.1 2OO NOT\r\nContent-Lxngth: x\r\n\x00\r\n\r\n" + data[:40])
@@ -162,7 +162,7 @@ class FaultRelay:
                     lines[i] = b"Content-Length: %d" % (int(value) + 100)
             w.write(b"\r\n".join(lines) + b"\r\n\r\n" + body)
             await w.drain()
-            await asyncio.sleep(f.value)
+            await asyncio.sleep(f.value)  # the fault: the promised bytes never come
             w.close()
             return False
         elif f.kind in ("cut", "reset", "stall", "slow_close") and sent + len(data) > f.after:
@@ -170,13 +170,13 @@ class FaultRelay:
             w.write(data[:keep])
             await w.drain()
             if f.kind == "stall":
-                await asyncio.sleep(f.value)
+                await asyncio.sleep(f.value)  # the fault: a stall mid-stream
                 w.write(data[keep:])
                 await w.drain()
                 state["fault"] = Fault()  # it struck once
                 return True
             if f.kind == "slow_close":
-                await asyncio.sleep(f.value)
+                await asyncio.sleep(f.value)  # the fault: a pause before the close
             sock = w.get_extra_info("socket")
             if f.kind == "reset" and sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
