@@ -37,6 +37,7 @@ _.eof_received  # asyncio.Protocol (serve.http_server: a half-close keeps its an
 _.disconnected  # uvicorn's RequestResponseCycle, read by its receive() (serve.http_server)
 _.capture_signals  # uvicorn.Server (service.server: mtpwrap owns the signals)
 _.collect  # prometheus_client custom collectors (serve.metrics)
+_.component  # cyclonedx BomMetaData: the SBOM's own component (bundle.sbom)
 
 # --- the pynvml interface of decide.nvml_replay.RecordedNvml: decide.hardware calls each by
 # name (`_query(nvml, err, "nvmlDeviceGetName", h)`), on pynvml or on a recording alike

@@ -18,7 +18,7 @@ PAGE = REPO / "docs" / "architecture.md"
 BEGIN, END = "<!-- module map: begin -->", "<!-- module map: end -->"
 # Bottom layer first, as in the layer diagram.
 ORDER = ["config", "proc", "errors", "paths", "console", "hashing", "units", "decide", "models",
-         "build", "run", "service", "serve", "bench", "doctor", "commands", "cli"]
+         "build", "run", "service", "serve", "bench", "bundle", "doctor", "commands", "cli"]
 
 
 def first_sentence(path: Path) -> str:

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "mtpwrap.commands.build",
         "Build llama-server from the pinned source for this machine.",
     ),
+    "bundle": ("mtpwrap.commands.bundle",
+               "Carry mtpwrap to a machine with no network: make, check, install a bundle."),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
     "fleet": ("mtpwrap.commands.fleet", "HAProxy and Prometheus configuration for several nodes."),
     "hw": ("mtpwrap.commands.hw", "Show GPUs, CPU and RAM (NVML and psutil)."),

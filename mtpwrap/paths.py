@@ -53,12 +53,19 @@ def log_dir() -> Path:
     return home() / "logs"
 
 
+def is_checkout() -> bool:
+    """Whether the package runs from a source checkout (else from an installed wheel)."""
+    return (repo_root() / "pyproject.toml").is_file()
+
+
 def build_root() -> Path:
-    """`build/` of the checkout: one folder per variant, each with manifest.json and bin/."""
+    """The installed builds, one folder per variant, each with manifest.json and bin/: `build/`
+    of a checkout; for an installed package (a bundle's venv) `<MTPWRAP_HOME>/build`, shared by
+    the venvs of every bundle installed beside another."""
     env = os.environ.get("MTPWRAP_BUILD_DIR")
     if env:
         return Path(env).expanduser()
-    return repo_root() / "build"
+    return repo_root() / "build" if is_checkout() else home() / "build"
 
 
 def user_config_dir() -> Path:

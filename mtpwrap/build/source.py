@@ -33,6 +33,8 @@ OFFLINE_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a
 OFFLINE_COMMIT = "0c1e570"
 OFFLINE_SUBDIR = f"llama_cpp_python-{OFFLINE_VERSION}/vendor/llama.cpp"
 
+#: written last into an unpacked tree, holding what it was unpacked from: a tree without it is
+#: an interrupted extraction
 _DONE_MARKER = ".mtpwrap-extracted"
 
 
@@ -95,6 +97,46 @@ def submodule_source(root: Path | None = None) -> Source | None:
                                                   f" (at {commit}, not the pin)"),
         pinned=pinned and not dirty,
     )
+
+
+def carried_fork_dir(commit: str) -> Path:
+    """Where `bundle install` unpacks the fork tree a bundle carried (the submodule at `commit`)."""
+    return paths.sources_dir() / f"llama.cpp-mtp-{commit}"
+
+
+def carried_source(root: Path | None = None) -> Source | None:
+    """The pinned fork tree a bundle carried into a machine with no GitHub, or None."""
+    commit = pinned_commit(root)
+    tree = carried_fork_dir(commit)
+    marker = tree / _DONE_MARKER
+    if not (_is_llama_tree(tree) and marker.is_file() and marker.read_text().strip() == commit):
+        return None
+    return Source(kind="submodule", path=tree, commit=commit, identity=f"submodule:{commit}",
+                  location=f"{tree} ({SUBMODULE_URL} at {commit}, carried by a bundle)",
+                  reason="the pinned fork tree a bundle carried")
+
+
+def unpack_carried_fork(archive: Path, commit: str) -> Path:
+    """Unpack a carried fork tarball (`git archive` of the submodule, top folder
+    `llama.cpp-mtp/`) where `carried_source` finds it; beside, then renamed, so an interrupted
+    unpack is never taken for a tree."""
+    tree = carried_fork_dir(commit)
+    if (tree / _DONE_MARKER).is_file() and (tree / _DONE_MARKER).read_text().strip() == commit:
+        return tree
+    staging = paths.sources_dir() / f".staging-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        _safe_extract(archive, staging)
+        if not _is_llama_tree(staging / "llama.cpp-mtp"):
+            raise IntegrityError(f"{archive}: no llama.cpp-mtp/CMakeLists.txt inside; it is not "
+                                 "the fork tree `mtpwrap bundle create` packs.")
+        shutil.rmtree(tree, ignore_errors=True)
+        (staging / "llama.cpp-mtp").rename(tree)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    (tree / _DONE_MARKER).write_text(commit + "\n")
+    return tree
 
 
 def pin_status(root: Path | None = None) -> tuple[str, str]:
@@ -205,7 +247,7 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
     The submodule is used only at the pinned commit unless `allow_unpinned`.
     """
     if spec in (None, "", "auto"):
-        sub = submodule_source(root)
+        sub = submodule_source(root) or carried_source(root)
         if sub is not None:
             return check_pin(sub, allow_unpinned, root)
         return offline_source(
@@ -213,7 +255,7 @@ def resolve(spec: str | None = None, *, allow_unpinned: bool = False,
             "(`git submodule update --init` needs GitHub), so the pinned offline source is used"
         )
     if spec == "submodule":
-        sub = submodule_source(root)
+        sub = submodule_source(root) or carried_source(root)
         if sub is None:
             raise ConfigError(
                 f"--source submodule: {SUBMODULE_PATH} is empty.",

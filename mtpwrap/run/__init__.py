@@ -1,1 +1,2 @@
-"""Run: llama-server as a child process, its supervisor, systemd and the service loop of `up`."""
+"""Run: llama-server as a child process, its supervisor (states, backoff, wedge watch), KV
+carried across restarts, systemd notify and the instance file; the `up` loop is `service`."""

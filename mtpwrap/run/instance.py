@@ -129,6 +129,7 @@ def instance_report() -> dict[str, Any]:
         "reason": data.get("reason"),
         "pid": data.get("pid"), "child_pid": data.get("child_pid"),
         "url": data.get("url"), "profile": data.get("profile"), "model": data.get("model"),
+        "binary": data.get("binary"),
         "uptime_s": (time.time() - started) if started else None,
         "ready_since": data.get("ready_since"), "restarts": data.get("restarts", 0),
         "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),

@@ -1,0 +1,197 @@
+"""The offline bundle without the network: its checks (every file against SHA256SUMS, the
+signature, the target), its SBOM against CycloneDX's own schema, and refusals that leave
+nothing half-made or half-installed. The whole path, made from the real pieces and installed in
+a network namespace with no network, is tests/test_bundle_real.py."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpwrap import paths
+from mtpwrap.build import patchset
+from mtpwrap.bundle import check, create, install, sbom
+from mtpwrap.errors import ConfigError, IntegrityError
+from tests.helpers import require_tool, run_cli
+
+HERE_PY = "{}.{}".format(*sys.version_info[:2])
+HERE_TARGET = create.Target(python=HERE_PY,
+                            platforms=(f"manylinux_2_17_{platform.machine()}",))
+
+
+def small_bundle(root: Path, sign_key: Path | None = None) -> Path:
+    """A bundle of the real shape with stand-in wheel and build files: what the checks and the
+    SBOM see is the same as for a real one (tests/test_bundle_real.py makes that)."""
+    wheel = root / "wheels" / "demo_pkg-1.0-py3-none-any.whl"
+    build = root / "builds" / "cpu.tar.xz"
+    for path, data in ((wheel, b"PK wheel"), (build, b"xz build")):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    patch = patchset.available()[0]
+    copied = root / "patches" / patch.path.name
+    copied.parent.mkdir(parents=True, exist_ok=True)
+    copied.write_bytes(patch.path.read_bytes())
+    items = [
+        create.item_for(root, "wheel", wheel, "demo-pkg", "1.0"),
+        create.item_for(root, "patch", copied, patch.name, patch.diff_sha256[:12],
+                        summary=patch.summary),
+        create.item_for(root, "build", build, "llama-server", "0c1e570", variant="cpu",
+                        patches=[patch.name], binaries={"llama-server": "ab" * 32}),
+    ]
+    create.finish(root, items, HERE_TARGET, sign_key=sign_key)
+    return root
+
+
+def openssl_keys(folder: Path, name: str) -> tuple[Path, Path]:
+    openssl = require_tool("openssl", "openssl")
+    key, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
+    subprocess.run([openssl, "genpkey", "-algorithm", "RSA", "-pkeyopt",
+                    "rsa_keygen_bits:2048", "-out", str(key)], check=True, capture_output=True)
+    subprocess.run([openssl, "pkey", "-in", str(key), "-pubout", "-out", str(pub)], check=True,
+                   capture_output=True)
+    return key, pub
+
+
+def test_a_made_bundle_checks_and_its_sbom_validates(tmp_path: Path) -> None:
+    from cyclonedx.schema import SchemaVersion
+    from cyclonedx.validation.json import JsonStrictValidator
+
+    root = small_bundle(tmp_path / "b")
+    assert check.problems(root) == []
+    text = (root / sbom.FILE).read_text()
+    assert JsonStrictValidator(SchemaVersion.V1_6).validate_str(text) is None
+    doc = json.loads(text)
+    manifest = check.read_manifest(root)
+    by_ref = {c["bom-ref"]: c for c in doc["components"]}
+    assert set(by_ref) == {i["path"] for i in manifest["items"]}  # type: ignore[union-attr]
+    for item in manifest["items"]:  # type: ignore[union-attr]
+        assert by_ref[item["path"]]["hashes"] == [{"alg": "SHA-256", "content": item["sha256"]}]
+    assert by_ref["wheels/demo_pkg-1.0-py3-none-any.whl"]["purl"] == "pkg:pypi/demo-pkg@1.0"
+    build = by_ref["builds/cpu.tar.xz"]
+    assert build["type"] == "application"
+    assert [p["diff"]["url"] for p in build["pedigree"]["patches"]] == [
+        f"patches/{patchset.available()[0].path.name}"]
+    # every file but the list itself is listed, with its digest
+    listed = dict(line.split("  ")[::-1] for line in (root / check.SUMS).read_text().splitlines())
+    assert set(listed) == set(check.files_under(root)) - {check.SUMS}
+    assert {"install.sh", "check.py", "bundle.json", sbom.FILE} <= set(listed)
+
+
+@pytest.mark.parametrize("damage", ["wheel", "build", "missing", "added"])
+def test_a_tampered_missing_or_added_file_is_named(tmp_path: Path, damage: str) -> None:
+    root = small_bundle(tmp_path / "b")
+    wheel, build = root / "wheels/demo_pkg-1.0-py3-none-any.whl", root / "builds/cpu.tar.xz"
+    if damage == "wheel":
+        wheel.write_bytes(b"PK wheel with something else inside")
+        named, why = wheel, "does not match its sha256"
+    elif damage == "build":
+        build.write_bytes(b"xz build, changed")
+        named, why = build, "does not match its sha256"
+    elif damage == "missing":
+        wheel.unlink()
+        named, why = wheel, "is missing"
+    else:
+        named, why = root / "wheels/extra-1.0-py3-none-any.whl", "is not in SHA256SUMS"
+        named.write_bytes(b"PK")
+    found = check.problems(root)
+    assert len(found) == 1 and str(named) in found[0] and why in found[0], found
+    r = run_cli("bundle", "verify", str(root))
+    assert r.returncode != 0
+    assert str(named) in r.stderr and "Traceback" not in r.stderr + r.stdout, r.stderr
+
+
+def test_the_signature_is_checked_with_the_public_key(tmp_path: Path) -> None:
+    key, pub = openssl_keys(tmp_path, "ours")
+    _, other = openssl_keys(tmp_path, "theirs")
+    root = small_bundle(tmp_path / "b", sign_key=key)
+    assert check.problems(root, pub) == []
+    assert run_cli("bundle", "verify", str(root), "--public-key", str(pub)).returncode == 0
+    wrong = check.problems(root, other)
+    assert len(wrong) == 1 and "does not verify" in wrong[0] and str(other) in wrong[0]
+    # A file changed and its line in SHA256SUMS changed to match: only the signature sees it.
+    wheel = root / "wheels/demo_pkg-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK another wheel")
+    sums = root / check.SUMS
+    sums.write_text("".join(
+        f"{check.sha256(wheel)}  {name}\n" if name == "wheels/demo_pkg-1.0-py3-none-any.whl"
+        else line + "\n" for line in sums.read_text().splitlines()
+        for name in [line.split("  ", 1)[1]]))
+    assert check.file_problems(root) == []
+    forged = check.problems(root, pub)
+    assert len(forged) == 1 and "does not verify" in forged[0]
+    unsigned = small_bundle(tmp_path / "u")
+    missing = check.problems(unsigned, pub)
+    assert len(missing) == 1 and check.SIGNATURE in missing[0] and "is missing" in missing[0]
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("python", "3.99", "for Python 3.99"),
+    ("machine", "riscv64", "for riscv64 machines"),
+    ("glibc", "9.99", "glibc 9.99"),
+])
+def test_a_bundle_for_another_target_is_refused(field: str, value: str, says: str) -> None:
+    here = {"python": HERE_PY, "machine": platform.machine(), "glibc": "2.17"}
+    assert check.target_problem({"target": here}) is None
+    why = check.target_problem({"target": {**here, field: value}})
+    assert why is not None and says in why, why
+
+
+def test_a_damaged_bundle_installs_nothing(tmp_path: Path, unit_home: Path) -> None:
+    root = small_bundle(tmp_path / "b")
+    (root / "builds/cpu.tar.xz").write_bytes(b"not what was packed")
+    with pytest.raises(IntegrityError, match="cpu.tar.xz does not match"):
+        install.install(root)
+    assert not paths.build_root().exists() and not paths.downloads_dir().exists()
+    prefix = tmp_path / "prefix"
+    r = subprocess.run(["sh", str(root / "install.sh"), "--prefix", str(prefix)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "cpu.tar.xz does not match" in r.stderr, r.stderr
+    assert not prefix.exists()
+
+
+def test_install_sh_says_what_it_expected(tmp_path: Path) -> None:
+    root = small_bundle(tmp_path / "b")
+    r = subprocess.run(["sh", str(root / "install.sh"), "--prefixx", "x"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "install.sh: unknown argument '--prefixx'; expected --prefix DIR or --public-key FILE.")
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--with-build", "cuda-sm89"], "--with-build cuda-sm89: no installed cuda-sm89 build"),
+    (["--model", "no-such-model"], "--model no-such-model: neither a known model"),
+    (["--platform", "win_amd64"], "--platform win_amd64: expected a manylinux tag"),
+    (["--platform", "manylinux2014_x86_64", "--platform", "manylinux2014_aarch64"],
+     "a bundle is for one"),
+    (["--python", "three"], "--python three: expected a Python version"),
+])
+def test_create_refuses_bad_input_before_fetching_anything(tmp_path: Path, args: list[str],
+                                                           says: str) -> None:
+    out = tmp_path / "bundle"
+    r = run_cli("bundle", "create", str(out), *args)
+    assert r.returncode == 78 and says in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_create_never_overwrites(tmp_path: Path) -> None:
+    (tmp_path / "bundle").mkdir()
+    with pytest.raises(ConfigError, match="exists already"):
+        create.create(tmp_path / "bundle", HERE_TARGET)
+
+
+def test_platform_tags_say_the_machine_and_the_glibc() -> None:
+    assert create.platform_glibc("manylinux_2_28_x86_64") == (2, 28)
+    assert create.platform_glibc("manylinux2014_aarch64") == (2, 17)
+    assert create.platform_glibc("win_amd64") is None
+    assert create.platform_machine("manylinux_2_28_x86_64") == "x86_64"
+    assert create.platform_machine("manylinux2014_aarch64") == "aarch64"
+    # a wheel runs where any of its tags does: the oldest glibc among them
+    assert create.wheel_glibc(
+        "numpy-2.3.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl") == (2, 27)
+    assert create.wheel_glibc("click-8.1.0-py3-none-any.whl") is None
