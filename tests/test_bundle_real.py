@@ -77,5 +77,7 @@ def test_a_bundle_made_outside_installs_and_serves_inside_with_no_network(
     assert seen["up_rc"] == 0, seen["up_log"]
     assert seen["configure"]["rc"] == 0, seen["configure"]
     configured = json.loads(seen["configure"]["out"])
-    assert configured["variant"] == "cpu"
-    assert "offline" in json.dumps(configured).lower(), configured
+    assert configured["variant"] == "cpu" and configured["rejected"] == {}, configured
+    # the carried sdist, unpacked under the empty HOME: nothing was fetched
+    assert configured["source"]["kind"] == "offline"
+    assert configured["source"]["path"].startswith(str(inside / "home")), configured["source"]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from mtpwrap import promtext
 
 # The acceptance model lives in decide: the front's depth policy uses it too.
+from mtpwrap.decide import acceptance
 from mtpwrap.decide.acceptance import alpha_for_tokens_per_step, expected_tokens_per_step
 
 #: Counter names as llama-server prints them on /metrics (with `--metrics`).
@@ -119,7 +120,7 @@ def spec_stats(c: Counters, depth: int) -> SpecStats:
     alpha = alpha_for_tokens_per_step(mal, depth) if mal is not None and depth >= 1 else None
     return SpecStats(
         depth=depth, drafted=drafted, accepted=accepted, steps=steps,
-        acceptance_rate=accepted / drafted if drafted else None,
+        acceptance_rate=acceptance.rate(drafted, accepted),
         per_position=per, per_position_conditional=cond,
         mean_accepted_length=mal,
         mean_draft_length=drafted / steps if steps else None,

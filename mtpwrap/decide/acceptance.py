@@ -9,6 +9,14 @@ decode steps (what `mtpwrap tune` fits).
 from __future__ import annotations
 
 
+def rate(drafted: float, accepted: float | None) -> float | None:
+    """llama.cpp's acceptance: accepted ÷ drafted tokens (None before anything was drafted).
+    Not α: a run at depth 3 with α = 0.73 has a rate of (α + α² + α³)/3 = 0.55."""
+    if not drafted or accepted is None:
+        return None
+    return accepted / drafted
+
+
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """1 + α + α² + … + α^k."""
     return sum(alpha**i for i in range(k + 1))

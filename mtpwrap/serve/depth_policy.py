@@ -91,10 +91,10 @@ def best_depth(alpha: float, max_depth: int, adapt: SpecAdapt) -> tuple[int, flo
 
 def alpha_from_response(drafted: int, accepted: int, depth: int) -> float | None:
     """α from one response's draft counts at draft depth `depth`."""
-    if drafted <= 0 or depth < 1:
+    ratio = acceptance.rate(drafted, accepted)
+    if ratio is None or drafted < 0 or depth < 1:
         return None
-    rate = min(1.0, accepted / drafted)
-    return acceptance.alpha_for_tokens_per_step(1.0 + rate * depth, depth)
+    return acceptance.alpha_for_tokens_per_step(1.0 + min(1.0, ratio) * depth, depth)
 
 
 def client_fields(doc: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +239,8 @@ class DepthPolicy:
                            else "profile" if static is not None else "default"),
                 "profile_depth": static.depth if static is not None else None,
                 "alpha": None if st.alpha is None else round(st.alpha, 4),
-                "acceptance": round(st.accepted / st.drafted, 4) if st.drafted else None,
+                "acceptance": (None if (r := acceptance.rate(st.drafted, st.accepted)) is None
+                               else round(r, 4)),
                 "drafted": st.drafted, "accepted": st.accepted, "requests": st.requests,
                 "by_source": dict(st.sources),
             }

@@ -23,7 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from mtpwrap import promtext
-from mtpwrap.decide import hardware
+from mtpwrap.decide import acceptance, hardware
 from mtpwrap.decide.hardware import GpuReading
 from mtpwrap.run.state import State, SupervisorStatus
 
@@ -163,10 +163,11 @@ def _derived(families: list[Metric]) -> Iterator[Metric]:
     drafted = total("spec_decode_num_draft_tokens_total")
     accepted = total("spec_decode_num_accepted_tokens_total")
     drafts = total("spec_decode_num_drafts_total")
-    if drafted and accepted is not None:
+    ratio = acceptance.rate(drafted or 0, accepted)
+    if ratio is not None:
         g = GaugeMetricFamily("mtpwrap_spec_acceptance_ratio",
                               "Accepted draft tokens / drafted tokens (llama.cpp's acceptance)")
-        g.add_metric([], accepted / drafted)
+        g.add_metric([], ratio)
         yield g
     per_pos = (_sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos_total")
                or _sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos"))
