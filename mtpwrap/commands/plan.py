@@ -189,11 +189,12 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
     assert p.headroom is not None
     if r.measured:
         # llama.cpp's own figures decide; the plan's stand beside them
-        total = r.measured["total"]
-        verdict = "FITS" if total + cfg.margin <= device else "DOES NOT FIT"
+        total, headroom = r.measured["total"], r.measured_headroom
+        assert headroom is not None
+        verdict = "FITS" if headroom >= 0 else "DOES NOT FIT"
         console.out.print(f"{verdict} (llama.cpp's own figures): {_fmt(total)} MiB + "
                           f"{_fmt(cfg.margin)} MiB margin of {_fmt(device)} MiB; headroom "
-                          f"{_fmt(device - total - cfg.margin)} MiB (plan, device: "
+                          f"{_fmt(headroom)} MiB (plan, device: "
                           f"{_fmt(p.total)} MiB)")
     else:
         verdict = "FITS" if p.fits else "DOES NOT FIT"

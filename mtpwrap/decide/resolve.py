@@ -69,6 +69,16 @@ class Resolved:
     facts: ModelFacts | None = None  #: the model's header, once planned
 
     @property
+    def measured_headroom(self) -> int | None:
+        """Device bytes left once llama.cpp's own figures and the margin are taken (negative:
+        it does not fit); None without both a measurement and a device. The one verdict on a
+        measured launch, for `plan` and for the refusal before a start."""
+        device = device_bytes(self.profile, self.inputs.snapshot)
+        if device is None or self.plan is None or not self.measured:
+            return None
+        return device - self.measured["total"] - self.plan.config.margin
+
+    @property
     def near_edge(self) -> bool:
         """The planned (or measured) launch leaves less than a tenth of the device, or under
         2 GiB, free: out-of-memory starts are then likely enough to step down by default."""

@@ -151,8 +151,9 @@ def measure(r: Resolved, *, timeout: float = 120.0, refuse: bool = True) -> Reso
                             measured_text=f"{total / GiB:.2f} GiB measured by llama-fit-params"
                                           f"{note}")
     device = device_bytes(r.profile, inp.snapshot)
-    if (refuse and device is not None and r.plan is not None
-            and total + r.plan.config.margin > device):
+    headroom = r.measured_headroom
+    if refuse and device is not None and r.plan is not None and headroom is not None \
+            and headroom < 0:
         raise ConfigError(
             f"{r.launch.model}: llama.cpp itself sizes this launch (context "
             f"{r.launch.context:,}, KV {r.launch.cache_k}/{r.launch.cache_v}) at "
