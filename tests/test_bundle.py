@@ -195,3 +195,76 @@ def test_platform_tags_say_the_machine_and_the_glibc() -> None:
     assert create.wheel_glibc(
         "numpy-2.3.0-cp311-cp311-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl") == (2, 27)
     assert create.wheel_glibc("click-8.1.0-py3-none-any.whl") is None
+
+
+def test_a_carried_fork_tree_is_the_pinned_source_inside(tmp_path: Path, unit_home: Path) -> None:
+    """The fork's tree a bundle carries (`git archive` of the submodule at its pin) is what
+    `build` takes where the checkout's submodule is not there: an installed mtpwrap."""
+    import tarfile
+
+    from mtpwrap.build import source
+
+    tree = tmp_path / "llama.cpp-mtp"
+    (tree / "ggml").mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    archive = tmp_path / "fork.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tree, arcname="llama.cpp-mtp")
+    installed = tmp_path / "site-packages"  # no vendor/ there, as in a wheel's install
+    installed.mkdir()
+    assert source.carried_source(installed) is None
+    pin = source.pinned_commit(installed)
+    assert pin == source.SUBMODULE_COMMIT
+    unpacked = source.unpack_carried_fork(archive, pin)
+    found = source.resolve(None, root=installed)
+    assert (found.kind, found.path, found.commit) == ("submodule", unpacked, pin)
+    assert found.pinned and found.identity == source.pin_identity("submodule")
+    # a tarball that does not hold the tree is refused, and nothing is left half-unpacked
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as tar:
+        tar.add(tree / "CMakeLists.txt", arcname="CMakeLists.txt")
+    with pytest.raises(IntegrityError, match="no llama.cpp-mtp/CMakeLists.txt inside"):
+        source.unpack_carried_fork(bad, "0" * 40)
+    assert not source.carried_fork_dir("0" * 40).exists()
+    assert [p.name for p in paths.sources_dir().iterdir()] == [unpacked.name]
+
+
+def test_install_places_sources_and_models_where_build_and_up_find_them(
+        tmp_path: Path, unit_home: Path) -> None:
+    import tarfile
+
+    from mtpwrap.build import source
+    from mtpwrap.models.pull import record_path
+    from tests.helpers import gguf_bytes
+
+    root = tmp_path / "b"
+    tree = tmp_path / "llama.cpp-mtp"
+    tree.mkdir()
+    (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    fork = root / "sources" / f"llama.cpp-mtp-{source.SUBMODULE_COMMIT}.tar.gz"
+    fork.parent.mkdir(parents=True)
+    with tarfile.open(fork, "w:gz") as tar:
+        tar.add(tree, arcname="llama.cpp-mtp")
+    model = root / "models" / "contracts-1b.Q4_K_M.gguf"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(gguf_bytes(4096))
+    sdist = root / "downloads" / "llama_cpp_python-0.3.36.tar.gz"
+    sdist.parent.mkdir(parents=True)
+    sdist.write_bytes(b"stand-in sdist")
+    items = [create.item_for(root, "source", fork, "llama.cpp-mtp", source.SUBMODULE_COMMIT),
+             create.item_for(root, "model", model, model.name, "local"),
+             create.item_for(root, "download", sdist, "llama-cpp-python", "0.3.36",
+                             role="llama.cpp source")]
+    create.finish(root, items, HERE_TARGET)
+    said: list[str] = []
+    install.install(root, say=said.append)
+    placed = paths.models_dir() / model.name
+    assert placed.read_bytes() == model.read_bytes()
+    assert json.loads(record_path(placed).read_text())["sha256"] == items[1].sha256
+    assert (paths.downloads_dir() / sdist.name).read_bytes() == b"stand-in sdist"
+    assert source.carried_source(tmp_path / "nowhere") is not None
+    assert any("the fork at" in s for s in said) and any(str(placed) in s for s in said)
+    record = paths.home() / "bundles" / f"{check.read_manifest(root)['id']}.json"
+    assert json.loads(record.read_text())["installed_from"] == str(root)
+    # twice is harmless: nothing is copied again
+    install.install(root)
