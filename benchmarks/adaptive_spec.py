@@ -110,8 +110,7 @@ def main() -> None:
     args = ap.parse_args()
 
     binary = Path(os.environ.get("MTPWRAP_BINARY") or find_binary())
-    model = args.model or Path(os.environ.get("MTPWRAP_DEMO_MODEL")
-                               or ensure_demo_model())
+    model = args.model or ensure_demo_model()  # honours MTPWRAP_DEMO_MODEL
     work = Path(tempfile.gettempdir()) / "mtpwrap-adaptive-spec"
     work.mkdir(exist_ok=True)
     spec: dict[str, Any] = {"depth": SERVER_DEPTH}

@@ -514,17 +514,14 @@ def rotated(paths: list[str], round_: int) -> list[str]:
 
 
 def llama_paths() -> tuple[Path, Path]:
+    from mtpwrap.models import known as models
+
     binary = os.environ.get("MTPWRAP_BINARY")
-    model = os.environ.get("MTPWRAP_DEMO_MODEL")
     if not binary:
         from mtpwrap.build import builder
 
         binary = str(builder.ensure_built(variant="cpu").binary("llama-server"))
-    if not model:
-        from mtpwrap.models import known as models
-
-        model = str(models.ensure_demo_model())
-    return Path(binary), Path(model)
+    return Path(binary), models.ensure_demo_model()  # it honours MTPWRAP_DEMO_MODEL
 
 
 def start_llama(where: Target, slots: int, ctx_per_slot: int = 1024,

@@ -29,9 +29,8 @@ def server_bin(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest) -> Path:
-    env = os.environ.get("MTPWRAP_DEMO_MODEL")
-    return Path(env) if env else request.getfixturevalue("demo_model")
+def model(demo_model: Path) -> Path:
+    return demo_model  # MTPWRAP_DEMO_MODEL, when set, is honoured by the models module
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,8 @@ def server_bin(request) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(request) -> Path:
-    env = os.environ.get("MTPWRAP_DEMO_MODEL")
-    return Path(env) if env else request.getfixturevalue("demo_model")
+def model(demo_model: Path) -> Path:
+    return demo_model  # MTPWRAP_DEMO_MODEL, when set, is honoured by the models module
 
 
 SPEC = ["--spec-type", "draft-simple", "--spec-draft-n-max", "3"]

@@ -81,7 +81,7 @@ def _tune_env(tmp_path: Path, request: pytest.FixtureRequest) -> dict[str, str]:
     """The real built llama-server and demo model, overrides under tmp_path."""
     server = os.environ.get("MTPWRAP_BINARY") or str(
         request.getfixturevalue("llama_server_bin"))
-    model = os.environ.get("MTPWRAP_DEMO_MODEL") or str(request.getfixturevalue("demo_model"))
+    model = str(request.getfixturevalue("demo_model"))
     return cli_env(MTPWRAP_BINARY=server, MTPWRAP_DEMO_MODEL=model,
                    XDG_CONFIG_HOME=str(tmp_path / "config"))
 
