@@ -24,7 +24,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mtpwrap.serve.front import ProxyConfig
+from mtpwrap.config.objects import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
 from tests.helpers import wait_for

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.proc import free_loopback_port as free_port
-from mtpwrap.serve.front import ProxyConfig
 from tests.fakes.fake_upstream import FakeUpstream, sse_events
 from tests.fakes.front_harness import State, Upstream, serve_front
 from tests.helpers import wait_for

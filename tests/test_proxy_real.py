@@ -24,8 +24,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.proc import free_loopback_port as free_port
-from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import sse_events
 from tests.fakes.front_harness import LlamaChild, serve_front

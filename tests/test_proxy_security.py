@@ -16,9 +16,9 @@ import time
 import httpx
 import pytest
 
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.serve import access
 from mtpwrap.serve.access import _EXACT
-from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front

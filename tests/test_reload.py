@@ -12,7 +12,7 @@ import pytest
 
 from mtpwrap.config import settings
 from mtpwrap.decide import hardware
-from mtpwrap.run.supervisor import State
+from mtpwrap.run.state import State
 from mtpwrap.service import reload as reloading
 from tests.helpers import DATA, make
 

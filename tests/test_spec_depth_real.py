@@ -24,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.bench import stats
 from mtpwrap.build import spec_probe
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.decide import profiles
 from mtpwrap.proc import free_loopback_port
-from mtpwrap.serve.front import ProxyConfig
 from mtpwrap.serve.info import ServeInfo
 from tests.fakes.front_harness import LlamaChild, serve_front
 from tests.helpers import ignoring_draft_depth

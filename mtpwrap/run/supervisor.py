@@ -51,7 +51,6 @@ from mtpwrap.run.state import (
     Outcome,
     ReloadPhase,
     State,
-    SupervisorPort,
     SupervisorStatus,
     Upstream,
     is_valid_transition,
@@ -65,8 +64,7 @@ log = logging.getLogger("mtpwrap.supervisor")
 PROBE_REPORT_S = 5.0
 
 #: the vocabulary is defined in mtpwrap.run.state; these are the names the front imports
-__all__ = ["PROBE_REPORT_S", "LaunchFactory", "State", "Supervisor", "SupervisorConfig",
-           "SupervisorPort", "SupervisorStatus", "Upstream"]
+__all__ = ["PROBE_REPORT_S", "LaunchFactory", "Supervisor"]
 
 
 class LaunchFactory(Protocol):

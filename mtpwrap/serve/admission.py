@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.supervisor import State, SupervisorPort, SupervisorStatus, Upstream
+from mtpwrap.run.state import State, SupervisorPort, SupervisorStatus, Upstream
 from mtpwrap.serve.metrics import FrontMetrics
 
 

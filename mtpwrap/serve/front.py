@@ -75,7 +75,7 @@ from mtpwrap.upstream import UpstreamClients
 if TYPE_CHECKING:
     import uvicorn
 
-__all__ = ["Front", "ProxyConfig"]
+__all__ = ["Front"]
 
 log = logging.getLogger("mtpwrap.proxy")
 

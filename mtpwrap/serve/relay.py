@@ -42,7 +42,7 @@ import re
 import time
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.supervisor import SupervisorPort, Upstream
+from mtpwrap.run.state import SupervisorPort, Upstream
 from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireResponse
 from mtpwrap.serve import depth_policy
 from mtpwrap.serve.depth_policy import DepthPolicy

@@ -27,7 +27,8 @@ from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
-from mtpwrap.run.supervisor import State, Supervisor
+from mtpwrap.run.state import State
+from mtpwrap.run.supervisor import Supervisor
 from mtpwrap.run.systemd import Notifier
 from mtpwrap.service.launch import (
     Launch,

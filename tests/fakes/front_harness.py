@@ -23,7 +23,7 @@ import httpx
 from mtpwrap import upstream
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.proc import ServerProcess, free_loopback_port
-from mtpwrap.run.supervisor import State, SupervisorStatus, Upstream
+from mtpwrap.run.state import State, SupervisorStatus, Upstream
 from mtpwrap.serve import loop as event_loop
 from tests.helpers import until
 

@@ -284,7 +284,7 @@ KEY = "fault-client-key-0123"
 def rig(binary: Path, model: Path, work: Path) -> Iterator[Rig]:
     """The real llama-server, the relay in front of it and the front (in this process) over
     the relay, with stall budgets short enough for a scenario to see them."""
-    from mtpwrap.serve.front import ProxyConfig
+    from mtpwrap.config.objects import ProxyConfig
     from tests.fakes.front_harness import LlamaChild, serve_front
 
     work.mkdir(parents=True, exist_ok=True)
