@@ -78,7 +78,7 @@ def test_a_made_bundle_checks_and_its_sbom_validates(tmp_path: Path) -> None:
         f"patches/{patchset.available()[0].path.name}"]
     # every file but the list itself is listed, with its digest
     listed = dict(line.split("  ")[::-1] for line in (root / check.SUMS).read_text().splitlines())
-    assert set(listed) == set(check.files_under(root)) - {check.SUMS}
+    assert set(listed) == set(check.files_under(root)[0]) - {check.SUMS}
     assert {"install.sh", "check.py", "bundle.json", sbom.FILE} <= set(listed)
 
 
@@ -267,4 +267,81 @@ def test_install_places_sources_and_models_where_build_and_up_find_them(
     record = paths.home() / "bundles" / f"{check.read_manifest(root)['id']}.json"
     assert json.loads(record.read_text())["installed_from"] == str(root)
     # twice is harmless: nothing is copied again
+    before = placed.stat().st_mtime_ns, (paths.downloads_dir() / sdist.name).stat().st_mtime_ns
     install.install(root)
+    assert (placed.stat().st_mtime_ns,
+            (paths.downloads_dir() / sdist.name).stat().st_mtime_ns) == before
+
+
+@pytest.mark.parametrize("sums, says", [
+    ("", "does not list bundle.json, check.py, install.sh"),
+    ("{d}  bundle.json\n{d}  bundle.json\n", "listed once"),
+    ("{d}  ../etc/passwd\n", "not a `HEX  RELATIVE-PATH` line"),
+    ("{z}  bundle.json\n", "not a `HEX  RELATIVE-PATH` line"),
+])
+def test_a_damaged_list_of_sums_is_refused(tmp_path: Path, sums: str, says: str) -> None:
+    root = small_bundle(tmp_path / "b")
+    (root / check.SUMS).write_text(sums.format(d=check.sha256(root / "bundle.json"),
+                                               z="z" * 64))
+    found = check.problems(root)
+    assert len(found) == 1 and says in found[0], found
+
+
+def test_a_link_inside_the_bundle_is_refused(tmp_path: Path) -> None:
+    root = small_bundle(tmp_path / "b")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (root / "wheels" / "more").symlink_to(outside, target_is_directory=True)
+    found = check.problems(root)
+    assert len(found) == 1 and "wheels/more is a symbolic link" in found[0], found
+
+
+def test_a_carried_build_that_fails_here_leaves_the_installed_one(tmp_path: Path,
+                                                                  unit_home: Path) -> None:
+    """The carried build is tried in a folder of its own: one that does not answer here is not
+    installed, the build already there stays, and the rest of the bundle installs."""
+    import dataclasses
+
+    from mtpwrap.build.prebuilt import pack_prebuilt
+    from tests.helpers import packable_manifest
+
+    made = dataclasses.replace(packable_manifest(tmp_path), variant="cpu", architectures=[],
+                               cmake_options={}, smoke={"status": "passed"})
+    root = tmp_path / "b"
+    archive = pack_prebuilt(made, root / "builds" / "cpu.tar.xz")
+    create.finish(root, [create.item_for(root, "build", archive, "llama-server", "0c1e570",
+                                         variant="cpu")], HERE_TARGET)
+    kept = paths.build_root() / "cpu" / "bin" / "llama-server"
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(b"the build that was there")
+    said: list[str] = []
+    install.install(root, say=said.append)
+    assert kept.read_bytes() == b"the build that was there"
+    assert [p.name for p in paths.build_root().iterdir()] == ["cpu"]  # no staging left
+    assert len(said) == 1 and said[0].startswith("build cpu: not installed: it failed on this "
+                                                  "machine"), said
+    assert "mtpwrap build" in said[0]
+
+
+def test_a_pulled_models_record_comes_along(tmp_path: Path, unit_home: Path) -> None:
+    from mtpwrap.models.pull import record_path
+    from tests.helpers import gguf_bytes
+
+    pulled = tmp_path / "pulled" / "m-Q4_K_M.gguf"
+    pulled.parent.mkdir()
+    pulled.write_bytes(gguf_bytes(2048))
+    record = {"repo": "org/m-GGUF", "revision": "abc123", "sha256": check.sha256(pulled),
+              "size": pulled.stat().st_size}
+    record_path(pulled).write_text(json.dumps(record))
+    root = tmp_path / "b"
+    items = create.collect_models(root, create.models_to_carry([str(pulled), str(pulled)]))
+    assert [i.kind for i in items] == ["model", "record"] and items[0].version == "abc123"
+    create.finish(root, items, HERE_TARGET)
+    install.install(root)
+    placed = json.loads(record_path(paths.models_dir() / pulled.name).read_text())
+    assert (placed["repo"], placed["sha256"]) == ("org/m-GGUF", record["sha256"])
+    other = tmp_path / "other" / pulled.name
+    other.parent.mkdir()
+    other.write_bytes(b"GGUF another")
+    with pytest.raises(ConfigError, match="has the same name"):
+        create.models_to_carry([str(pulled), str(other)])

@@ -44,9 +44,11 @@ def pack_prebuilt(manifest: Manifest, dest: Path) -> Path:
     return dest
 
 
-def install_prebuilt(archive: str | Path, snap: Any | None = None) -> Manifest:
-    """Install a carried build (`pack_prebuilt`) into build/<variant>/ after checking that it was
-    built from the pinned source and has code for the GPUs present; raises ConfigError if not."""
+def install_prebuilt(archive: str | Path, snap: Any | None = None,
+                     root: Path | None = None) -> Manifest:
+    """Install a carried build (`pack_prebuilt`) into build/<variant>/ (or `root`/<variant>/)
+    after checking that it was built from the pinned source and has code for the GPUs present;
+    raises ConfigError if not."""
     path = Path(archive)
     try:
         tar = tarfile.open(path, "r:*")  # noqa: SIM115 - closed by the `with tar` below
@@ -70,7 +72,7 @@ def install_prebuilt(archive: str | Path, snap: Any | None = None) -> Manifest:
         problem = coverage_problem(manifest, snap)
         if problem is not None:
             raise ConfigError(f"prebuilt {path}: {problem}")
-        bin_dir = paths.build_root() / manifest.variant / "bin"
+        bin_dir = (root or paths.build_root()) / manifest.variant / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
         binaries: dict[str, dict[str, str]] = {}
         for name, info in manifest.binaries.items():

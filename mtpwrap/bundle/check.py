@@ -32,6 +32,11 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: what every bundle lists: the list of its files cannot be empty or lose these
+REQUIRED = ("bundle.json", "check.py", "install.sh")
+_HEX = frozenset("0123456789abcdef")
+
+
 def read_sums(root: Path) -> tuple[dict[str, str], list[str]]:
     """Relative path → sha256 from the bundle's SHA256SUMS, and the problems reading it."""
     path = root / SUMS
@@ -42,28 +47,46 @@ def read_sums(root: Path) -> tuple[dict[str, str], list[str]]:
     problems = []
     for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         digest, _, name = line.partition("  ")
-        if len(digest) != 64 or not name or name.startswith("/") or ".." in name.split("/"):
-            problems.append(f"{path}:{n}: not a `HEX  RELATIVE-PATH` line; the list itself "
-                            "is damaged.")
+        digest = digest.lower()
+        if (len(digest) != 64 or not set(digest) <= _HEX or not name or name.startswith("/")
+                or ".." in name.split("/") or name in sums):
+            problems.append(f"{path}:{n}: not a `HEX  RELATIVE-PATH` line of a file listed "
+                            "once; the list itself is damaged.")
             continue
-        sums[name] = digest.lower()
+        sums[name] = digest
+    missing = [name for name in REQUIRED if name not in sums]
+    if missing and not problems:
+        problems.append(f"{path} does not list {', '.join(missing)}: the list is damaged or "
+                        "not a bundle's; copy the bundle again.")
     return sums, problems
 
 
-def files_under(root: Path) -> list[str]:
-    """Every plain file under `root`, relative and with `/`, sorted."""
-    out = []
+def files_under(root: Path) -> tuple[list[str], list[str]]:
+    """Every plain file under `root`, relative and with `/`, sorted; and every symbolic link
+    (a bundle holds none: a link could lead a checked name out of the bundle)."""
+    files, links = [], []
     for base, dirs, names in os.walk(root):
         dirs.sort()
-        for name in sorted(names):
-            out.append(Path(base, name).relative_to(root).as_posix())
-    return out
+        for name in sorted(dirs + names):
+            path = Path(base, name)
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                links.append(rel)
+            elif name in names:
+                files.append(rel)
+        dirs[:] = [d for d in dirs if not Path(base, d).is_symlink()]
+    return files, links
 
 
 def file_problems(root: Path) -> list[str]:
-    """One sentence per file that is missing, changed, or not listed in SHA256SUMS."""
+    """One sentence per file that is missing, changed, not listed in SHA256SUMS, or a link."""
     sums, problems = read_sums(root)
-    if not sums:
+    if problems:
+        return problems
+    files, links = files_under(root)
+    problems += [f"{root / name} is a symbolic link: a bundle holds plain files only; copy the "
+                 "bundle again from where it was made." for name in links]
+    if links:
         return problems
     for name, digest in sums.items():
         path = root / name
@@ -72,7 +95,7 @@ def file_problems(root: Path) -> list[str]:
         elif sha256(path) != digest:
             problems.append(f"{path} does not match its sha256 in SHA256SUMS: it was changed "
                             "or damaged; copy the bundle again from where it was made.")
-    for name in files_under(root):
+    for name in files:
         if name not in sums and name not in UNLISTED:
             problems.append(f"{root / name} is not in SHA256SUMS: something was added to the "
                             "bundle; remove it or copy the bundle again.")
@@ -134,9 +157,12 @@ def target_problem(manifest: dict[str, object]) -> str | None:
                 "machine.")
     if want_machine != here_machine:
         return (f"this bundle is for {want_machine} machines, and this one is {here_machine}: "
-                f"make one with `--platform manylinux_2_28_{here_machine}`.")
+                f"make one with `--platform manylinux2014_{here_machine}`.")
     want_glibc = str(target.get("glibc") or "")
     have = _glibc()
+    if want_glibc and have is None:
+        return (f"this bundle's wheels need glibc {want_glibc}, and this machine's C library "
+                "is not glibc: a bundle for musl systems is not made.")
     if want_glibc and have is not None:
         want = tuple(int(p) for p in want_glibc.split("."))
         if have < want:
@@ -163,19 +189,39 @@ def problems(root: Path, public_key: Path | None = None) -> list[str]:
     return [why] if why else []
 
 
+def bundle_id(manifest: dict[str, object]) -> str:
+    """The bundle's id, which names its folder inside the prefix: letters, digits, `.`, `-`."""
+    value = str(manifest.get("id") or "")
+    if not value or value.startswith(".") or not all(c.isalnum() or c in ".-" for c in value):
+        raise ValueError(f"bundle id {value!r} is not a name a bundle has; the manifest is "
+                         "damaged.")
+    return value
+
+
+def requirement(manifest: dict[str, object]) -> str:
+    """What pip installs from the carried wheels: mtpwrap at the version of the carried wheel,
+    with the cuda extra for a CUDA bundle."""
+    items = manifest.get("items")
+    wheels = [i for i in items if isinstance(i, dict) and i.get("kind") == "wheel"
+              and i.get("name") == "mtpwrap"] if isinstance(items, list) else []
+    if len(wheels) != 1:
+        raise ValueError("the manifest names no mtpwrap wheel; it is damaged.")
+    target = manifest["target"]
+    extra = "[cuda]" if isinstance(target, dict) and target.get("cuda") else ""
+    return f"mtpwrap{extra}=={wheels[0]['version']}"
+
+
 def main(argv: list[str]) -> int:
     """`python3 check.py BUNDLE_DIR [PUBLIC_KEY]`: exit 0 when it can be installed here, else
     one line per problem on stderr and exit 1. `--id BUNDLE_DIR` prints the bundle's id,
     `--requirement BUNDLE_DIR` what pip installs from its wheels."""
     if len(argv) == 2 and argv[0] in ("--id", "--requirement"):
-        manifest = read_manifest(Path(argv[1]))
-        if argv[0] == "--id":
-            print(manifest["id"])
-        else:
-            target = manifest["target"]
-            assert isinstance(target, dict)
-            extra = "[cuda]" if target.get("cuda") else ""
-            print(f"mtpwrap{extra}=={manifest['mtpwrap']}")
+        try:
+            print(bundle_id(read_manifest(Path(argv[1]))) if argv[0] == "--id"
+                  else requirement(read_manifest(Path(argv[1]))))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         return 0
     if len(argv) not in (1, 2):
         print("usage: check.py BUNDLE_DIR [PUBLIC_KEY]", file=sys.stderr)

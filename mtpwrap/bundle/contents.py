@@ -15,7 +15,10 @@ FOLDERS = {
     "source": "sources",  # the fork's tree at its pinned commit, as a tarball
     "patch": "patches",  # the llama.cpp patch set (the wheel carries it too)
     "build": "builds",  # a packed, smoke-tested build (`build --pack`)
-    "model": "models",  # a GGUF file, imported into the models directory
+    "model": "models",  # a GGUF file (each part of a split one), imported into the models
+    # directory
+    "record": "models",  # a model's `models pull` record, beside it: what `models import`
+    # verifies by and keeps (where it came from)
 }
 
 

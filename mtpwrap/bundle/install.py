@@ -21,7 +21,7 @@ from mtpwrap.build.prebuilt import install_prebuilt
 from mtpwrap.bundle import check
 from mtpwrap.bundle.contents import Item, items_of
 from mtpwrap.decide import hardware
-from mtpwrap.errors import IntegrityError, RuntimeFailure
+from mtpwrap.errors import ConfigError, IntegrityError
 from mtpwrap.models import importer, known
 
 
@@ -55,19 +55,31 @@ def _smoke(manifest: Manifest) -> smoke.SmokeResult:
         return smoke.run(manifest.binary(), smoke.smoke_model(Path(tmp)), gpu=gpu)
 
 
-def _install_build(root: Path, item: Item) -> Manifest:
-    installed = install_prebuilt(root / item.path)
-    result = _smoke(installed)
-    folder = paths.build_root() / installed.variant
+def _install_build(root: Path, item: Item) -> tuple[Manifest | None, str]:
+    """Try the carried build in a folder of its own, and install it where `up` finds it only
+    when it answered here; an installed build of the same variant is left as it was otherwise.
+    Returns the installed manifest (or None) and what to say."""
+    archive = root / item.path
+    variant = str(item.extra.get("variant") or Path(item.path).name.split(".")[0])
+    staging = paths.build_root() / f".bundle-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        tried = install_prebuilt(archive, root=staging)
+        result = _smoke(tried)
+    except ConfigError as exc:
+        return None, f"build {variant}: not installed: {exc}"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     if result.status not in ("passed", "skipped"):
-        shutil.rmtree(folder, ignore_errors=True)
-        raise RuntimeFailure(
-            f"the carried {installed.variant} build {result.status} on this machine "
-            f"({result.detail}), so it was not installed.",
-            hint="Build from the carried source instead: `mtpwrap build`.")
-    tried = Manifest.from_dict({**installed.to_dict(), "smoke": result.to_dict()})
-    write_json(folder / MANIFEST, tried.to_dict())
-    return tried
+        return None, (f"build {variant}: not installed: it {result.status} on this machine "
+                      f"({result.detail}); build from the carried source with `mtpwrap build`.")
+    # The same bytes again (each binary replaced by rename: a running llama-server keeps its
+    # own until `mtpwrap reload`), now where `up` and `build` look.
+    installed = install_prebuilt(archive)
+    installed = Manifest.from_dict({**installed.to_dict(), "smoke": result.to_dict()})
+    write_json(paths.build_root() / installed.variant / MANIFEST, installed.to_dict())
+    return installed, (f"build {variant}: {installed.binary()} (smoke test "
+                       f"{installed.smoke_status} on this machine)")
 
 
 def install(root: Path, public_key: Path | None = None,
@@ -88,15 +100,19 @@ def install(root: Path, public_key: Path | None = None,
             raise IntegrityError(f"bundle {root}: it carries the model {name!r}, which this "
                                  "mtpwrap does not know.")
         say(f"model {name}: {known.ensure(model)}")
-    files = [root / i.path for i in items if i.kind == "model"]
-    if files:
-        for path in importer.import_files(files, sums=root / check.SUMS):
-            say(f"model: {path}")
+    # A model with its pull record is imported by it (the record is kept: where it came from);
+    # one without, by the bundle's own sums.
+    recorded = {str(i.extra.get("record_of")) for i in items if i.kind == "record"}
+    for with_record in (True, False):
+        files = [root / i.path for i in items
+                 if i.kind == "model" and (i.name in recorded) == with_record]
+        if files:
+            sums = None if with_record else root / check.SUMS
+            for path in importer.import_files(files, sums=sums):
+                say(f"model: {path}")
     for item in items:
         if item.kind == "build":
-            built = _install_build(root, item)
-            say(f"build {built.variant}: {built.binary()} (smoke test "
-                f"{built.smoke_status} on this machine)")
+            say(_install_build(root, item)[1])
     record = paths.home() / "bundles" / f"{manifest['id']}.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({**manifest, "installed_from": str(root.resolve())},

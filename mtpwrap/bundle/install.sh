@@ -28,9 +28,16 @@ done
 
 command -v python3 >/dev/null 2>&1 || {
   echo "install.sh: python3 is not installed; install Python 3 with its venv module." >&2; exit 1; }
+# check.py needs 3.7; an older python3 is refused here, in one sentence, as a mismatch is there.
+if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 7))' 2>/dev/null; then
+  want=$(sed -n 's/.*"python": "\([0-9.]*\)".*/\1/p' "$here/bundle.json" | head -n 1)
+  echo "install.sh: this bundle is for Python ${want:-3.10 or newer}, and python3 here is" \
+       "$(python3 -V 2>&1 | cut -d' ' -f2): install that Python, or make a bundle for this one." >&2
+  exit 1
+fi
 python3 "$here/check.py" "$here" ${pubkey:+"$pubkey"} || exit 1
-id=$(python3 "$here/check.py" --id "$here")
-requirement=$(python3 "$here/check.py" --requirement "$here")
+id=$(python3 "$here/check.py" --id "$here") || exit 1
+requirement=$(python3 "$here/check.py" --requirement "$here") || exit 1
 dest="$prefix/$id"
 
 # A venv cannot be moved (its scripts name their own path), so it is made in place and marked
@@ -42,8 +49,13 @@ if [ ! -f "$dest/.complete" ]; then
     echo "install.sh: python3 -m venv failed; install the venv module (Debian: python3-venv)." >&2
     exit 1; }
   # Only the carried wheels: no index, and no pip configuration of this machine's.
-  PIP_CONFIG_FILE=/dev/null "$dest/venv/bin/python" -m pip install -q --no-index \
-    --no-cache-dir --disable-pip-version-check --find-links "$here/wheels" "$requirement"
+  if ! PIP_CONFIG_FILE=/dev/null "$dest/venv/bin/python" -m pip install -q --no-index \
+      --no-cache-dir --disable-pip-version-check --find-links "$here/wheels" "$requirement"; then
+    rm -rf "$dest"
+    echo "install.sh: pip could not install $requirement from $here/wheels (above); nothing" \
+         "was installed." >&2
+    exit 1
+  fi
   touch "$dest/.complete"
 fi
 
