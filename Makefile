@@ -41,11 +41,12 @@ lint: install
 # System tools (command:package): `patch` applies the llama.cpp patch set (patches/) at build
 # time, and ccache lets a rebuild under a new cache key reuse unchanged objects; the fleet tests
 # run HAProxy and Prometheus (with promtool) for real, the status page's test Chromium (with
-# its driver). Installed with apt-get when missing and run as root; otherwise one line says
-# what to install.
+# its driver), the offline bundle's test a network namespace (unshare, ip) and openssl.
+# Installed with apt-get when missing and run as root; otherwise one line says what to install.
 BUILD_TOOLS := patch:patch ccache:ccache
 SYSTEM_TOOLS := $(BUILD_TOOLS) haproxy:haproxy prometheus:prometheus promtool:prometheus \
-                openssl:openssl chromium:chromium chromedriver:chromium-driver
+                openssl:openssl chromium:chromium chromedriver:chromium-driver \
+                unshare:util-linux ip:iproute2
 TOOLS ?= $(SYSTEM_TOOLS)
 build-deps:
 	@$(MAKE) --no-print-directory system-deps TOOLS="$(BUILD_TOOLS)"
