@@ -103,6 +103,11 @@ CASES_400 = [
      ' "custom".'),
     ("/chat/completions", b'{"messages": [{"role": "assistant", "tool_calls": [{}]}]}',
      "messages[0].tool_calls[0].type must be"),
+    # a reasoning format llama.cpp does not name: its runtime error, a 500 (found by make fuzz)
+    ("/apply-template", '{"messages": [], "reasoning_format": "\U000f703d"}'.encode(),
+     "reasoning_format must be one of none, auto, deepseek, deepseek-legacy, got"),
+    ("/v1/chat/completions", b'{"messages": [], "reasoning_format": null}',
+     "reasoning_format must be one of none, auto, deepseek, deepseek-legacy, got a JSON null"),
     ("/completion", b'{"prompt": "x", "n": ' + DEEP + b"}", "nested more than"),
     ("/completion", b'{"prompt": "x", "n_probs": NaN}', "NaN"),
     ("/completion", b'{"prompt": "x", "n_probs": Infinity}', "Infinity"),

@@ -321,6 +321,23 @@ def check_messages(doc: Any) -> None:
                               "type.")
 
 
+#: llama.cpp's reasoning formats (common_reasoning_format_from_name): another name is a 500
+REASONING_FORMATS = ("none", "auto", "deepseek", "deepseek-legacy")
+
+
+def check_reasoning_format(doc: Any) -> None:
+    """`reasoning_format`, where given, is one of llama.cpp's names: it throws a plain runtime
+    error (a 500) for another string, and a type error for anything but a string."""
+    if not isinstance(doc, dict) or "reasoning_format" not in doc:
+        return
+    value = doc["reasoning_format"]
+    if value not in REASONING_FORMATS:
+        got = (json.dumps(value, ensure_ascii=False)[:40] if isinstance(value, str)
+               else f"a JSON {_json_type(value)}")
+        raise BadBody(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, got "
+                      f"{got}.")
+
+
 def check_tools(doc: Any) -> None:
     """OpenAI's `tools` and each message's `tool_calls` as llama-server reads them: arrays of
     objects of type "function", the only tool type it has (another shape or type is a 500

@@ -47,6 +47,7 @@ from mtpwrap.serve.bodies import (
     check_fields,
     check_grammar,
     check_messages,
+    check_reasoning_format,
     check_tokens,
     check_tools,
     parse_json_body,
@@ -327,6 +328,7 @@ class Front:
                 check_tokens(doc, self.info.n_vocab)
                 check_grammar(doc)
                 check_messages(doc)
+                check_reasoning_format(doc)
                 if not scope["path"].startswith("/v1/messages"):
                     check_tools(doc)
             except BadBody as err:

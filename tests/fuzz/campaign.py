@@ -401,7 +401,7 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
 
 def run(out: Path, seconds: float, n_bodies: int, n_schema: int, n_raw: int, n_faults: int,
         seed: int, save_found: bool = False) -> dict[str, Any]:
-    """The phases in `seconds`: bodies to 30 % of it, schema to 38 %, raw to 62 %, faults the
+    """The phases in `seconds`: bodies to 30 % of it, schema to 33 %, raw to 56 %, faults the
     rest (at this machine's rates, 20,000 bodies, 10,000 raw cases and 300 fault scenarios fit
     840 s: docs/measurements/2026-12-02-fuzz-campaign.md)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -419,11 +419,11 @@ def run(out: Path, seconds: float, n_bodies: int, n_schema: int, n_raw: int, n_f
         ph = phase_bodies(t, n_bodies, seconds * 0.30, seed)
         check_leaks(t, ph, start)
         phases.append(ph)
-        ph = phase_schema(t, n_schema, max(5.0, seconds * 0.38 - (time.monotonic() - started)),
+        ph = phase_schema(t, n_schema, max(5.0, seconds * 0.33 - (time.monotonic() - started)),
                           seed)
         check_leaks(t, ph, start)
         phases.append(ph)
-        ph = phase_raw(t, n_raw, max(5.0, seconds * 0.62 - (time.monotonic() - started)), seed)
+        ph = phase_raw(t, n_raw, max(5.0, seconds * 0.56 - (time.monotonic() - started)), seed)
         check_leaks(t, ph, start)
         phases.append(ph)
     finally:
