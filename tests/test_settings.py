@@ -64,7 +64,15 @@ def test_exit_on_failed_is_auto_unless_set(tmp_path: Path) -> None:
     cfg = write(tmp_path, "supervisor:\n  exit_on_failed: true\n")
     assert load_settings({}, env={}, config=cfg).supervisor["exit_on_failed"] is True
     env = {"MTPWRAP_SUPERVISOR_EXIT_ON_FAILED": "Auto"}
-    assert load_settings({}, env=env, config=cfg).supervisor["exit_on_failed"] == "auto"
+    auto = load_settings({}, env=env, config=cfg).supervisor
+    assert auto["exit_on_failed"] == "auto"
+    # auto: exit when the supervisor gives up only where systemd's restart policy takes over
+    from mtpwrap.config.objects import exit_on_failed
+
+    assert exit_on_failed(auto, under_systemd=True) is True
+    assert exit_on_failed(auto, under_systemd=False) is False
+    told = load_settings({}, env={}, config=cfg).supervisor
+    assert exit_on_failed(told, under_systemd=False) is True
 
 
 def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.config.objects import ProxyConfig, exit_on_failed
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
@@ -107,10 +107,8 @@ class Service:
         self.sup = Supervisor(launch.factory, self.config, snapshots=self.store,
                               socket=launch.socket)
         self.url = public_url(settings.host, settings.port)
-        exit_on_failed = supervisor_values(settings, launch)["exit_on_failed"]
-        if exit_on_failed == "auto":
-            exit_on_failed = self.notifier.enabled  # under systemd its restart policy decides
-        self.exit_on_failed = bool(exit_on_failed)
+        self.exit_on_failed = exit_on_failed(supervisor_values(settings, launch),
+                                             under_systemd=self.notifier.enabled)
         self.reload_state = ReloadState()
         self.exit_code = 0
         # the flags the signal handlers set; the phases act on them
