@@ -102,3 +102,19 @@ def test_event_boundaries_and_sends() -> None:
     assert e.at_boundary
     e.sending_since = 12.5
     assert e.in_send
+
+
+@pytest.mark.parametrize("message, klass, client", [
+    ("Failed to parse messages: Missing tool call type: {}", "request_shape", True),
+    # the request's own JSON quoted back: its keys are not llama-server's words (make fuzz)
+    ('Failed to parse messages: Missing tool call type: {"chat_template_kwargs":null}',
+     "request_shape", True),
+    ("[json.exception.type_error.302] type must be string, but is number", "json_type", True),
+    ("Unknown model architecture: {}", "other", False),
+    ("Error rendering the chat template: {}", "template", False),
+])
+def test_a_500_is_classed_by_llama_servers_own_words(message: str, klass: str,
+                                                     client: bool) -> None:
+    from mtpwrap.serve.relay import upstream_500_class
+
+    assert upstream_500_class(message) == (klass, client)

@@ -96,9 +96,13 @@ UPSTREAM_500: tuple[tuple[re.Pattern[str], str, bool], ...] = tuple(
 
 
 def upstream_500_class(message: str) -> tuple[str, bool]:
-    """The class of a llama-server 500 by its message, and whether the request caused it."""
+    """The class of a llama-server 500 by its message, and whether the request caused it. Only
+    llama-server's own words count: where a message quotes the request's JSON back ("Failed
+    to parse messages: Missing tool call type: {…}"), a key in it such as
+    `chat_template_kwargs` must not make it a template error (found by make fuzz)."""
+    own = message.split("{", 1)[0]
     for pattern, klass, client in UPSTREAM_500:
-        if pattern.search(message):
+        if pattern.search(own):
             return klass, client
     return "other", False
 
