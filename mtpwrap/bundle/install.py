@@ -55,10 +55,10 @@ def _smoke(manifest: Manifest) -> smoke.SmokeResult:
         return smoke.run(manifest.binary(), smoke.smoke_model(Path(tmp)), gpu=gpu)
 
 
-def _install_build(root: Path, item: Item) -> tuple[Manifest | None, str]:
+def _install_build(root: Path, item: Item) -> str:
     """Try the carried build in a folder of its own, and install it where `up` finds it only
     when it answered here; an installed build of the same variant is left as it was otherwise.
-    Returns the installed manifest (or None) and what to say."""
+    Returns what to say."""
     archive = root / item.path
     variant = str(item.extra.get("variant") or Path(item.path).name.split(".")[0])
     staging = paths.build_root() / f".bundle-{os.getpid()}"
@@ -67,19 +67,19 @@ def _install_build(root: Path, item: Item) -> tuple[Manifest | None, str]:
         tried = install_prebuilt(archive, root=staging)
         result = _smoke(tried)
     except ConfigError as exc:
-        return None, f"build {variant}: not installed: {exc}"
+        return f"build {variant}: not installed: {exc}"
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     if result.status not in ("passed", "skipped"):
-        return None, (f"build {variant}: not installed: it {result.status} on this machine "
-                      f"({result.detail}); build from the carried source with `mtpwrap build`.")
+        return (f"build {variant}: not installed: it {result.status} on this machine "
+                f"({result.detail}); build from the carried source with `mtpwrap build`.")
     # The same bytes again (each binary replaced by rename: a running llama-server keeps its
     # own until `mtpwrap reload`), now where `up` and `build` look.
     installed = install_prebuilt(archive)
     installed = Manifest.from_dict({**installed.to_dict(), "smoke": result.to_dict()})
     write_json(paths.build_root() / installed.variant / MANIFEST, installed.to_dict())
-    return installed, (f"build {variant}: {installed.binary()} (smoke test "
-                       f"{installed.smoke_status} on this machine)")
+    return (f"build {variant}: {installed.binary()} (smoke test {installed.smoke_status} on "
+            "this machine)")
 
 
 def install(root: Path, public_key: Path | None = None,
@@ -112,7 +112,7 @@ def install(root: Path, public_key: Path | None = None,
                 say(f"model: {path}")
     for item in items:
         if item.kind == "build":
-            say(_install_build(root, item)[1])
+            say(_install_build(root, item))
     record = paths.home() / "bundles" / f"{manifest['id']}.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps({**manifest, "installed_from": str(root.resolve())},
