@@ -215,6 +215,10 @@ def check_pin() -> Check:
 
     pinned, held = source.pin_status()
     if held.startswith("empty"):
+        carried = source.carried_source()
+        if carried is not None:
+            return Check("fork pin", OK, f"the fork at the pin {pinned[:12]}, carried by a "
+                         f"bundle ({carried.path}): builds use it")
         return Check("fork pin", OK, f"{source.SUBMODULE_PATH} pinned at {pinned[:12]}, "
                      "not initialised: builds use the pinned offline source")
     if held == pinned:

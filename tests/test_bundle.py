@@ -219,6 +219,9 @@ def test_a_carried_fork_tree_is_the_pinned_source_inside(tmp_path: Path, unit_ho
     found = source.resolve(None, root=installed)
     assert (found.kind, found.path, found.commit) == ("submodule", unpacked, pin)
     assert found.pinned and found.identity == source.pin_identity("submodule")
+    from mtpwrap import doctor
+
+    assert "carried by a bundle" in doctor.check_pin().detail
     # a tarball that does not hold the tree is refused, and nothing is left half-unpacked
     bad = tmp_path / "bad.tar.gz"
     with tarfile.open(bad, "w:gz") as tar:
