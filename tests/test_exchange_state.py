@@ -118,3 +118,17 @@ def test_a_500_is_classed_by_llama_servers_own_words(message: str, klass: str,
     from mtpwrap.serve.relay import upstream_500_class
 
     assert upstream_500_class(message) == (klass, client)
+
+
+@pytest.mark.parametrize("event_stream, last, sending, ended", [
+    (True, b'data: {"choices":[]}\n\ndata: [DONE]\n\n', 0.0, True),
+    (True, b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n", 0.0, True),
+    (True, b"data: [DONE]\n\n", 12.5, False),  # still being written: the client has not had it
+    (True, b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', 0.0, False),
+    (False, b'{"content": "data: [DONE]"}', 0.0, False),  # a plain body is never a stream's end
+])
+def test_a_stream_has_ended_once_its_last_event_was_sent_whole(
+        event_stream: bool, last: bytes, sending: float, ended: bool) -> None:
+    e = ex()
+    e.event_stream, e.last_chunk, e.sending_since = event_stream, last, sending
+    assert e.stream_ended is ended

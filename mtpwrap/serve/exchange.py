@@ -58,6 +58,8 @@ HEAD_SENT = frozenset({Step.KEPT_ALIVE, Step.RELAYING, Step.DONE})
 UPSTREAM_OWES = frozenset({Step.WAITING, Step.KEPT_ALIVE, Step.RELAYING})
 
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+#: the last event of a complete stream, OpenAI's and Anthropic's
+STREAM_ENDS = (b"data: [DONE]", b"event: message_stop")
 
 
 class IllegalStep(RuntimeError):
@@ -116,3 +118,11 @@ class Exchange:
     @property
     def in_send(self) -> bool:
         return self.sending_since != 0.0
+
+    @property
+    def stream_ended(self) -> bool:
+        """The client has been sent the stream's last event (OpenAI's `[DONE]`, Anthropic's
+        `message_stop`), whole: one that goes now, before llama-server's closing chunk, has
+        had the whole answer."""
+        return (self.event_stream and not self.in_send
+                and any(end in self.last_chunk for end in STREAM_ENDS))

@@ -356,6 +356,13 @@ class Relay:
     async def finish_cancelled(self, ex: Exchange, send: Send) -> None:
         """Answer (or end) a request whose worker was cancelled for `ex.cancel_reason`."""
         reason = ex.cancel_reason or "client_disconnect"
+        if reason == "client_disconnect" and ex.stream_ended:
+            # The client had the whole stream and went before llama-server's closing chunk
+            # came (the official clients close at `[DONE]`): an answer given, not one cut short.
+            ex.to(Step.DONE)
+            self.replies.record(ex.label, ex.status, ex.t0)
+            self._observe_depth(ex)
+            return
         self.metrics.cancelled.labels(reason).inc()
         if reason in ("client_disconnect", "slow_reader"):
             # nginx's "client closed request"; for a slow reader, returning with the response
