@@ -25,15 +25,17 @@ def _component(item: Item, patches: dict[str, Item]) -> Any:
     from packageurl import PackageURL
 
     role = item.extra.get("role")
+    # by what the file is; a pinned download by its role (a model's wheel is the model)
     kind = {
-        "wheel": ComponentType.LIBRARY,
         "source": ComponentType.LIBRARY,
         "patch": ComponentType.FILE,
+        "record": ComponentType.FILE,
         "build": ComponentType.APPLICATION,
         "model": ComponentType.MACHINE_LEARNING_MODEL,
-    }.get(item.kind, ComponentType.DATA if role == "corpus" else ComponentType.LIBRARY)
-    if role == "model":
-        kind = ComponentType.MACHINE_LEARNING_MODEL
+    }.get(item.kind) or {
+        "model": ComponentType.MACHINE_LEARNING_MODEL,
+        "corpus": ComponentType.DATA,
+    }.get(str(role), ComponentType.LIBRARY)
     purl = None
     if item.kind == "wheel" or (item.kind == "download" and role != "llama.cpp source"):
         purl = PackageURL("pypi", name=item.name, version=item.version)
