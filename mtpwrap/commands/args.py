@@ -40,10 +40,14 @@ def command(profile_name: str, model: str | None, binary: Path | None, replay: P
                     else listen)
     warnings = inp.warnings + spec.warnings
     assert inp.caps is not None
+    companions = [(c, r.render(cfg=c.launch, endpoint=upstream_endpoint(r, c.name)))
+                  for c in r.companions]
     if as_json:
         console.print_json({**spec.to_dict(), "profile_reason": inp.profile_reason,
                             "warnings": warnings, "binary": inp.caps.describe(),
-                            "memory_plan": r.memory_text})
+                            "memory_plan": r.memory_text,
+                            "companions": [{**c.to_dict(), **cs.to_dict()}
+                                           for c, cs in companions]})
         return
     console.out.print(f"# profile {inp.profile.name}: {inp.profile_reason}", markup=False)
     console.out.print(f"# binary {inp.caps.describe()}", markup=False)
@@ -55,5 +59,13 @@ def command(profile_name: str, model: str | None, binary: Path | None, replay: P
     for d in spec.decisions:
         value = f" {d.value}" if d.value is not None else ""
         console.out.print(f"  {(d.flag + value):<{width + 12}}  {d.reason}", markup=False)
+    for c, cs in companions:
+        console.out.print("")
+        console.out.print(f"# companion {c.name} ({c.role}, {c.companion.device}): memory "
+                          f"{c.plan_text}", markup=False)
+        console.out.print(shlex.join(cs.argv), markup=False)
+        for d in cs.decisions:
+            value = f" {d.value}" if d.value is not None else ""
+            console.out.print(f"  {(d.flag + value):<{width + 12}}  {d.reason}", markup=False)
     for w in warnings:
         console.warn(w)

@@ -39,6 +39,11 @@ def command(as_json: bool) -> None:
                 rows.append([f"last {rl.get('kind', 'reload')}",
                              f"{rl.get('result')}: {rl.get('message') or '-'}"])
             rows.append(["KV snapshots", report.get("persist_dir") or "off"])
+            for c in report.get("companions") or []:
+                state = c.get("state", "?") + (f" ({c['reason']})" if c.get("reason") else "")
+                rows.append([f"{c['role']} {c['name']}",
+                             f"{state}; pid {c.get('pid') or '-'}, restarts "
+                             f"{c.get('restarts', 0)}, log {c.get('log_file')}"])
             for k, v in rows:
                 console.out.print(f"{k:<17} {v}", markup=False)
     sys.exit(0 if report["running"] and report["state"] == "ready"

@@ -239,6 +239,46 @@ PROXY: dict[str, Key] = {
                         expect="a list of strings, each an exact origin (never `*`)"),
 }
 
+#: one item of a profile's `companions:` list: an embedding or rerank model served by its own
+#: llama-server next to the chat model. Profile keys only (no flag, no variable): a companion is
+#: part of what a profile runs, like its model and context.
+COMPANION_ROLES = ("embedding", "rerank")
+#: llama-server's --pooling values; a reranker always pools with rank
+POOLING = ("none", "mean", "cls", "last", "rank")
+
+
+def _name(v: str) -> bool:
+    return bool(v) and len(v) <= 64 and all(c.isalnum() or c in "._-" for c in v) \
+        and v[0].isalnum()
+
+
+COMPANION: dict[str, Key] = {
+    "role": Key("str", None, "What the companion serves: embedding (/v1/embeddings) or rerank "
+                             "(/v1/rerank).", choices=COMPANION_ROLES),
+    "model": Key("str", None, "The companion's GGUF: a path, or a file name in the models "
+                              "directory (`mtpwrap models pull`/`import` put it there)."),
+    "name": Key("str", None, "The name clients send as `model` and /v1/models lists (default: "
+                             "the role); letters, digits, '.', '_' and '-'.", check=_name,
+                expect="a name of letters, digits, '.', '_' and '-' (at most 64)"),
+    "device": Key("str", "cpu", "Where it computes: cpu (RAM, and threads taken from the chat "
+                                "model's share) or gpu (its bytes come off the GPU before the "
+                                "chat model is planned).", choices=("cpu", "gpu")),
+    "context": Key("int", 2048, "Tokens of context (every slot's share).", "tokens",
+                   lambda v: 64 <= v <= 1 << 20, "an integer 64..1048576"),
+    "slots": Key("int", 1, "Requests it computes at once (llama-server's -np).", "",
+                 lambda v: 1 <= v <= 64, "an integer 1..64"),
+    "threads": Key("int", None, "CPU threads (default: a quarter of the cores, at least 1, on "
+                                "the CPU; 1 on the GPU).", "",
+                   lambda v: 1 <= v <= 1024, "an integer 1..1024"),
+    "pooling": Key("str", None, "How token vectors become one embedding (default: the model's "
+                                "own, from its header; a reranker pools with rank).",
+                   choices=POOLING),
+    "ubatch": Key("int", None, "Physical batch in tokens; an input longer than it is refused "
+                               "by llama-server (default: the context).", "tokens",
+                  lambda v: 1 <= v <= 1 << 20, "an integer 1..1048576"),
+}
+COMPANION_REQUIRED = ("role", "model")
+
 SECTIONS: dict[str, dict[str, Key]] = {
     "supervisor": SUPERVISOR, "persist": PERSIST, "proxy": PROXY, "audit": AUDIT,
 }

@@ -83,6 +83,13 @@ class LaunchConfig:
     kv_unified: bool | None = None  #: None: llama.cpp's default (unified when slots > 1)
     repack: bool | None = None  #: CPU weight repacking; None: llama.cpp's default (on)
     fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
+    #: a companion: serve embeddings (--embeddings) or reranking (--reranking) only
+    serves: str | None = None
+    pooling: str | None = None  #: --pooling; None: the model's own
+    alias: str | None = None  #: the name the API answers to (--alias)
+    #: device bytes others hold on the GPU this launch plans on (a GPU companion's weights,
+    #: KV and compute), as (what, bytes, note): rows of its memory plan
+    reserved: tuple[tuple[str, int, str], ...] = ()
     extra_args: tuple[str, ...] = ()
     #: environment llama-server needs for this launch (e.g. the fork's tbq3_0 V switch)
     env: tuple[tuple[str, str], ...] = ()
@@ -506,6 +513,12 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("no_repack", None, r("repack") or "no CPU weight repacking")
     if cfg.fit is not None:
         b.add("fit", cfg.fit, r("fit") or "llama.cpp's own fitting to device memory")
+    if cfg.serves is not None:
+        b.add(cfg.serves, None, r("serves"))
+    if cfg.pooling is not None:
+        b.add("pooling", cfg.pooling, r("pooling"))
+    if cfg.alias is not None and serve:
+        b.add("alias", cfg.alias, r("alias"))
     if serve and slot_save_path is not None:
         b.add("slot_save_path", slot_save_path,
               "mtpwrap's KV snapshot directory (persist.dir), never a client's")

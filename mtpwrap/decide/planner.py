@@ -82,6 +82,8 @@ class PlanConfig:
     #: context takes the main -ctk/-ctv and -ub (common_context_params_to_llama). Upstream's
     #: draft-mtp runs the nextn block inside the target model.
     mtp_head_model: bool = False
+    #: device bytes other processes hold on the same GPU (companions), as (what, bytes, note)
+    reserved: tuple[tuple[str, int, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
@@ -406,6 +408,8 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
     if cfg.spec == "mtp":
         rows += _mtp_rows(facts, cfg, n_ctx, cells, streams, gpu, kv_on, kv_sizes)
     rows += _run_rows(facts, cfg, n_ctx, gpu)
+    if gpu == "gpu":
+        rows += [Row(what, nbytes, gpu, note) for what, nbytes, note in cfg.reserved]
 
     total = sum(r.bytes for r in rows if r.where == gpu)
     host_total = sum(r.bytes for r in rows if r.where == "host")

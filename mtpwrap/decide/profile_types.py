@@ -82,6 +82,25 @@ class Speculation:
 
 
 @dataclass(frozen=True)
+class Companion:
+    """companions[i]: an embedding or rerank model served by its own llama-server next to the
+    chat model (keys: `mtpwrap.config.table.COMPANION`)."""
+
+    name: str
+    role: str  #: embedding | rerank
+    model: str
+    device: str = "cpu"  #: cpu | gpu
+    context: int = 2048
+    slots: int = 1
+    threads: int | None = None
+    pooling: str | None = None
+    ubatch: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str
@@ -107,6 +126,8 @@ class Profile:
     allow_tools: bool = False
     supervisor: Mapping[str, Any] = field(default_factory=dict)
     proxy: Mapping[str, Any] = field(default_factory=dict)
+    #: embedding and rerank models served next to the chat model
+    companions: tuple[Companion, ...] = ()
     source: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,6 +162,7 @@ class Profile:
             "allow_tools": self.allow_tools,
             "supervisor": dict(self.supervisor),
             "proxy": dict(self.proxy),
+            "companions": [c.to_dict() for c in self.companions],
             "source": self.source,
         }
         return d

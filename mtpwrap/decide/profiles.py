@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.config.coerce import check_section
+from mtpwrap.config.coerce import check_section, convert
+from mtpwrap.config.table import COMPANION, COMPANION_REQUIRED
 from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
 from mtpwrap.decide.profile_types import (
     ClassPolicy,
+    Companion,
     HardwareReq,
     KvTypes,
     Profile,
@@ -147,7 +149,7 @@ class _Checker:
 TOP_KEYS = (
     "name", "description", "hardware", "model", "context", "kv", "spec", "gpu_layers", "threads",
     "batch", "ubatch", "slots", "flash_attn", "mlock", "no_warmup", "extra_args",
-    "log_prompts", "allow_rpc", "allow_tools", *FREE_SECTIONS,
+    "log_prompts", "allow_rpc", "allow_tools", "companions", *FREE_SECTIONS,
 )
 REQUIRED_KEYS = ("description", "model", "context")
 
@@ -254,13 +256,52 @@ def validate(data: Any, *, where: str, expected_name: str | None = None) -> Prof
         free[section] = (check_section(section, c.mapping(data[section], section), where)
                          if section in data else {})
 
+    companions = _companions(c, data.get("companions", []))
     return Profile(
         name=name, description=c.string(data["description"], "description", one_line=True),
         model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
         threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
-        extra_args=extra, supervisor=free["supervisor"], proxy=free["proxy"], source=where,
-        **flags,
+        extra_args=extra, supervisor=free["supervisor"], proxy=free["proxy"],
+        companions=companions, source=where, **flags,
     )
+
+
+def _companions(c: _Checker, raw: Any) -> tuple[Companion, ...]:
+    """companions: a list of mappings, each checked with the config table's `COMPANION` keys
+    (the one coercer); names are unique, and a reranker pools with rank."""
+    if not isinstance(raw, list):
+        raise c.fail("companions", f"expected a list of companion models, got {c.show(raw)}")
+    out: list[Companion] = []
+    for i, item in enumerate(raw):
+        key = f"companions[{i}]"
+        m = c.mapping(item, key)
+        c.keys(m, key, COMPANION)
+        for k in COMPANION_REQUIRED:
+            if m.get(k) is None:
+                raise c.fail(f"{key}.{k}", f"missing (required); {COMPANION[k].help}")
+        v = {k: convert(m[k], COMPANION[k], c.where, f"{key}.{k}", strict=True)
+             for k in COMPANION if m.get(k) is not None}
+        role = v["role"]
+        if role == "rerank" and v.get("pooling", "rank") != "rank":
+            raise c.fail(f"{key}.pooling", f"a reranker pools with rank (llama-server's "
+                         f"--reranking), got {v['pooling']!r}; remove the key")
+        if role == "embedding" and v.get("pooling") == "rank":
+            raise c.fail(f"{key}.pooling", "rank pooling scores pairs: it is role rerank's; "
+                         "an embedding companion pools with none, mean, cls or last")
+        name = v.get("name") or role
+        if any(o.name == name for o in out):
+            raise c.fail(f"{key}.name", f"{name!r} is used by another companion; give each "
+                         "a name (clients choose by it with `model`)")
+        ubatch = v.get("ubatch")
+        if ubatch is not None and ubatch > v.get("context", COMPANION["context"].default):
+            raise c.fail(f"{key}.ubatch", f"must not exceed its context, got {ubatch}")
+        out.append(Companion(
+            name=name, role=role, model=c.string(v["model"], f"{key}.model"),
+            device=v.get("device", COMPANION["device"].default),
+            context=v.get("context", COMPANION["context"].default),
+            slots=v.get("slots", COMPANION["slots"].default), threads=v.get("threads"),
+            pooling="rank" if role == "rerank" else v.get("pooling"), ubatch=ubatch))
+    return tuple(out)
 
 
 def _speculation(c: _Checker, raw: Any) -> Speculation:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide import gguf_facts, kv, planner
+from mtpwrap.decide import companions, gguf_facts, kv, planner
+from mtpwrap.decide.companions import CompanionLaunch
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.ladder import step_down
@@ -48,6 +49,8 @@ class Inputs:
     kv_sizes: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     manifest: Any = None  #: the build's manifest when `binary` is the built one
+    #: each companion's model file, by the companion's name (its `model` as given otherwise)
+    companion_models: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class Resolved:
     measured: dict[str, int] | None = None
     measured_text: str | None = None
     facts: ModelFacts | None = None  #: the model's header, once planned
+    #: the embedding and rerank models served next to this one, decided and planned
+    companions: tuple[CompanionLaunch, ...] = ()
 
     @property
     def measured_headroom(self) -> int | None:
@@ -76,7 +81,8 @@ class Resolved:
         device = device_bytes(self.profile, self.inputs.snapshot)
         if device is None or self.plan is None or not self.measured:
             return None
-        return device - self.measured["total"] - self.plan.config.margin
+        others = sum(b for _what, b, _note in self.launch.reserved)
+        return device - self.measured["total"] - others - self.plan.config.margin
 
     @property
     def near_edge(self) -> bool:
@@ -85,7 +91,9 @@ class Resolved:
         device = device_bytes(self.profile, self.inputs.snapshot)
         if device is None or self.plan is None:
             return False
-        used = (self.measured or {}).get("total") or self.plan.total
+        others = sum(b for _what, b, _note in self.launch.reserved)
+        used = ((self.measured or {}).get("total") or 0) + others if self.measured \
+            else self.plan.total
         return device - used - self.plan.config.margin < max(device // 10, 2 * GiB)
 
     def cost(self) -> Callable[[LaunchConfig], int] | None:
@@ -139,6 +147,9 @@ class Resolved:
                       port=port, api_key=api_key, slot_save_path=slot_save_path,
                       endpoint=endpoint, webui=webui)
 
+    def companion(self, name: str) -> CompanionLaunch:
+        return next(c for c in self.companions if c.name == name)
+
 
 # --------------------------------------------------------------------------- planning
 
@@ -180,6 +191,7 @@ def plan_config(cfg: LaunchConfig, facts: ModelFacts, *, backend: str,
         type_k_draft=cfg.cache_k if fork_mtp else cfg.draft_k or "f16",
         type_v_draft=cfg.cache_v if fork_mtp else cfg.draft_v or "f16",
         mtp_head_model=fork_mtp, ubatch=cfg.ubatch or 512, batch=cfg.batch or 2048,
+        reserved=cfg.reserved,
         flash_attn=cfg.flash_attn != "off",
         n_gpu_layers=ngl if isinstance(ngl, int) else 999, backend=backend,
         cpu_repack=cfg.repack is not False,
@@ -263,8 +275,16 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
         # would otherwise fail at load, after the service said it was starting
 
         planner.require_mtp_head(facts, f"profile {profile.name}'s spec.kind: mtp")
-    r = Resolved(inputs=inp, launch=cfg, facts=facts)
     gpu = on_device(profile, snapshot)
+    comps = companions.resolve_companions(
+        profile, {c.name: inp.companion_models.get(c.name, c.model)
+                  for c in profile.companions}, snapshot, refuse=refuse)
+    cfg = companions.chat_threads(cfg, comps, snapshot)
+    if gpu:
+        cfg = cfg.replace(reserved=companions.reserved_rows(comps))
+    elif refuse:
+        _check_gpu_companions(comps, snapshot)
+    r = Resolved(inputs=inp, launch=cfg, facts=facts, companions=comps)
     if plan or (plan is None and (profile.context == "max" or gpu)):
         r = ensure_plan(r, kv_limits=kv_limits, refuse=refuse)
         if refuse and r.plan is None and gpu:
@@ -275,7 +295,29 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                 hint="Run `mtpwrap build` (it measures the binary's KV types), choose KV types "
                      "the planner knows, or pass --no-plan (MTPWRAP_PLAN=skip) to launch "
                      "unchecked.")
+    if refuse and comps:
+        chat_host = r.plan.host_total if r.plan is not None else (
+            0 if gpu or facts is None else facts.file_size)
+        companions.check_ram(chat_host, comps, snapshot)
     return r
+
+
+def _check_gpu_companions(comps: Sequence[CompanionLaunch],
+                          snapshot: HardwareSnapshot | None) -> None:
+    """GPU companions beside a chat model that is not planned on the GPU: they alone must fit
+    its free memory, with the margin."""
+    need = sum(c.gpu_bytes for c in comps)
+    if not need or snapshot is None or not snapshot.gpus:
+        return
+    g = snapshot.gpus[0]
+    free = g.memory_free if g.memory_free is not None else g.memory_total
+    if free is not None and need + planner.DEFAULT_MARGIN > free:
+        names = ", ".join(f"{c.name} {c.gpu_bytes / GiB:.2f} GiB" for c in comps if c.on_gpu)
+        raise ConfigError(
+            f"the GPU companions ({names}) need {need / GiB:.2f} GiB plus a "
+            f"{planner.DEFAULT_MARGIN / GiB:.2f} GiB margin, but GPU {g.index} has "
+            f"{free / GiB:.2f} GiB free.",
+            hint="Place a companion on the CPU (device: cpu), or give it a smaller context.")
 
 
 def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,

@@ -58,6 +58,10 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
     "slot_save_path": ("--slot-save-path",),
+    "embeddings": ("--embeddings", "--embedding"),
+    "reranking": ("--reranking", "--rerank"),
+    "pooling": ("--pooling",),
+    "alias": ("-a", "--alias"),
 }
 #: the draft depth's flag and the ngram lookup length's flag, per spec type.
 DEPTH_FLAGS: dict[str, tuple[str, ...]] = {

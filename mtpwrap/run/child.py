@@ -194,10 +194,31 @@ class ChildProcess:
             return None
         return r.status_code
 
-    async def generate_one_token(self, timeout: float) -> tuple[bool, str]:
-        """Ask for one token; (True, "") when the model really answers."""
-        ok, why, _ = await self.generate("Hello", 1, timeout)
-        return ok, why
+    async def answer_once(self, serves: str | None, timeout: float) -> tuple[bool, str]:
+        """The readiness question for what this llama-server serves: one token of a chat model,
+        one embedding of an embedding companion (`serves` "embeddings"), one score of a
+        reranker ("reranking"); (True, "") when the model really answers."""
+        if serves is None:
+            ok, why, _ = await self.generate("Hello", 1, timeout)
+            return ok, why
+        path, body, field_ = (("/v1/embeddings", {"input": "Hello"}, "data")
+                              if serves == "embeddings" else
+                              ("/v1/rerank", {"query": "Hello", "documents": ["Hello"]},
+                               "results"))
+        try:
+            r = await self._http.post(path, json=body, timeout=timeout)
+        except self._httpx.HTTPError as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}: {r.text[:200]}"
+        try:
+            data = r.json()
+        except ValueError:
+            return False, "the answer was not JSON"
+        if not isinstance(data, dict) or not isinstance(data.get(field_), list) \
+                or not data[field_]:
+            return False, f"the answer had no {field_}"
+        return True, ""
 
     async def generate(self, prompt: str, n_predict: int, timeout: float
                        ) -> tuple[bool, str, int]:

@@ -85,11 +85,18 @@ def gather(profile: str | Profile, *, model: str | None = None, binary: str | Pa
         prof, why = profile, "given"
     what = "--model" if model else f"profile {prof.name}: model"
     path, warning = find_model(model or prof.model, what=what, fetch=fetch)
+    warnings = [warning] if warning else []
+    companion_models: dict[str, str] = {}
+    for i, c in enumerate(prof.companions):
+        found, warning = find_model(c.model, what=f"profile {prof.name}: companions[{i}].model",
+                                    fetch=fetch)
+        companion_models[c.name] = found
+        warnings += [warning] if warning else []
     exe, caps, manifest = find_server(binary, snap, required=need_binary)
     commit = manifest.commit if manifest is not None else (caps.commit if caps else None)
     return Inputs(profile=prof, profile_reason=why, snapshot=snap, caps=caps, binary=exe,
                   model=path, commit=commit, kv_sizes=calibrate.load_kv_sizes(manifest),
-                  warnings=[warning] if warning else [], manifest=manifest)
+                  warnings=warnings, manifest=manifest, companion_models=companion_models)
 
 
 def resolve_inputs(inp: Inputs, *, plan: bool | None = None,

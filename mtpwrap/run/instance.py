@@ -63,7 +63,8 @@ def write_instance(data: dict[str, Any]) -> None:
 
 
 def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
-    """Kill a llama-server group that a previous, SIGKILLed mtpwrap left behind.
+    """Kill the llama-server groups (the chat model's and each companion's) that a previous,
+    SIGKILLed mtpwrap left behind.
 
     The child itself dies with its parent (PR_SET_PDEATHSIG), but a grandchild it started
     survives as an orphan and may hold the GPU memory or port the next start needs. A group
@@ -71,9 +72,17 @@ def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
     recorded binary itself, should the child have survived). Returns the pids killed."""
     if not data or instance_running(data):
         return []
-    pgid, binary = data.get("child_pgid"), data.get("binary")
-    if not isinstance(pgid, int) or pgid <= 1 or not binary:
-        return []
+    binary = data.get("binary")
+    groups = [data.get("child_pgid"), *(c.get("pid") for c in data.get("companions") or []
+                                        if isinstance(c, dict))]
+    victims: list[int] = []
+    for pgid in groups:
+        if isinstance(pgid, int) and pgid > 1 and binary:
+            victims += _reap_group(pgid, str(binary), data.get("pid"))
+    return victims
+
+
+def _reap_group(pgid: int, binary: str, owner: object) -> list[int]:
     import psutil
 
     victims = []
@@ -93,7 +102,7 @@ def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     if victims:
         log.warning("killed %d process(es) of group %d left behind by an earlier mtpwrap "
-                    "(pid %s)", len(victims), pgid, data.get("pid"))
+                    "(pid %s)", len(victims), pgid, owner)
     return victims
 
 
@@ -135,6 +144,9 @@ def instance_report() -> dict[str, Any]:
         "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),
         "updated_at": data.get("updated_at"), "reload": data.get("reload"),
         "persist": data.get("persist"), "persist_dir": data.get("persist_dir"),
+        "companions": [{k: c.get(k) for k in ("name", "role", "model", "state", "reason",
+                                              "pid", "restarts", "last_exit", "log_file")}
+                       for c in data.get("companions") or [] if isinstance(c, dict)],
     }
 
 

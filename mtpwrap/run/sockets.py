@@ -29,22 +29,24 @@ class SocketPlace:
     why: str
 
 
-def socket_place(env: Mapping[str, str] | None = None) -> SocketPlace:
+def socket_place(env: Mapping[str, str] | None = None, name: str = SOCKET_NAME
+                 ) -> SocketPlace:
     """systemd's runtime directory (`$RUNTIME_DIRECTORY`, set by the unit's RuntimeDirectory=),
     else `MTPWRAP_HOME/run`; when that path is longer than a socket path may be, a short one
-    of this user's own (`/run/user/UID/mtpwrap`, else `/tmp/mtpwrap-UID`)."""
+    of this user's own (`/run/user/UID/mtpwrap`, else `/tmp/mtpwrap-UID`). `name`: the
+    socket's file name (a companion's is `companion-NAME.sock`)."""
     env = os.environ if env is None else env
     runtime = (env.get("RUNTIME_DIRECTORY") or "").split(":")[0]
     if runtime:
-        wanted, where = Path(runtime) / SOCKET_NAME, "systemd's RuntimeDirectory"
+        wanted, where = Path(runtime) / name, "systemd's RuntimeDirectory"
     else:
-        wanted, where = paths.home() / "run" / SOCKET_NAME, "under MTPWRAP_HOME"
+        wanted, where = paths.home() / "run" / name, "under MTPWRAP_HOME"
     if fits(wanted):
         return SocketPlace(wanted, f"{wanted.parent}, {where}")
     uid = os.getuid()
     user_run = Path(f"/run/user/{uid}")
     short = (user_run / "mtpwrap" if user_run.is_dir() and user_run.stat().st_uid == uid
-             else Path(f"/tmp/mtpwrap-{uid}")) / SOCKET_NAME
+             else Path(f"/tmp/mtpwrap-{uid}")) / name
     length = len(os.fsencode(str(wanted)))
     return SocketPlace(short, f"{short.parent}: {wanted} is {length} bytes, longer than the "
                               f"{SUN_PATH_MAX} a UNIX socket path may be")

@@ -400,7 +400,9 @@ class Supervisor:
                     child.health_ok_at = time.time()
                     if child.socket is not None:
                         sockets.seal(Path(child.socket))
-                ok, why = await child.generate_one_token(cfg.probe_timeout_s)
+                launch = self._spec.launch if self._spec is not None else None
+                ok, why = await child.answer_once(launch.serves if launch else None,
+                                                  cfg.probe_timeout_s)
                 if ok:
                     self._policy.loaded()
                     await self.carrier.restore(child, self._spec)

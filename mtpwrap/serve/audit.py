@@ -104,6 +104,8 @@ class Ticket:
     #: the relayed answer's last chunks (references), for its token counts and draft figures
     tail: collections.deque[bytes] = field(default_factory=lambda: collections.deque(maxlen=64))
     api_key: ApiKey | None = field(default=None, repr=False)
+    #: the companion that answered (its name); None: the chat model
+    model: str | None = None
 
     def record(self, model: str) -> dict[str, Any]:
         counts = answer_counts(b"".join(self.tail)[-TAIL_BYTES:]) if self.by != "front" \
@@ -298,7 +300,7 @@ class Trail:
         return t
 
     def end(self, t: Ticket) -> dict[str, Any]:
-        record = t.record(self.model() or "-")
+        record = t.record(t.model or self.model() or "-")
         try:
             self.sink.write(record)
             self.lines += 1
@@ -310,6 +312,7 @@ class Trail:
             self._failed = True
         status = record["status"]
         self.metrics.key_requests.labels(t.key, f"{status // 100}xx").inc()
+        self.metrics.model_requests.labels(record["model"], f"{status // 100}xx").inc()
         for kind in ("prompt", "completion"):
             if record[f"{kind}_tokens"]:
                 self.metrics.key_tokens.labels(t.key, kind).inc(record[f"{kind}_tokens"])

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -36,7 +38,7 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
-from mtpwrap.run.state import SupervisorPort
+from mtpwrap.run.state import State, SupervisorPort, Upstream
 from mtpwrap.serve import audit, depth_policy, ops, status
 from mtpwrap.serve.access import Access, Denial, classify
 from mtpwrap.serve.access import Route as Verdict
@@ -54,6 +56,7 @@ from mtpwrap.serve.bodies import (
     require_object,
 )
 from mtpwrap.serve.budgets import Budgets
+from mtpwrap.serve.companions import Companion, CompanionInfo, Routes, UnknownModel
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.exchange import Exchange, Step
 from mtpwrap.serve.info import ServeInfo
@@ -82,6 +85,8 @@ log = logging.getLogger("mtpwrap.proxy")
 
 #: the paths of the `webui` feature
 _WEBUI_PATHS = frozenset({"/", "/index.html"})
+#: the model lists the front answers itself when companions are configured
+_MODEL_LISTS = frozenset({"/v1/models", "/models"})
 
 
 class Front:
@@ -89,7 +94,8 @@ class Front:
 
     def __init__(self, supervisor: SupervisorPort, config: ProxyConfig,
                  info: ServeInfo | None = None, audit_config: AuditConfig | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 companions: Sequence[tuple[CompanionInfo, SupervisorPort]] = ()) -> None:
         self.supervisor = supervisor
         self.config = config
         #: the launch served; replaced (not changed) after a reload
@@ -99,7 +105,8 @@ class Front:
         self.leaving = False  # /readyz says draining; requests are still taken (drain grace)
         self._workers: dict[Exchange, asyncio.Task[None]] = {}
         self._enabled = frozenset(config.enable_paths)
-        self.metrics = FrontMetrics(supervisor.status, self._front_stats)
+        self.metrics = FrontMetrics(supervisor.status, self._front_stats,
+                                    lambda: [c.health() for c in self.routes.companions])
         self.admission = Admission(supervisor, config, self.metrics)
         self.replies = Replies(self.metrics, config.retry_after_s)
         #: the audit trail, usage and budgets (audit_config None: no trail, budgets in memory)
@@ -115,6 +122,13 @@ class Front:
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
         self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
                            self.depth)
+        #: the embedding and rerank companions, each with its own slots, queue and relay
+        self.routes = Routes(tuple(
+            Companion(info, sup,
+                      Admission(sup, dataclasses.replace(config, max_concurrency=info.slots),
+                                self.metrics),
+                      Relay(sup, config, self.metrics, self.replies, self.wire, None))
+            for info, sup in companions))
         self._warn_at_start(config)
         status_page, status_data = status.make_pages(self)
         routes = [
@@ -166,6 +180,12 @@ class Front:
     def forwarding(self) -> int:
         """Requests sent to llama-server and not finished (queued ones not counted)."""
         return self.admission.forwarding
+
+    def companion_forwarding(self, name: str) -> Callable[[], int]:
+        """What one companion's supervisor asks before a planned restart (its `busy`)."""
+        c = self.routes.get(name)
+        assert c is not None, name
+        return lambda: c.admission.forwarding
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests (503 + Retry-After) and wait up to `timeout` for in-flight ones.
@@ -262,7 +282,10 @@ class Front:
             return
         self.admission.hold()
         try:
-            await self._forward(scope, receive, send, route, t0)
+            if route.label in _MODEL_LISTS and self.routes.companions:
+                await self._models(send, route, t0)
+            else:
+                await self._forward(scope, receive, send, route, t0)
         finally:
             self.admission.release()
 
@@ -307,7 +330,10 @@ class Front:
     async def _forward(self, scope: Scope, receive: Receive, send: Send, route: Verdict,
                        t0: float) -> None:
         label = route.label
-        if (r := self.admission.shed_early(route.slot)) is not None:
+        role = self.routes.role_of(label)
+        # the chat model's, until the body names the companion (`_pick`)
+        admission, relay = self.admission, self.relay
+        if role is None and (r := admission.shed_early(route.slot)) is not None:
             await self.replies.error(send, r.status, r.message, label, t0, retry=True,
                                      close=True, reason=r.reason)
             return
@@ -336,14 +362,30 @@ class Front:
                 await self.replies.error(send, 400, str(err), label, t0, reason="body")
                 return
             stream = isinstance(doc, dict) and doc.get("stream") is True
+            if role is not None:
+                try:
+                    c = self.routes.target(role, doc.get("model") if isinstance(doc, dict)
+                                           else None)
+                except UnknownModel as err:
+                    self.metrics.refused.labels("model").inc()
+                    await self.replies.error(send, 404, str(err), label, t0, reason="model")
+                    return
+                admission, relay = c.admission, c.relay
+                if (ticket := audit.current.get()) is not None:
+                    ticket.model = c.name
+                if (r := admission.shed_early(route.slot)) is not None:
+                    await self.replies.error(send, r.status, r.message, label, t0, retry=True,
+                                             close=True, reason=r.reason)
+                    return
             decision, body = self._decide_depth(label, doc, body)
         ticket = audit.current.get()
         if ticket is not None:
             ticket.stream = stream
         ex = Exchange(label=label, stream=stream, t0=t0, slot=route.slot, depth=decision,
                       ticket=ticket)
-        worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path))
-        watch = asyncio.create_task(self.relay.watch(ex, receive, send, worker))
+        worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path,
+                                                admission, relay))
+        watch = asyncio.create_task(relay.watch(ex, receive, send, worker))
         self._workers[ex] = worker
         try:
             await worker
@@ -354,13 +396,13 @@ class Front:
             watch.cancel()
             self._workers.pop(ex, None)
         if worker.cancelled() and ex.cancel_reason is not None:
-            await self.relay.finish_cancelled(ex, send)
+            await relay.finish_cancelled(ex, send)
 
     async def _work(self, ex: Exchange, scope: Scope, send: Send, body: bytes,
-                    path: str) -> None:
+                    path: str, admission: Admission, relay: Relay) -> None:
         try:
             t = time.perf_counter()
-            upstream = await self.admission.admit(
+            upstream = await admission.admit(
                 ex.slot, ex.ticket.klass if ex.ticket is not None else "interactive")
             if ex.ticket is not None:
                 ex.ticket.queued_s = time.perf_counter() - t
@@ -370,12 +412,58 @@ class Front:
             ex.to(Step.DONE)
             return
         if not ex.slot:
-            await self.relay.exchange(ex, scope, send, body, path, upstream)
+            await relay.exchange(ex, scope, send, body, path, upstream)
             return
         try:
-            await self.relay.exchange(ex, scope, send, body, path, upstream)
+            await relay.exchange(ex, scope, send, body, path, upstream)
         finally:
-            self.admission.done()
+            admission.done()
+
+    async def _models(self, send: Send, route: Verdict, t0: float) -> None:
+        """/v1/models (and llama-server's /models) with companions: the chat model's list and
+        each companion's, in one answer. A companion that is not ready is listed with its
+        state, so that a client sees what is configured."""
+        try:
+            up = await self.admission.admit(False)
+        except Refusal as r:
+            await self.replies.error(send, r.status, r.message, route.label, t0, retry=r.retry,
+                                     reason=r.reason)
+            return
+        listing = await self._ask_models(up, route.upstream_path)
+        if listing is None:
+            await self.replies.error(send, 502, "llama-server did not list its model.",
+                                     route.label, t0, reason="upstream")
+            return
+        for c in self.routes.companions:
+            st = c.supervisor.status()
+            theirs = await self._ask_models(st.upstream, route.upstream_path) \
+                if st.state is State.READY and st.upstream is not None else None
+            entries = [dict(e, role=c.info.role) for e in (theirs or {}).get("data", [])
+                       if isinstance(e, dict)]
+            listing.setdefault("data", []).extend(entries or [{
+                "id": c.info.name, "object": "model", "owned_by": "llamacpp",
+                "role": c.info.role, "status": {"value": st.state.value}}])
+            if isinstance(listing.get("models"), list):
+                listing["models"].extend((theirs or {}).get("models", []))
+        body = json.dumps(listing).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        self.replies.record(route.label, 200, t0)
+
+    async def _ask_models(self, up: Upstream | None, path: str) -> dict[str, Any] | None:
+        if up is None:
+            return None
+        try:
+            r = await self.clients.get(up).get(
+                up.base_url + path, headers={"authorization": f"Bearer {up.api_key}"},
+                timeout=self.config.backend_metrics_timeout_s)
+            data = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as err:
+            log.debug("%s of %s unreadable: %s", path, up.base_url, err)
+            return None
+        return data if isinstance(data, dict) else None
 
     def _no_webui(self) -> str:
         why = self.info.webui_why or "the build's manifest records no web UI"

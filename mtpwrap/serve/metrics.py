@@ -102,13 +102,37 @@ class GapHistogram:
         yield family
 
 
+def _companion_families(rows: list[dict[str, object]]) -> Iterator[Metric]:
+    """Each companion's supervisor, labelled by its name (`model`) and role."""
+    if not rows:
+        return
+    g = GaugeMetricFamily("mtpwrap_companion_state", "1 for each companion's current state",
+                          labels=["model", "role", "state"])
+    c = CounterMetricFamily("mtpwrap_companion_restarts", "Companion restarts since start",
+                            labels=["model", "role"])
+    busy = GaugeMetricFamily("mtpwrap_companion_forwarding", "Requests a companion is "
+                             "computing now", labels=["model", "role"])
+    queued = GaugeMetricFamily("mtpwrap_companion_queue_depth", "Requests waiting for a "
+                               "companion's slot", labels=["model", "role"])
+    for row in rows:
+        name, role = str(row["name"]), str(row["role"])
+        for s in State:
+            g.add_metric([name, role, s.value], 1.0 if row["state"] == s.value else 0.0)
+        c.add_metric([name, role], float(row["restarts"]))  # type: ignore[arg-type]
+        busy.add_metric([name, role], float(row["forwarding"]))  # type: ignore[arg-type]
+        queued.add_metric([name, role], float(row["queued"]))  # type: ignore[arg-type]
+    yield from (g, c, busy, queued)
+
+
 class _LiveCollector:
     """Values read at scrape time: supervisor status, backend page, GPU."""
 
     def __init__(self, status: Callable[[], SupervisorStatus],
-                 front_stats: Callable[[], dict[str, float]]):
+                 front_stats: Callable[[], dict[str, float]],
+                 companions: Callable[[], list[dict[str, object]]]):
         self._status = status
         self._front_stats = front_stats
+        self._companions = companions
         self.backend_families: list[Metric] = []
         self.backend_up = 0.0
 
@@ -135,6 +159,7 @@ class _LiveCollector:
             g.add_metric([], value)
             yield g
 
+        yield from _companion_families(self._companions())
         g = GaugeMetricFamily("mtpwrap_backend_up", "1 when the child's /metrics page was read")
         g.add_metric([], self.backend_up)
         yield g
@@ -243,7 +268,8 @@ class FrontMetrics:
     """The front's instruments, all on one private registry."""
 
     def __init__(self, status: Callable[[], SupervisorStatus],
-                 front_stats: Callable[[], dict[str, float]]):
+                 front_stats: Callable[[], dict[str, float]],
+                 companions: Callable[[], list[dict[str, object]]] = list):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("mtpwrap_requests", "Requests answered, by route and status",
@@ -281,7 +307,11 @@ class FrontMetrics:
                                   registry=r)
         self.key_refused = Counter("mtpwrap_key_refused", "Requests refused by the front, by "
                                    "key name and reason", ["key", "reason"], registry=r)
-        self.live = _LiveCollector(status, front_stats)
+        self.model_requests = Counter("mtpwrap_model_requests", "Requests by the model that "
+                                      "answered them (the chat model's file, or a companion's "
+                                      "name) and status class", ["model", "status"],
+                                      registry=r)
+        self.live = _LiveCollector(status, front_stats, companions)
         r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
         for reason in ("overload", "not_ready", "draining", "queue_timeout"):

@@ -3,7 +3,9 @@
 - `/livez`: 200 whenever mtpwrap's own event loop answers; never looks at the child, so a slow
   model load or a crash loop does not get mtpwrap itself killed by a liveness probe.
 - `/readyz`: 200 only when the child is READY and the front is not draining; otherwise 503 with
-  `{"status": <state>, "reason": ...}` and `Retry-After`.
+  `{"status": <state>, "reason": ...}` and `Retry-After`. It is the chat model's readiness: a
+  companion that is down does not take the node out of a balancer. `/readyz?model=NAME` is one
+  companion's (or, with the chat model's name or `chat`, the chat model's).
 - `/healthz`: one JSON document for people (always 200): state, profile, build, model, context,
   uptime, restarts, last error, GPU memory and temperature, queue and in-flight counts.
 """
@@ -38,9 +40,31 @@ def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
     return True, {"status": "ready", "generation": st.upstream.generation}
 
 
+def companion_readiness(front: Front, name: str) -> tuple[bool, dict[str, Any]] | None:
+    """One companion's readiness; None when no companion has that name."""
+    c = front.routes.get(name)
+    if c is None:
+        return None
+    if front.draining or front.leaving:
+        return False, {"status": "draining", "reason": "mtpwrap is shutting down",
+                       "model": name}
+    st = c.supervisor.status()
+    if st.state is not State.READY or st.upstream is None:
+        return False, {"status": st.state.value, "model": name,
+                       "reason": st.reason or f"child is {st.state.value}"}
+    return True, {"status": "ready", "model": name, "generation": st.upstream.generation}
+
+
 def make_readyz(front: Front) -> Callable[[Request], Awaitable[Response]]:
-    async def readyz(_request: Request) -> Response:
-        ok, body = readiness(front)
+    async def readyz(request: Request) -> Response:
+        name = request.query_params.get("model")
+        answer = None if name in (None, "chat", front.info.model) else \
+            companion_readiness(front, str(name))
+        if name not in (None, "chat", front.info.model) and answer is None:
+            names = ", ".join(["chat", *(c.name for c in front.routes.companions)])
+            return JSONResponse({"status": "unknown", "reason": f"no model {name!r} here; "
+                                 f"ask for one of {names}"}, status_code=404)
+        ok, body = answer if answer is not None else readiness(front)
         headers = {} if ok else {"Retry-After": str(front.config.retry_after_s)}
         return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
@@ -96,6 +120,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "build_lacks": list(info.lacks),
         "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
+        "companions": [c.health() for c in front.routes.companions],
     }
 
 

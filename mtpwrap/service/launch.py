@@ -5,7 +5,7 @@ that can fail on bad input runs here, so a refusal starts nothing."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -57,6 +57,50 @@ class ChildFactory:
 
 
 @dataclass
+class CompanionFactory:
+    """The `LaunchFactory` of one companion's supervisor: its launch rendered with each start's
+    endpoint and key. A companion has no cheaper rung: after out-of-memory starts it backs
+    off and fails like any crash, without touching the chat model."""
+
+    resolved: Resolved
+    name: str
+    listen_why: str
+
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+        if step:
+            return None
+        c = self.resolved.companion(self.name)
+        spec = self.resolved.render(cfg=c.launch, api_key=api_key,
+                                    endpoint=dataclasses.replace(endpoint, why=self.listen_why))
+        return ChildSpec(argv=spec.argv, env=spec.env, launch=c.launch)
+
+
+@dataclass(frozen=True)
+class CompanionRun:
+    """What `up` decided for one companion: its name (the `model` clients send), role, model
+    file and slots, the factory its supervisor calls, where it listens and its memory plan."""
+
+    name: str
+    role: str
+    model: str
+    slots: int
+    factory: CompanionFactory
+    endpoint: Endpoint
+    plan: str
+
+    @property
+    def socket(self) -> Path | None:
+        return Path(self.endpoint.socket) if self.endpoint.socket is not None else None
+
+    def log_file(self) -> Path:
+        return paths.log_dir() / f"llama-server-{self.name}.log"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "model": self.model, "slots": self.slots,
+                "plan": self.plan, "log_file": str(self.log_file())}
+
+
+@dataclass
 class Launch:
     """Everything `up` decided before starting anything. The service's record: the deferred
     plan, run once llama-server is starting, replaces `info` (and the factory's `resolved`)."""
@@ -72,6 +116,8 @@ class Launch:
     deferred: Callable[[], None] | None = None
     #: where llama-server listens (its port, over TCP, is the supervisor's at each start)
     endpoint: Endpoint = field(default_factory=Endpoint)
+    #: the embedding and rerank models served next to the chat model, each its own child
+    companions: tuple[CompanionRun, ...] = ()
 
     @property
     def resolved(self) -> Resolved | None:
@@ -114,6 +160,15 @@ def resolve_launch(settings: Settings,
     first = r.render(endpoint=dataclasses.replace(listen, port=listen.port or 0),
                      api_key="x", slot_save_path=snapshots, webui=webui_on)
     factory = ChildFactory(r, slot_save_path=saves_in, listen_why=listen.why, webui=webui_on)
+    companions = []
+    for c in r.companions:
+        where = upstream_endpoint(r, c.name)
+        # spelled now too: a binary without --embeddings or --reranking fails here
+        r.render(cfg=c.launch, api_key="x",
+                 endpoint=dataclasses.replace(where, port=where.port or 0))
+        companions.append(CompanionRun(
+            name=c.name, role=c.role, model=c.launch.model, slots=c.launch.slots,
+            factory=CompanionFactory(r, c.name, where.why), endpoint=where, plan=c.plan_text))
 
     depth = _per_request_depth(inp.manifest)
     webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
@@ -134,7 +189,7 @@ def resolve_launch(settings: Settings,
                                for d in first.decisions],
                     warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
-                    slots=cfg.slots, endpoint=listen)
+                    slots=cfg.slots, endpoint=listen, companions=tuple(companions))
     if not r.planned and not skip:
         # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
         # made after llama-server has started, for the summary only.
@@ -152,11 +207,13 @@ def resolve_launch(settings: Settings,
     return result
 
 
-def upstream_endpoint(r: Resolved) -> Endpoint:
-    """Where this launch's llama-server listens: its UNIX socket (`run.sockets.socket_place`)
-    when the binary binds one, else loopback TCP; the port is the supervisor's."""
+def upstream_endpoint(r: Resolved, companion: str | None = None) -> Endpoint:
+    """Where this launch's llama-server (or its companion named `companion`) listens: its UNIX
+    socket (`run.sockets.socket_place`) when the binary binds one, else loopback TCP; the port
+    is the supervisor's."""
     caps = r.inputs.caps
-    place = sockets.socket_place()
+    place = (sockets.socket_place() if companion is None
+             else sockets.socket_place(name=f"companion-{companion}.sock"))
     if caps is None:
         return Endpoint(why="loopback TCP: no binary to ask")
     return listen_on(caps, str(place.path), socket_why=place.why)
@@ -224,11 +281,17 @@ def audit_config(settings: Settings) -> AuditConfig:
 
 
 def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig,
-               audit: AuditConfig | None = None) -> Front:
+               audit: AuditConfig | None = None,
+               companions: Mapping[str, Supervisor] | None = None) -> Front:
+    """The front for this launch; `companions`: each companion's supervisor, by name."""
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
+    from mtpwrap.serve.companions import CompanionInfo
     from mtpwrap.serve.front import Front
 
-    return Front(supervisor, config, launch.info, audit)
+    sups = companions or {}
+    return Front(supervisor, config, launch.info, audit,
+                 companions=[(CompanionInfo(c.name, c.role, c.model, c.slots), sups[c.name])
+                             for c in launch.companions if c.name in sups])
 
 
 def prepare(settings: Settings,

@@ -13,6 +13,7 @@ import asyncio
 import enum
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -95,15 +96,33 @@ def reread_settings(inputs: dict[str, Any]) -> Settings:
     return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
 
 
+async def _swap_companions(companions: Mapping[str, Supervisor], launch: Launch | None,
+                           drain_s: float) -> list[str]:
+    """Restart every companion (with its new launch when `launch` is given), together; what
+    failed, one phrase each."""
+    factories = {c.name: c.factory for c in launch.companions} if launch is not None else {}
+    names = list(companions)
+    results = await asyncio.gather(*(companions[n].reload(factories.get(n), drain_s)
+                                     for n in names))
+    return [f"companion {n}: {msg}" for n, (ok, msg) in zip(names, results, strict=True)
+            if not ok]
+
+
 async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore | None,
                        inputs: dict[str, Any], settings: Settings,
-                       front_config: ProxyConfig | None) -> ReloadResult:
+                       front_config: ProxyConfig | None,
+                       companions: Mapping[str, Supervisor] | None = None) -> ReloadResult:
     """`restart`: the same command again. `reload`: re-read the settings and the profile,
-    check them like `up` does (a refusal leaves the running child untouched), then swap."""
+    check them like `up` does (a refusal leaves the running child untouched), then swap.
+    Companions are restarted (and relaunched) with the chat model."""
+    companions = companions or {}
     if kind is ReloadKind.RESTART:
-        ok, message = await sup.reload(None, settings.drain_s)
-        return ReloadResult(ReloadOutcome.OK if ok else ReloadOutcome.FAILED, message,
-                            0 if ok else 1)
+        (ok, message), failed = await asyncio.gather(
+            sup.reload(None, settings.drain_s),
+            _swap_companions(companions, None, settings.drain_s))
+        message = "; ".join([message, *failed])
+        return ReloadResult(ReloadOutcome.OK if ok and not failed else ReloadOutcome.FAILED,
+                            message, 0 if ok and not failed else 1)
     try:
         new_settings = await asyncio.to_thread(reread_settings, inputs)
         # llama-server keeps the running store's directory (persist settings wait for a restart)
@@ -119,6 +138,14 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
             f"listens on {launch.endpoint.describe()}, the running one on "
             f"{'unix socket ' + str(sup.socket) if sup.socket else 'loopback TCP'}; restart "
             "mtpwrap to change where llama-server listens.", EXIT_CONFIG)
+    now_names = sorted(companions)
+    new_names = sorted(c.name for c in launch.companions)
+    if now_names != new_names:
+        return ReloadResult(
+            ReloadOutcome.REFUSED, "not reloaded, llama-server left as it was: the companions "
+            f"would change from {', '.join(now_names) or 'none'} to "
+            f"{', '.join(new_names) or 'none'}; restart mtpwrap to add or remove a companion.",
+            EXIT_CONFIG)
     notes = []
     if (new_settings.host, new_settings.port) != (settings.host, settings.port):
         notes.append("the listen address changes only when mtpwrap restarts")
@@ -126,8 +153,10 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         notes.append("proxy settings change only when mtpwrap restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
         notes.append("persist settings change only when mtpwrap restarts")
-    ok, message = await sup.reload(launch.factory, new_settings.drain_s)
-    message = "; ".join([message, *notes])
-    if not ok:
+    (ok, message), failed = await asyncio.gather(
+        sup.reload(launch.factory, new_settings.drain_s),
+        _swap_companions(companions, launch, new_settings.drain_s))
+    message = "; ".join([message, *failed, *notes])
+    if not ok or failed:
         return ReloadResult(ReloadOutcome.FAILED, message, 1)
     return ReloadResult(ReloadOutcome.OK, message, 0, launch, cfg, new_settings)

@@ -106,6 +106,13 @@ class Service:
         self.store = open_snapshots(settings)
         self.sup = Supervisor(launch.factory, self.config, snapshots=self.store,
                               socket=launch.socket)
+        #: one supervisor per companion: its own child, log, backoff and wedge watch; its
+        #: failures never touch the chat model's
+        self.companions = {
+            c.name: Supervisor(c.factory, dataclasses.replace(self.config,
+                                                              log_file=c.log_file()),
+                               socket=c.socket)
+            for c in launch.companions}
         self.url = public_url(settings.host, settings.port)
         self.exit_on_failed = exit_on_failed(supervisor_values(settings, launch),
                                              under_systemd=self.notifier.enabled)
@@ -139,6 +146,9 @@ class Service:
         sup.carrier.on_report = self.record
         self.record()
         await sup.start()
+        for c in self.companions.values():
+            c.add_listener(self._on_companion_state)
+            await c.start()
         for _ in range(200):
             if sup.status().pid is not None or sup.state is not State.STARTING:
                 break
@@ -148,13 +158,17 @@ class Service:
         try:
             import uvicorn
 
-            front = make_front(sup, self.launch, self.front_config, audit_config(self.settings))
+            front = make_front(sup, self.launch, self.front_config, audit_config(self.settings),
+                               self.companions)
             server_config = front.server_config(timeout_graceful_shutdown=5)
             sup.busy = lambda: front.forwarding
+            for name, c in self.companions.items():
+                c.busy = front.companion_forwarding(name)
             self.front = front
             self.record()
         except BaseException:
-            await sup.stop()  # never leave a child behind a front that could not start
+            # never leave a child behind a front that could not start
+            await asyncio.gather(sup.stop(), *(c.stop() for c in self.companions.values()))
             raise
 
         class _Server(uvicorn.Server):
@@ -195,6 +209,8 @@ class Service:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.force_exit.wait(), settings.drain_grace_s)
         sup.begin_drain()
+        for c in self.companions.values():
+            c.begin_drain()
         notifier.stopping("draining: finishing in-flight requests")
         drain_task = asyncio.create_task(front.drain(settings.drain_s))
         force_task = asyncio.create_task(self.force_exit.wait())
@@ -204,7 +220,8 @@ class Service:
             t.cancel()
         notifier.status("stopping llama-server")
         self._tasks["reload"].cancel()
-        await sup.stop(0.0 if self.force_exit.is_set() else sup.config.stop_grace_s)
+        grace = 0.0 if self.force_exit.is_set() else sup.config.stop_grace_s
+        await asyncio.gather(sup.stop(grace), *(c.stop(grace) for c in self.companions.values()))
         if self.store is not None:
             self.store.clear()  # a clean stop: the snapshots (the clients' prompts) go
         self._server.should_exit = True
@@ -286,7 +303,7 @@ class Service:
             self.notifier.status(f"{kind.value}ing llama-server")
             try:
                 res = await apply_reload(kind, self.sup, self.store, self.inputs,
-                                         self.settings, self.front_config)
+                                         self.settings, self.front_config, self.companions)
             except Exception as exc:  # a reload must never take the service down
                 log.exception("%s failed", kind.value)
                 res = ReloadResult(ReloadOutcome.FAILED, f"{kind.value} failed: {exc}", 1)
@@ -334,9 +351,14 @@ class Service:
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **self._base, "child_pid": st.pid,
                 "child_pgid": st.pid, "updated_at": time.time(), "reload": reload,
-                "persist": sup.carrier.report}
+                "persist": sup.carrier.report,
+                "companions": [{**run.to_dict(), **self.companions[run.name].status().to_dict()}
+                               for run in self.launch.companions]}
         with contextlib.suppress(OSError):
             instance.write_instance(data)
+
+    def _on_companion_state(self, old: State, new: State, reason: str | None) -> None:
+        self.record()
 
     def _on_state(self, old: State, new: State, reason: str | None) -> None:
         self.record()

@@ -67,6 +67,8 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
         ("audit", _audit_line(settings)),
     ]
+    rows += [(c.role, f"{c.name}: {c.model}, {c.slots} slot(s), memory {c.plan}")
+             for c in launch.companions]
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
     out += [f"  warning: {w}" for w in launch.warnings]
     return out
