@@ -153,26 +153,30 @@ def test_a_companion_crash_leaves_chat_alone(with_embedding: Instance) -> None:
     assert status["companions"][0]["state"] == "ready"
 
 
-def test_rerank_routed_to_the_reranker(tmp_path: Path, llama_server_bin: Path,
-                                       demo_model: Path) -> None:
-    for inst in _up(tmp_path, llama_server_bin, demo_model, [
-            {"role": "rerank", "model": str(demo_model), "context": 512, "threads": 1}]):
-        base = inst.base
-        wait_for("the reranker ready", lambda: _companion_ready(base, "rerank"), 120)
-        docs = ["A lease is a contract for the use of property.", "The cat sat on the mat.",
-                "Rent is due on the first day of each month."]
-        for path in ("/v1/rerank", "/rerank"):
-            r = httpx.post(f"{base}{path}", timeout=60, json={
-                "model": "rerank", "query": "When is the rent due?", "documents": docs})
-            assert r.status_code == 200, r.text
-            assert r.headers["x-mtpwrap-answered-by"] == "llama-server"
-            results = r.json()["results"]
-            assert sorted(x["index"] for x in results) == [0, 1, 2]
-            assert all(isinstance(x["relevance_score"], float) for x in results)
-        # no embedding companion here: the chat model's llama-server answers for itself
-        r = httpx.post(f"{base}/v1/embeddings", json={"input": "x"}, timeout=60)
-        assert r.status_code == 501, r.text
-        assert "embeddings" in r.text.lower()
-        # an unknown readiness name is a 404 that lists the names
-        r = httpx.get(f"{base}/readyz", params={"model": "nope"}, timeout=10)
-        assert r.status_code == 404 and "rerank" in r.json()["reason"]
+@pytest.fixture
+def with_reranker(tmp_path: Path, llama_server_bin: Path, demo_model: Path
+                  ) -> Iterator[Instance]:
+    yield from _up(tmp_path, llama_server_bin, demo_model, [
+        {"role": "rerank", "model": str(demo_model), "context": 512, "threads": 1}])
+
+
+def test_rerank_routed_to_the_reranker(with_reranker: Instance) -> None:
+    base = with_reranker.base
+    wait_for("the reranker ready", lambda: _companion_ready(base, "rerank"), 120)
+    docs = ["A lease is a contract for the use of property.", "The cat sat on the mat.",
+            "Rent is due on the first day of each month."]
+    for path in ("/v1/rerank", "/rerank"):
+        r = httpx.post(f"{base}{path}", timeout=60, json={
+            "model": "rerank", "query": "When is the rent due?", "documents": docs})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-mtpwrap-answered-by"] == "llama-server"
+        results = r.json()["results"]
+        assert sorted(x["index"] for x in results) == [0, 1, 2]
+        assert all(isinstance(x["relevance_score"], float) for x in results)
+    # no embedding companion here: the chat model's llama-server answers for itself
+    r = httpx.post(f"{base}/v1/embeddings", json={"input": "x"}, timeout=60)
+    assert r.status_code == 501, r.text
+    assert "embeddings" in r.text.lower()
+    # an unknown readiness name is a 404 that lists the names
+    r = httpx.get(f"{base}/readyz", params={"model": "nope"}, timeout=10)
+    assert r.status_code == 404 and "rerank" in r.json()["reason"]

@@ -485,9 +485,11 @@ def check_fits(p: MemoryPlan) -> None:
     best = ", ".join(f"{t}: {n:,}" for t, n in p.largest_context.items() if n > 0)
     hint = f" Largest context that fits per KV type — {best}." if best else (
         " No context fits with these settings; use fewer GPU layers or a smaller model.")
+    others = "".join(f", {what} {n / GiB:.2f} GiB" for what, n, _note in p.config.reserved)
     raise ConfigError(
         f"{p.model}: context {p.context:,} with KV {p.config.type_k}/{p.config.type_v}"
-        f"{' and MTP' if p.config.spec == 'mtp' else ''} needs {p.total / GiB:.2f} GiB on the "
+        f"{' and MTP' if p.config.spec == 'mtp' else ''}{' beside its' if others else ''}"
+        f"{others.removeprefix(',')} needs {p.total / GiB:.2f} GiB on the "
         f"device plus a {p.config.margin / GiB:.2f} GiB margin, but the device has "
         f"{p.device_bytes / GiB:.2f} GiB (short by {-p.headroom / GiB:.2f} GiB).{hint}"
     )
