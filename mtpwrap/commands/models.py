@@ -59,16 +59,18 @@ def known_cmd(as_json: bool) -> None:
 @command.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def list_cmd(as_json: bool) -> None:
-    """List the GGUF files in the models directory, with their MTP (nextn) head."""
+    """List the GGUF files in the models directory, with their role (chat, embedding, rerank)
+    and MTP (nextn) head."""
     from mtpwrap import console, paths
     from mtpwrap.models import inspect, known
 
     rows = known.list_models()
     for r in rows:
         try:
-            r["mtp"] = inspect.describe(Path(str(r["path"])))[0]["mtp"]["state"]
+            info = inspect.describe(Path(str(r["path"])))[0]
+            r["role"], r["mtp"] = info["role"], info["mtp"]["state"]
         except ConfigError as exc:
-            r["mtp"] = f"unreadable: {exc.message}"
+            r["role"], r["mtp"] = None, f"unreadable: {exc.message}"
     if as_json:
         console.print_json(rows)
         return
@@ -77,8 +79,9 @@ def list_cmd(as_json: bool) -> None:
         return
     console.table(
         None,
-        ["name", "size (MB)", "MTP", "path"],
-        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["mtp"], r["path"]] for r in rows],
+        ["name", "size (MB)", "role", "MTP", "path"],
+        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["role"], r["mtp"], r["path"]]
+         for r in rows],
     )
 
 
@@ -94,8 +97,10 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def inspect_cmd(file: str, gpu: str | None, replay: Path | None, binary: Path | None,
                 as_json: bool) -> None:
-    """What a GGUF is (architecture, size, quantisation, attention, MTP head, chat template),
-    the KV cache types it admits, and the profiles that fit it."""
+    """What a GGUF is (role: chat, embedding or rerank, with its pooling and dimensions;
+    architecture, size, quantisation, attention, MTP head, chat template), the KV cache types
+    it admits, and the profiles that fit it (an embedding or rerank model: served as a
+    companion)."""
     from mtpwrap import console
     from mtpwrap.decide import hardware
     from mtpwrap.models import inspect, known
@@ -121,17 +126,29 @@ def _show(info: dict[str, Any]) -> None:
     head = info["head_size"]
     window = f" of {info['sliding_window']}" if info["swa_layers"] else ""
     kv_heads = "/".join(map(str, info["kv_heads"]))
+    dims = (f"{info['embedding_dimensions']:,} score(s) per input (the classifier's outputs)"
+            if info["role"] == "rerank" else
+            f"{info['embedding_dimensions']:,} values per embedding"
+            + (" (with --embeddings)" if info["role"] == "chat" else ""))
+    causal = {True: "causal", False: "bidirectional"}.get(info["causal_attention"],
+                                                          "causal (not in the header)")
+    layers = (f"{info['layers']} ({info['kv_layers']} with KV, {info['swa_layers']} "
+              f"sliding-window{window}, {info['recurrent_layers']} recurrent)"
+              if info["kv_cache"] else
+              f"{info['layers']} (no KV cache: llama.cpp runs {info['architecture']} without one)")
     lines = [
         ("file", f"{info['file']} ({info['size_bytes'] / 1e6:,.0f} MB)"),
+        ("role", f"{info['role']} — {info['role_why']}"),
+        ("pooling", info["pooling"] or "none in the header"),
+        ("dimensions", dims),
         ("architecture", f"{info['architecture']}" + (f" ({info['name']})" if info["name"]
                                                       else "")),
         ("parameters", f"{info['parameters'] / 1e9:.3f} B"),
         ("quantisation", ", ".join(f"{t} {v['bytes'] / 1e6:,.0f} MB ({v['tensors']} tensors)"
                                    for t, v in info["quantisation"].items())),
         ("trained context", f"{info['context_trained']:,}"),
-        ("layers", f"{info['layers']} ({info['kv_layers']} with KV, {info['swa_layers']} "
-                   f"sliding-window{window}, {info['recurrent_layers']} recurrent)"),
-        ("attention", f"{info['heads']} heads, KV heads {kv_heads}, "
+        ("layers", layers),
+        ("attention", f"{causal}, {info['heads']} heads, KV heads {kv_heads}, "
                       f"head size K {head['k']} V {head['v']}"
                       + (f" (sliding-window K {head['k_swa']} V {head['v_swa']})"
                          if "k_swa" in head else "")),
@@ -144,11 +161,19 @@ def _show(info: dict[str, Any]) -> None:
         console.out.print(f"{k:>16}: {v}", markup=False, highlight=False)
     for w in info["warnings"]:
         console.warn(w)
-    console.table(f"KV cache types ({info['kv_types_from']})", ["type", "bits", "K", "V", "why"],
-                  [[r["type"], f"{r['bits']:.3g}" if r["bits"] else "?", "yes" if r["k"] else "no",
-                    "yes" if r["v"] else "no",
-                    "" if r["k"] and r["v"] and r["checked"] else r["reason"]]
-                   for r in info["kv"]])
+    if info["kv"]:
+        console.table(f"KV cache types ({info['kv_types_from']})",
+                      ["type", "bits", "K", "V", "why"],
+                      [[r["type"], f"{r['bits']:.3g}" if r["bits"] else "?",
+                        "yes" if r["k"] else "no", "yes" if r["v"] else "no",
+                        "" if r["k"] and r["v"] and r["checked"] else r["reason"]]
+                       for r in info["kv"]])
+    else:
+        console.out.print(f"{'KV cache types':>16}: {info['kv_types_from']}", markup=False,
+                          highlight=False)
+    if "companion" in info:
+        console.out.print(f"{'profiles':>16}: {info['companion']}", markup=False,
+                          highlight=False)
     rows = info.get("profiles", [])
     gpu_only = [r["profile"] for r in rows if r["note"] == "needs a GPU"]
     shown = [r for r in rows if r["note"] != "needs a GPU"]

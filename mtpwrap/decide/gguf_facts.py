@@ -1,4 +1,5 @@
-"""Model facts from a GGUF header: what the memory planner needs, without reading tensor data.
+"""Model facts from a GGUF header: what the memory planner needs, and what the model is made
+for (chat, embedding, rerank: `model_role`), without reading tensor data.
 
 The header is walked directly with the `gguf` package's constants (value types, quantization
 block sizes) instead of `gguf.GGUFReader`: the reader materialises every vocabulary string and
@@ -41,6 +42,28 @@ KNOWN_ARCHS = {
     "cohere2", "exaone", "internlm2", "starcoder2", "stablelm", "gpt-oss", "openai-moe",
     "glm4", "glm4moe",
 }
+#: llama.cpp's enum llama_pooling_type (include/llama.h), the values of `{arch}.pooling_type`;
+#: -1 (unspecified) is read as no pooling type at all.
+POOLING_NAMES = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+#: bidirectional encoders (llama.cpp builds them without a causal mask): a text encoder without a
+#: classifier head is made for embeddings.
+ENCODER_ARCHS = frozenset({
+    "bert", "modern-bert", "nomic-bert", "nomic-bert-moe", "neo-bert", "jina-bert-v2",
+    "jina-bert-v3", "eurobert", "gemma-embedding", "t5encoder",
+})
+#: architectures llama.cpp runs without a KV cache (llama_model::create_memory gives none).
+NO_KV_CACHE = frozenset({
+    "bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert",
+    "eurobert", "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada",
+    "llada-moe", "rnd1",
+})
+#: the classifier head (llama.cpp's LLM_TENSOR_CLS "cls", CLS_OUT "cls.output", CLS_NORM
+#: "cls.norm"): llama.cpp applies it only with rank pooling.
+CLASSIFIER_TENSORS = ("cls.weight", "cls.bias", "cls.output.weight", "cls.output.bias",
+                      "cls.norm.weight")
+#: `general.type` values of GGUF files that are not models (gguf's GGUFType)
+NOT_A_MODEL = {"adapter": "a LoRA adapter", "imatrix": "an importance matrix",
+               "mmproj": "a multimodal projector"}
 #: tensors llama.cpp always keeps in host memory (the input embedding is a row lookup).
 HOST_TENSORS = re.compile(r"^(token_embd|per_layer_token_embd|token_types)\.")
 _BLK = re.compile(r"^blk\.(\d+)\.")
@@ -94,6 +117,18 @@ class ModelFacts:
     layer_bytes: dict[int, int]  #: per block
     data_offset: int
     warnings: list[str] = field(default_factory=list)
+    #: `{arch}.pooling_type` (llama_pooling_type); None when absent or -1 (unspecified)
+    pooling_type: int | None = None
+    #: `{arch}.attention.causal`; None when absent (llama.cpp's default is causal)
+    causal_attention: bool | None = None
+    #: entries of `{arch}.classifier.output_labels`
+    classifier_labels: int = 0
+    #: classifier head tensors present (CLASSIFIER_TENSORS), name → shape (ggml order)
+    classifier_tensors: dict[str, list[int]] = field(default_factory=dict)
+    #: `{arch}.embedding_length_out` (0: absent, the output is n_embd wide)
+    embedding_length_out: int = 0
+    #: whether llama.cpp keeps a KV cache for this architecture (encoders: none)
+    kv_cache: bool = True
 
     @property
     def n_layer(self) -> int:
@@ -107,6 +142,21 @@ class ModelFacts:
     @property
     def hybrid(self) -> bool:
         return bool(self.recurrent_layers)
+
+    @property
+    def pooling(self) -> str | None:
+        """The pooling type's name (llama-server's --pooling spelling), None when absent."""
+        return POOLING_NAMES.get(self.pooling_type) if self.pooling_type is not None else None
+
+    @property
+    def n_embd_out(self) -> int:
+        """Values per embedding (llama.cpp's n_embd_out)."""
+        return self.embedding_length_out or self.n_embd
+
+    @property
+    def n_cls_out(self) -> int:
+        """Scores per input with rank pooling (llama.cpp's n_cls_out: the labels, else 1)."""
+        return self.classifier_labels or 1
 
     def kv_heads(self, il: int) -> tuple[int, int, int]:
         """(K head size, V head size, KV heads) of layer il."""
@@ -126,6 +176,71 @@ class ModelFacts:
         d["n_layer"] = self.n_layer
         d["layer_bytes"] = {str(k): v for k, v in self.layer_bytes.items()}
         return d
+
+
+def model_role(f: ModelFacts) -> tuple[str, str]:
+    """What the file is made for — "embedding", "rerank" or "chat" — and which header facts
+    decided it, in one line. Rank pooling or a classifier head that scores (cls.output, or a
+    one-row cls.weight as jina-reranker-v1 has) is a reranker; a pooling type (mean, cls, last)
+    or a bidirectional encoder without one is an embedding model; anything else is a chat model
+    (which llama-server can still serve with --embeddings)."""
+    a = f.architecture
+    pooled = f"{a}.pooling_type is {f.pooling_type} ({f.pooling})" if f.pooling else None
+    head = [n for n, shape in f.classifier_tensors.items()
+            if n.startswith("cls.output.") or (n == "cls.weight" and shape[1:] == [1])]
+    labels = f", {f.classifier_labels} classifier label(s)" if f.classifier_labels else ""
+    if f.pooling == "rank":
+        tensors = (f", classifier tensors {', '.join(f.classifier_tensors)}"
+                   if f.classifier_tensors else ", no classifier tensors")
+        return "rerank", f"{pooled}{tensors}{labels}"
+    if head:
+        return "rerank", (f"classifier tensors {', '.join(head)} score the input"
+                          f"{labels} ({pooled or f'no {a}.pooling_type'})")
+    if pooled and f.pooling != "none":
+        return "embedding", pooled
+    causal = (f"no {a}.attention.causal" if f.causal_attention is None
+              else f"{a}.attention.causal is {'true' if f.causal_attention else 'false'}")
+    if a in ENCODER_ARCHS and f.causal_attention is not True:
+        return "embedding", (f"{a} is a bidirectional encoder ({causal}) without classifier "
+                             f"tensors ({pooled or f'no {a}.pooling_type'})")
+    why = [pooled or f"no {a}.pooling_type", "no classifier head"]
+    if f.causal_attention is False:
+        why.append(f"{causal}, but {a} is not an encoder architecture")
+    elif f.causal_attention is None:
+        why.append(f"causal attention ({causal}: llama.cpp's default)")
+    else:
+        why.append(f"causal attention ({causal})")
+    return "chat", ", ".join(why)
+
+
+def _role_facts(meta: dict[str, Any], infos: list[TensorInfo], arch: str, path: Path,
+                warnings: list[str]) -> dict[str, Any]:
+    """The header facts that say what a model is made for (`model_role`), as ModelFacts
+    fields."""
+    a = arch + "."
+    pooling: int | None = None
+    raw = meta.get(a + "pooling_type")
+    if raw is not None:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"{path}: {a}pooling_type is {raw!r}; an integer "
+                              "(llama_pooling_type, 0 none … 4 rank) was expected.")
+        pooling = raw - (1 << 32) if raw >= 1 << 31 else raw  # -1 written as uint32
+        if pooling == -1:
+            pooling = None
+        elif pooling not in POOLING_NAMES:
+            warnings.append(f"{a}pooling_type is {pooling}, which llama.cpp does not know "
+                            "(0 none, 1 mean, 2 cls, 3 last, 4 rank); the role ignores it")
+    causal = meta.get(a + "attention.causal")
+    labels = meta.get(a + "classifier.output_labels")
+    return {
+        "pooling_type": pooling,
+        "causal_attention": None if causal is None else bool(causal),
+        "classifier_labels": len(labels) if isinstance(labels, (list, _Skipped)) else 0,
+        "classifier_tensors": {t.name: list(t.shape) for t in infos
+                               if t.name in CLASSIFIER_TENSORS},
+        "embedding_length_out": int(meta.get(a + "embedding_length_out", 0) or 0),
+        "kv_cache": arch not in NO_KV_CACHE,
+    }
 
 
 class _Header:
@@ -378,6 +493,10 @@ def read_facts(path: Path) -> ModelFacts:
             _m, more, _off, more_size = read_header(shard)
             infos = infos + more
             size += more_size
+    kind = meta.get("general.type")
+    if kind in NOT_A_MODEL:
+        raise ConfigError(f"{path}: general.type is {kind!r}, {NOT_A_MODEL[kind]}, not a model; "
+                          "pass the model's own .gguf file.")
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ConfigError(f"{path}: the GGUF has no general.architecture key; it is not a "
@@ -426,4 +545,5 @@ def read_facts(path: Path) -> ModelFacts:
         recurrent_inner=d_inner if recurrent else 0,
         n_expert=int(get("expert_count", 0)), n_expert_used=int(get("expert_used_count", 0)),
         n_ff=n_ff, data_offset=data_offset, warnings=warnings, **_tensor_sums(infos, n_trunk),
+        **_role_facts(meta, infos, arch, Path(path), warnings),
     )

@@ -324,6 +324,10 @@ def _cache_rows(facts: ModelFacts, cfg: PlanConfig, cells: int, streams: int, kv
     (src/llama-memory-recurrent.cpp, `n_rows = mem_size * (1 + n_rs_seq)`, mem_size from
     src/llama-model.cpp); n_rs_seq is the draft depth with MTP (common/common.cpp of the fork
     at 0bc0a27 for --spec-type mtp; upstream's common.h need_n_rs_seq for draft-mtp)."""
+    if not facts.kv_cache:  # an encoder (bert, ...): llama.cpp makes no KV cache for it
+        return [Row("main KV", 0, kv_on, f"none: llama.cpp runs {facts.architecture} without "
+                                         "a KV cache"),
+                Row("recurrent state", 0, kv_on, "none (no recurrent layers)")]
     swa = _swa_cells(facts, cells, cfg) if facts.swa_layers else None
     main_kv = kv_bytes(facts, facts.kv_layers, cells, streams, cfg.type_k, cfg.type_v, cfg,
                        kv_sizes, swa)

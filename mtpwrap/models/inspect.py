@@ -1,7 +1,8 @@
-"""`models inspect`: what a GGUF is, from its header alone — architecture, size, quantisation,
-attention shape, MTP head —, the KV cache types it admits (the one admission rule,
-`decide.kv.admits`) and the profiles that fit it on a GPU (through `decide.resolve`, the one
-planner caller)."""
+"""`models inspect`: what a GGUF is, from its header alone — what it is made for (chat,
+embedding, rerank: `gguf_facts.model_role`), architecture, size, quantisation, attention shape,
+MTP head —, the KV cache types it admits (the one admission rule, `decide.kv.admits`) and the
+profiles that fit it on a GPU (through `decide.resolve`, the one planner caller); an embedding or
+rerank model is served as a companion instead."""
 
 from __future__ import annotations
 
@@ -63,11 +64,17 @@ def describe(path: Path) -> tuple[dict[str, Any], ModelFacts]:
         row["bytes"] += t.n_bytes
     mix = dict(sorted(mix.items(), key=lambda kv_: -kv_[1]["bytes"]))
     trunk_kv = sorted({facts.kv_heads(il)[2] for il in facts.kv_layers})
+    role, role_why = gguf_facts.model_role(facts)
     info: dict[str, Any] = {
         "file": str(path),
         "size_bytes": facts.file_size,
         "architecture": facts.architecture,
         "name": facts.name,
+        "role": role,
+        "role_why": role_why,
+        "pooling": facts.pooling,
+        "embedding_dimensions": facts.n_cls_out if role == "rerank" else facts.n_embd_out,
+        "causal_attention": facts.causal_attention,
         "parameters": sum(math.prod(t.shape) for t in tensors),
         "quantisation": mix,
         "file_type": next(iter(mix), None),
@@ -81,7 +88,8 @@ def describe(path: Path) -> tuple[dict[str, Any], ModelFacts]:
         "head_size": {"k": facts.head_dim_k, "v": facts.head_dim_v,
                       **({"k_swa": facts.head_dim_k_swa, "v_swa": facts.head_dim_v_swa}
                          if facts.head_dim_k_swa else {})},
-        "kv_layers": len(facts.kv_layers),
+        "kv_cache": facts.kv_cache,
+        "kv_layers": len(facts.kv_layers) if facts.kv_cache else 0,
         "swa_layers": len(facts.swa_layers),
         "sliding_window": facts.sliding_window or None,
         "recurrent_layers": len(facts.recurrent_layers),
@@ -163,13 +171,29 @@ def inspect(path: Path, *, snapshot: HardwareSnapshot | None = None,
             profiles: bool = True) -> dict[str, Any]:
     """Everything `models inspect` shows, as data."""
     info, facts = describe(path)
-    types, source = offered_kv_types(caps)
     backend = "cuda" if snapshot is not None and snapshot.gpus else "cpu"
-    info["kv_types_from"] = source
-    info["kv"] = kv_admission(facts, types, backend=backend)
+    if facts.kv_cache:
+        types, source = offered_kv_types(caps)
+        info["kv_types_from"] = source
+        info["kv"] = kv_admission(facts, types, backend=backend)
+    else:
+        info["kv_types_from"] = f"none: llama.cpp runs {facts.architecture} without a KV cache"
+        info["kv"] = []
     if snapshot is not None:
         gpu = (snapshot.gpus[0].name or "GPU 0") if snapshot.gpus else "CPU only"
         info["hardware"] = f"{gpu} ({snapshot.source})"
-    if profiles:
+    if profiles and info["role"] != "chat":
+        info["profiles"] = []
+        info["companion"] = companion_note(info["role"], facts.pooling)
+    elif profiles:
         info["profiles"] = fitting_profiles(path, snapshot, caps, kv_sizes)
     return info
+
+
+def companion_note(role: str, pooling: str | None) -> str:
+    """Where an embedding or rerank model goes instead of a chat profile, in one line."""
+    serves = ("--reranking" if role == "rerank"
+              else "--embeddings" + (f" --pooling {pooling}" if pooling else ""))
+    article = "an" if role[:1] in "aeiou" else "a"
+    return (f"{article} {role} model is served as a companion next to a chat model (a profile's "
+            f"`companions:` list, role: {role}; llama-server {serves}), not by a chat profile")
