@@ -13,6 +13,8 @@ from pathlib import Path
 from mtpwrap import paths
 from mtpwrap.config.options import shown
 from mtpwrap.config.table import (
+    COMPANION,
+    COMPANION_REQUIRED,
     DEFAULT_CONFIG_FILE,
     REFUSED,
     SECTIONS,
@@ -79,6 +81,13 @@ def _row(dotted: str, k: Key) -> str:
             f"{_cell(k.help)} |")
 
 
+def _companion_row(name: str, k: Key) -> str:
+    kind = " / ".join(k.choices) if k.choices else (
+        k.expect or _KINDS[k.kind] + (f" ({k.unit})" if k.unit else ""))
+    default = "" if k.default is None else f"`{shown(k)}`"
+    return f"| `{name}` | {_cell(kind)} | {default} | {_cell(k.help)} |"
+
+
 def render() -> str:
     out = [HEADER]
     head = "| key | type | default | variable, flag | meaning |\n| --- | --- | --- | --- | --- |"
@@ -86,6 +95,13 @@ def render() -> str:
     for section, keys in SECTIONS.items():
         out += [f"## `{section}:`\n", head,
                 *(_row(f"{section}.{name}", k) for name, k in keys.items()), ""]
+    out += ["## A profile's `companions:`\n",
+            "Each item of a profile's `companions:` list is an embedding or rerank model served "
+            "by its own llama-server next to the chat model (docs/operations/companions.md). "
+            "These are profile keys only: no variable, no flag. Required: "
+            + ", ".join(f"`{k}`" for k in COMPANION_REQUIRED) + ".\n",
+            "| key | type | default | meaning |\n| --- | --- | --- | --- |",
+            *(_companion_row(name, k) for name, k in COMPANION.items()), ""]
     out += ["## Refused keys\n", "| key | why |\n| --- | --- |",
             *(f"| `{dotted}` | {_cell(why)} |" for dotted, why in REFUSED.items()), ""]
     return "\n".join(out)

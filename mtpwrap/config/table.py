@@ -263,7 +263,7 @@ COMPANION: dict[str, Key] = {
     "device": Key("str", "cpu", "Where it computes: cpu (RAM, and threads taken from the chat "
                                 "model's share) or gpu (its bytes come off the GPU before the "
                                 "chat model is planned).", choices=("cpu", "gpu")),
-    "context": Key("int", 2048, "Tokens of context (every slot's share).", "tokens",
+    "context": Key("int", 2048, "Tokens of context, shared by its slots.", "tokens",
                    lambda v: 64 <= v <= 1 << 20, "an integer 64..1048576"),
     "slots": Key("int", 1, "Requests it computes at once (llama-server's -np).", "",
                  lambda v: 1 <= v <= 64, "an integer 1..64"),
