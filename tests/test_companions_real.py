@@ -118,6 +118,9 @@ def test_chat_and_embeddings_side_by_side(with_embedding: Instance) -> None:
     assert 'mtpwrap_model_requests_total{model="legal-embed",status="2xx"} 2.0' in metrics
     assert 'mtpwrap_companion_state{model="legal-embed",role="embedding",state="ready"} 1.0' \
         in metrics
+    page = httpx.get(f"{base}/status.json", timeout=10).json()
+    assert [(c["name"], c["role"], c["state"]) for c in page["companions"]] == [
+        ("legal-embed", "embedding", "ready")]
     audit_dir = Path(with_embedding.env["MTPWRAP_HOME"]) / "audit"
     lines = [json.loads(line) for f in sorted(audit_dir.glob("audit-*.jsonl"))
              for line in f.read_text().splitlines()]

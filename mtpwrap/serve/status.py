@@ -2,7 +2,7 @@
 framework, refreshing itself every few seconds from `/status.json`) and `/status.json`.
 
 It shows the state, the model and profile, slots busy, the queue by class, tokens/s over the
-last minute, each key's usage today, the last refusals, and GPU memory and temperature (NVML).
+last minute, each companion (embedding, rerank) with its state, each key's usage today, the last refusals, and GPU memory and temperature (NVML).
 Both need a key with the `metrics` or `admin` scope; a browser may give it as the password of
 HTTP Basic authentication (the page's 401 asks for it), so the page works without a plugin.
 The page's script writes text only (`textContent`), never markup, and a Content-Security-Policy
@@ -67,6 +67,8 @@ async function refresh() {
     $("slots").textContent = s.slots.busy + " of " + s.slots.total;
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
+    fill("companions", s.companions, [["name"], ["role"], ["state"], ["restarts", 1],
+         ["forwarding", 1], ["queued", 1]]);
     fill("usage", s.usage_today, [["key"], ["requests", 1], ["refused", 1],
          ["prompt_tokens", 1], ["completion_tokens", 1]]);
     fill("refusals", s.refusals, [["time"], ["key"], ["route"], ["status", 1], ["reason"]]);
@@ -97,6 +99,9 @@ _HTML = f"""<!doctype html>
 <tr><th>queued</th><td id="queue"></td></tr>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
 </tbody></table>
+<h2>Companions</h2>
+<table><thead><tr><th>name</th><th>role</th><th>state</th><th>restarts</th><th>computing</th>
+<th>queued</th></tr></thead><tbody id="companions"></tbody></table>
 <h2>Usage today (UTC)</h2>
 <table><thead><tr><th>key</th><th>requests</th><th>refused</th><th>prompt tokens</th>
 <th>completion tokens</th></tr></thead><tbody id="usage"></tbody></table>
@@ -133,6 +138,7 @@ def document(front: Front) -> dict[str, Any]:
         "tokens_per_s": round(trail.tokens_per_s(), 2),
         "usage_today": trail.usage_today(),
         "refusals": list(reversed(trail.refusals)),
+        "companions": [c.health() for c in front.routes.companions],
         "gpus": [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
                   "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
                  for g in gpu_samples()],
