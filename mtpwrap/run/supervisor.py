@@ -90,8 +90,12 @@ class _Reload:
 
 class Supervisor:
     def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None,
-                 snapshots: SnapshotStore | None = None, socket: Path | None = None) -> None:
+                 snapshots: SnapshotStore | None = None, socket: Path | None = None,
+                 name: str | None = None) -> None:
         self._factory = factory
+        #: its log lines' logger: `mtpwrap.supervisor`, `mtpwrap.supervisor.NAME` for a
+        #: companion's
+        self.log = log if name is None else log.getChild(name)
         #: llama-server's UNIX socket (None: loopback TCP on a fresh port each start)
         self.socket = socket
         #: KV slots carried across restarts (a no-op without `snapshots`)
@@ -178,7 +182,7 @@ class Supervisor:
             return  # a stream on a child that is already gone
         if self._state is not State.READY:
             return
-        log.warning("front reports a stalled stream on child generation %d: %s",
+        self.log.warning("front reports a stalled stream on child generation %d: %s",
                     generation, reason)
         self._stall_report = (generation, reason)
         self._wake.set()
@@ -234,7 +238,7 @@ class Supervisor:
                 if old is not State.STOPPED:
                     self._reason = reason
             else:
-                log.warning("state %s -> %s refused (%s)", old.value, new.value, reason)
+                self.log.warning("state %s -> %s refused (%s)", old.value, new.value, reason)
             return
         if new is old and reason == self._reason:
             return
@@ -244,14 +248,15 @@ class Supervisor:
         elif old is State.READY:
             self._ready_since = None
         level = logging.WARNING if new in (State.BACKOFF, State.FAILED) else logging.INFO
-        log.log(level, "state %s -> %s%s", old.value, new.value, f": {reason}" if reason else "")
+        self.log.log(level, "state %s -> %s%s", old.value, new.value,
+                     f": {reason}" if reason else "")
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
         for cb in list(self._listeners):
             try:
                 cb(old, new, reason)
             except Exception:  # a broken listener must not take the owner down
-                log.exception("state listener failed")
+                self.log.exception("state listener failed")
 
     # --- the owner loop -----------------------------------------------------------------
     async def _run(self) -> None:
@@ -286,7 +291,7 @@ class Supervisor:
                 self._set_state(State.BACKOFF, f"{outcome.detail}; restarting in {delay:g}s")
                 await self._wait_for_stop(delay)
         except Exception as exc:  # the owner must never die silently
-            log.exception("supervisor loop failed")
+            self.log.exception("supervisor loop failed")
             self._set_state(State.FAILED, f"internal error: {exc}")
             await self._wait_for_stop(None)
         finally:
@@ -345,7 +350,7 @@ class Supervisor:
             return Ended(Outcome.EXIT, f"cannot start {spec.argv[0]}: {exc}")
         self._child = child
         self._upstream = Upstream(base_url, key, gen, endpoint.socket)
-        log.info("llama-server started: pid %d, %s (generation %d)", child.pid,
+        self.log.info("llama-server started: pid %d, %s (generation %d)", child.pid,
                  endpoint.describe(), gen)
         loaded = False
         try:
@@ -420,10 +425,10 @@ class Supervisor:
                 now = time.monotonic()
                 if not reported_at or now - reported_at >= PROBE_REPORT_S:
                     if reported_at:
-                        log.warning("readiness generation failed %d more times in the last "
+                        self.log.warning("readiness generation failed %d more times in the last "
                                     "%.0fs; last: %s", probe_fails, now - reported_at, why)
                     else:
-                        log.warning("readiness generation failed: %s (retrying)", why)
+                        self.log.warning("readiness generation failed: %s (retrying)", why)
                     probe_fails, reported_at = 0, now
                 if time.monotonic() - max(progress, child.last_output) > cfg.load_stall_s:
                     return Ended(Outcome.PROBE, f"llama-server does not answer: {why}")
@@ -468,7 +473,7 @@ class Supervisor:
                 self._stall_report = None
                 if await WedgeWatch.confirm(child, cfg.monitor_interval_s):
                     return Ended(Outcome.WEDGE, f"llama-server stopped producing tokens ({why})")
-                log.info("stall report ignored: llama-server is still decoding")
+                self.log.info("stall report ignored: llama-server is still decoding")
                 continue
 
             code = await child.health()
@@ -519,7 +524,7 @@ class Supervisor:
             idle = idle + 1 if m is not None and busy == 0 and forwarding == 0 else 0
             await asyncio.sleep(0.2)
         if idle < 2 and not self._stop_requested:
-            log.warning("%s: drain budget (%gs) spent with requests still running",
+            self.log.warning("%s: drain budget (%gs) spent with requests still running",
                         kind.value, drain_s)
         if (self.carrier.store is not None and self._spec is not None
                 and child.returncode is None and not self._stop_requested):

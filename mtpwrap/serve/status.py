@@ -2,7 +2,8 @@
 framework, refreshing itself every few seconds from `/status.json`) and `/status.json`.
 
 It shows the state, the model and profile, slots busy, the queue by class, tokens/s over the
-last minute, each companion (embedding, rerank) with its state, each key's usage today, the last refusals, and GPU memory and temperature (NVML).
+last minute, each companion (embedding, rerank) with its state, each key's usage today, the
+last refusals, and GPU memory and temperature (NVML).
 Both need a key with the `metrics` or `admin` scope; a browser may give it as the password of
 HTTP Basic authentication (the page's 401 asks for it), so the page works without a plugin.
 The page's script writes text only (`textContent`), never markup, and a Content-Security-Policy

@@ -111,7 +111,7 @@ class Service:
         self.companions = {
             c.name: Supervisor(c.factory, dataclasses.replace(self.config,
                                                               log_file=c.log_file()),
-                               socket=c.socket)
+                               socket=c.socket, name=c.name)
             for c in launch.companions}
         self.url = public_url(settings.host, settings.port)
         self.exit_on_failed = exit_on_failed(supervisor_values(settings, launch),
