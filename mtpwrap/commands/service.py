@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import click
 
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import config_option, setting_option
 from mtpwrap.config.table import DEFAULT_CONFIG_FILE
 
 
@@ -37,8 +37,8 @@ def _common(f: _F) -> _F:
                           "up` with --config and --profile); deploy/mtpwrap.service is "
                           "`--exec-start '/opt/mtpwrap/.venv/bin/mtpwrap up --config "
                           f"{DEFAULT_CONFIG_FILE}'`."),
-        click.option("--config", envvar="MTPWRAP_CONFIG", default=DEFAULT_CONFIG_FILE,
-                     show_default=True, help="Config file the unit passes to `mtpwrap up`."),
+        config_option(default=DEFAULT_CONFIG_FILE,
+                      help="Config file the unit passes to `mtpwrap up`."),
         click.option("--user", envvar="MTPWRAP_SERVICE_USER", default="mtpwrap",
                      show_default=True, help="Dedicated system user the service runs as."),
         click.option("--watchdog-s", type=click.IntRange(2, 3600), default=30,

@@ -84,12 +84,22 @@ def given(params: Mapping[str, Any]) -> dict[str, Any]:
     return {by_param[p]: v for p, v in params.items() if p in by_param and v is not None}
 
 
-def config_option(f: F) -> F:
-    """`--config FILE`: the YAML file the settings are read from."""
-    return click.option("--config", "config", envvar="MTPWRAP_CONFIG", default=None,
-                        type=click.Path(path_type=Path),
-                        help=f"YAML config file. [env: MTPWRAP_CONFIG; default: "
-                             f"{DEFAULT_CONFIG_FILE} when present]")(f)
+#: the variable that names the config file, for every command that takes --config
+CONFIG_ENV = "MTPWRAP_CONFIG"
+
+
+def config_option(f: F | None = None, *, default: str | None = None,
+                  help: str | None = None) -> Any:
+    """`--config FILE`: the YAML file the settings are read from (`up`), or another
+    command's file of the same name and variable (`service install`: the file the unit
+    passes to `up`, with its own default and help)."""
+    text = help or (f"YAML config file. [env: {CONFIG_ENV}; default: {DEFAULT_CONFIG_FILE} "
+                    "when present]")
+    option = click.option("--config", "config", envvar=CONFIG_ENV, default=default,
+                          show_default=default is not None,
+                          type=click.Path(path_type=Path) if default is None else str,
+                          help=text)
+    return option if f is None else option(f)
 
 
 def setting_option(dotted: str, *names: str, help: str | None = None,
