@@ -335,3 +335,31 @@ def compile_guard(real_cmake: str, folder: Path) -> Path:
     guard.write_text(_GUARD.format(code=GUARD_EXIT, real=real_cmake))
     guard.chmod(0o755)
     return guard
+
+
+def replay(tmp_path: Path, free_gib: float | None = None, gpu: str = "rtx4090") -> Path:
+    """A recorded GPU (the RTX 4090 unless told), with less memory free when asked."""
+    record = json.loads((DATA / "snapshots" / f"{gpu}.json").read_text())
+    if free_gib is not None:
+        record["devices"][0]["memory"]["free"] = int(free_gib * 2**30)
+    path = tmp_path / f"{gpu}.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def recorded_fork(tmp_path: Path, name: str) -> Path:
+    """A stand-in llama-server answering --help as a recorded fork build does (fork-0bc0a27:
+    the commit built here, mtp only; fork-1c6e4ea: its successor, mtp and draft-mtp). Never
+    calibrated: there is no manifest, so the KV sizes are the built-in table's."""
+    exe = tmp_path / name / "llama-server"
+    exe.parent.mkdir()
+    version = DATA / "help" / f"{name}.version.txt"
+    # upstream's binary holds llama_context's "n_outputs_max_per_seq" log text (what
+    # probe.outputs_capped looks for); the fork's at 0bc0a27 does not
+    marker = "# n_outputs_max_per_seq\n" if name.startswith("upstream") else ""
+    exe.write_text("#!/bin/sh\n" + marker
+                   + f'case "$1" in --help) cat "{DATA}/help/{name}.txt";; --version) '
+                   + (f'cat "{version}"' if version.is_file() else "true")
+                   + ";; *) exit 1;; esac\n")
+    exe.chmod(0o755)
+    return exe

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from mtpwrap.build import tiny_gguf
+from mtpwrap.config import settings
 from mtpwrap.decide import companions, profiles
 from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.decide.profile_types import Companion
@@ -20,9 +21,18 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.run.state import State, SupervisorStatus, Upstream
 from mtpwrap.serve.companions import Companion as Served
 from mtpwrap.serve.companions import CompanionInfo, Routes, UnknownModel
-from tests.test_resolve import recorded_fork, resolve
+from mtpwrap.service import launch as up_launch
+from tests.helpers import recorded_fork, replay
 
 GiB = 2**30
+
+
+def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
+            free_gib: float | None = None) -> up_launch.Launch:
+    """`up`'s launch on the recorded RTX 4090 (with less memory free when asked)."""
+    s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
+                                "hw_replay": str(replay(tmp_path, free_gib))}, env={})
+    return up_launch.resolve_launch(s)
 
 
 def _validate(companions_: Any) -> profiles.Profile:
@@ -183,3 +193,22 @@ def test_routes_choose_by_route_and_model() -> None:
     with pytest.raises(UnknownModel, match="'other' does not serve embedding requests here; "
                                            "send one of 'embed', 'embed-ko' as `model`"):
         two.target("embedding", "other")
+
+
+def test_mean_pooling_gets_a_batch_its_slots_divide() -> None:
+    # llama.cpp aborts at load (GGML_ASSERT(ggml_can_mul_mat(a, b))) with mean pooling when
+    # the physical batch is not a multiple of the slots: -np 3 -ub 2048 crashes, -ub 2046 runs
+    snap = _snapshot(8)
+    c = Companion("e", "embedding", "e.gguf", context=2048, slots=3, pooling="mean")
+    cfg = companions.choose(c, "e.gguf", "p", snap)
+    assert (cfg.ubatch, cfg.batch) == (2046, 2046)
+    assert "multiple of the 3 slots" in cfg.reason("ubatch")
+    with pytest.raises(ConfigError, match=r"ubatch 2048 with 3 slots and mean pooling: .* use "
+                                          r"2046\.$"):
+        companions.choose(dataclasses.replace(c, ubatch=2048), "e.gguf", "p", snap)
+    with pytest.raises(ConfigError, match="use 1026 or 1029"):
+        companions.choose(dataclasses.replace(c, ubatch=1028), "e.gguf", "p", snap)
+    # other pooling, or slots that divide it: the whole context
+    assert companions.choose(dataclasses.replace(c, pooling="last"), "e", "p", snap).ubatch \
+        == 2048
+    assert companions.choose(dataclasses.replace(c, slots=4), "e", "p", snap).ubatch == 2048

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.commands.bench_embed import command as embed_command
 from mtpwrap.commands.bench_kv import command as kv_command
 from mtpwrap.config.options import setting_option
 
@@ -60,7 +61,8 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
     """Measure speed by context, speculation acceptance, rejection hotspots, KV compression,
     latency under load and compressed-KV quality; write JSON, Markdown and PNG.
 
-    `mtpwrap bench kv` measures each KV cache type's loss against f16 instead."""
+    `mtpwrap bench kv` measures each KV cache type's loss against f16 instead; `mtpwrap bench
+    embed` an embedding companion's throughput and its cost to the chat model's decode."""
     if ctx.invoked_subcommand is not None:
         return
     from mtpwrap import console
@@ -136,3 +138,4 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
 
 
 command.add_command(kv_command)
+command.add_command(embed_command)

@@ -21,6 +21,7 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.units import GiB, MiB
 
 if TYPE_CHECKING:
+    from mtpwrap.decide.gguf_facts import ModelFacts
     from mtpwrap.decide.hardware import HardwareSnapshot
     from mtpwrap.decide.profile_types import Companion, Profile
 
@@ -91,10 +92,29 @@ def default_threads(c: Companion, snapshot: HardwareSnapshot | None) -> int:
 
 
 def choose(c: Companion, model: Path | str, profile: str,
-           snapshot: HardwareSnapshot | None) -> LaunchConfig:
+           snapshot: HardwareSnapshot | None, facts: ModelFacts | None = None,
+           where: str = "") -> LaunchConfig:
     """The launch of one companion: all layers on its device, f16 KV, one physical batch as
-    large as its context (llama-server refuses an embedding input longer than the ubatch)."""
+    large as its context (llama-server refuses an embedding input longer than the ubatch).
+
+    With mean pooling (the profile's, or the model's own from its header) llama.cpp's
+    reserve graph splits the physical batch evenly among the slots and aborts at load
+    (`GGML_ASSERT(ggml_can_mul_mat(a, b))`) when it cannot: the default batch is rounded
+    down to a multiple of the slots, a batch the profile gives is refused."""
     ubatch = c.ubatch or c.context
+    pooling = c.pooling or (facts.pooling if facts is not None else None)
+    ubatch_why = ("from the profile" if c.ubatch else
+                  "the whole context: an input longer than the physical batch is refused")
+    if c.role == "embedding" and pooling == "mean" and ubatch % c.slots:
+        fitted = ubatch - ubatch % c.slots
+        if c.ubatch:
+            raise ConfigError(
+                f"{where or c.name}: ubatch {c.ubatch} with {c.slots} slots and mean pooling: "
+                "llama.cpp aborts at load unless the physical batch is a multiple of the "
+                f"slots; use {fitted}" + (f" or {fitted + c.slots}." if fitted + c.slots
+                                           <= c.context else "."))
+        ubatch, ubatch_why = fitted, (f"the context rounded down to a multiple of the "
+                                      f"{c.slots} slots (mean pooling splits it evenly)")
     pooling_why = ("a reranker scores with rank pooling (--reranking)" if c.role == "rerank"
                    else "pooling from the profile" if c.pooling else "")
     why = {
@@ -103,11 +123,13 @@ def choose(c: Companion, model: Path | str, profile: str,
         "slots": "the companion's slots",
         "gpu_layers": f"device: {c.device}",
         "threads": ("the companion's threads" if c.threads is not None else
-                    "a quarter of the cores" if c.device == "cpu" else
+                    "a quarter of the cores, at least 1" if c.device == "cpu" else
                     "it computes on the GPU"),
         "batch": "as large as the physical batch",
-        "ubatch": ("from the profile" if c.ubatch else
-                   "the whole context: an input longer than the physical batch is refused"),
+        "ubatch": ubatch_why,
+        "cache_k": "f16: a companion's cache is small",
+        "cache_v": "f16: a companion's cache is small",
+        "flash_attn": "llama.cpp's default",
         "serves": f"role {c.role}: only the {c.role} endpoints",
         "alias": "the name clients send as `model`",
     }
@@ -121,11 +143,12 @@ def choose(c: Companion, model: Path | str, profile: str,
         alias=c.name, why=tuple(why.items()))
 
 
-def plan_companion(cfg: LaunchConfig, on_gpu: bool) -> tuple[MemoryPlan | None, str]:
+def plan_companion(cfg: LaunchConfig, on_gpu: bool, facts: ModelFacts | None
+                   ) -> tuple[MemoryPlan | None, str]:
     """The companion's own memory plan (weights, KV, compute, the backend's context), or None
     and why not."""
     try:
-        facts = gguf_facts.read_facts(Path(cfg.model))
+        facts = facts or gguf_facts.read_facts(Path(cfg.model))
         pc = PlanConfig(n_ctx=cfg.context, type_k="f16", type_v="f16", n_slots=cfg.slots,
                         kv_unified=cfg.slots == 1, ubatch=cfg.ubatch or 512,
                         batch=cfg.batch or 2048, n_gpu_layers=999 if on_gpu else 0,
@@ -151,8 +174,13 @@ def resolve_companions(profile: Profile, models: Mapping[str, Path | str],
             raise ConfigError(f"{where}: device gpu, but this machine has no GPU ({why}).",
                               hint="Set the companion's device: cpu, or run on the machine "
                                    "with the GPU.")
-        cfg = choose(c, models[c.name], profile.name, snapshot)
-        plan, text = plan_companion(cfg, c.device == "gpu")
+        try:
+            facts: ModelFacts | None = gguf_facts.read_facts(Path(models[c.name])) \
+                if Path(models[c.name]).is_file() else None
+        except ConfigError:
+            facts = None  # the plan says why
+        cfg = choose(c, models[c.name], profile.name, snapshot, facts, where)
+        plan, text = plan_companion(cfg, c.device == "gpu", facts)
         if refuse and plan is None and c.device == "gpu":
             raise ConfigError(f"{where}: its memory cannot be planned, and its GPU bytes would "
                               f"go uncounted: {text.removeprefix('not planned (')[:-1]}")
