@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import httpx
 
 from mtpwrap.bench import corpora, stats
-from mtpwrap.bench.runner import Client
+from mtpwrap.bench.runner import Client, run_together
 from mtpwrap.errors import ConfigError, RuntimeFailure
 
 SCHEMA = 1
@@ -523,12 +523,7 @@ def embed_pass(plan: EmbedPlan, groups: list[list[str]], concurrency: int) -> di
 
     threads, replies, errors = _workers(plan.url, plan.api_key, plan.timeout_s, concurrency,
                                         take, plan.embed_model)
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_together(threads)
     _raise_first(errors, "an embedding request failed")
     docs = sum(r.docs for r in replies)
     tokens = sum(r.prompt_tokens for r in replies)

@@ -346,6 +346,16 @@ def rejection_points(result: StreamResult, depth: int, gap_s: float) -> dict[str
 # Load
 
 
+
+def run_together(threads: list[threading.Thread]) -> float:
+    """Start every thread, wait for them all: the wall time in seconds (`time.perf_counter`)."""
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
 def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
               n_predict: int, *, socket: str | None = None) -> dict:
     """`concurrency` simultaneous streams; time to first token and inter-token gaps."""
@@ -363,13 +373,8 @@ def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], conc
         with lock:
             results.append(res)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = run_together([threading.Thread(target=worker, args=(i,))
+                         for i in range(concurrency)])
     errors = [str(r) for r in results if isinstance(r, Exception)]
     ok = [r for r in results if isinstance(r, StreamResult)]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
