@@ -87,7 +87,7 @@ def _snapshot(cores: int, ram_gib: float = 64) -> HardwareSnapshot:
 
 def test_cpu_companions_take_threads_from_the_chat_model(tmp_path: Path) -> None:
     emb = tiny_gguf.write_shape_only(tmp_path / "emb.gguf", "smollm2-135m")
-    p = _validate([{"role": "embedding", "model": str(emb), "threads": 3},
+    p = _validate([{"role": "embedding", "model": str(emb), "threads": 3, "pooling": "mean"},
                    {"role": "rerank", "model": str(emb)}])
     snap = _snapshot(8)
     comps = companions.resolve_companions(p, {c.name: emb for c in p.companions}, snap)
@@ -103,14 +103,21 @@ def test_cpu_companions_take_threads_from_the_chat_model(tmp_path: Path) -> None
         companions.chat_threads(dataclasses.replace(chat, threads=4), comps, snap)
     with pytest.raises(ConfigError, match="take 5 threads .* all 4 cores here"):
         companions.chat_threads(chat, comps, _snapshot(4))
-    # and RAM: the chat model's share and every companion's must fit what is available
-    with pytest.raises(ConfigError, match=r"need \d+\.\d\d GiB of RAM, but 0\.10 GiB"):
-        companions.check_ram(0, comps, _snapshot(8, ram_gib=0.1))
+    # and RAM: the chat model's share and every companion's must fit what is available; on
+    # the CPU a companion's plan is all host rows, counted once
+    for c in comps:
+        assert c.plan is not None
+        assert c.host_bytes == c.plan.host_total == sum(r.bytes for r in c.plan.rows)
+        assert c.plan_text == f"{c.host_bytes / GiB:.2f} GiB on the host"
+    need = 2**30 + sum(c.host_bytes for c in comps)
+    companions.check_ram(2**30, comps, _snapshot(8, ram_gib=need / GiB))
+    with pytest.raises(ConfigError, match=rf"need {need / GiB:.2f} GiB of RAM, but "):
+        companions.check_ram(2**30 + 2**20, comps, _snapshot(8, ram_gib=need / GiB))
 
 
 def test_a_gpu_companion_needs_a_gpu(tmp_path: Path) -> None:
     emb = tiny_gguf.write_shape_only(tmp_path / "emb.gguf", "smollm2-135m")
-    p = _validate([{"role": "embedding", "model": str(emb), "device": "gpu"}])
+    p = _validate([{"role": "embedding", "model": str(emb), "device": "gpu", "pooling": "cls"}])
     with pytest.raises(ConfigError, match=r"companions\[0\] \(embedding\): device gpu, but "
                                           r"this machine has no GPU \(no NVML here\)"):
         companions.resolve_companions(p, {"embedding": emb}, _snapshot(8))
@@ -132,7 +139,7 @@ def test_a_gpu_companion_is_a_row_of_the_plan_and_changes_what_fits(
     alone = resolve(tmp_path, "4090-262k", shape_27b, fork).resolved
     profile = _with_companions(tmp_path, "4090-262k", [
         {"role": "embedding", "name": "embed", "model": str(emb), "device": "gpu",
-         "context": 8192, "slots": 4}])
+         "context": 8192, "slots": 4, "pooling": "mean"}])
     # the recorded 4090's free memory holds the recipe alone, not beside this companion
     with pytest.raises(ConfigError, match=r"context 262,144 with KV tbq4_0/tbq4_0 and MTP "
                                           r"beside its companion embed \(embedding\) \d\.\d\d GiB "
@@ -212,3 +219,67 @@ def test_mean_pooling_gets_a_batch_its_slots_divide() -> None:
     assert companions.choose(dataclasses.replace(c, pooling="last"), "e", "p", snap).ubatch \
         == 2048
     assert companions.choose(dataclasses.replace(c, slots=4), "e", "p", snap).ubatch == 2048
+
+
+def test_an_embedding_companion_that_would_pool_with_none_is_refused(tmp_path: Path) -> None:
+    # llama-server answers /v1/embeddings with 400 when the pooling is none, so the readiness
+    # question and every client would fail: refused before anything starts
+    emb = tiny_gguf.write_shape_only(tmp_path / "emb.gguf", "smollm2-135m")  # no pooling type
+    p = _validate([{"role": "embedding", "model": str(emb)}])
+    with pytest.raises(ConfigError, match=r"companions\[0\] \(embedding\): emb.gguf names no "
+                                          r"pooling type in its header .* set pooling: mean, cls "
+                                          r"or last\.$"):
+        companions.resolve_companions(p, {"embedding": emb}, _snapshot(8))
+    p = _validate([{"role": "embedding", "model": str(emb), "pooling": "none"}])
+    with pytest.raises(ConfigError, match="the profile sets pooling: none"):
+        companions.resolve_companions(p, {"embedding": emb}, _snapshot(8))
+    # a reranker pools with rank whatever the header says
+    p = _validate([{"role": "rerank", "model": str(emb)}])
+    assert companions.resolve_companions(p, {"rerank": emb}, _snapshot(8))[0].launch.serves \
+        == "reranking"
+    with pytest.raises(ConfigError, match=r"companions\[0\]\.name: chat names the chat model"):
+        _validate([{"role": "embedding", "model": "e.gguf", "name": "chat"}])
+
+
+class _Child:
+    """A companion's supervisor as reload sees it: its state, and what `reload` answers."""
+
+    def __init__(self, state: State, answer: tuple[bool, str] = (True, "restarted")) -> None:
+        self.state, self.answer, self.asked = state, answer, 0
+
+    def status(self) -> SupervisorStatus:
+        return SupervisorStatus(self.state, None, 0, None, None, None, None, None, None)
+
+    async def reload(self, factory: object, drain_s: float) -> tuple[bool, str]:
+        self.asked += 1
+        return self.answer
+
+
+def test_restart_restarts_the_ready_companions_and_says_what_it_left() -> None:
+    import asyncio
+
+    from mtpwrap.service.reload import _swap_companions
+
+    kids = {"ok": _Child(State.READY), "loading": _Child(State.STARTING),
+            "gone": _Child(State.FAILED), "bad": _Child(State.READY, (False, "did not start"))}
+    failed, notes = asyncio.run(_swap_companions(kids, None, 5.0))  # type: ignore[arg-type]
+    assert [k.asked for k in kids.values()] == [1, 0, 0, 1]
+    assert failed == ["companion bad: did not start"]
+    assert notes == ["companion loading is starting: not restarted",
+                     "companion gone has failed and starts again only when mtpwrap restarts"]
+
+
+def test_a_reload_may_not_change_what_the_front_routes_by(tmp_path: Path) -> None:
+    from mtpwrap.service.launch import CompanionRun
+    from mtpwrap.service.reload import _companions_changed
+
+    def run(name: str, role: str = "embedding", model: str = "/m/e.gguf",
+            slots: int = 1) -> CompanionRun:
+        return CompanionRun(name, role, model, slots, None, None, "")  # type: ignore[arg-type]
+
+    assert _companions_changed([run("e")], [run("e")]) is None
+    assert _companions_changed([run("e")], [run("e", slots=2)]) == (
+        "the companions would change from e (embedding, e.gguf, 1 slot(s)) to e (embedding, "
+        "e.gguf, 2 slot(s))")
+    assert "to none" in str(_companions_changed([run("e")], []))
+    assert "rerank" in str(_companions_changed([run("e")], [run("e", role="rerank")]))

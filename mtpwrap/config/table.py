@@ -271,7 +271,8 @@ COMPANION: dict[str, Key] = {
                                 "the CPU; 1 on the GPU).", "",
                    lambda v: 1 <= v <= 1024, "an integer 1..1024"),
     "pooling": Key("str", None, "How token vectors become one embedding (default: the model's "
-                                "own, from its header; a reranker pools with rank).",
+                                "own, from its header; an embedding companion whose pooling "
+                                "would be none is refused; a reranker pools with rank).",
                    choices=POOLING),
     "ubatch": Key("int", None, "Physical batch in tokens; an input longer than it is refused "
                                "by llama-server (default: the context).", "tokens",

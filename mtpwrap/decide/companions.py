@@ -38,6 +38,13 @@ class CompanionLaunch:
     launch: LaunchConfig
     plan: MemoryPlan | None
     plan_text: str
+    facts: ModelFacts | None = None  #: its header, when it could be read
+
+    @property
+    def n_vocab(self) -> int | None:
+        """Its vocabulary's size (the front checks token ids against it), None unknown."""
+        return self.facts.n_vocab if self.facts is not None and self.facts.n_vocab > 0 \
+            else None
 
     @property
     def name(self) -> str:
@@ -58,11 +65,9 @@ class CompanionLaunch:
 
     @property
     def host_bytes(self) -> int:
-        """What it holds in RAM: everything on the CPU; off it, the rows llama.cpp keeps on
-        the host (the logits)."""
-        if self.plan is None:
-            return 0
-        return self.plan.host_total + (0 if self.on_gpu else self.plan.total)
+        """What it holds in RAM: everything on the CPU (the planner's rows are all host
+        rows there); on the GPU, the rows llama.cpp keeps on the host (the logits)."""
+        return self.plan.host_total if self.plan is not None else 0
 
     def reserved_row(self) -> tuple[str, int, str]:
         """The chat model's plan row for this GPU companion."""
@@ -103,6 +108,14 @@ def choose(c: Companion, model: Path | str, profile: str,
     down to a multiple of the slots, a batch the profile gives is refused."""
     ubatch = c.ubatch or c.context
     pooling = c.pooling or (facts.pooling if facts is not None else None)
+    if c.role == "embedding" and (c.pooling == "none" or (facts is not None and not pooling)):
+        whose = ("the profile sets pooling: none" if c.pooling else
+                 f"{Path(str(model)).name} names no pooling type in its header and the profile "
+                 "gives none")
+        raise ConfigError(
+            f"{where or c.name}: {whose}, so llama-server would pool with none and refuse "
+            "every /v1/embeddings request (400, not OpenAI-compatible); set pooling: mean, cls "
+            "or last.")
     ubatch_why = ("from the profile" if c.ubatch else
                   "the whole context: an input longer than the physical batch is refused")
     if c.role == "embedding" and pooling == "mean" and ubatch % c.slots:
@@ -157,7 +170,7 @@ def plan_companion(cfg: LaunchConfig, on_gpu: bool, facts: ModelFacts | None
     except ConfigError as exc:
         return None, f"not planned ({exc})"
     where = "GPU" if on_gpu else "host"
-    return p, f"{(p.total if on_gpu else p.total + p.host_total) / GiB:.2f} GiB on the {where}"
+    return p, f"{(p.total if on_gpu else p.host_total) / GiB:.2f} GiB on the {where}"
 
 
 def resolve_companions(profile: Profile, models: Mapping[str, Path | str],
@@ -184,7 +197,7 @@ def resolve_companions(profile: Profile, models: Mapping[str, Path | str],
         if refuse and plan is None and c.device == "gpu":
             raise ConfigError(f"{where}: its memory cannot be planned, and its GPU bytes would "
                               f"go uncounted: {text.removeprefix('not planned (')[:-1]}")
-        out.append(CompanionLaunch(c, cfg, plan, text))
+        out.append(CompanionLaunch(c, cfg, plan, text, facts))
     return tuple(out)
 
 

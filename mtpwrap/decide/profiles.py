@@ -289,6 +289,9 @@ def _companions(c: _Checker, raw: Any) -> tuple[Companion, ...]:
             raise c.fail(f"{key}.pooling", "rank pooling scores pairs: it is role rerank's; "
                          "an embedding companion pools with none, mean, cls or last")
         name = v.get("name") or role
+        if name == "chat":
+            raise c.fail(f"{key}.name", "chat names the chat model (/readyz?model=chat); give "
+                         "the companion another name")
         if any(o.name == name for o in out):
             raise c.fail(f"{key}.name", f"{name!r} is used by another companion; give each "
                          "a name (clients choose by it with `model`)")

@@ -34,6 +34,7 @@ class CompanionInfo:
     role: str  #: embedding | rerank
     model: str  #: the GGUF file
     slots: int
+    n_vocab: int | None = None  #: its vocabulary's size (token ids are checked against it)
 
 
 @dataclass
@@ -99,6 +100,11 @@ class Routes:
             if len(group) > 1:
                 raise UnknownModel(role, model, [c.info.name for c in group])
         return group[0]
+
+    def only(self, role: str) -> Companion | None:
+        """The companion of `role` when it is the only one: known from the route alone."""
+        group = [c for c in self.companions if c.info.role == role]
+        return group[0] if len(group) == 1 else None
 
     def get(self, name: str) -> Companion | None:
         return next((c for c in self.companions if c.info.name == name), None)

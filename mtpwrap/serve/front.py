@@ -331,9 +331,13 @@ class Front:
                        t0: float) -> None:
         label = route.label
         role = self.routes.role_of(label)
-        # the chat model's, until the body names the companion (`_pick`)
-        admission, relay = self.admission, self.relay
-        if role is None and (r := admission.shed_early(route.slot)) is not None:
+        # the chat model's, or the companion's when the route alone names it; with several
+        # companions of a role, the body's `model` chooses (below)
+        early = self.routes.only(role) if role is not None else None
+        admission = early.admission if early is not None else self.admission
+        relay = early.relay if early is not None else self.relay
+        if (role is None or early is not None) and \
+                (r := admission.shed_early(route.slot)) is not None:
             await self.replies.error(send, r.status, r.message, label, t0, retry=True,
                                      close=True, reason=r.reason)
             return
@@ -342,6 +346,7 @@ class Front:
             return
         stream = False
         decision: DepthDecision | None = None
+        target = early
         if route.json_body and (body or route.object_body):
             # llama-server parses the body as JSON whatever its Content-Type says, so every
             # limit is checked on what it will parse.
@@ -349,35 +354,35 @@ class Front:
                 doc = parse_json_body(body) if body else None
                 if route.object_body:
                     require_object(doc, not body)
+                if role is not None and target is None:
+                    target = self.routes.target(role, doc.get("model") if isinstance(doc, dict)
+                                                else None)
                 check_fields(doc, self.config.max_n_probs, self.config.max_choices,
                              self.config.max_predict)
-                check_tokens(doc, self.info.n_vocab)
+                check_tokens(doc, self.info.n_vocab if target is None else target.info.n_vocab)
                 check_grammar(doc)
                 check_messages(doc)
                 check_reasoning_format(doc)
                 if not scope["path"].startswith("/v1/messages"):
                     check_tools(doc)
+            except UnknownModel as err:
+                self.metrics.refused.labels("model").inc()
+                await self.replies.error(send, 404, str(err), label, t0, reason="model")
+                return
             except BadBody as err:
                 self.metrics.refused.labels("body").inc()
                 await self.replies.error(send, 400, str(err), label, t0, reason="body")
                 return
             stream = isinstance(doc, dict) and doc.get("stream") is True
-            if role is not None:
-                try:
-                    c = self.routes.target(role, doc.get("model") if isinstance(doc, dict)
-                                           else None)
-                except UnknownModel as err:
-                    self.metrics.refused.labels("model").inc()
-                    await self.replies.error(send, 404, str(err), label, t0, reason="model")
-                    return
-                admission, relay = c.admission, c.relay
-                if (ticket := audit.current.get()) is not None:
-                    ticket.model = c.name
+            if target is not None and target is not early:
+                admission, relay = target.admission, target.relay
                 if (r := admission.shed_early(route.slot)) is not None:
                     await self.replies.error(send, r.status, r.message, label, t0, retry=True,
                                              close=True, reason=r.reason)
                     return
             decision, body = self._decide_depth(label, doc, body)
+        if target is not None and (ticket := audit.current.get()) is not None:
+            ticket.model = target.name
         ticket = audit.current.get()
         if ticket is not None:
             ticket.stream = stream
@@ -438,13 +443,14 @@ class Front:
             st = c.supervisor.status()
             theirs = await self._ask_models(st.upstream, route.upstream_path) \
                 if st.state is State.READY and st.upstream is not None else None
-            entries = [dict(e, role=c.info.role) for e in (theirs or {}).get("data", [])
-                       if isinstance(e, dict)]
-            listing.setdefault("data", []).extend(entries or [{
+            entries = [dict(e, role=c.info.role) for e in _listed(theirs, "data")]
+            if not isinstance(listing.get("data"), list):
+                listing["data"] = []
+            listing["data"].extend(entries or [{
                 "id": c.info.name, "object": "model", "owned_by": "llamacpp",
                 "role": c.info.role, "status": {"value": st.state.value}}])
             if isinstance(listing.get("models"), list):
-                listing["models"].extend((theirs or {}).get("models", []))
+                listing["models"].extend(_listed(theirs, "models"))
         body = json.dumps(listing).encode()
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"),
@@ -480,6 +486,12 @@ class Front:
         if decision.depth is not None:
             body = depth_policy.inject(body, decision.depth, decision.p_min)
         return decision, body
+
+
+def _listed(answer: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
+    """The entries of a model list's `key` that are objects; [] for anything else."""
+    items = (answer or {}).get(key)
+    return [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
 
 
 class AccessGuard:

@@ -87,6 +87,7 @@ class CompanionRun:
     factory: CompanionFactory
     endpoint: Endpoint
     plan: str
+    n_vocab: int | None = None  #: its vocabulary's size, from its header
 
     @property
     def socket(self) -> Path | None:
@@ -168,7 +169,8 @@ def resolve_launch(settings: Settings,
                  endpoint=dataclasses.replace(where, port=where.port or 0))
         companions.append(CompanionRun(
             name=c.name, role=c.role, model=c.launch.model, slots=c.launch.slots,
-            factory=CompanionFactory(r, c.name, where.why), endpoint=where, plan=c.plan_text))
+            factory=CompanionFactory(r, c.name, where.why), endpoint=where, plan=c.plan_text,
+            n_vocab=c.n_vocab))
 
     depth = _per_request_depth(inp.manifest)
     webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
@@ -290,7 +292,8 @@ def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig,
 
     sups = companions or {}
     return Front(supervisor, config, launch.info, audit,
-                 companions=[(CompanionInfo(c.name, c.role, c.model, c.slots), sups[c.name])
+                 companions=[(CompanionInfo(c.name, c.role, c.model, c.slots, c.n_vocab),
+                              sups[c.name])
                              for c in launch.companions if c.name in sups])
 
 

@@ -13,16 +13,18 @@ import asyncio
 import enum
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
 from mtpwrap.run.persist import SnapshotStore
+from mtpwrap.run.state import State
 from mtpwrap.run.supervisor import Supervisor
-from mtpwrap.service.launch import Launch, persist_config, prepare
+from mtpwrap.service.launch import CompanionRun, Launch, persist_config, prepare
 
 
 class ReloadKind(str, enum.Enum):
@@ -97,30 +99,62 @@ def reread_settings(inputs: dict[str, Any]) -> Settings:
 
 
 async def _swap_companions(companions: Mapping[str, Supervisor], launch: Launch | None,
-                           drain_s: float) -> list[str]:
-    """Restart every companion (with its new launch when `launch` is given), together; what
-    failed, one phrase each."""
+                           drain_s: float) -> tuple[list[str], list[str]]:
+    """Restart every ready companion (with its new launch when `launch` is given), together:
+    (what failed, what else to say), one phrase each. A companion still starting takes a new
+    launch at its start and is not restarted; one that has failed stays failed until mtpwrap
+    restarts (the supervisor gave up on it)."""
     factories = {c.name: c.factory for c in launch.companions} if launch is not None else {}
-    names = list(companions)
+    notes: list[str] = []
+    asked: list[str] = []
+    for name, csup in companions.items():
+        state = csup.status().state
+        if state is State.FAILED:
+            notes.append(f"companion {name} has failed and starts again only when mtpwrap "
+                         "restarts")
+        elif state is not State.READY and launch is None:
+            notes.append(f"companion {name} is {state.value}: not restarted")
+        else:
+            asked.append(name)
     results = await asyncio.gather(*(companions[n].reload(factories.get(n), drain_s)
-                                     for n in names))
-    return [f"companion {n}: {msg}" for n, (ok, msg) in zip(names, results, strict=True)
-            if not ok]
+                                     for n in asked))
+    failed = [f"companion {n}: {msg}" for n, (ok, msg) in zip(asked, results, strict=True)
+              if not ok]
+    return failed, notes
+
+
+def _companions_changed(running: Sequence[CompanionRun], new: Sequence[CompanionRun]
+                        ) -> str | None:
+    """What a reload may not change of the companions (the front routes and admits by it),
+    in words; None when it is only what a restart of each child takes (context, threads,
+    pooling, device)."""
+    def key(c: CompanionRun) -> tuple[str, str, str, int]:
+        return c.name, c.role, c.model, c.slots
+
+    now, then = sorted(map(key, running)), sorted(map(key, new))
+    if now == then:
+        return None
+    def show(rows: list[tuple[str, str, str, int]]) -> str:
+        return ", ".join(f"{n} ({r}, {Path(m).name}, {k} slot(s))" for n, r, m, k in rows) \
+            or "none"
+    return f"the companions would change from {show(now)} to {show(then)}"
 
 
 async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore | None,
                        inputs: dict[str, Any], settings: Settings,
                        front_config: ProxyConfig | None,
-                       companions: Mapping[str, Supervisor] | None = None) -> ReloadResult:
+                       companions: Mapping[str, Supervisor] | None = None,
+                       running: Sequence[CompanionRun] = ()) -> ReloadResult:
     """`restart`: the same command again. `reload`: re-read the settings and the profile,
     check them like `up` does (a refusal leaves the running child untouched), then swap.
-    Companions are restarted (and relaunched) with the chat model."""
+    Companions (`companions`, by name; `running`: what they run now) are restarted, and
+    relaunched, with the chat model."""
     companions = companions or {}
     if kind is ReloadKind.RESTART:
-        (ok, message), failed = await asyncio.gather(
+        (ok, message), (failed, notes) = await asyncio.gather(
             sup.reload(None, settings.drain_s),
             _swap_companions(companions, None, settings.drain_s))
-        message = "; ".join([message, *failed])
+        message = "; ".join([message, *failed, *notes])
         return ReloadResult(ReloadOutcome.OK if ok and not failed else ReloadOutcome.FAILED,
                             message, 0 if ok and not failed else 1)
     try:
@@ -138,14 +172,11 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
             f"listens on {launch.endpoint.describe()}, the running one on "
             f"{'unix socket ' + str(sup.socket) if sup.socket else 'loopback TCP'}; restart "
             "mtpwrap to change where llama-server listens.", EXIT_CONFIG)
-    now_names = sorted(companions)
-    new_names = sorted(c.name for c in launch.companions)
-    if now_names != new_names:
+    if (change := _companions_changed(running, launch.companions)) is not None:
         return ReloadResult(
-            ReloadOutcome.REFUSED, "not reloaded, llama-server left as it was: the companions "
-            f"would change from {', '.join(now_names) or 'none'} to "
-            f"{', '.join(new_names) or 'none'}; restart mtpwrap to add or remove a companion.",
-            EXIT_CONFIG)
+            ReloadOutcome.REFUSED, f"not reloaded, llama-server left as it was: {change}; "
+            "restart mtpwrap to add, remove or rename a companion or change its role, model or "
+            "slots.", EXIT_CONFIG)
     notes = []
     if (new_settings.host, new_settings.port) != (settings.host, settings.port):
         notes.append("the listen address changes only when mtpwrap restarts")
@@ -153,10 +184,12 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         notes.append("proxy settings change only when mtpwrap restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
         notes.append("persist settings change only when mtpwrap restarts")
-    (ok, message), failed = await asyncio.gather(
+    (ok, message), (failed, more) = await asyncio.gather(
         sup.reload(launch.factory, new_settings.drain_s),
         _swap_companions(companions, launch, new_settings.drain_s))
-    message = "; ".join([message, *failed, *notes])
-    if not ok or failed:
+    message = "; ".join([message, *failed, *more, *notes])
+    if not ok:
         return ReloadResult(ReloadOutcome.FAILED, message, 1)
-    return ReloadResult(ReloadOutcome.OK, message, 0, launch, cfg, new_settings)
+    # the chat model runs the new launch: the service adopts it even when a companion failed
+    return ReloadResult(ReloadOutcome.FAILED if failed else ReloadOutcome.OK, message,
+                        1 if failed else 0, launch, cfg, new_settings)

@@ -303,7 +303,8 @@ class Service:
             self.notifier.status(f"{kind.value}ing llama-server")
             try:
                 res = await apply_reload(kind, self.sup, self.store, self.inputs,
-                                         self.settings, self.front_config, self.companions)
+                                         self.settings, self.front_config, self.companions,
+                                         self.launch.companions)
             except Exception as exc:  # a reload must never take the service down
                 log.exception("%s failed", kind.value)
                 res = ReloadResult(ReloadOutcome.FAILED, f"{kind.value} failed: {exc}", 1)

@@ -226,13 +226,16 @@ class LlamaChild:
 @contextlib.contextmanager
 def serve_front(base_url: str, api_key: str, config: Any, info: Any = None,
                 state: State = State.READY, pid: int | None = None,
-                socket: str | None = None):
+                socket: str | None = None, companions: tuple[Any, ...] = ()):
     """A Front over `base_url` (on the UNIX socket `socket`, if given) with a
-    SupervisorDouble; yields (server, supervisor)."""
+    SupervisorDouble; yields (server, supervisor). `companions`: (CompanionInfo, base_url,
+    api_key) of each companion, each behind a SupervisorDouble of its own."""
     from mtpwrap.serve.front import Front
 
     sup = SupervisorDouble(base_url, api_key, state=state, pid=pid, socket=socket)
-    srv = FrontServer(lambda: Front(sup, config, info), free_loopback_port(), sup).start()
+    others = [(info_, SupervisorDouble(url, key)) for info_, url, key in companions]
+    srv = FrontServer(lambda: Front(sup, config, info, companions=others), free_loopback_port(),
+                      sup).start()
     try:
         yield srv, sup
     finally:
