@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mtpwrap.bench import embed
+from mtpwrap.bench import embed, embed_report
+from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError
 from tests.helpers import run_cli
 
@@ -53,16 +54,16 @@ def test_stream_decode_rate_is_tokens_after_the_first_over_time_after_the_first(
 
 
 def test_median_ratio_and_cpu_model(tmp_path: Path) -> None:
-    assert embed.median([3.0, None, 1.0, 2.0]) == 2.0
-    assert embed.median([1.0, 2.0]) == 1.5
-    assert embed.median([None]) is None
-    assert embed.ratio(30.0, 40.0) == 0.75
-    assert embed.ratio(None, 40.0) is None and embed.ratio(30.0, 0.0) is None
+    assert embed_report.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert embed_report.median([1.0, 2.0]) == 1.5
+    assert embed_report.median([None]) is None
+    assert embed_report.ratio(30.0, 40.0) == 0.75
+    assert embed_report.ratio(None, 40.0) is None and embed_report.ratio(30.0, 0.0) is None
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n"
                     "model name\t: AMD EPYC 7B13 64-Core Processor\n")
-    assert embed.cpu_model(info) == "AMD EPYC 7B13 64-Core Processor"
-    assert embed.cpu_model(tmp_path / "missing")  # falls back to something, never fails
+    assert hardware.cpu_model(info) == "AMD EPYC 7B13 64-Core Processor"
+    assert hardware.cpu_model(tmp_path / "missing")  # falls back to something, never fails
 
 
 def _results(rounds: int = 3) -> dict:
@@ -92,7 +93,7 @@ def _results(rounds: int = 3) -> dict:
                             "decode_source": "timings", "ttft_s": 1.0 + rnd,
                             "background": {"docs_per_s": 5.0 * rnd,
                                            "answers_during_decode": rnd - 1}})
-    res["summary"] = embed.summarize(res)
+    res["summary"] = embed_report.summarize(res)
     return res
 
 
@@ -112,7 +113,7 @@ def test_summary_takes_medians_over_rounds_and_the_ratio_of_the_medians() -> Non
 
 def test_table_shows_every_round_and_the_median_and_says_the_machine() -> None:
     res = _results()
-    columns, rows = embed.table(res)
+    columns, rows = embed_report.table(res)
     assert columns == ["measure", "corpus / state", "conc", "round 1", "round 2", "round 3",
                        "median"]
     assert all(len(r) == len(columns) for r in rows)
@@ -132,7 +133,7 @@ def test_table_shows_every_round_and_the_median_and_says_the_machine() -> None:
                                                                   "3.000"]
     assert by[("background answers in decode", "all corpora", "2")] == ["0", "1", "2", "1"]
     assert embed.no_overlap(res) == [1]  # round 1's decode saw no embedding answer
-    head = embed.title(res)
+    head = embed_report.title(res)
     assert "Test CPU" in head and "0.50 0.25 0.12" in head and "http://127.0.0.1:9" in head
 
 
@@ -141,8 +142,8 @@ def test_a_stream_only_decode_rate_is_labelled_and_a_missing_round_shows_a_dash(
     for c in res["chat"]:
         c["decode_source"] = "stream"
     res["chat"] = [c for c in res["chat"] if not (c["round"] == 2 and c["state"] == "busy")]
-    res["summary"] = embed.summarize(res)
-    _, rows = embed.table(res)
+    res["summary"] = embed_report.summarize(res)
+    _, rows = embed_report.table(res)
     by = {(r[0], r[1]): r[3:] for r in rows}
     assert by[("chat decode t/s (stream)", "embedding busy")] == ["21.0", "–", "21.0"]
     assert by[("chat busy ÷ idle", "")][1] == "–"
@@ -150,7 +151,7 @@ def test_a_stream_only_decode_rate_is_labelled_and_a_missing_round_shows_a_dash(
 
 def test_report_folder_holds_the_json_and_the_markdown_with_definitions(tmp_path: Path) -> None:
     res = _results()
-    files = embed.write(res, tmp_path / "out")
+    files = embed_report.write(res, tmp_path / "out")
     back = json.loads(files["json"].read_text())
     assert back["kind"] == "bench-embed" and back["schema"] == embed.SCHEMA
     assert "api_key" not in back["plan"] and "secret" not in files["json"].read_text()
@@ -159,7 +160,7 @@ def test_report_folder_holds_the_json_and_the_markdown_with_definitions(tmp_path
     md = files["md"].read_text()
     assert md.startswith("# bench embed, http://127.0.0.1:9: Test CPU")
     assert "| chat busy ÷ idle |" in md and "## Definitions" in md
-    for term in embed.DEFINITIONS:
+    for term in embed_report.DEFINITIONS:
         assert f"**{term}**" in md
     assert "CC-BY-4.0 licence texts" in md  # the licence corpus's attribution
     assert "Copyright Act" in md  # the Korean rulings' note

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from mtpwrap import proc
-from mtpwrap.bench import embed
+from mtpwrap.bench import embed, embed_report
 from tests.helpers import cli_env, run_cli
 
 pytestmark = pytest.mark.integration
@@ -97,14 +97,14 @@ def test_embed_bench_measures_the_real_server(stand_in: str, tmp_path: Path) -> 
         chat["busy"]["decode_tokens_per_s"] / chat["idle"]["decode_tokens_per_s"])
     assert res["front"]["chat_model_answered"] and res["front"]["models_listed"]
 
-    columns, table = embed.table(res)
+    columns, table = embed_report.table(res)
     assert columns[-2:] == ["round 1", "median"]
     assert [r[0] for r in table][-7:] == ["chat decode t/s", "chat decode t/s",
                                           "chat busy ÷ idle", "chat first token s",
                                           "chat first token s", "background docs/s",
                                           "background answers in decode"]
     assert chat["busy"]["ttft_s"] > 0 and chat["idle"]["ttft_s"] > 0
-    files = embed.write(res, tmp_path / "report")
+    files = embed_report.write(res, tmp_path / "report")
     assert json.loads(files["json"].read_text())["summary"] == json.loads(json.dumps(s))
 
 

@@ -346,7 +346,6 @@ def rejection_points(result: StreamResult, depth: int, gap_s: float) -> dict[str
 # Load
 
 
-
 def run_together(threads: list[threading.Thread]) -> float:
     """Start every thread, wait for them all: the wall time in seconds (`time.perf_counter`)."""
     t0 = time.perf_counter()
@@ -355,6 +354,7 @@ def run_together(threads: list[threading.Thread]) -> float:
     for t in threads:
         t.join()
     return time.perf_counter() - t0
+
 
 def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], concurrency: int,
               n_predict: int, *, socket: str | None = None) -> dict:

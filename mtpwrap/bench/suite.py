@@ -67,13 +67,7 @@ class Plan:
 def hardware_snapshot() -> dict:
     snap: dict = {"platform": platform.platform(), "machine": platform.machine(),
                   "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                snap["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    snap["cpu_model"] = hardware.cpu_model()
     try:
         import psutil
 

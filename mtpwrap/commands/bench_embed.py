@@ -55,7 +55,7 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_nam
     licences, and the chat model's decode tokens/s with the companion idle and busy; write JSON
     and Markdown."""
     from mtpwrap import console
-    from mtpwrap.bench import embed, resolve
+    from mtpwrap.bench import embed, embed_report, resolve
     from mtpwrap.errors import ConfigError
 
     conc = resolve.int_list(concurrency, "--concurrency")
@@ -78,7 +78,7 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_nam
             bar.update(task, description=desc, advance=1)
 
         results = embed.run(plan, progress=step)
-    files = embed.write(results, out)
+    files = embed_report.write(results, out)
     alone = embed.no_overlap(results)
     if alone:
         console.warn(f"round(s) {', '.join(map(str, alone))}: no background embedding answer "
@@ -87,6 +87,6 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_nam
     if as_json:
         console.print_json(results)
         return
-    columns, rows = embed.table(results)
-    console.table(embed.title(results), columns, rows)
+    columns, rows = embed_report.table(results)
+    console.table(embed_report.title(results), columns, rows)
     console.info(f"report: {files['md']}  (json: {files['json'].name})")

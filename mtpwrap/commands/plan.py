@@ -192,8 +192,8 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         total, headroom = r.measured["total"], r.measured_headroom
         assert headroom is not None
         verdict = "FITS" if headroom >= 0 else "DOES NOT FIT"
-        others = sum(n for _what, n, _note in cfg.reserved)
-        beside = f"{_fmt(others)} MiB of companions + " if others else ""
+        beside = (f"{_fmt(cfg.reserved_bytes)} MiB of companions + " if cfg.reserved_bytes
+                  else "")
         console.out.print(f"{verdict} (llama.cpp's own figures): {_fmt(total)} MiB + {beside}"
                           f"{_fmt(cfg.margin)} MiB margin of {_fmt(device)} MiB; headroom "
                           f"{_fmt(headroom)} MiB (plan, device: "

@@ -191,6 +191,20 @@ def _query(nvml: Any, err: type[BaseException], name: str, *args: Any) -> Any:
         return None
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's `model name` as /proc/cpuinfo gives it (else what Python knows), for the
+    benchmarks' reports."""
+    import platform
+
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def host_info(psutil_module: Any | None = None, *,
               use_psutil: bool = True) -> dict[str, int | None]:
     """CPU cores and RAM. Without psutil, logical cores and RAM come from the OS; physical

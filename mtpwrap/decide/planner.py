@@ -85,6 +85,11 @@ class PlanConfig:
     #: device bytes other processes hold on the same GPU (companions), as (what, bytes, note)
     reserved: tuple[tuple[str, int, str], ...] = ()
 
+    @property
+    def reserved_bytes(self) -> int:
+        """What the others (`reserved`) hold on the device, in all."""
+        return sum(n for _what, n, _note in self.reserved)
+
     def __post_init__(self) -> None:
         if self.spec not in SPEC_KINDS:
             raise ConfigError(f"spec kind {self.spec!r} is not one of {', '.join(SPEC_KINDS)}.")

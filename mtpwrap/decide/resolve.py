@@ -81,8 +81,8 @@ class Resolved:
         device = device_bytes(self.profile, self.inputs.snapshot)
         if device is None or self.plan is None or not self.measured:
             return None
-        others = sum(b for _what, b, _note in self.launch.reserved)
-        return device - self.measured["total"] - others - self.plan.config.margin
+        return (device - self.measured["total"] - self.plan.config.reserved_bytes
+                - self.plan.config.margin)
 
     @property
     def near_edge(self) -> bool:
@@ -91,9 +91,8 @@ class Resolved:
         device = device_bytes(self.profile, self.inputs.snapshot)
         if device is None or self.plan is None:
             return False
-        others = sum(b for _what, b, _note in self.launch.reserved)
-        used = ((self.measured or {}).get("total") or 0) + others if self.measured \
-            else self.plan.total
+        used = ((self.measured or {}).get("total") or 0) + self.plan.config.reserved_bytes \
+            if self.measured else self.plan.total
         return device - used - self.plan.config.margin < max(device // 10, 2 * GiB)
 
     def cost(self) -> Callable[[LaunchConfig], int] | None:

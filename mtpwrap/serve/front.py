@@ -1,9 +1,10 @@
 """The HTTP front: clients talk to this, never to llama-server.
 
-One `Front` serves one supervised child. Its rooms:
+One `Front` serves one supervised chat model and its companions (serve/companions.py). Its
+rooms:
 - access (serve/access.py): the allow-list, hosts, keys and scopes, checked by `AccessGuard`
-  in front of every route (ops endpoints included); bodies (serve/bodies.py): what a JSON
-  body may hold;
+  (serve/guard.py) in front of every route (ops endpoints included); bodies
+  (serve/bodies.py): what a JSON body may hold;
 - admission (serve/admission.py): limits, the queue, drain;
 - the relay (serve/relay.py): the exchange with llama-server and the streaming relay, with
   its fault handling;
@@ -21,7 +22,6 @@ the relay for what passes either way).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -36,14 +36,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
 from mtpwrap.run.state import State, SupervisorPort, Upstream
 from mtpwrap.serve import audit, depth_policy, ops, status
-from mtpwrap.serve.access import Access, Denial, classify
+from mtpwrap.serve.access import Access, classify
 from mtpwrap.serve.access import Route as Verdict
 from mtpwrap.serve.admission import Admission, Refusal
-from mtpwrap.serve.audit import UNAUDITED, NoSink, Ticket, Trail
+from mtpwrap.serve.audit import NoSink, Trail
 from mtpwrap.serve.bodies import (
     BadBody,
     check_fields,
@@ -59,15 +58,11 @@ from mtpwrap.serve.budgets import Budgets
 from mtpwrap.serve.companions import Companion, CompanionInfo, Routes, UnknownModel
 from mtpwrap.serve.depth_policy import DepthDecision
 from mtpwrap.serve.exchange import Exchange, Step
+from mtpwrap.serve.guard import AccessGuard
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.serve.relay import Relay, relay_wire
 from mtpwrap.serve.replies import (
-    ANSWERED_BY,
-    BY_FRONT,
-    BY_UPSTREAM,
-    ASGIApp,
-    Message,
     Receive,
     Replies,
     Scope,
@@ -492,111 +487,3 @@ def _listed(answer: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The entries of a model list's `key` that are objects; [] for anything else."""
     items = (answer or {}).get(key)
     return [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
-
-
-class AccessGuard:
-    """Host check, API keys and budgets, in front of everything (ops endpoints included): asks
-    `Access.check` and answers a denial through `Replies`; opens each request's audit ticket
-    and ends it when the answer has gone; also the last word on an error inside the app."""
-
-    def __init__(self, app: ASGIApp, access: Access, replies: Replies, trail: Trail) -> None:
-        self.app = app
-        self.access = access
-        self.replies = replies
-        self.trail = trail
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers: dict[str, str] = {}
-        for k, v in scope["headers"]:
-            headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
-        t0 = time.perf_counter()
-        path = scope["path"]
-        verdict = self.access.check(scope["method"], path, headers)
-        if path in UNAUDITED:
-            await self._answer(scope, receive, _marking(send), verdict, t0, path)
-            return
-        key = verdict.key if isinstance(verdict, Denial) else verdict
-        ticket = self.trail.begin(scope, path, key)
-        token = audit.current.set(ticket)
-        try:
-            await self._answer(scope, _counting(receive, ticket), _observing(send, ticket),
-                               verdict, t0, path)
-        finally:
-            audit.current.reset(token)
-            if (refused := scope.get("mtpwrap.refused")) is not None:  # the connection's
-                ticket.status, ticket.reason = refused
-            elif not ticket.status:
-                ticket.status, ticket.reason = 499, ticket.reason or "client_disconnect"
-            self.trail.end(ticket)
-
-    async def _answer(self, scope: Scope, receive: Receive, send: Send,
-                      verdict: Denial | ApiKey | None, t0: float, path: str) -> None:
-        if isinstance(verdict, Denial):
-            self.replies.metrics.refused.labels(verdict.reason).inc()
-            close = declares_body(scope) if verdict.close is None else verdict.close
-            await self.replies.error(send, verdict.status, verdict.message, "other", t0,
-                                     close=close, extra=list(verdict.headers), path=path,
-                                     reason=verdict.reason)
-            return
-        if verdict is not None and (over := self.trail.budgets.check(verdict)) is not None:
-            self.replies.metrics.refused.labels("budget").inc()
-            await self.replies.error(
-                send, 429, over.message(verdict.name), "other", t0, close=declares_body(scope),
-                extra=[(b"retry-after", str(over.retry_after_s).encode())], path=path,
-                reason=f"budget_{over.budget}")
-            return
-        try:
-            await self.app(scope, receive, send)
-        except Exception as exc:
-            log.error("internal error on %s %s: %s: %s", scope["method"], path,
-                      type(exc).__name__, exc)
-            log.debug("internal error details", exc_info=exc)
-            # If the response had started, uvicorn refuses a second start and closes the
-            # connection, which leaves the client with an incomplete (not a wrong) answer.
-            with contextlib.suppress(Exception):
-                await self.replies.error(send, 500, "The front failed on this request. The "
-                                         "error is in mtpwrap's log.", "other", t0, close=True,
-                                         path=path, reason="internal")
-
-
-def _counting(receive: Receive, ticket: Ticket) -> Receive:
-    """`receive`, counting the request body's bytes on the ticket."""
-    async def counted() -> Message:
-        message = await receive()
-        if message["type"] == "http.request":
-            ticket.bytes_in += len(message.get("body", b""))
-        return message
-    return counted
-
-
-def _observing(send: Send, ticket: Ticket) -> Send:
-    """`_marking(send)` that also notes on the ticket the status, who answered, the bytes out
-    and, of llama-server's answers, the last chunks (their usage and timings)."""
-    marked = _marking(send)
-
-    async def observed(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            ticket.status = message["status"]
-            if BY_UPSTREAM in (message.get("headers") or ()):
-                ticket.by = "llama-server"
-        elif body := message.get("body"):
-            ticket.bytes_out += len(body)
-            if ticket.by != "front":
-                ticket.tail.append(body)
-        await marked(message)
-    return observed
-
-
-def _marking(send: Send) -> Send:
-    """`send`, with `X-Mtpwrap-Answered-By: front` added to every response the relay did not
-    mark as llama-server's."""
-    async def marked(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            headers = list(message.get("headers") or ())
-            if not any(k == ANSWERED_BY for k, _v in headers):
-                message = {**message, "headers": [*headers, BY_FRONT]}
-        await send(message)
-    return marked
