@@ -1,26 +1,22 @@
-"""`bench embed` against the real llama-server on the demo model, standing in for the front.
-
-llama-server started with `--embeddings --pooling mean` answers both `/v1/embeddings` and
-`/v1/chat/completions`, as the front does with an embedding companion beside the chat model.
-Small sizes: 4 passages of 64 tokens per corpus, 1 round, 16 chat tokens.
-
-The stand-in has 8 slots: more than the background load keeps in flight (2 workers × 2
-passages), so the chat request always finds one free (with every slot taken by embeddings, a
-chat request was seen waiting over 600 s for one); and a power of two: with `--pooling mean`
-this build aborts at load (GGML_ASSERT ggml_can_mul_mat) for 3, 5, 6, 9, 10 or 12 slots."""
+"""`bench embed` against the real front: `mtpwrap up` with the demo chat model and the demo
+model as an embedding companion, each its own llama-server. Small sizes: 4 passages of 64 tokens
+per corpus, 1 round, 16 chat tokens. The chat model and the embedder are the same model, so
+/tokenize (the chat model's) counts what the embedder's usage says."""
 
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from mtpwrap import proc
 from mtpwrap.bench import embed, embed_report
-from tests.helpers import cli_env, run_cli
+from tests.helpers import Instance, cli_env, run_cli, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -28,15 +24,33 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def stand_in(llama_server_bin: Path, demo_model: Path,
              tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The front's stand-in: its base URL, once /health says ok (polled, with a deadline)."""
-    port = proc.free_loopback_port()
-    base = f"http://127.0.0.1:{port}"
-    argv = [str(llama_server_bin), "-m", str(demo_model), "--embeddings", "--pooling", "mean",
-            "--host", "127.0.0.1", "--port", str(port), "-c", "4096", "-np", "8", "-t", "1"]
-    log = tmp_path_factory.mktemp("embed") / "llama-server.log"
-    with proc.running_server(argv, base_url=base, log_path=log, timeout=60,
-                             env={"LD_LIBRARY_PATH": str(llama_server_bin.parent)}):
-        yield base
+    """The front: `mtpwrap up` with the demo chat model and the demo model as its embedding
+    companion (its own llama-server, `--embeddings --pooling mean`); its base URL once both
+    are ready. One llama-server serving both cannot stand in for it: with embeddings
+    arriving back to back it can leave a chat request without a slot indefinitely."""
+    folder = tmp_path_factory.mktemp("embed")
+    profile = folder / "with-embedder.yaml"
+    profile.write_text(yaml.safe_dump({
+        "description": "The demo model on the CPU with an embedding companion",
+        "hardware": {"requires_gpu": False}, "model": str(demo_model), "context": 2048,
+        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "none"}, "gpu_layers": 0,
+        "slots": 1, "threads": 1,
+        "companions": [{"role": "embedding", "name": "embed", "model": str(demo_model),
+                        "pooling": "mean", "context": 2048, "slots": 4, "threads": 1}]}))
+    inst = Instance(folder / "home", proc.free_loopback_port(), llama_server_bin, demo_model,
+                    log=folder / "up.log", profile=str(profile))
+    try:
+        inst.wait_ready(180)
+        wait_for("the embedding companion ready", lambda: httpx.get(
+            f"{inst.base}/readyz", params={"model": "embed"}, timeout=10).status_code == 200,
+                 120)
+        yield inst.base
+    finally:
+        inst.proc.send_signal(signal.SIGTERM)
+        try:
+            inst.proc.wait(60)
+        finally:
+            inst.close()
 
 
 def _count(base: str, text: str) -> int:
