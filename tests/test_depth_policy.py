@@ -202,7 +202,7 @@ def test_profile_spec_policy_and_adapt_are_validated() -> None:
         profiles.validate(_profile({"kind": "ngram", "policy": {"fr-prose": 2}}), where="t.yaml")
     with pytest.raises(ConfigError, match=r"spec.policy.code: expected off, a depth"):
         profiles.validate(_profile({"kind": "ngram", "policy": {"code": "deep"}}), where="t.yaml")
-    with pytest.raises(ConfigError, match=r"spec.adapt.probe_share: must be 0..1"):
+    with pytest.raises(ConfigError, match=r"spec.adapt.probe_share: expected a number 0..1"):
         profiles.validate(_profile({"kind": "ngram", "adapt": {"probe_share": 2}}),
                           where="t.yaml")
 

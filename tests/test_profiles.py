@@ -76,16 +76,29 @@ def test_good_fixture_is_valid(tmp_path: Path) -> None:
 # Each case: the document, the key path the error must name, and a fragment of what it expects.
 MALFORMED = [
     ("unknown top key", GOOD + "contxt: 4096\n", "contxt", "unknown key"),
-    ("unknown nested key", replace("  depth:", "  depht: 3"), "spec.depht", "unknown key"),
+    ("unknown nested key", replace("  depth:", "  depht: 3"), "spec.depht",
+     "unknown key. Did you mean 'depth'?"),
+    ("slots as text", replace("slots:", "slots: '2'"), "slots",
+     "expected an integer 1..256, got '2'."),
+    ("adapt out of range", replace("  depth:", "  depth: 3\n  adapt: {probe_share: 2}"),
+     "spec.adapt.probe_share", "expected a number 0..1, got 2."),
+    ("policy depth out of range", replace("  depth:", "  depth: 3\n  policy: {code: 9}"),
+     "spec.policy.code", "expected an integer 0..8, got 9."),
+    ("policy p_min out of range",
+     replace("  depth:", "  depth: 3\n  policy: {code: {depth: 2, p_min: -1}}"),
+     "spec.policy.code.p_min", "expected a number 0..1, got -1."),
+    ("requires_gpu as text", replace("hardware:", "hardware:\n  requires_gpu: 'no'"),
+     "hardware.requires_gpu", "expected true or false, got 'no'."),
     ("depth out of range", replace("  depth:", "  depth: 12"), "spec.depth",
-     "must be 1..8, got 12"),
-    ("depth wrong type", replace("  depth:", "  depth: three"), "spec.depth", "whole number"),
+     "expected an integer 1..8, got 12."),
+    ("depth wrong type", replace("  depth:", "  depth: three"), "spec.depth",
+     "expected an integer 1..8"),
     ("spec kind unknown", replace("  kind:", "  kind: eagle"), "spec.kind", "mtp, draft, ngram"),
     ("kv type unknown", replace("  k: [", "  k: [tbq5_0]"), "kv.k[0]", "must be one of"),
     ("kv list empty", replace("  v: [", "  v: []"), "kv.v", "list of them"),
     ("context negative", replace("context:", "context: -5"), "context", "must be 256.."),
     ("context wrong text", replace("context:", "context: huge"), "context", "\"max\""),
-    ("slots zero", replace("slots:", "slots: 0"), "slots", "must be 1..256, got 0"),
+    ("slots zero", replace("slots:", "slots: 0"), "slots", "expected an integer 1..256, got 0."),
     ("ubatch above batch", GOOD + "batch: 16\n", "ubatch", "must not exceed batch (16)"),
     ("flash_attn bad", replace("flash_attn:", "flash_attn: maybe"), "flash_attn", "on, off, auto"),
     ("mlock not bool", replace("mlock:", "mlock: yes please"), "mlock", "true or false"),
@@ -96,18 +109,18 @@ MALFORMED = [
     ("gpu_name bad regex", replace("  gpu_name:", "  gpu_name: 'RTX (4090'"), "hardware.gpu_name",
      "regular expression"),
     ("min memory negative", replace("  min_memory_gib:", "  min_memory_gib: -1"),
-     "hardware.min_memory_gib", "must be 0.5..4096"),
+     "hardware.min_memory_gib", "expected a number 0.5..4096, got -1."),
     ("mtp without depth", replace("  depth:", None), "spec.depth", "missing"),
     ("draft without model", replace("  kind:", "  kind: draft"), "spec.draft_model", "missing"),
     ("extra_args not list", GOOD + "extra_args: --foo\n", "extra_args", "list of arguments"),
     ("name mismatch", "name: other\n" + GOOD, "name", "must match the file name 'bad'"),
     ("p_min above one", replace("  depth:", "  depth: 3\n  p_min: 1.5"), "spec.p_min",
-     "must be 0..1, got 1.5"),
+     "expected a number 0..1, got 1.5."),
     ("description multi-line", replace("description:", "description: |\n  one\n  two"),
      "description", "one line"),
     ("supervisor not mapping", GOOD + "supervisor: [1, 2]\n", "supervisor", "expected a mapping"),
     ("gpu_layers bad text", replace("gpu_layers:", "gpu_layers: most"), "gpu_layers",
-     "must be one of all, auto"),
+     "0..999, all or auto, got 'most'"),
 ]
 
 
@@ -273,5 +286,5 @@ def test_cli_malformed_profile_is_one_line_exit_78(tmp_path: Path) -> None:
     assert r.returncode == EXIT_CONFIG
     assert "Traceback" not in r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "spec.depth: must be 1..8, got 12" in lines[0]
+    assert len(lines) == 1 and "spec.depth: expected an integer 1..8, got 12." in lines[0]
     assert str(path) in lines[0]

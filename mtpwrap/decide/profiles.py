@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.config.coerce import check_section, convert
-from mtpwrap.config.table import COMPANION, COMPANION_REQUIRED
+from mtpwrap.config.coerce import check_section, convert, unknown_key
+from mtpwrap.config.table import COMPANION, COMPANION_REQUIRED, Key
 from mtpwrap.config.yamlfile import read_yaml
 from mtpwrap.decide.hardware import GpuInfo, HardwareSnapshot
 from mtpwrap.decide.profile_types import (
@@ -47,11 +47,92 @@ SYSTEM_PROFILES_DIR = Path("/etc/mtpwrap/profiles")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
+# --------------------------------------------------------------------------- the keys
+# A profile's single-valued keys are declared as the settings are (`config.table.Key`) and read
+# by the one coercer (`config.coerce.convert`, strictly: YAML's 3 is a number, "3" is text).
+# The keys that hold lists or choices of shape (context, gpu_layers, kv, spec.policy's entries,
+# extra_args, companions) are read below; defaults are the dataclasses' (`profile_types`).
+
+
+def _between(kind: str, lo: float, hi: float) -> Key:
+    what = "an integer" if kind == "int" else "a number"
+    return Key(kind, None, check=lambda v: lo <= v <= hi, expect=f"{what} {lo:g}..{hi:g}")
+
+
+def _regex(value: str) -> bool:
+    try:
+        re.compile(value)
+    except re.error:
+        return False
+    return True
+
+
+_TEXT = Key("str", None, check=lambda v: bool(v.strip()), expect="non-empty text")
+_LINE = Key("str", None, check=lambda v: bool(v.strip()) and "\n" not in v.strip(),
+            expect="one line of text")
+_FLAG = Key("bool", None)
+
+PROFILE: dict[str, Key] = {
+    "name": Key("str", None, check=lambda v: bool(_NAME_RE.match(v)),
+                expect="a name of letters, digits, '.', '_' and '-'"),
+    "description": _LINE,
+    "model": _TEXT,
+    "threads": _between("int", 1, 1024),
+    "batch": _between("int", 1, 65536),
+    "ubatch": _between("int", 1, 65536),
+    "slots": _between("int", 1, 256),
+    "flash_attn": Key("str", None, choices=FLASH_ATTN),
+    "mlock": _FLAG, "no_warmup": _FLAG, "log_prompts": _FLAG, "allow_rpc": _FLAG,
+    "allow_tools": _FLAG,
+}
+HARDWARE: dict[str, Key] = {
+    "requires_gpu": _FLAG,
+    "gpu_name": Key("str", None, check=_regex, expect="a regular expression"),
+    "min_memory_gib": _between("float", 0.5, 4096),
+}
+SPEC: dict[str, Key] = {
+    "kind": Key("str", None, choices=SPEC_KINDS),
+    "depth": _between("int", 1, MAX_DEPTH),
+    "p_min": _between("float", 0, 1),
+    "draft_model": _TEXT,
+    "ngram_n": _between("int", 1, 64),
+}
+#: spec.policy.<class> as a mapping
+CLASS_POLICY: dict[str, Key] = {"depth": _between("int", 0, MAX_DEPTH),
+                                "p_min": _between("float", 0, 1)}
+SPEC_ADAPT: dict[str, Key] = {
+    "enabled": _FLAG,
+    "overhead": _between("float", 0.1, 10.0),
+    "per_draft": _between("float", 0, 10.0),
+    "probe_share": _between("float", 0, 1),
+    "half_life_tokens": _between("float", 1, 1e9),
+}
+
+TOP_KEYS = (*PROFILE, "context", "hardware", "kv", "spec", "gpu_layers", "extra_args",
+            "companions", *FREE_SECTIONS)
+REQUIRED_KEYS = ("description", "model", "context")
+
+
 # --------------------------------------------------------------------------- validation
 
 
-class _Checker:
-    """Reads one parsed YAML document, raising ConfigError with `file: key.path: ...`."""
+def show(value: Any) -> str:
+    """A YAML value as its author wrote it, for a message."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "a list" if value else "an empty list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return str(value)
+
+
+class _Doc:
+    """One parsed YAML document; every problem is a ConfigError `file: key.path: ...`."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -59,247 +140,168 @@ class _Checker:
     def fail(self, key: str, message: str) -> ConfigError:
         return ConfigError(f"{self.where}: {key}: {message}")
 
-    @staticmethod
-    def show(value: Any) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if value is None:
-            return "null"
-        if isinstance(value, str):
-            return repr(value)
-        if isinstance(value, (list, tuple)):
-            return "a list" if value else "an empty list"
-        if isinstance(value, dict):
-            return "a mapping"
-        return str(value)
-
-    def keys(self, data: Mapping[str, Any], key: str, allowed: Iterable[str]) -> None:
-        allowed = tuple(allowed)
-        for k in data:
-            if k not in allowed:
-                path = f"{key}.{k}" if key else str(k)
-                raise self.fail(path, f"unknown key; allowed keys: {', '.join(allowed)}")
-
-    def mapping(self, value: Any, key: str) -> Mapping[str, Any]:
+    def section(self, value: Any, key: str, allowed: Iterable[str] | None = None
+                ) -> Mapping[str, Any]:
+        """`value` as a mapping of text keys, each one of `allowed` (when given)."""
         if not isinstance(value, dict):
-            raise self.fail(key, f"expected a mapping, got {self.show(value)}")
+            raise self.fail(key, f"expected a mapping, got {show(value)}")
+        known = None if allowed is None else tuple(allowed)
         for k in value:
             if not isinstance(k, str):
-                raise self.fail(key, f"keys must be text, got {self.show(k)}")
+                raise self.fail(key, f"keys must be text, got {show(k)}")
+            if known is not None and k not in known:
+                raise unknown_key(self.where, f"{key}.{k}" if key else k, known)
         return value
 
-    def string(self, value: Any, key: str, *, one_line: bool = False) -> str:
-        if not isinstance(value, str) or not value.strip():
-            raise self.fail(key, f"expected non-empty text, got {self.show(value)}")
-        if one_line and "\n" in value.strip():
-            raise self.fail(key, "expected one line of text, got several lines")
-        return value.strip()
-
-    def boolean(self, value: Any, key: str) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {self.show(value)}")
-        return value
-
-    def integer(self, value: Any, key: str, lo: int, hi: int) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"expected a whole number {lo}..{hi}, got {self.show(value)}")
-        if not lo <= value <= hi:
-            raise self.fail(key, f"must be {lo}..{hi}, got {value}")
-        return value
-
-    def number(self, value: Any, key: str, lo: float, hi: float) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(key, f"expected a number {lo:g}..{hi:g}, got {self.show(value)}")
-        if not lo <= value <= hi:
-            raise self.fail(key, f"must be {lo:g}..{hi:g}, got {value:g}")
-        return float(value)
-
-    def choice(self, value: Any, key: str, choices: Iterable[str]) -> str:
-        choices = tuple(choices)
-        if not isinstance(value, str) or value not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)}, got {self.show(value)}")
-        return value
+    def values(self, m: Mapping[str, Any], table: Mapping[str, Key], key: str = ""
+               ) -> dict[str, Any]:
+        """The keys of `table` that `m` gives (null is not given), each through the coercer."""
+        out: dict[str, Any] = {}
+        for name, k in table.items():
+            if m.get(name) is not None:
+                value = convert(m[name], k, self.where, f"{key}.{name}" if key else name,
+                                strict=True)
+                out[name] = value.strip() if isinstance(value, str) else value
+        return out
 
     def kv_list(self, value: Any, key: str) -> tuple[str, ...]:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not items:
             raise self.fail(key, f"expected a KV type or a list of them in preference order, "
-                                 f"got {self.show(value)}")
+                                 f"got {show(value)}")
         out: list[str] = []
         for i, t in enumerate(items):
             if not isinstance(t, str) or t not in KV_TYPES:
                 raise self.fail(f"{key}[{i}]", f"must be one of {', '.join(KV_TYPES)}, "
-                                               f"got {self.show(t)}")
+                                               f"got {show(t)}")
             if t in out:
                 raise self.fail(f"{key}[{i}]", f"{t} is listed twice")
             out.append(t)
         return tuple(out)
 
     def kv(self, value: Any, key: str) -> KvTypes:
-        m = self.mapping(value, key)
-        self.keys(m, key, ("k", "v", "why"))
+        m = self.section(value, key, ("k", "v", "why"))
         for part in ("k", "v"):
             if part not in m:
                 raise self.fail(f"{key}.{part}", "missing; give the KV types in preference order")
-        why = self.string(m["why"], f"{key}.why", one_line=True) if m.get("why") else None
+        why = self.values(m, {"why": _LINE}, key).get("why") if m.get("why") else None
         return KvTypes(k=self.kv_list(m["k"], f"{key}.k"), v=self.kv_list(m["v"], f"{key}.v"),
                        why=why)
 
 
-TOP_KEYS = (
-    "name", "description", "hardware", "model", "context", "kv", "spec", "gpu_layers", "threads",
-    "batch", "ubatch", "slots", "flash_attn", "mlock", "no_warmup", "extra_args",
-    "log_prompts", "allow_rpc", "allow_tools", "companions", *FREE_SECTIONS,
-)
-REQUIRED_KEYS = ("description", "model", "context")
-
-
-def _name(c: _Checker, data: dict[str, Any], expected_name: str | None) -> str:
-    name = expected_name
-    if "name" in data:
-        name = c.string(data["name"], "name")
-        if not _NAME_RE.match(name):
-            raise c.fail("name", f"letters, digits, '.', '_' and '-' only, got {name!r}")
-        if expected_name is not None and name != expected_name:
-            raise c.fail("name", f"must match the file name {expected_name!r}, got {name!r}")
+def _name(doc: _Doc, given: str | None, expected_name: str | None) -> str:
+    if given is not None and expected_name is not None and given != expected_name:
+        raise doc.fail("name", f"must match the file name {expected_name!r}, got {given!r}")
+    name = given or expected_name
     if name is None:
-        raise c.fail("name", "missing (required when the profile is not read from a file)")
+        raise doc.fail("name", "missing (required when the profile is not read from a file)")
     return name
 
 
-def _hardware(c: _Checker, raw: Any) -> HardwareReq:
-    h = c.mapping(raw, "hardware")
-    c.keys(h, "hardware", ("requires_gpu", "gpu_name", "min_memory_gib"))
-    requires_gpu = c.boolean(h.get("requires_gpu", True), "hardware.requires_gpu")
-    gpu_name = None
-    if h.get("gpu_name") is not None:
-        gpu_name = c.string(h["gpu_name"], "hardware.gpu_name")
-        try:
-            re.compile(gpu_name)
-        except re.error as exc:
-            raise c.fail("hardware.gpu_name",
-                         f"expected a regular expression, got {gpu_name!r} ({exc})") from exc
-    min_mem = None
-    if h.get("min_memory_gib") is not None:
-        min_mem = c.number(h["min_memory_gib"], "hardware.min_memory_gib", 0.5, 4096)
-    if not requires_gpu and (gpu_name or min_mem):
-        raise c.fail("hardware.requires_gpu",
-                     "is false, so gpu_name and min_memory_gib would never apply")
-    return HardwareReq(requires_gpu=requires_gpu, gpu_name=gpu_name, min_memory_gib=min_mem)
+def _hardware(doc: _Doc, raw: Any) -> HardwareReq:
+    hw = HardwareReq(**doc.values(doc.section(raw, "hardware", HARDWARE), HARDWARE, "hardware"))
+    if not hw.requires_gpu and (hw.gpu_name or hw.min_memory_gib):
+        raise doc.fail("hardware.requires_gpu",
+                       "is false, so gpu_name and min_memory_gib would never apply")
+    return hw
 
 
-def _context(c: _Checker, ctx_raw: Any) -> int | str:
+def _context(doc: _Doc, ctx_raw: Any) -> int | str:
     if ctx_raw == "max":
         return "max"
     if isinstance(ctx_raw, int) and not isinstance(ctx_raw, bool):
-        return c.integer(ctx_raw, "context", 256, MAX_CONTEXT)
-    raise c.fail("context", f"expected a number of tokens 256..{MAX_CONTEXT} or \"max\", "
-                            f"got {c.show(ctx_raw)}")
+        if not 256 <= ctx_raw <= MAX_CONTEXT:
+            raise doc.fail("context", f"must be 256..{MAX_CONTEXT}, got {ctx_raw}")
+        return ctx_raw
+    raise doc.fail("context", f"expected a number of tokens 256..{MAX_CONTEXT} or \"max\", "
+                              f"got {show(ctx_raw)}")
 
 
-def _gpu_layers(c: _Checker, g: Any) -> int | str | None:
-    if g is None:
-        return None
-    if isinstance(g, str):
-        return c.choice(g, "gpu_layers", ("all", "auto"))
-    return c.integer(g, "gpu_layers", 0, 999)
+def _gpu_layers(doc: _Doc, g: Any) -> int | str | None:
+    if g is None or g in ("all", "auto"):
+        return g
+    if isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= 999:
+        return g
+    raise doc.fail("gpu_layers", f"expected a number of layers 0..999, all or auto, "
+                                 f"got {show(g)}")
 
 
-def _batches(c: _Checker, data: dict[str, Any]) -> tuple[int | None, int | None, int | None, int]:
-    """(threads, batch, ubatch, slots)."""
-    threads = (None if data.get("threads") is None
-               else c.integer(data["threads"], "threads", 1, 1024))
-    batch = None if data.get("batch") is None else c.integer(data["batch"], "batch", 1, 65536)
-    ubatch = None if data.get("ubatch") is None else c.integer(data["ubatch"], "ubatch", 1, 65536)
-    if batch is not None and ubatch is not None and ubatch > batch:
-        raise c.fail("ubatch", f"must not exceed batch ({batch}), got {ubatch}")
-    return threads, batch, ubatch, c.integer(data.get("slots", 1), "slots", 1, 256)
-
-
-def _extra_args(c: _Checker, extra: Any) -> tuple[str, ...]:
+def _extra_args(doc: _Doc, extra: Any) -> tuple[str, ...]:
     if not isinstance(extra, list):
-        raise c.fail("extra_args", f"expected a list of arguments, got {c.show(extra)}")
+        raise doc.fail("extra_args", f"expected a list of arguments, got {show(extra)}")
     for i, a in enumerate(extra):
         if isinstance(a, bool) or not isinstance(a, (str, int, float)):
-            raise c.fail(f"extra_args[{i}]", f"expected text, got {c.show(a)}")
+            raise doc.fail(f"extra_args[{i}]", f"expected text, got {show(a)}")
     return tuple(str(a) for a in extra)
 
 
 def validate(data: Any, *, where: str, expected_name: str | None = None) -> Profile:
     """A parsed YAML document → Profile, or ConfigError naming `where` and the key path."""
-    c = _Checker(where)
+    doc = _Doc(where)
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of profile keys at the top, "
-                          f"got {c.show(data)}")
-    c.keys(data, "", TOP_KEYS)
+                          f"got {show(data)}")
+    doc.section(data, "", TOP_KEYS)
     for k in REQUIRED_KEYS:
-        if k not in data:
-            raise c.fail(k, "missing (required)")
-    name = _name(c, data, expected_name)
-    hw = _hardware(c, data["hardware"]) if "hardware" in data else HardwareReq()
-    model = c.string(data["model"], "model")
-    context = _context(c, data["context"])
-    kv = c.kv(data["kv"], "kv") if "kv" in data else KvTypes()
-    spec = _speculation(c, data.get("spec"))
-    gpu_layers = _gpu_layers(c, data.get("gpu_layers"))
-    threads, batch, ubatch, slots = _batches(c, data)
-
-    fa_raw = data.get("flash_attn", "auto")
-    if isinstance(fa_raw, bool):  # YAML 1.1 reads a bare on/off as a boolean
-        fa_raw = "on" if fa_raw else "off"
-    flash_attn = c.choice(fa_raw, "flash_attn", FLASH_ATTN)
-    flags = {k: c.boolean(data.get(k, False), k)
-             for k in ("mlock", "no_warmup", "log_prompts", "allow_rpc", "allow_tools")}
-    extra = _extra_args(c, data.get("extra_args", []))
+        if data.get(k) is None:
+            raise doc.fail(k, "missing (required)")
+    if isinstance(data.get("flash_attn"), bool):  # YAML 1.1 reads a bare on/off as a boolean
+        data = {**data, "flash_attn": "on" if data["flash_attn"] else "off"}
+    given = doc.values(data, PROFILE)
+    name = _name(doc, given.pop("name", None), expected_name)
+    batch, ubatch = given.get("batch"), given.get("ubatch")
+    if batch is not None and ubatch is not None and ubatch > batch:
+        raise doc.fail("ubatch", f"must not exceed batch ({batch}), got {ubatch}")
     free: dict[str, Mapping[str, Any]] = {}
     for section in FREE_SECTIONS:  # keys shared with the settings: the table's checks
-        free[section] = (check_section(section, c.mapping(data[section], section), where)
+        free[section] = (check_section(section, doc.section(data[section], section), where)
                          if section in data else {})
-
-    companions = _companions(c, data.get("companions", []))
     return Profile(
-        name=name, description=c.string(data["description"], "description", one_line=True),
-        model=model, context=context, hardware=hw, kv=kv, spec=spec, gpu_layers=gpu_layers,
-        threads=threads, batch=batch, ubatch=ubatch, slots=slots, flash_attn=flash_attn,
-        extra_args=extra, supervisor=free["supervisor"], proxy=free["proxy"],
-        companions=companions, source=where, **flags,
+        name=name, context=_context(doc, data["context"]),
+        hardware=_hardware(doc, data["hardware"]) if "hardware" in data else HardwareReq(),
+        kv=doc.kv(data["kv"], "kv") if "kv" in data else KvTypes(),
+        spec=_speculation(doc, data.get("spec")),
+        gpu_layers=_gpu_layers(doc, data.get("gpu_layers")),
+        extra_args=_extra_args(doc, data.get("extra_args", [])),
+        supervisor=free["supervisor"], proxy=free["proxy"],
+        companions=_companions(doc, data.get("companions", [])), source=where, **given,
     )
 
 
-def _companions(c: _Checker, raw: Any) -> tuple[Companion, ...]:
+def _companions(doc: _Doc, raw: Any) -> tuple[Companion, ...]:
     """companions: a list of mappings, each checked with the config table's `COMPANION` keys
     (the one coercer); names are unique, and a reranker pools with rank."""
     if not isinstance(raw, list):
-        raise c.fail("companions", f"expected a list of companion models, got {c.show(raw)}")
+        raise doc.fail("companions", f"expected a list of companion models, got {show(raw)}")
     out: list[Companion] = []
     for i, item in enumerate(raw):
         key = f"companions[{i}]"
-        m = c.mapping(item, key)
-        c.keys(m, key, COMPANION)
+        m = doc.section(item, key, COMPANION)
         for k in COMPANION_REQUIRED:
             if m.get(k) is None:
-                raise c.fail(f"{key}.{k}", f"missing (required); {COMPANION[k].help}")
-        v = {k: convert(m[k], COMPANION[k], c.where, f"{key}.{k}", strict=True)
-             for k in COMPANION if m.get(k) is not None}
+                raise doc.fail(f"{key}.{k}", f"missing (required); {COMPANION[k].help}")
+        v = doc.values(m, COMPANION, key)
         role = v["role"]
         if role == "rerank" and v.get("pooling", "rank") != "rank":
-            raise c.fail(f"{key}.pooling", f"a reranker pools with rank (llama-server's "
-                         f"--reranking), got {v['pooling']!r}; remove the key")
+            raise doc.fail(f"{key}.pooling", f"a reranker pools with rank (llama-server's "
+                           f"--reranking), got {v['pooling']!r}; remove the key")
         if role == "embedding" and v.get("pooling") == "rank":
-            raise c.fail(f"{key}.pooling", "rank pooling scores pairs: it is role rerank's; "
-                         "an embedding companion pools with none, mean, cls or last")
+            raise doc.fail(f"{key}.pooling", "rank pooling scores pairs: it is role rerank's; "
+                           "an embedding companion pools with none, mean, cls or last")
         name = v.get("name") or role
         if name == "chat":
-            raise c.fail(f"{key}.name", "chat names the chat model (/readyz?model=chat); give "
-                         "the companion another name")
+            raise doc.fail(f"{key}.name", "chat names the chat model (/readyz?model=chat); "
+                           "give the companion another name")
         if any(o.name == name for o in out):
-            raise c.fail(f"{key}.name", f"{name!r} is used by another companion; give each "
-                         "a name (clients choose by it with `model`)")
+            raise doc.fail(f"{key}.name", f"{name!r} is used by another companion; give each "
+                           "a name (clients choose by it with `model`)")
         ubatch = v.get("ubatch")
         if ubatch is not None and ubatch > v.get("context", COMPANION["context"].default):
-            raise c.fail(f"{key}.ubatch", f"must not exceed its context, got {ubatch}")
+            raise doc.fail(f"{key}.ubatch", f"must not exceed its context, got {ubatch}")
+        if not v["model"]:
+            raise doc.fail(f"{key}.model", "expected non-empty text, got ''")
         out.append(Companion(
-            name=name, role=role, model=c.string(v["model"], f"{key}.model"),
+            name=name, role=role, model=v["model"],
             device=v.get("device", COMPANION["device"].default),
             context=v.get("context", COMPANION["context"].default),
             slots=v.get("slots", COMPANION["slots"].default), threads=v.get("threads"),
@@ -307,45 +309,32 @@ def _companions(c: _Checker, raw: Any) -> tuple[Companion, ...]:
     return tuple(out)
 
 
-def _speculation(c: _Checker, raw: Any) -> Speculation:
+def _speculation(doc: _Doc, raw: Any) -> Speculation:
     if raw is None:
         return Speculation()
-    s = c.mapping(raw, "spec")
-    c.keys(s, "spec", ("kind", "depth", "p_min", "draft_model", "draft_kv", "ngram_n",
-                       "policy", "adapt"))
-    if "kind" not in s:
-        raise c.fail("spec.kind", f"missing; one of {', '.join(SPEC_KINDS)}")
-    kind = c.choice(s["kind"], "spec.kind", SPEC_KINDS)
+    s = doc.section(raw, "spec", (*SPEC, "draft_kv", "policy", "adapt"))
+    if s.get("kind") is None:
+        raise doc.fail("spec.kind", f"missing; one of {', '.join(SPEC_KINDS)}")
+    v = doc.values(s, SPEC, "spec")
+    kind = v["kind"]
     if kind == "none":
         extra = [k for k in s if k != "kind"]
         if extra:
-            raise c.fail(f"spec.{extra[0]}", "has no meaning when spec.kind is none")
+            raise doc.fail(f"spec.{extra[0]}", "has no meaning when spec.kind is none")
         return Speculation()
-    depth = None
-    if s.get("depth") is not None:
-        depth = c.integer(s["depth"], "spec.depth", 1, MAX_DEPTH)
-    elif kind in ("mtp", "draft"):
-        raise c.fail("spec.depth", f"missing; how many tokens to draft, 1..{MAX_DEPTH}")
-    p_min = None if s.get("p_min") is None else c.number(s["p_min"], "spec.p_min", 0.0, 1.0)
-    draft_model = None
-    if kind == "draft":
-        if s.get("draft_model") is None:
-            raise c.fail("spec.draft_model", "missing; spec.kind draft needs a draft model")
-        draft_model = c.string(s["draft_model"], "spec.draft_model")
-    elif s.get("draft_model") is not None:
-        raise c.fail("spec.draft_model", f"only applies to spec.kind draft, not {kind}")
-    draft_kv = c.kv(s["draft_kv"], "spec.draft_kv") if s.get("draft_kv") is not None else None
+    if "depth" not in v and kind in ("mtp", "draft"):
+        raise doc.fail("spec.depth", f"missing; how many tokens to draft, 1..{MAX_DEPTH}")
+    if kind == "draft" and "draft_model" not in v:
+        raise doc.fail("spec.draft_model", "missing; spec.kind draft needs a draft model")
+    if kind != "draft" and "draft_model" in v:
+        raise doc.fail("spec.draft_model", f"only applies to spec.kind draft, not {kind}")
+    draft_kv = doc.kv(s["draft_kv"], "spec.draft_kv") if s.get("draft_kv") is not None else None
     if draft_kv is not None and kind == "ngram":
-        raise c.fail("spec.draft_kv", "ngram speculation has no draft KV cache")
-    ngram_n = None
-    if s.get("ngram_n") is not None:
-        if kind != "ngram":
-            raise c.fail("spec.ngram_n", f"only applies to spec.kind ngram, not {kind}")
-        ngram_n = c.integer(s["ngram_n"], "spec.ngram_n", 1, 64)
-    return Speculation(kind=kind, depth=depth, p_min=p_min, draft_model=draft_model,
-                       draft_kv=draft_kv, ngram_n=ngram_n,
-                       policy=_spec_policy(c, s.get("policy")),
-                       adapt=_spec_adapt(c, s.get("adapt")))
+        raise doc.fail("spec.draft_kv", "ngram speculation has no draft KV cache")
+    if "ngram_n" in v and kind != "ngram":
+        raise doc.fail("spec.ngram_n", f"only applies to spec.kind ngram, not {kind}")
+    return Speculation(**v, draft_kv=draft_kv, policy=_spec_policy(doc, s.get("policy")),
+                       adapt=_spec_adapt(doc, s.get("adapt")))
 
 
 def to_yaml(profile: Profile) -> dict[str, Any]:
@@ -375,13 +364,11 @@ def with_overrides(profile: Profile, changes: Mapping[str, Any], *, where: str) 
     return validate(data, where=where)
 
 
-def _spec_policy(c: _Checker, raw: Any) -> tuple[tuple[str, ClassPolicy], ...]:
+def _spec_policy(doc: _Doc, raw: Any) -> tuple[tuple[str, ClassPolicy], ...]:
     """spec.policy: {class: off | depth | {depth, p_min}} for the classes of request_class."""
-
     if raw is None:
         return ()
-    table = c.mapping(raw, "spec.policy")
-    c.keys(table, "spec.policy", CLASSES)
+    table = doc.section(raw, "spec.policy", CLASSES)
     out: list[tuple[str, ClassPolicy]] = []
     for name in sorted(table):
         key = f"spec.policy.{name}"
@@ -389,41 +376,27 @@ def _spec_policy(c: _Checker, raw: Any) -> tuple[tuple[str, ClassPolicy], ...]:
         if value is False or value == "off":
             out.append((name, ClassPolicy(0)))
         elif isinstance(value, int) and not isinstance(value, bool):
-            out.append((name, ClassPolicy(c.integer(value, key, 0, MAX_DEPTH))))
+            out.append((name, ClassPolicy(convert(value, CLASS_POLICY["depth"], doc.where, key,
+                                                  strict=True))))
         elif isinstance(value, dict):
-            c.keys(value, key, ("depth", "p_min"))
-            if "depth" not in value:
-                raise c.fail(f"{key}.depth", f"missing; 0 (off) .. {MAX_DEPTH}")
-            p_min = (None if value.get("p_min") is None
-                     else c.number(value["p_min"], f"{key}.p_min", 0.0, 1.0))
-            out.append((name, ClassPolicy(c.integer(value["depth"], f"{key}.depth", 0,
-                                                    MAX_DEPTH), p_min)))
+            m = doc.section(value, key, CLASS_POLICY)
+            if m.get("depth") is None:
+                raise doc.fail(f"{key}.depth", f"missing; 0 (off) .. {MAX_DEPTH}")
+            out.append((name, ClassPolicy(**doc.values(m, CLASS_POLICY, key))))
         else:
-            raise c.fail(key, f"expected off, a depth 0..{MAX_DEPTH} or a mapping with depth "
-                         f"(and p_min), got {c.show(value)}")
+            raise doc.fail(key, f"expected off, a depth 0..{MAX_DEPTH} or a mapping with depth "
+                           f"(and p_min), got {show(value)}")
     return tuple(out)
 
 
-def _spec_adapt(c: _Checker, raw: Any) -> SpecAdapt:
+def _spec_adapt(doc: _Doc, raw: Any) -> SpecAdapt:
     """spec.adapt: true/false, or a mapping of SpecAdapt's fields (enabled defaults to true)."""
     if raw is None:
         return SpecAdapt()
     if isinstance(raw, bool):
         return SpecAdapt(enabled=raw)
-    m = c.mapping(raw, "spec.adapt")
-    c.keys(m, "spec.adapt", ("enabled", "overhead", "per_draft", "probe_share",
-                             "half_life_tokens"))
-    d = SpecAdapt()
-    return SpecAdapt(
-        enabled=d.enabled if "enabled" not in m else c.boolean(m["enabled"], "spec.adapt.enabled"),
-        overhead=d.overhead if "overhead" not in m
-        else c.number(m["overhead"], "spec.adapt.overhead", 0.1, 10.0),
-        per_draft=d.per_draft if "per_draft" not in m
-        else c.number(m["per_draft"], "spec.adapt.per_draft", 0.0, 10.0),
-        probe_share=d.probe_share if "probe_share" not in m
-        else c.number(m["probe_share"], "spec.adapt.probe_share", 0.0, 1.0),
-        half_life_tokens=d.half_life_tokens if "half_life_tokens" not in m
-        else c.number(m["half_life_tokens"], "spec.adapt.half_life_tokens", 1.0, 1e9))
+    m = doc.section(raw, "spec.adapt", SPEC_ADAPT)
+    return SpecAdapt(**doc.values(m, SPEC_ADAPT, "spec.adapt"))
 
 
 # --------------------------------------------------------------------------- files
