@@ -192,3 +192,62 @@ def test_example_config_sets_what_it_shows(tmp_path: Path) -> None:
     for dotted, k in KEYS.items():
         if dotted != "api_key_file":
             assert built(s, dotted) == k.default, dotted
+
+
+def _options_by_variable() -> dict[str, set[tuple[str, bool, bool]]]:
+    """Every MTPWRAP_* variable a command's option or argument reads -> the (type, is a flag,
+    repeatable) each reading gives it."""
+    import json
+
+    import click
+
+    seen: dict[str, set[tuple[str, bool, bool]]] = {}
+
+    def walk(cmd: click.Command, ctx: click.Context | None) -> None:
+        ctx = click.Context(cmd, parent=ctx, info_name=cmd.name)
+        for p in cmd.params:
+            names = [p.envvar] if isinstance(p.envvar, str) else list(p.envvar or ())
+            for name in names:
+                kind = json.dumps(p.type.to_info_dict(), sort_keys=True, default=str)
+                seen.setdefault(name, set()).add(
+                    (kind, bool(getattr(p, "is_flag", False)), p.multiple))
+        if isinstance(cmd, click.Group):
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                assert sub is not None
+                walk(sub, ctx)
+
+    walk(cli, None)
+    return seen
+
+
+def test_a_variable_means_one_thing_to_every_command() -> None:
+    """`MTPWRAP_JSON`, `MTPWRAP_BENCH_THREADS`, ... are read by several commands: each reads it
+    with the same type, so a value one command takes no other refuses."""
+    seen = _options_by_variable()
+    assert len(seen) > 80 and "MTPWRAP_JSON" in seen and "MTPWRAP_BENCH_THREADS" in seen
+    differ = {name: kinds for name, kinds in seen.items() if len(kinds) > 1}
+    assert not differ
+
+
+def test_each_variable_is_declared_in_one_place() -> None:
+    """A variable is named once in the source: by the settings' table (derived from the key),
+    by `SHARED` (options several commands take), or by one option or `os.environ` read."""
+    import re
+    from collections import Counter
+
+    import mtpwrap
+    from mtpwrap.config.options import SHARED
+    from mtpwrap.config.table import env_name, every_key
+
+    named: Counter[str] = Counter()
+    for f in Path(mtpwrap.__file__).parent.rglob("*.py"):
+        for m in re.finditer(r'(?:envvar=|environ\.get\(|getenv\()\s*"(MTPWRAP_\w+)"',
+                             f.read_text()):
+            named[m.group(1)] += 1
+    assert named["MTPWRAP_BENCH_KV_SPEED"] == 1 and named["MTPWRAP_HOME"] == 1
+    assert {v for v, n in named.items() if n > 1} == set()
+    settings = {env_name(dotted) for dotted, _ in every_key()}
+    assert set(named) & settings == set()
+    assert set(named) & set(SHARED) == set()
+    assert set(SHARED) <= set(_options_by_variable())

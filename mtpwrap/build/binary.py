@@ -57,13 +57,12 @@ def coverage_problem(manifest: Manifest, snap: Any | None = None) -> str | None:
 
 def find_binary(name: str = "llama-server", explicit: str | Path | None = None,
                 snap: Any | None = None) -> Path:
-    """An explicit path, `MTPWRAP_BINARY`, or the installed build's binary.
+    """An explicit path (`--binary`, or the `binary` setting and its MTPWRAP_BINARY, which the
+    commands resolve), or the installed build's binary.
 
     An installed CUDA build must have code for every GPU NVML sees; otherwise another installed
     CUDA build that has is used, or the command that builds one is named."""
-    candidate = explicit or (
-        os.environ.get("MTPWRAP_BINARY") if name == "llama-server" else None
-    )
+    candidate = explicit
     if candidate:
         p = Path(candidate).expanduser()
         if not (p.is_file() and os.access(p, os.X_OK)):

@@ -7,22 +7,21 @@ from pathlib import Path
 
 import click
 
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 
 
 @click.command("args")
 @setting_option("profile", "profile_name")
 @setting_option("model")
-@setting_option("binary", type=click.Path(path_type=Path))
-@setting_option("hw_replay", "--hw-replay", "--replay", "replay",
-                type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@setting_option("binary")
+@setting_option("hw_replay", "--hw-replay", "--replay", "replay")
 @click.option("--port", type=int, envvar="MTPWRAP_UPSTREAM_PORT",
               help="Internal port to show in the command line; loopback TCP only, for a "
                    "binary that cannot bind a UNIX socket (otherwise the socket is shown).")
 @click.option("--no-plan", "no_plan", is_flag=True,
               help="As `up --no-plan`: no memory plan, so nothing is refused for memory.")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
-def command(profile_name: str, model: str | None, binary: Path | None, replay: Path | None,
+@shared_option("MTPWRAP_JSON")
+def command(profile_name: str, model: str | None, binary: str | None, replay: str | None,
             port: int | None, no_plan: bool, as_json: bool) -> None:
     """Print the llama-server command line for a profile, and why each flag is there."""
     import dataclasses

@@ -10,7 +10,7 @@ import click
 
 from mtpwrap.commands.bench_embed import command as embed_command
 from mtpwrap.commands.bench_kv import command as kv_command
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 
 FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 
@@ -18,9 +18,9 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
 @click.group("bench", invoke_without_command=True)
 @click.option("--quick", is_flag=True, envvar="MTPWRAP_BENCH_QUICK",
               help="Minutes on a CPU: contexts 512 and 2048, 64 tokens, self-draft and ngram.")
-@click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
-              help="Benchmark this running server (base URL) instead of launching a matrix.")
-@click.option("--api-key", envvar="MTPWRAP_API_KEY", default=None, help="Key for --url.")
+@shared_option("MTPWRAP_BENCH_URL",
+               help="Benchmark this running server (base URL) instead of launching a matrix.")
+@shared_option("MTPWRAP_API_KEY")
 @setting_option("model", help="GGUF model (default: the demo model).")
 @setting_option("binary", "binary_opt",
                 help="llama-server binary (default: the newest `mtpwrap build`).")
@@ -42,15 +42,12 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               show_default=True, help="Concurrency levels for the latency test.")
 @click.option("--gap-ms", type=float, default=2.0, envvar="MTPWRAP_BENCH_GAP_MS",
               show_default=True, help="Stream gap that separates verification steps.")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None,
-              envvar="MTPWRAP_BENCH_THREADS",
-              help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
+@shared_option("MTPWRAP_BENCH_THREADS",
+               help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
 @setting_option("profile", default=None,
                 help="Profile every configuration derives from (its overrides: speculation, "
                      "KV, context, threads); default: the one `up` would choose here.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=None, envvar="MTPWRAP_BENCH_OUT",
-              help="Report folder (default ./bench-results/TIMESTAMP).")
+@shared_option("MTPWRAP_BENCH_OUT", help="Report folder (default ./bench-results/TIMESTAMP).")
 @click.pass_context
 def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | None,
             model: str | None, binary_opt: str | None, specs: tuple[str, ...], depth: int,

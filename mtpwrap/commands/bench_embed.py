@@ -7,11 +7,13 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.config.options import shared_option
+
 
 @click.command("embed")
-@click.option("--url", envvar="MTPWRAP_BENCH_URL", default=None,
-              help="Base URL of the running front (default: `mtpwrap bench --url`).")
-@click.option("--api-key", envvar="MTPWRAP_API_KEY", default=None, help="Key for --url.")
+@shared_option("MTPWRAP_BENCH_URL",
+               help="Base URL of the running front (default: `mtpwrap bench --url`).")
+@shared_option("MTPWRAP_API_KEY")
 @click.option("--corpora", "corpus_names", default="ruling,licence",
               envvar="MTPWRAP_BENCH_EMBED_CORPORA", show_default=True,
               help="Corpora the passages come from: ruling, statute, interpretation, ko "
@@ -42,10 +44,8 @@ import click
 @click.option("--timeout", "timeout_s", type=click.IntRange(1, 86_400), default=600,
               envvar="MTPWRAP_BENCH_EMBED_TIMEOUT", show_default=True,
               help="Seconds one request may take before the run stops with an error.")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=None, envvar="MTPWRAP_BENCH_OUT",
-              help="Report folder (default ./bench-results/embed-TIMESTAMP).")
+@shared_option("MTPWRAP_JSON", help="Print the results as JSON.")
+@shared_option("MTPWRAP_BENCH_OUT", help="Report folder (default ./bench-results/embed-TIMESTAMP).")
 @click.pass_context
 def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_names: str,
             doc_tokens: int, docs: int, batch: int, concurrency: str, rounds: int,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 
 DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
 
@@ -31,8 +31,7 @@ DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
 @click.option("--chunks", default="2", envvar="MTPWRAP_BENCH_KV_CHUNKS", show_default=True,
               help="Windows scored per depth (llama-perplexity --chunks): one number, or one "
                    "per depth (e.g. 4,2,1).")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None,
-              envvar="MTPWRAP_BENCH_THREADS", help="Threads (default: llama.cpp's own).")
+@shared_option("MTPWRAP_BENCH_THREADS")
 @click.option("--speed/--no-speed", default=True, envvar="MTPWRAP_BENCH_KV_SPEED",
               show_default=True, help="Also measure prefill and decode speed by filled depth "
               "(one llama-server per type).")
@@ -40,7 +39,7 @@ DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
               show_default=True, help="The llama-perplexity runs against f16 (--no-quality "
               "with --speed: speed only).")
 @click.option("--n-predict", type=click.IntRange(1, 4096), default=32,
-              envvar="MTPWRAP_BENCH_N_PREDICT", show_default=True,
+              envvar="MTPWRAP_BENCH_KV_N_PREDICT", show_default=True,
               help="Tokens decoded per speed cell.")
 @click.option("--from", "from_report", type=click.Path(dir_okay=False, path_type=Path),
               default=None, envvar="MTPWRAP_BENCH_KV_FROM",
@@ -56,9 +55,7 @@ DEFAULT_TYPES = "f16,q8_0,q5_0,q4_0,iq4_nl,tbq4_0,tbq3_0"
               envvar="MTPWRAP_BENCH_KV_CONTEXT",
               help="Context --write plans for (default: the profile's); the figures of the "
                    "largest measured depth not above it are used.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
-              default=None, envvar="MTPWRAP_BENCH_OUT",
-              help="Report folder (default ./bench-results/kv-TIMESTAMP).")
+@shared_option("MTPWRAP_BENCH_OUT", help="Report folder (default ./bench-results/kv-TIMESTAMP).")
 def command(model: str | None, binary_opt: str | None, types: str, corpus_names: str,
             depths: str, chunks: str, threads: int | None, speed: bool, quality: bool,
             n_predict: int, from_report: Path | None, write_: bool, profile: str | None,

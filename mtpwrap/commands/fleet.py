@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.config.options import shared_option
+
 _SPEC = "HOST:PORT[,slots=N][,weight=W]"
 
 
@@ -49,9 +51,7 @@ def command() -> None:
 @_nodes
 @click.option("--bind", default="127.0.0.1:8000", envvar="MTPWRAP_FLEET_BIND",
               show_default=True, help="Where clients reach the fleet.")
-@click.option("--metrics-bind", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
-              show_default=True,
-              help="HAProxy's Prometheus exporter (/metrics); 'none' for none.")
+@shared_option("MTPWRAP_FLEET_METRICS_BIND")
 @click.option("--stats-bind", default="127.0.0.1:8405", envvar="MTPWRAP_FLEET_STATS_BIND",
               show_default=True,
               help="HAProxy's stats page (/stats), on loopback only; 'none' for none.")
@@ -117,8 +117,8 @@ def haproxy(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path
 
 @command.command("prometheus")
 @_nodes
-@click.option("--haproxy-metrics", default="127.0.0.1:8404", envvar="MTPWRAP_FLEET_METRICS_BIND",
-              show_default=True, help="HAProxy's exporter to scrape too; 'none' to skip it.")
+@shared_option("MTPWRAP_FLEET_METRICS_BIND", "--haproxy-metrics",
+               help="HAProxy's exporter to scrape too; 'none' to skip it.")
 @click.option("--scrape-interval-s", type=float, default=15.0, show_default=True,
               envvar="MTPWRAP_FLEET_SCRAPE_INTERVAL_S", help="Scrape and rule interval.")
 @click.option("--rules", "rule_files", multiple=True, default=("mtpwrap-rules.yml",),

@@ -8,21 +8,19 @@ from pathlib import Path
 import click
 
 from mtpwrap import console
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 from mtpwrap.decide import hardware
 from mtpwrap.units import GiB
 
 
 @click.command("hw")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON",
-              help="Print the snapshot as JSON.")
+@shared_option("MTPWRAP_JSON", help="Print the snapshot as JSON.")
 @click.option("--record", "record_to", type=click.Path(dir_okay=False, path_type=Path),
               envvar="MTPWRAP_HW_RECORD",
               help="Write NVML's raw answers to this file, to replay elsewhere with --replay.")
 @setting_option("hw_replay", "--replay", "replay",
-                type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Read a recording (or a saved --json snapshot) instead of this machine.")
-def command(as_json: bool, record_to: Path | None, replay: Path | None) -> None:
+def command(as_json: bool, record_to: Path | None, replay: str | None) -> None:
     """Show the GPUs (name, memory, compute capability, driver, power, PCIe), CPU and RAM."""
     if record_to is not None:
         data = hardware.record(note="mtpwrap hw --record")

@@ -90,12 +90,11 @@ def list_cmd(as_json: bool) -> None:
 @click.option("--gpu", default=None, help="Fit the profiles on this GPU (rtx4090, h100, …; "
               "see `mtpwrap plan --help`) instead of this machine's.")
 @setting_option("hw_replay", "--hw-replay", "replay",
-                type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Fit the profiles on a recorded machine.")
-@setting_option("binary", type=click.Path(path_type=Path),
+@setting_option("binary",
                 help="llama-server whose KV types count (default: the built one, if any).")
 @click.option("--json", "as_json", is_flag=True)
-def inspect_cmd(file: str, gpu: str | None, replay: Path | None, binary: Path | None,
+def inspect_cmd(file: str, gpu: str | None, replay: str | None, binary: str | None,
                 as_json: bool) -> None:
     """What a GGUF is (role: chat, embedding or rerank, with its pooling and dimensions;
     architecture, size, quantisation, attention, MTP head, chat template), the KV cache types

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 from mtpwrap.decide.hardware import KNOWN_GPUS, gpu_snapshot
 from mtpwrap.errors import ConfigError
 from mtpwrap.units import MiB
@@ -74,9 +74,8 @@ def _overrides(model: str | None, context: int | None, kv: str | None, spec: str
               help=f"GPU to plan for: {', '.join(KNOWN_GPUS)}, auto (this machine, or "
                    "--hw-replay), or cpu (default: auto).")
 @setting_option("hw_replay", "--hw-replay", "replay",
-                type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 help="Hardware recording to plan for (--gpu auto).")
-@setting_option("binary", type=click.Path(path_type=Path),
+@setting_option("binary",
                 help="llama-server whose KV and speculation types count (default: the built "
                      "one, if any).")
 @click.option("--context", "-c", "context", type=int, envvar="MTPWRAP_CONTEXT",
@@ -98,10 +97,9 @@ def _overrides(model: str | None, context: int | None, kv: str | None, spec: str
 @click.option("--measure/--no-measure", default=True, envvar="MTPWRAP_PLAN_MEASURE",
               show_default=True,
               help="Also ask the built binary (llama-fit-params with the same flags).")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON",
-              help="Print the plan as JSON.")
-def command(model: str | None, profile: str | None, gpu: str | None, replay: Path | None,
-            binary: Path | None, context: int | None, kv: str | None, spec: str | None,
+@shared_option("MTPWRAP_JSON", help="Print the plan as JSON.")
+def command(model: str | None, profile: str | None, gpu: str | None, replay: str | None,
+            binary: str | None, context: int | None, kv: str | None, spec: str | None,
             depth: int | None, kv_draft: str | None, slots: int | None, ubatch: int | None,
             flash_attn: bool | None, measure: bool, as_json: bool) -> None:
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from mtpwrap import console
+from mtpwrap.config.options import SettingType, shared_option
+from mtpwrap.config.table import env_name
 from mtpwrap.decide import profiles
 
 
@@ -14,7 +16,7 @@ def command() -> None:
 
 
 @command.command("list")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
+@shared_option("MTPWRAP_JSON")
 def list_cmd(as_json: bool) -> None:
     """Name, hardware, context, KV types, speculation and description of every profile."""
     rows = [p.summary() for p in profiles.list_profiles()]
@@ -27,8 +29,8 @@ def list_cmd(as_json: bool) -> None:
 
 
 @command.command("show")
-@click.argument("name", envvar="MTPWRAP_PROFILE")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
+@click.argument("name", envvar=env_name("profile"), type=SettingType("profile"))
+@shared_option("MTPWRAP_JSON")
 def show_cmd(name: str, as_json: bool) -> None:
     """Every setting of one profile (by name or path), and the file it came from."""
     p = profiles.load_profile(name)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import click
 
+from mtpwrap.config.options import shared_option
+
 
 def finish(kind: str, timeout: float) -> None:
     from mtpwrap import console
@@ -22,8 +24,7 @@ def finish(kind: str, timeout: float) -> None:
 
 
 @click.command("reload")
-@click.option("--timeout", type=float, default=900.0, envvar="MTPWRAP_RELOAD_TIMEOUT",
-              show_default=True, help="Seconds to wait for the outcome.")
+@shared_option("MTPWRAP_RELOAD_TIMEOUT")
 def command(timeout: float) -> None:
     """Re-read settings and the profile and swap llama-server behind the front.
 

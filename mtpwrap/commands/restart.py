@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import click
 
+from mtpwrap.config.options import shared_option
+
 
 @click.command("restart")
-@click.option("--timeout", type=float, default=900.0, envvar="MTPWRAP_RELOAD_TIMEOUT",
-              show_default=True, help="Seconds to wait for the outcome.")
+@shared_option("MTPWRAP_RELOAD_TIMEOUT")
 def command(timeout: float) -> None:
     """Restart llama-server with its current command behind the front (e.g. after the binary
     at the same path was upgraded). New requests wait in the front's queue, in-flight ones

@@ -8,18 +8,19 @@ from typing import Any, TypeVar
 
 import click
 
-from mtpwrap.config.options import config_option, setting_option
+from mtpwrap.config.options import config_option, setting_option, shared_option
 from mtpwrap.config.table import DEFAULT_CONFIG_FILE
 
 
-def _options(profile: str | None, config: str | None, user: str, watchdog_s: int,
+def _options(profile: str | None, config: Path | None, user: str, watchdog_s: int,
              drain_s: float, drain_grace_s: float, stop_grace_s: float,
              exec_start: str | None) -> object:
     import shlex
 
     from mtpwrap.run import systemd
 
-    argv = shlex.split(exec_start) if exec_start else systemd.default_exec_start(config, profile)
+    argv = shlex.split(exec_start) if exec_start else systemd.default_exec_start(
+        str(config) if config else None, profile)
     return systemd.UnitOptions(
         exec_start=argv, user=user, group=user,
         watchdog_s=watchdog_s, drain_s=drain_s, drain_grace_s=drain_grace_s,
@@ -43,11 +44,11 @@ def _common(f: _F) -> _F:
                      show_default=True, help="Dedicated system user the service runs as."),
         click.option("--watchdog-s", type=click.IntRange(2, 3600), default=30,
                      envvar="MTPWRAP_WATCHDOG_S", show_default=True, help="WatchdogSec."),
-        setting_option("drain_s", type=click.FloatRange(0),
+        setting_option("drain_s",
                        help="Drain budget; TimeoutStopSec covers it."),
-        setting_option("drain_grace_s", type=click.FloatRange(0),
+        setting_option("drain_grace_s",
                        help="Time out of rotation before draining; TimeoutStopSec covers it."),
-        setting_option("supervisor.stop_grace_s", "--stop-grace-s", type=click.FloatRange(0),
+        setting_option("supervisor.stop_grace_s", "--stop-grace-s",
                        help="Grace llama-server gets after SIGTERM."),
     ]):
         f = opt(f)
@@ -71,8 +72,7 @@ def print_(**kw: object) -> None:
 
 @command.command("install")
 @_common
-@click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
-              envvar="MTPWRAP_UNIT_DIR", show_default=True)
+@shared_option("MTPWRAP_UNIT_DIR")
 @click.option("--etc-dir", type=click.Path(path_type=Path), default="/etc/mtpwrap",
               envvar="MTPWRAP_ETC_DIR", show_default=True,
               help="Where the environment file goes.")
@@ -93,8 +93,7 @@ def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
 
 
 @command.command("uninstall")
-@click.option("--unit-dir", type=click.Path(path_type=Path), default="/etc/systemd/system",
-              envvar="MTPWRAP_UNIT_DIR", show_default=True)
+@shared_option("MTPWRAP_UNIT_DIR")
 def uninstall(unit_dir: Path) -> None:
     """Stop and disable the service and remove the unit (config and user stay)."""
     from mtpwrap import console

@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from mtpwrap.config.options import shared_option
+
 
 @click.command("status")
-@click.option("--json", "as_json", is_flag=True, envvar="MTPWRAP_JSON", help="Print JSON.")
+@shared_option("MTPWRAP_JSON")
 def command(as_json: bool) -> None:
     """Report on the running instance: state, uptime, restarts, last exit, profile, URL.
 

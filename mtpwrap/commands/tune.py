@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from mtpwrap.config.options import setting_option
+from mtpwrap.config.options import setting_option, shared_option
 
 if TYPE_CHECKING:
     from mtpwrap.bench.tune import TunePlan
@@ -32,8 +32,7 @@ if TYPE_CHECKING:
 @click.option("--draft-model", envvar="MTPWRAP_TUNE_DRAFT_MODEL", default=None,
               help="Drafter GGUF for --kind draft (default: the model itself).")
 @setting_option("binary")
-@click.option("--threads", type=click.IntRange(1, 1024), default=None,
-              envvar="MTPWRAP_BENCH_THREADS", help="llama-server threads (default: its own).")
+@shared_option("MTPWRAP_BENCH_THREADS")
 @setting_option("profile",
                 help="Profile whose speculation is tuned (every setting is this profile with "
                      "its spec replaced); --write saves the best as its override.")

@@ -9,12 +9,11 @@ from typing import Any, TypeVar
 
 import click
 
+from mtpwrap.config.coerce import convert
 from mtpwrap.config.table import DEFAULT_CONFIG_FILE, Key, env_name, every_key, flag_name, key
+from mtpwrap.errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-_TYPES: dict[str, Any] = {"int": int, "float": float}
-
 
 def param_name(dotted: str) -> str:
     """`supervisor.backoff_max_s` -> supervisor_backoff_max_s (the click parameter)."""
@@ -97,20 +96,75 @@ def config_option(f: F | None = None, *, default: str | None = None,
                     "when present]")
     option = click.option("--config", "config", envvar=CONFIG_ENV, default=default,
                           show_default=default is not None,
-                          type=click.Path(path_type=Path) if default is None else str,
-                          help=text)
+                          type=click.Path(dir_okay=False, path_type=Path), help=text)
     return option if f is None else option(f)
 
 
+class SettingType(click.ParamType):
+    """A setting's value on another command's command line or in its variable, read by the one
+    coercer, so every command takes what `up` takes."""
+
+    def __init__(self, dotted: str) -> None:
+        self.dotted = dotted
+        self.key = key(dotted)
+        self.name = _metavar(self.key)
+
+    def to_info_dict(self) -> Any:
+        return {**super().to_info_dict(), "setting": self.dotted}
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value  # the table's default, already typed
+        try:
+            return convert(value, self.key, env_name(self.dotted), self.dotted)
+        except ConfigError:  # click names the flag and its variable
+            self.fail(f"expected {self.key.expected()}, got {value!r}.", param, ctx)
+
+
 def setting_option(dotted: str, *names: str, help: str | None = None,
-                   default: Any = ..., **kwargs: Any) -> Callable[[F], F]:
+                   default: Any = ...) -> Callable[[F], F]:
     """A setting as an option of another command: its flag (or `names`), variable, type and
     default from the table; `help` may say what it means for this command."""
     k = key(dotted)
     decls = names or (flag_name(dotted),)
     if not any(d.startswith("-") for d in decls):
         decls = (flag_name(dotted), *decls)
-    kwargs.setdefault("type", click.Choice(k.choices) if k.choices else _TYPES.get(k.kind, str))
     value = k.default if default is ... else default
     return click.option(*decls, envvar=env_name(dotted), show_envvar=True, default=value,
-                        show_default=value is not None, help=help or k.help, **kwargs)
+                        type=SettingType(dotted), show_default=value is not None,
+                        help=help or k.help)
+
+
+#: options several commands take, by the variable they read: the flag, its parameter and its
+#: type are decided here once; a command may word the help and give the default for itself.
+SHARED: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "MTPWRAP_JSON": (("--json", "as_json"), {"is_flag": True, "help": "Print JSON."}),
+    "MTPWRAP_API_KEY": (("--api-key",), {"default": None, "help": "Key for --url."}),
+    "MTPWRAP_BENCH_URL": (("--url",), {"default": None}),
+    "MTPWRAP_BENCH_OUT": (("--out", "out_dir"),
+                          {"type": click.Path(file_okay=False, path_type=Path),
+                           "default": None}),
+    "MTPWRAP_BENCH_THREADS": (("--threads",), {"type": click.IntRange(1, 1024), "default": None,
+                                               "help": "llama-server threads (default: "
+                                                       "llama.cpp's own)."}),
+    "MTPWRAP_RELOAD_TIMEOUT": (("--timeout",), {"type": float, "default": 900.0,
+                                                "help": "Seconds to wait for the outcome."}),
+    "MTPWRAP_UNIT_DIR": (("--unit-dir",), {"type": click.Path(path_type=Path),
+                                           "default": "/etc/systemd/system",
+                                           "help": "Where the unit file is."}),
+    "MTPWRAP_FLEET_METRICS_BIND": (("--metrics-bind",),
+                                   {"default": "127.0.0.1:8404",
+                                    "help": "HAProxy's Prometheus exporter (/metrics); 'none' "
+                                            "for none."}),
+}
+
+
+def shared_option(variable: str, *decls: str, **kwargs: Any) -> Callable[[F], F]:
+    """The option of `SHARED` that reads `variable`; `decls` may name the flag for this command
+    (`fleet prometheus --haproxy-metrics`), `kwargs` give its help and default."""
+    names, base = SHARED[variable]
+    options = {**base, **kwargs}
+    options.setdefault("show_default", options.get("default") is not None
+                       and not options.get("is_flag"))
+    return click.option(*(decls or names), envvar=variable, show_envvar=True, **options)
