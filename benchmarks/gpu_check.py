@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mtpwrap.bench import report, suite
 
-    plan = suite.Plan(configs=configs(), contexts=list(contexts), langs=["en"], n_predict=64,
+    plan = suite.SuitePlan(configs=configs(), contexts=list(contexts), langs=["en"], n_predict=64,
                       concurrency=[1], quality_tokens=16, binary=args.server_bin, model=model,
                       server_extra=GPU_EXTRA, launch_timeout=600.0, profile=BASE_PROFILE)
     speed_dir = args.work / "speed"

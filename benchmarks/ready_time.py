@@ -107,12 +107,12 @@ from mtpwrap import cli
 from mtpwrap.commands import up
 from mtpwrap.config import settings
 from mtpwrap.run import instance
-from mtpwrap.service import launch as up_launch
+from mtpwrap.service import startup
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()
-launch = up_launch.resolve_launch(s)
-up_launch.supervisor_config(s, launch)
-up_launch.proxy_config(s, launch)
+launch = startup.resolve_launch(s)
+startup.supervisor_config(s, launch)
+startup.proxy_config(s, launch)
 print(time.process_time())
 """
 

@@ -166,7 +166,7 @@ def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None =
     (with GPU_LAYERS, the child's spec carries a launch that offloads that many layers)."""
     from mtpwrap.decide.endpoint import Endpoint
     from mtpwrap.decide.launch import LaunchConfig
-    from mtpwrap.run.child import ChildSpec
+    from mtpwrap.run.child import ChildCommand
 
     launch = None if gpu_layers is None else LaunchConfig(
         profile="fake", model="fake.gguf", context=4096, cache_k="f16", cache_v="f16",
@@ -174,12 +174,12 @@ def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None =
 
     fault_env = ",".join(f"{k}={v}" for k, v in (faults or {}).items())
 
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         if steps is not None:
             steps.append(step)
         if step > 2:
             return None
-        return ChildSpec(
+        return ChildCommand(
             argv=[sys.executable, str(FAKE_LLAMA_SERVER), "--host", "127.0.0.1", "--port",
                   str(endpoint.port)],
             env={"LLAMA_API_KEY": api_key, "FAKE_LLAMA_FAULTS": fault_env},

@@ -202,14 +202,14 @@ def test_bad_input_is_one_sentence_and_exit_78(tmp_path: Path, args: list[str],
 
 
 def test_one_corpus_per_language(tmp_path: Path) -> None:
-    from mtpwrap.bench import resolve
+    from mtpwrap.bench import materials
     from mtpwrap.bench.kv_run import KvPlan
     from mtpwrap.errors import ConfigError
 
     plan = KvPlan(perplexity=tmp_path / "p", server=tmp_path / "s", model=tmp_path / "m",
                   types=["q8_0"], offered=None, corpora=["ruling", "statute"], depths=[512])
     with pytest.raises(ConfigError, match="ruling and statute are both ko"):
-        resolve.check_kv_plan(plan)
+        materials.check_kv_plan(plan)
 
 
 def test_the_profiles_kv_reason_is_the_launchs_reason(tmp_path: Path) -> None:
@@ -245,9 +245,9 @@ def gemma_figures(cpu_manifest: dict, gemma_model: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> dict:
     """bench kv on the CPU build and gemma-3-270m: Korean court rulings, one window of 1024,
     two chunks, f16 (against itself), q8_0 and q4_0."""
-    from mtpwrap.bench import kv_run, resolve
+    from mtpwrap.bench import kv_run, materials
 
-    build = resolve.kv_build(cpu_manifest["binaries"]["llama-server"]["path"])
+    build = materials.kv_build(cpu_manifest["binaries"]["llama-server"]["path"])
     plan = kv_run.KvPlan(perplexity=build.perplexity, server=build.server, model=gemma_model,
                          types=["f16", "q8_0", "q4_0"], offered=build.offered,
                          corpora=["ruling"], depths=[1024], chunks=[2], speed=False,

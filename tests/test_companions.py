@@ -21,18 +21,18 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.run.state import State, SupervisorStatus, Upstream
 from mtpwrap.serve.companions import Companion as Served
 from mtpwrap.serve.companions import CompanionInfo, Routes, UnknownModel
-from mtpwrap.service import launch as up_launch
+from mtpwrap.service import startup
 from tests.helpers import recorded_fork, replay
 
 GiB = 2**30
 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None) -> up_launch.Launch:
+            free_gib: float | None = None) -> startup.Launch:
     """`up`'s launch on the recorded RTX 4090 (with less memory free when asked)."""
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib))}, env={})
-    return up_launch.resolve_launch(s)
+    return startup.resolve_launch(s)
 
 
 def _validate(companions_: Any) -> profiles.Profile:
@@ -270,8 +270,8 @@ def test_restart_restarts_the_ready_companions_and_says_what_it_left() -> None:
 
 
 def test_a_reload_may_not_change_what_the_front_routes_by(tmp_path: Path) -> None:
-    from mtpwrap.service.launch import CompanionRun
     from mtpwrap.service.reload import _companions_changed
+    from mtpwrap.service.startup import CompanionRun
 
     def run(name: str, role: str = "embedding", model: str = "/m/e.gguf",
             slots: int = 1) -> CompanionRun:

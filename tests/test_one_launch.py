@@ -22,7 +22,7 @@ from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import EXIT_CONFIG, ConfigError, MtpwrapError
-from mtpwrap.service import launch as up_launch
+from mtpwrap.service import startup
 
 DATA = Path(__file__).resolve().parent / "data"
 SNAPSHOTS = sorted(p.stem for p in (DATA / "snapshots").glob("*.json"))
@@ -65,7 +65,7 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
                                 "hw_replay": str(snap)}, env={})
     try:
         # `args` shows the launch without the snapshot directory of a running service
-        launch = up_launch.resolve_launch(s, slot_save_path=None)
+        launch = startup.resolve_launch(s, slot_save_path=None)
     except ConfigError as exc:
         return EXIT_CONFIG, str(exc)
     if launch.deferred is not None:

@@ -17,10 +17,10 @@ from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist
-from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.child import ChildCommand
 from mtpwrap.serve.info import ServeInfo
-from mtpwrap.service import launch as up_launch
 from mtpwrap.service import reload as reloading
+from mtpwrap.service import startup
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
@@ -131,11 +131,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
     cfg = tmp_path / "m.yaml"
     cfg.write_text("persist:\n  min_tokens: 512\n  dir: /srv/snaps\n")
     s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
-    pc = up_launch.persist_config(s)
+    pc = startup.persist_config(s)
     assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
     assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
-    assert up_launch.persist_config(off) is None
+    assert startup.persist_config(off) is None
     cfg.write_text("persist:\n  min_token: 512\n")
     with pytest.raises(ConfigError, match="persist.min_token: unknown key"):
         load_settings({}, env={}, config=cfg)
@@ -144,11 +144,11 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
         load_settings({}, env={}, config=cfg)
 
 
-def launch_with(argv_: list[str], proxy: dict | None = None) -> up_launch.Launch:
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
-        return ChildSpec(argv=[*argv_, "--port", str(endpoint.port)])
+def launch_with(argv_: list[str], proxy: dict | None = None) -> startup.Launch:
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
+        return ChildCommand(argv=[*argv_, "--port", str(endpoint.port)])
 
-    return up_launch.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
+    return startup.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
 
 
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
@@ -169,13 +169,13 @@ def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
     cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
     s = load_settings({}, env={}, config=cfg)
     with pytest.raises(ConfigError, match="slot-actions would let clients"):
-        up_launch.proxy_config(s, launch_with(["llama-server"]))
+        startup.proxy_config(s, launch_with(["llama-server"]))
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
-    assert "slot-actions" in up_launch.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    assert "slot-actions" in startup.proxy_config(off, launch_with(["llama-server"])).enable_paths
     # A profile cannot open it either.
     plain = load_settings({}, env={}, config=None)
     with pytest.raises(ConfigError, match="slot-actions"):
-        up_launch.proxy_config(plain, launch_with(["llama-server"],
+        startup.proxy_config(plain, launch_with(["llama-server"],
                                                 proxy={"enable_paths": ["slot-actions"]}))
 
 

@@ -16,7 +16,7 @@ from mtpwrap.decide import profiles
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import persist
-from mtpwrap.service import launch as up_launch
+from mtpwrap.service import startup
 from tests.helpers import DATA, recorded_fork, replay
 
 FORKS = ["fork-0bc0a27", "fork-1c6e4ea"]
@@ -29,11 +29,11 @@ MiB = 2**20
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
             free_gib: float | None = None, plan: str | None = None,
             gpu: str = "rtx4090",
-            slot_save_path: Path | None | Literal["settings"] = "settings") -> up_launch.Launch:
+            slot_save_path: Path | None | Literal["settings"] = "settings") -> startup.Launch:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib, gpu)),
                                 "plan": plan}, env={})
-    return up_launch.resolve_launch(s, slot_save_path)
+    return startup.resolve_launch(s, slot_save_path)
 
 
 @pytest.mark.parametrize("fork", FORKS)
@@ -154,7 +154,7 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         tmp_path: Path, fork_binary: Path, model_27b: Path) -> None:
     from mtpwrap.config.objects import default_snapshot_dir
 
-    def saves_in(launch: up_launch.Launch) -> str | None:
+    def saves_in(launch: startup.Launch) -> str | None:
         spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
         # the command names the launch it renders: snapshots are matched on its fields
         assert spec is not None and launch.resolved is not None
@@ -163,7 +163,7 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         argv = list(spec.argv)
         return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
 
-    def launch(slot_save_path: Path | None | Literal["settings"]) -> up_launch.Launch:
+    def launch(slot_save_path: Path | None | Literal["settings"]) -> startup.Launch:
         return resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary,
                        slot_save_path=slot_save_path)
 
@@ -262,12 +262,12 @@ def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Pa
     roomy = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=80)
     assert roomy.info.near_edge is False
     s = settings.load_settings({}, env={})
-    assert up_launch.supervisor_config(s, roomy).oom_step_down is False
+    assert startup.supervisor_config(s, roomy).oom_step_down is False
     tight = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)  # 23.5 GiB free
     assert tight.info.near_edge is True
-    assert up_launch.supervisor_config(s, tight).oom_step_down is True
+    assert startup.supervisor_config(s, tight).oom_step_down is True
     off = settings.load_settings({}, env={"MTPWRAP_SUPERVISOR_OOM_STEP_DOWN": "false"})
-    assert up_launch.supervisor_config(off, tight).oom_step_down is False
+    assert startup.supervisor_config(off, tight).oom_step_down is False
 
     cost = tight.resolved.cost()
     assert cost is not None

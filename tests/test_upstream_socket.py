@@ -130,19 +130,19 @@ def test_real_llama_server_listens_on_a_socket_only_this_user_opens(
 
     from mtpwrap.build.probe import probe
     from mtpwrap.config.objects import SupervisorConfig
-    from mtpwrap.run.child import ChildSpec
+    from mtpwrap.run.child import ChildCommand
     from mtpwrap.run.supervisor import Supervisor
 
     caps = probe(llama_server_bin)
     sock = tmp_path / "run" / "llama.sock"
     cfg = launch.plain(demo_model, context=512, slots=1, threads=1, why="socket test")
 
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         if step:
             return None
         spec = launch.render(cfg, caps, binary=llama_server_bin, endpoint=endpoint,
                              api_key=api_key)
-        return ChildSpec(argv=spec.argv, env=spec.env)
+        return ChildCommand(argv=spec.argv, env=spec.env)
 
     async def scenario() -> None:
         sup = Supervisor(factory, SupervisorConfig(backoff_initial_s=1.0, stop_grace_s=5),

@@ -36,7 +36,7 @@ DEFAULT_GAP_S = 0.002
 
 
 @dataclass
-class Plan:
+class SuitePlan:
     configs: list[BenchConfig]
     contexts: list[int]
     langs: list[str] = field(default_factory=lambda: ["ko", "en"])
@@ -172,7 +172,8 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
     }
 
 
-def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | None = None) -> dict:
+def run(plan: SuitePlan, workdir: Path, *,
+        progress: Callable[[str, int], None] | None = None) -> dict:
     """Run every cell of the plan and return the raw results (see report.py for the files)."""
     if not plan.configs:
         raise ConfigError("The benchmark plan has no configurations.")
@@ -240,7 +241,7 @@ def run(plan: Plan, workdir: Path, *, progress: Callable[[str, int], None] | Non
     return results
 
 
-def _run_config(plan: Plan, cfg: BenchConfig, client: Client,
+def _run_config(plan: SuitePlan, cfg: BenchConfig, client: Client,
                 corp: dict[str, corpora.Corpus], results: dict,
                 progress: Callable[[str, int], None] | None) -> None:
     props = client.props()
@@ -284,7 +285,7 @@ def _run_config(plan: Plan, cfg: BenchConfig, client: Client,
         results["load"].append(rec)
 
 
-def total_steps(plan: Plan) -> int:
+def total_steps(plan: SuitePlan) -> int:
     return len(plan.configs) * (len(plan.langs) * len(plan.contexts) + len(plan.concurrency))
 
 

@@ -30,7 +30,7 @@ from mtpwrap.build.manifest import (
     read,
     write_json,
 )
-from mtpwrap.build.planning import TARGETS, Plan
+from mtpwrap.build.planning import TARGETS, BuildPlan
 from mtpwrap.errors import BuildError, MissingToolError
 
 NoteFn = Callable[[str], None]
@@ -123,7 +123,7 @@ def _attempt_summary(m: Manifest) -> dict[str, Any]:
             "signal": smoke_.get("signal"), "log_tail": smoke_.get("log_tail", [])[-5:]}
 
 
-def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None,
+def _isa_reason(plan: BuildPlan, tried: list[dict[str, Any]], forced: str | None,
                 pinned: bool) -> str:
     if forced:
         return f"--cpu-isa {forced} asked for it"
@@ -138,7 +138,7 @@ def _isa_reason(plan: Plan, tried: list[dict[str, Any]], forced: str | None,
 # --------------------------------------------------------------------------- crash memory
 
 
-def _crash_key(job: _Job, plan: Plan) -> str:
+def _crash_key(job: _Job, plan: BuildPlan) -> str:
     """A crash of the CPU kernels depends on the source, the options, the compiler and the CPU
     (planning.cache_key without patches: they change the server, not ggml's kernels). A PATH
     tree is named by its path, so its commit is part of the key too."""
@@ -189,7 +189,7 @@ class _Job:
             self.why = self.src.reason
         return self.src
 
-    def key(self, plan: Plan) -> str:
+    def key(self, plan: BuildPlan) -> str:
         return planning.cache_key(self.identity, plan.options, self.compiler,
                                   patchset.key_part(self.applied))
 
@@ -211,7 +211,7 @@ def _cached(job: _Job, build_dir: Path) -> Manifest | None:
     return found
 
 
-def _compile(job: _Job, plan: Plan, key: str, build_dir: Path,
+def _compile(job: _Job, plan: BuildPlan, key: str, build_dir: Path,
              earlier: Manifest | None) -> Manifest:
     """Compile `plan`; with `earlier` (a cached build lacking some TARGETS), only what is
     missing is compiled, and its smoke result stays when llama-server did not change."""
@@ -238,7 +238,7 @@ def _compile(job: _Job, plan: Plan, key: str, build_dir: Path,
     return manifest
 
 
-def _attempt(job: _Job, plan: Plan) -> tuple[Manifest, bool]:
+def _attempt(job: _Job, plan: BuildPlan) -> tuple[Manifest, bool]:
     """One CPU configuration: reuse or compile, then try it. (manifest, reused)."""
     key = job.key(plan)
     build_dir = paths.build_cache_dir() / f"{plan.variant}-{key}"
@@ -263,7 +263,7 @@ def _attempt(job: _Job, plan: Plan) -> tuple[Manifest, bool]:
     return manifest, reused
 
 
-def _remembered(job: _Job, plan: Plan) -> dict[str, Any] | None:
+def _remembered(job: _Job, plan: BuildPlan) -> dict[str, Any] | None:
     """The attempt summary of a crash of this configuration remembered from another build of
     the same source, options, compiler and CPU (the patched or the unpatched one, or an earlier
     build of the same PATH tree at the same commit), unless this exact build has a reusable
@@ -289,8 +289,8 @@ def _pinned(source_spec: str | None) -> bool:
 
 
 def _plans(cpu: bool, cuda_arch: str | None, cpu_isa: str | None, fork: bool,
-           pinned: bool, fa_all_quants: bool = False) -> list[Plan]:
-    plans: list[Plan] = []
+           pinned: bool, fa_all_quants: bool = False) -> list[BuildPlan]:
+    plans: list[BuildPlan] = []
     for isa in [cpu_isa] if cpu_isa else list(planning.isa_order(pinned)[0]):
         plan = planning.plan_build(cpu=cpu, cuda_arch=cuda_arch, cpu_isa=isa, fork=fork,
                                    fa_all_quants=fa_all_quants)

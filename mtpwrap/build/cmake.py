@@ -14,7 +14,7 @@ from typing import Any
 from mtpwrap import hashing, proc
 from mtpwrap.build import probe, source, toolchain
 from mtpwrap.build.manifest import Manifest
-from mtpwrap.build.planning import TARGETS, Plan, flag_env, webui_options
+from mtpwrap.build.planning import TARGETS, BuildPlan, flag_env, webui_options
 from mtpwrap.errors import BuildError, MissingToolError
 
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")
@@ -143,7 +143,7 @@ def judge_options(options: dict[str, str], cache: dict[str, tuple[str, str]],
     return accepted, rejected
 
 
-def configure(plan: Plan, src: source.Source, build_dir: Path, log: Path,
+def configure(plan: BuildPlan, src: source.Source, build_dir: Path, log: Path,
               progress: ProgressFn | None, force: bool) -> dict[str, Any]:
     """Run CMake's configure step for `plan` and the tree's own options (its web UI); the
     record of what CMake took (Manifest.configure), with `options` and `webui`.
@@ -199,7 +199,7 @@ def _compile_targets(build_dir: Path, log: Path, tag: str, jobs: int | None,
     return binaries
 
 
-def compile_plan(plan: Plan, src: source.Source, why: str, key: str, build_dir: Path,
+def compile_plan(plan: BuildPlan, src: source.Source, why: str, key: str, build_dir: Path,
                  compiler: str | None, jobs: int | None, progress: ProgressFn | None,
                  force: bool) -> Manifest:
     """Configure and compile one plan into build_dir; the manifest has no smoke result yet.

@@ -32,7 +32,7 @@ KEYED_TARGETS = ("llama-server", "llama-fit-params", "llama-quantize")
 
 
 @dataclass(frozen=True)
-class Plan:
+class BuildPlan:
     """What a build will do, decided before anything runs."""
 
     variant: str
@@ -249,7 +249,7 @@ def _cuda_plan(tk: toolchain.CudaToolkit, archs: list[str], fork: bool,
 
 
 def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "native",
-               fork: bool = False, fa_all_quants: bool = False) -> Plan:
+               fork: bool = False, fa_all_quants: bool = False) -> BuildPlan:
     """`fork`: the source is the MTP + TurboQuant fork, whose CUDA options are then set;
     `fa_all_quants`: a CUDA build compiles flash attention for every K/V type pair."""
     ccache = toolchain.ccache()
@@ -266,11 +266,11 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
         options["CMAKE_CXX_COMPILER_LAUNCHER"] = ccache
     asked = parse_cuda_archs(cuda_arch) if cuda_arch is not None else None
     if cpu:
-        return Plan("cpu", None, "--cpu asked for a CPU build", options, cpu_isa)
+        return BuildPlan("cpu", None, "--cpu asked for a CPU build", options, cpu_isa)
     archs = asked or present_gpu_archs()
     if not archs:
-        return Plan("cpu", None, "no NVIDIA GPU found through NVML and no --cuda-arch", options,
-                    cpu_isa)
+        return BuildPlan("cpu", None, "no NVIDIA GPU found through NVML and no --cuda-arch",
+                         options, cpu_isa)
     tk = toolchain.cuda_toolkit()
     shown = ",".join(archs)
     if not tk.usable:
@@ -280,13 +280,13 @@ def plan_build(cpu: bool = False, cuda_arch: str | None = None, cpu_isa: str = "
                 f"--cuda-arch {cuda_arch}: cannot build for CUDA because {why}.",
                 hint=tk.how_to_fix(),
             )
-        return Plan("cpu", None, f"a GPU (sm_{shown}) is present but {why}", options, cpu_isa)
+        return BuildPlan("cpu", None, f"a GPU (sm_{shown}) is present but {why}", options, cpu_isa)
     cuda_opts, info = _cuda_plan(tk, archs, fork, fa_all_quants)
     options.update(cuda_opts)
     if ccache:
         options["CMAKE_CUDA_COMPILER_LAUNCHER"] = ccache
     reason = f"--cuda-arch {shown}" if asked else f"GPU compute capability {shown} (NVML)"
-    return Plan(cuda_variant(archs), shown, reason, options, cpu_isa, info)
+    return BuildPlan(cuda_variant(archs), shown, reason, options, cpu_isa, info)
 
 
 def cache_key(identity: str, options: dict[str, str], compiler: str | None,

@@ -63,7 +63,7 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
     if ctx.invoked_subcommand is not None:
         return
     from mtpwrap import console
-    from mtpwrap.bench import report, resolve, suite
+    from mtpwrap.bench import materials, report, suite
     from mtpwrap.bench.corpora import DOMAINS
     from mtpwrap.bench.runner import BenchConfig
     from mtpwrap.errors import ConfigError
@@ -72,16 +72,16 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
     known = ("ko", "en", *DOMAINS)
     if not lang_list or any(g not in known for g in lang_list):
         raise ConfigError(f"--langs must list corpora among {', '.join(known)}, got {langs!r}.")
-    ctx_list = resolve.int_list(contexts or ("512,2048" if quick else FULL_CONTEXTS),
+    ctx_list = materials.int_list(contexts or ("512,2048" if quick else FULL_CONTEXTS),
                                 "--contexts")
-    conc = resolve.int_list(concurrency, "--concurrency")
+    conc = materials.int_list(concurrency, "--concurrency")
     if url:
         binary = mpath = None
         cfgs = [BenchConfig("running")]
     else:
-        binary = resolve.server_binary(binary_opt)
-        mpath = resolve.model_path(model)
-        limit = resolve.model_context(mpath)
+        binary = materials.server_binary(binary_opt)
+        mpath = materials.model_path(model)
+        limit = materials.model_context(mpath)
         npred = n_predict or 64
         if limit:
             clipped = [c for c in ctx_list if c + npred + 64 <= limit]
@@ -103,7 +103,7 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
         # drafter) and a batch of k+1 (verification), so a self-draft loses its known answer
         # (acceptance exactly 1.0); one thread also avoids spin-waits on a shared machine.
         threads = 1
-    plan = suite.Plan(configs=cfgs, contexts=ctx_list, langs=lang_list,
+    plan = suite.SuitePlan(configs=cfgs, contexts=ctx_list, langs=lang_list,
                       n_predict=n_predict or (64 if quick else 256), concurrency=conc,
                       gap_s=gap_ms / 1000.0, binary=binary, model=mpath, url=url,
                       api_key=api_key, threads=threads, profile=profile)

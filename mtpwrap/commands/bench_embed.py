@@ -55,10 +55,10 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_nam
     licences, and the chat model's decode tokens/s with the companion idle and busy; write JSON
     and Markdown."""
     from mtpwrap import console
-    from mtpwrap.bench import embed, embed_report, resolve
+    from mtpwrap.bench import embed, embed_report, materials
     from mtpwrap.errors import ConfigError
 
-    conc = resolve.int_list(concurrency, "--concurrency")
+    conc = materials.int_list(concurrency, "--concurrency")
     names = [c for c in corpus_names.replace(" ", "").split(",") if c]
     parent = ctx.parent.params if ctx.parent is not None else {}
     url = url or parent.get("url")

@@ -92,7 +92,7 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
              depths: str, chunks: str, threads: int | None, speed: bool, quality: bool,
              n_predict: int, out_dir: Path | None) -> dict:
     from mtpwrap import console
-    from mtpwrap.bench import kv_report, kv_run, resolve
+    from mtpwrap.bench import kv_report, kv_run, materials
     from mtpwrap.errors import ConfigError
 
     if not quality and not speed:
@@ -101,10 +101,10 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
     if not type_list:
         raise ConfigError(f"--types must list KV types, got {types!r}.")
     names = [c for c in corpus_names.replace(" ", "").split(",") if c]
-    build = resolve.kv_build(binary_opt)
-    mpath = resolve.model_path(model)
-    depth_list = resolve.int_list(depths, "--depths")
-    chunk_list = resolve.int_list(chunks, "--chunks")
+    build = materials.kv_build(binary_opt)
+    mpath = materials.model_path(model)
+    depth_list = materials.int_list(depths, "--depths")
+    chunk_list = materials.int_list(chunks, "--chunks")
     if len(chunk_list) not in (1, len(depth_list)):
         raise ConfigError(f"--chunks must be one number or one per depth ({len(depth_list)}), "
                           f"got {chunks!r}.")
@@ -113,11 +113,11 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
                          depths=depth_list, chunks=chunk_list,
                          threads=threads, speed=speed, quality=quality, n_predict=n_predict,
                          target=build.target)
-    resolve.check_kv_plan(plan)
+    materials.check_kv_plan(plan)
     out = out_dir or Path("bench-results") / ("kv-" + _dt.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
     with console.progress() as bar:
-        n_types = sum(1 for t in kv_run.admitted(plan, resolve.model_facts(mpath))
+        n_types = sum(1 for t in kv_run.admitted(plan, materials.model_facts(mpath))
                       if t["applicable"])
         task = bar.add_task("bench kv", total=kv_run.steps(plan, n_types))
 

@@ -36,12 +36,12 @@ def command(timeout: float) -> None:
     """
     from mtpwrap.errors import RuntimeFailure
     from mtpwrap.run import instance
-    from mtpwrap.service import launch, reload
+    from mtpwrap.service import reload, startup
 
     data = instance.read_instance()
     if not instance.instance_running(data):
         raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
                              f"{instance.instance_path()}).", hint="Start one with `mtpwrap up`.")
     assert data is not None
-    launch.prepare(reload.reread_settings(data.get("reload_inputs") or {}))
+    startup.prepare(reload.reread_settings(data.get("reload_inputs") or {}))
     finish("reload", timeout)

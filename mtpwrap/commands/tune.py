@@ -51,7 +51,7 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
             out_dir: Path | None) -> None:
     """Sweep speculation settings on a short workload and recommend the fastest measured one."""
     from mtpwrap import console
-    from mtpwrap.bench import resolve, tune
+    from mtpwrap.bench import materials, tune
     from mtpwrap.errors import ConfigError
     from mtpwrap.run.inputs import gather
 
@@ -59,8 +59,8 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     if not lang_list or any(g not in ("ko", "en") for g in lang_list):
         raise ConfigError(f"--langs must list ko and/or en, got {langs!r}.")
 
-    depth_list = resolve.int_list(depths, "--depths")
-    p_min_list = resolve.float_list(p_mins, "--p-min")
+    depth_list = materials.int_list(depths, "--depths")
+    p_min_list = materials.float_list(p_mins, "--p-min")
     inp = gather(profile, model=model, binary=binary)
     assert inp.binary is not None
     plan = tune.TunePlan(binary=inp.binary, model=Path(inp.model), profile=inp.profile,

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from mtpwrap.config.objects import SupervisorConfig
-from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.child import ChildCommand
 from mtpwrap.run.state import Ended, Outcome
 
 log = logging.getLogger("mtpwrap.supervisor")
@@ -29,7 +29,7 @@ class RestartPolicy:
         """The model answered: out-of-memory starts are no longer consecutive."""
         self._consecutive_oom = 0
 
-    def record(self, outcome: Ended, probe: Callable[[int], ChildSpec | None]
+    def record(self, outcome: Ended, probe: Callable[[int], ChildCommand | None]
                ) -> float | str:
         """Remember a failure: the backoff delay in seconds, or why the service is FAILED.
         `probe(step)` is the launch of a step-down rung (None: there is none)."""
@@ -58,7 +58,7 @@ class RestartPolicy:
         n = len(self._failures)
         return min(cfg.backoff_max_s, cfg.backoff_initial_s * (2 ** (n - 1)))
 
-    def _step_down(self, probe: Callable[[int], ChildSpec | None]) -> None:
+    def _step_down(self, probe: Callable[[int], ChildCommand | None]) -> None:
         cheaper = probe(self.step + 1)
         if cheaper is None:
             log.warning("out of memory again, and there is no cheaper configuration left")

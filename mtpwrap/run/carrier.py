@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtpwrap.run.child import ChildProcess, ChildSpec
+from mtpwrap.run.child import ChildCommand, ChildProcess
 from mtpwrap.run.persist import (
     CHECKPOINT_IDLE_S,
     Carried,
@@ -53,7 +53,7 @@ class SlotCarrier:
             self._forget(self._carried)
             self._carried, self._checkpoint = self._checkpoint, None
 
-    async def save(self, child: ChildProcess, spec: ChildSpec, nxt: ChildSpec | None) -> None:
+    async def save(self, child: ChildProcess, spec: ChildCommand, nxt: ChildCommand | None) -> None:
         """Save the child's slots when the next command (`nxt`) can take them back."""
         if self.store is None:
             return
@@ -73,7 +73,7 @@ class SlotCarrier:
         self._carried = carried if carried.snapshots else None
         self._set_report({"saved": carried.to_dict()})
 
-    async def maybe_checkpoint(self, child: ChildProcess, spec: ChildSpec,
+    async def maybe_checkpoint(self, child: ChildProcess, spec: ChildCommand,
                                forwarding: int) -> None:
         """Save the slots in the background once enough new prompt has been processed and
         llama-server (and the front: `forwarding` requests) has been idle for a while; the new
@@ -104,7 +104,7 @@ class SlotCarrier:
         self._forget(old)
         self._set_report({**self.report, "checkpoint": taken.to_dict()})
 
-    async def restore(self, child: ChildProcess, spec: ChildSpec | None) -> None:
+    async def restore(self, child: ChildProcess, spec: ChildCommand | None) -> None:
         """Put what was carried into the new child (once; the files go after)."""
         carried, self._carried = self._carried, None
         if carried is None or self.store is None or spec is None:

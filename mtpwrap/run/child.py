@@ -55,7 +55,7 @@ def line_level(line: str) -> int:
 
 
 @dataclass(frozen=True)
-class ChildSpec:
+class ChildCommand:
     """What to run. `env` is added to mtpwrap's own environment (minus systemd's variables)."""
 
     argv: Sequence[str]
@@ -115,7 +115,7 @@ class ChildProcess:
 
     # --- spawning ------------------------------------------------------------------------
     @classmethod
-    async def spawn(cls, spec: ChildSpec, *, base_url: str, api_key: str,
+    async def spawn(cls, spec: ChildCommand, *, base_url: str, api_key: str,
                     file_logger: logging.Logger | None, lines_per_s: float,
                     log_file: Path | None, socket: str | None = None) -> ChildProcess:
         if any(api_key in arg for arg in spec.argv):

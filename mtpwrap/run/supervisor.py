@@ -39,8 +39,8 @@ from mtpwrap.run import sockets
 from mtpwrap.run.backoff import RestartPolicy
 from mtpwrap.run.carrier import SlotCarrier
 from mtpwrap.run.child import (
+    ChildCommand,
     ChildProcess,
-    ChildSpec,
     close_file_logger,
     make_file_logger,
 )
@@ -68,7 +68,7 @@ __all__ = ["PROBE_REPORT_S", "LaunchFactory", "Supervisor"]
 
 
 class LaunchFactory(Protocol):
-    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         """The child to run on `endpoint` with `api_key`. `step` > 0 asks for the n-th cheaper
         configuration after repeated out-of-memory starts; None means there is no such step."""
 
@@ -104,7 +104,7 @@ class Supervisor:
         #: child's /metrics only)
         self.busy: Callable[[], int] | None = None
         self._reload: _Reload | None = None
-        self._spec: ChildSpec | None = None
+        self._spec: ChildCommand | None = None
         self._was_ready = False
         self.config = config or SupervisorConfig()
         self._state = State.STARTING

@@ -1,3 +1,3 @@
-"""`mtpwrap up`: the launch decided before anything starts (`launch`), the loop that runs the
+"""`mtpwrap up`: the launch decided before anything starts (`startup`), the loop that runs the
 supervisor and the front (`server.Service`), reload and restart (`reload`), the entry point
 (`up.run_up`)."""

@@ -24,7 +24,7 @@ from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
 from mtpwrap.run.persist import SnapshotStore
 from mtpwrap.run.state import State
 from mtpwrap.run.supervisor import Supervisor
-from mtpwrap.service.launch import CompanionRun, Launch, persist_config, prepare
+from mtpwrap.service.startup import CompanionRun, Launch, persist_config, prepare
 
 
 class ReloadKind(str, enum.Enum):

@@ -30,15 +30,6 @@ from mtpwrap.run import instance
 from mtpwrap.run.state import State
 from mtpwrap.run.supervisor import Supervisor
 from mtpwrap.run.systemd import Notifier
-from mtpwrap.service.launch import (
-    Launch,
-    audit_config,
-    make_front,
-    open_snapshots,
-    proxy_config,
-    supervisor_config,
-    supervisor_values,
-)
 from mtpwrap.service.reload import (
     ReloadKind,
     ReloadOutcome,
@@ -46,6 +37,15 @@ from mtpwrap.service.reload import (
     ReloadState,
     apply_reload,
     reload_inputs,
+)
+from mtpwrap.service.startup import (
+    Launch,
+    audit_config,
+    make_front,
+    open_snapshots,
+    proxy_config,
+    supervisor_config,
+    supervisor_values,
 )
 
 if TYPE_CHECKING:

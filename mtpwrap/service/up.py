@@ -12,8 +12,8 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.run import instance
 from mtpwrap.run.child import child_log
 from mtpwrap.serve import loop as event_loop
-from mtpwrap.service.launch import Launch, child_log_file, persist_config, prepare
 from mtpwrap.service.server import bind_public, public_url, serve
+from mtpwrap.service.startup import Launch, child_log_file, persist_config, prepare
 
 log = logging.getLogger("mtpwrap.runner")
 

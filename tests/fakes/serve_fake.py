@@ -13,12 +13,12 @@ from pathlib import Path
 
 from mtpwrap.config import settings
 from mtpwrap.decide.endpoint import Endpoint
-from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.child import ChildCommand
 from mtpwrap.serve import loop as event_loop
 from mtpwrap.serve.info import ServeInfo
 from mtpwrap.service import up
-from mtpwrap.service.launch import Launch
 from mtpwrap.service.server import bind_public, serve
+from mtpwrap.service.startup import Launch
 
 FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 
@@ -26,8 +26,8 @@ FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 def main() -> int:
     s = settings.load_settings({"port": sys.argv[1]}, config=os.environ.get("MTPWRAP_CONFIG"))
 
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
-        return ChildSpec([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port",
+    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
+        return ChildCommand([sys.executable, str(FAKE), "--host", "127.0.0.1", "--port",
                           str(endpoint.port)],
                          env={"LLAMA_API_KEY": api_key})
 

@@ -18,7 +18,7 @@ from mtpwrap.decide import resolve
 from mtpwrap.decide.endpoint import Endpoint, listen_on
 from mtpwrap.errors import ConfigError
 from mtpwrap.run import inputs, sockets
-from mtpwrap.run.child import ChildSpec
+from mtpwrap.run.child import ChildCommand
 from mtpwrap.run.persist import SnapshotStore
 from mtpwrap.run.supervisor import LaunchFactory, Supervisor
 from mtpwrap.serve.info import ServeInfo
@@ -45,7 +45,7 @@ class ChildFactory:
     #: the front serves llama-server's web UI (proxy.enable_paths lists webui)
     webui: bool = False
 
-    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         r = self.resolved
         rung = r.step_down(step)
         if rung is None:
@@ -53,7 +53,7 @@ class ChildFactory:
         spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.listen_why),
                         api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
                         webui=self.webui)
-        return ChildSpec(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
+        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
 
 
 @dataclass
@@ -66,13 +66,13 @@ class CompanionFactory:
     name: str
     listen_why: str
 
-    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildSpec | None:
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         if step:
             return None
         c = self.resolved.companion(self.name)
         spec = self.resolved.render(cfg=c.launch, api_key=api_key,
                                     endpoint=dataclasses.replace(endpoint, why=self.listen_why))
-        return ChildSpec(argv=spec.argv, env=spec.env, launch=c.launch)
+        return ChildCommand(argv=spec.argv, env=spec.env, launch=c.launch)
 
 
 @dataclass(frozen=True)
