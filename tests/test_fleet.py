@@ -10,6 +10,7 @@ import io
 import json
 import shutil
 import ssl
+import statistics
 import subprocess
 import threading
 import time
@@ -407,8 +408,6 @@ def test_stats_page_is_on_loopback_only(tmp_path: Path) -> None:
 
 def test_sse_chunks_are_not_bunched(tmp_path: Path) -> None:
     """`option http-no-delay`: chunks 20 ms apart reach the client 20 ms apart, as directly."""
-    from tests.fleet_harness import p99
-
     def gaps(base: str) -> list[float]:
         stamps = []
         with httpx.stream("POST", f"{base}/v1/chat/completions", json={}, timeout=30) as s:
@@ -418,8 +417,16 @@ def test_sse_chunks_are_not_bunched(tmp_path: Path) -> None:
         assert len(stamps) == 40
         return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
+    def bunched(gs: list[float]) -> int:
+        """Chunks that arrived with the one before: a buffering proxy (Nagle's algorithm
+        against the client's delayed ACK) gives every other chunk a gap of about 0."""
+        return sum(g < 0.005 for g in gs)
+
     node = Backend("n1", "sse", chunks=40, gap_s=0.02)
     direct = gaps(node.base)
     with balancer(tmp_path, [node]) as client:
         through = gaps(str(client.base_url))
-    assert p99(through) < p99(direct) + 0.015, (p99(direct), p99(through))
+    # a loaded machine delays a read now and then, through HAProxy or not: a few bunched chunks
+    # and one long gap are the scheduler's, not the proxy's
+    assert bunched(through) <= bunched(direct) + 4, (direct, through)
+    assert statistics.median(through) < statistics.median(direct) + 0.005, (direct, through)
