@@ -3,7 +3,7 @@
 A mixed workload (Korean legal text from the pinned konlpy corpus, English licence texts from
 /usr/share/common-licenses, C++ from the pinned offline llama.cpp source) is served by one
 patched llama-server (it must honour `speculative.n_max`; see patches/llama.cpp) at each static
-draft depth (0, 1, 2, 3, 4, 8) and with serve/depth_policy's adaptive policy, request by request in
+draft depth (0, 1, 2, 3, 4, 8) and with front/depth_policy's adaptive policy, request by request in
 rotating order, so every configuration sees the same machine load. Depth 0 is run twice ("0'")
 and the difference between the two is printed as the noise.
 
@@ -49,9 +49,9 @@ from mtpwrap.build.binary import find_binary
 from mtpwrap.build.probe import probe
 from mtpwrap.decide import launch
 from mtpwrap.decide.profile_types import SpecAdapt
+from mtpwrap.front.depth_policy import DepthPolicy
 from mtpwrap.models.known import ensure_demo_model
 from mtpwrap.proc import free_loopback_port, running_server
-from mtpwrap.serve.depth_policy import DepthPolicy
 
 STATIC = (0, 1, 2, 3, 4, 8)
 SERVER_DEPTH = 8

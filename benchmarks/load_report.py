@@ -62,7 +62,7 @@ class RestartingSupervisor:
         self.changed = asyncio.Event()
 
     def status(self):
-        from mtpwrap.run.state import State, SupervisorStatus, Upstream
+        from mtpwrap.supervision.state import State, SupervisorStatus, Upstream
 
         up = (Upstream(f"http://127.0.0.1:{self.port}", INTERNAL_KEY, self.generation)
               if self.state == "ready" else None)
@@ -112,8 +112,8 @@ def supervised_front_main(port: int, slots: int) -> None:
 
     sys.path.insert(0, str(REPO))
     from mtpwrap.config.objects import ProxyConfig
-    from mtpwrap.serve.front import Front
-    from mtpwrap.serve.info import ServeInfo
+    from mtpwrap.front.app import Front
+    from mtpwrap.front.info import ServeInfo
 
     async def main() -> None:
         sup = RestartingSupervisor(free_port(), slots)

@@ -173,13 +173,13 @@ class StaticSupervisor:
     """A child that is always ready at one address (the contract's Supervisor methods)."""
 
     def __init__(self, where: Target, api_key: str) -> None:
-        from mtpwrap.run.state import Upstream
+        from mtpwrap.supervision.state import Upstream
 
         self.up = Upstream(where.base_url, api_key, 1, where.socket)
         self.t0 = time.time()
 
     def status(self):
-        from mtpwrap.run.state import State, SupervisorStatus
+        from mtpwrap.supervision.state import State, SupervisorStatus
 
         return SupervisorStatus(state=State.READY, reason=None, restarts=0, started_at=self.t0,
                                 child_started_at=self.t0, ready_since=self.t0, last_exit=None,
@@ -205,9 +205,9 @@ def front_main(upstream: Target, port: int, concurrency: int, audit_dir: str = "
 
     sys.path.insert(0, str(REPO))
     from mtpwrap.config.objects import AuditConfig, ProxyConfig
-    from mtpwrap.serve import loop as event_loop
-    from mtpwrap.serve.front import Front
-    from mtpwrap.serve.info import ServeInfo
+    from mtpwrap.front import loop as event_loop
+    from mtpwrap.front.app import Front
+    from mtpwrap.front.info import ServeInfo
 
     keys = ((f"{AUDIT_KEY} name=bench rpm=100000000 tokens_per_hour=100000000000 "
              "tokens_per_day=100000000000",) if audit_dir else ())

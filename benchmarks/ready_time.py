@@ -53,7 +53,7 @@ def poll(url: str, deadline: float) -> float | None:
 def direct(binary: Path, model: Path) -> tuple[float, float]:
     """llama-server alone, with the argv `up --profile cpu-demo` gives it."""
     from mtpwrap.decide import profiles, resolve
-    from mtpwrap.run.inputs import find_server
+    from mtpwrap.supervision.inputs import find_server
 
     port, key = free_port(), secrets.token_urlsafe(16)
     r = resolve.resolve(profiles.load_profile("cpu-demo"), snapshot=None,
@@ -106,7 +106,7 @@ import time, sys
 from mtpwrap import cli
 from mtpwrap.commands import up
 from mtpwrap.config import settings
-from mtpwrap.run import instance
+from mtpwrap.supervision import instance
 from mtpwrap.service import startup
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()

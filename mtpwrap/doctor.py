@@ -20,7 +20,7 @@ from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import listen_on
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
-from mtpwrap.run import instance, persist, sockets
+from mtpwrap.supervision import instance, persist, sockets
 from mtpwrap.units import GiB
 
 OK, WARNING, MISSING = "ok", "warning", "missing"

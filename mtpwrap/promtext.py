@@ -1,8 +1,8 @@
 """The one reader of Prometheus text, llama-server's `/metrics` page.
 
 Parsed by prometheus_client's own parser, for the front's re-export of the child's metrics
-(`mtpwrap.serve.metrics`), the supervisor's readings of its child (`mtpwrap.run.child`) and the
-benchmarks' counters (`mtpwrap.bench.stats`).
+(`mtpwrap.front.metrics`), the supervisor's readings of its child
+(`mtpwrap.supervision.child`) and the benchmarks' counters (`mtpwrap.bench.stats`).
 
 The page is parsed in full when `families` is called — prometheus_client's parser is lazy, so
 without this an error would surface halfway through a caller's loop, after some samples were

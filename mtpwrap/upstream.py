@@ -3,7 +3,7 @@ socket, or loopback TCP), with its internal key. The supervised child's probes, 
 restore, the metrics scrape, the build's smoke test and probes, the readiness wait of every
 server `mtpwrap.proc` starts, the benchmarks and the tests all take their client from here, so
 nothing else needs to know a port or a socket path. (The front's relay reads llama-server over
-its own wire, `mtpwrap.run.wire`, with the same keep-alive expiry.)
+its own wire, `mtpwrap.supervision.wire`, with the same keep-alive expiry.)
 
 Also the rule for a socket's path (`SUN_PATH_MAX`, `fits`) and a fresh private directory for
 the socket of a temporary server (`private_socket_dir`).
@@ -16,7 +16,7 @@ generation cannot be retried, as it may have been read). The client here lets an
 connection go well before the server does (`KEEPALIVE_EXPIRY_S`); a connection the server has
 closed before that is seen as readable-at-EOF by httpcore and not reused. llama-server also
 closes a connection after every streamed answer, without `Connection: close`; the front's relay
-asks for that close itself on a streamed request (see `mtpwrap.serve.relay`).
+asks for that close itself on a streamed request (see `mtpwrap.front.relay`).
 
 httpx is imported inside the functions: `mtpwrap --help` does not pay for it.
 """
@@ -39,7 +39,8 @@ SUN_PATH_MAX = 107
 
 
 class Upstream(Protocol):
-    """Where a llama-server listens, as a supervisor reports it (`mtpwrap.run.state.Upstream`)."""
+    """Where a llama-server listens, as a supervisor reports it
+    (`mtpwrap.supervision.state.Upstream`)."""
 
     @property
     def base_url(self) -> str: ...

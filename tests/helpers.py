@@ -166,7 +166,7 @@ def fake_factory(faults: dict[str, Any] | None = None, steps: list[int] | None =
     (with GPU_LAYERS, the child's spec carries a launch that offloads that many layers)."""
     from mtpwrap.decide.endpoint import Endpoint
     from mtpwrap.decide.launch import LaunchConfig
-    from mtpwrap.run.child import ChildCommand
+    from mtpwrap.supervision.child import ChildCommand
 
     launch = None if gpu_layers is None else LaunchConfig(
         profile="fake", model="fake.gguf", context=4096, cache_k="f16", cache_v="f16",
@@ -194,7 +194,7 @@ def make(faults: dict[str, Any] | None = None, tmp_path: Path | None = None,
          **overrides: Any) -> tuple[Any, list[tuple[float, Any, Any, str | None]]]:
     """A Supervisor over the fake llama-server, and the list its state changes are logged to."""
     from mtpwrap.config.objects import SupervisorConfig
-    from mtpwrap.run.supervisor import Supervisor
+    from mtpwrap.supervision.supervisor import Supervisor
 
     steps = overrides.pop("steps", None)
     gpu_layers = overrides.pop("gpu_layers", None)

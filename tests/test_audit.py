@@ -1,4 +1,4 @@
-"""The audit trail's sinks and counts (`mtpwrap.serve.audit`) without a server: daily files,
+"""The audit trail's sinks and counts (`mtpwrap.front.audit`) without a server: daily files,
 their mode and retention under an injected clock, journald's structured fields on a socket of
 the test's own, and the token counts read from an answer's end. The real-server checks (the
 counts equal llama-server's usage, canaries nowhere) are in tests/test_audit_real.py."""
@@ -11,8 +11,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from mtpwrap.serve import audit
-from mtpwrap.serve.audit import FileSink, JournalSink, Ticket, answer_counts, read_records
+from mtpwrap.front import audit
+from mtpwrap.front.audit import FileSink, JournalSink, Ticket, answer_counts, read_records
 
 DAY = 86400.0
 T0 = 1_800_000_000.0  # 2027-01-15

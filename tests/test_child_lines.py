@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from mtpwrap.run.child import line_level
+from mtpwrap.supervision.child import line_level
 
 INFO_LINES = [
     "0.00.036.626 I srv  llama_server: initializing ...",

@@ -18,10 +18,10 @@ from mtpwrap.decide import companions, profiles
 from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.decide.profile_types import Companion
 from mtpwrap.errors import ConfigError
-from mtpwrap.run.state import State, SupervisorStatus, Upstream
-from mtpwrap.serve.companions import Companion as Served
-from mtpwrap.serve.companions import CompanionInfo, Routes, UnknownModel
+from mtpwrap.front.companions import Companion as Served
+from mtpwrap.front.companions import CompanionInfo, Routes, UnknownModel
 from mtpwrap.service import startup
+from mtpwrap.supervision.state import State, SupervisorStatus, Upstream
 from tests.helpers import recorded_fork, replay
 
 GiB = 2**30

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.state import State
-from mtpwrap.serve.companions import CompanionInfo
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front.companions import CompanionInfo
+from mtpwrap.front.info import ServeInfo
+from mtpwrap.supervision.state import State
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import FrontServer, serve_front
 

@@ -1,4 +1,4 @@
-"""Request classes and the per-class speculation policy (serve/depth_policy), without a server:
+"""Request classes and the per-class speculation policy (front/depth_policy), without a server:
 the classifier on the pinned corpora and real code, the policy's choices from observed counts."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from mtpwrap.decide import acceptance, profiles
 from mtpwrap.decide.profile_types import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import classify, classify_text, shares
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve import depth_policy
-from mtpwrap.serve.depth_policy import DepthPolicy
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front import depth_policy
+from mtpwrap.front.depth_policy import DepthPolicy
+from mtpwrap.front.info import ServeInfo
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,4 +1,4 @@
-"""mtpwrap.serve.loop: the one choice of event loop for `up`, the benchmarks and the tests."""
+"""mtpwrap.front.loop: the one choice of event loop for `up`, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mtpwrap.serve import loop
+from mtpwrap.front import loop
 
 
 async def _loop_module() -> str:

@@ -1,4 +1,4 @@
-"""The relay's per-request states and steps (`mtpwrap.serve.exchange`), without sockets or
+"""The relay's per-request states and steps (`mtpwrap.front.exchange`), without sockets or
 sleeps: the table itself, and the paths the relay takes through it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from mtpwrap.serve.exchange import (
+from mtpwrap.front.exchange import (
     HEAD_SENT,
     STEPS,
     UPSTREAM_OWES,
@@ -115,7 +115,7 @@ def test_event_boundaries_and_sends() -> None:
 ])
 def test_a_500_is_classed_by_llama_servers_own_words(message: str, klass: str,
                                                      client: bool) -> None:
-    from mtpwrap.serve.relay import upstream_500_class
+    from mtpwrap.front.relay import upstream_500_class
 
     assert upstream_500_class(message) == (klass, client)
 

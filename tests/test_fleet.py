@@ -46,7 +46,7 @@ def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
 def test_haproxy_check_reports_what_haproxy_rejects(tmp_path: Path) -> None:
     require_tool("haproxy", "haproxy")
     from mtpwrap.errors import ConfigError
-    from mtpwrap.serve import fleet
+    from mtpwrap.front import fleet
 
     text = fleet.render_haproxy(fleet.parse_nodes(["127.0.0.1:8081"]), fleet.HaproxyOptions())
     fleet.check_haproxy(text)

@@ -49,7 +49,7 @@ def _cfg(**kw: object) -> ProxyConfig:
 
 @pytest.fixture
 def front(fake: FakeUpstream) -> Iterator[object]:
-    from mtpwrap.serve.info import ServeInfo
+    from mtpwrap.front.info import ServeInfo
 
     with serve_front(fake.base_url, fake.api_key, _cfg(), ServeInfo(n_vocab=1000)) as (srv,
                                                                                      _sup):

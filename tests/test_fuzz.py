@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 
-from mtpwrap.serve.access import classify
+from mtpwrap.front.access import classify
 from tests.fuzz import campaign, cases, oracle, raw, seeds
 
 CORPUS = seeds.load()

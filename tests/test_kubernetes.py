@@ -119,7 +119,7 @@ def test_probes_and_grace_period_match_the_config(tmp_path: Path) -> None:
 
 
 def check_pod(pod: dict[str, Any], s: Any, proxy: Any) -> None:
-    from mtpwrap.serve.access import derive_allowed_hosts
+    from mtpwrap.front.access import derive_allowed_hosts
 
     (c,) = pod["containers"]
     assert c["ports"][0]["containerPort"] == s.port

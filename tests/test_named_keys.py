@@ -12,8 +12,8 @@ import pytest
 
 from mtpwrap.config.apikeys import Budget, default_name, key_table, parse_key, read_keys_file
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve.admission import PriorityGate
-from mtpwrap.serve.budgets import Budgets
+from mtpwrap.front.admission import PriorityGate
+from mtpwrap.front.budgets import Budgets
 from tests.helpers import until
 
 SECRET = "s3cret-key-0123456789"
@@ -179,7 +179,7 @@ def test_a_cancelled_waiter_takes_no_permit() -> None:
 def test_keys_in_the_environment_take_plus_between_scopes() -> None:
     from mtpwrap.config.objects import ProxyConfig
     from mtpwrap.config.settings import load_settings
-    from mtpwrap.serve.access import Access, find_key
+    from mtpwrap.front.access import Access, find_key
 
     s = load_settings({}, env={"MTPWRAP_API_KEYS": f"{SECRET} name=app scopes=inference+metrics,"
                                                    "other-key-0123456789 name=ops"})

@@ -16,11 +16,11 @@ from mtpwrap.config.settings import load_settings
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import persist
-from mtpwrap.run.child import ChildCommand
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front.info import ServeInfo
 from mtpwrap.service import reload as reloading
 from mtpwrap.service import startup
+from mtpwrap.supervision import persist
+from mtpwrap.supervision.child import ChildCommand
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:

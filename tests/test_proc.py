@@ -17,7 +17,7 @@ import pytest
 
 from mtpwrap import proc
 from mtpwrap.errors import EXIT_RUNTIME, EXIT_UNAVAILABLE, RuntimeFailure
-from mtpwrap.serve import loop as event_loop
+from mtpwrap.front import loop as event_loop
 from tests.helpers import wait_for
 
 #: A leader that prints its grandchild's pid once the grandchild has said `ready`, then waits.
@@ -117,7 +117,7 @@ def test_start_async_sets_the_mask_and_the_child_dies_with_its_parent(kind: str)
     parent = (f"import sys; sys.path.insert(0, {str(Path(proc.__file__).parent.parent)!r})\n"
               "import asyncio\n"
               "from mtpwrap import proc\n"
-              "from mtpwrap.serve import loop\n"
+              "from mtpwrap.front import loop\n"
               "async def main():\n"
               "    p = await proc.start_async(['sleep', '600'], umask=0o027)\n"
               "    print(p.pid, flush=True)\n"

@@ -357,7 +357,7 @@ def test_the_chunk_gap_histogram_reads_like_prometheus_clients_own():
     prometheus_client Histogram given the same observations, bucket edges included."""
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from mtpwrap.serve.metrics import _ITL_BUCKETS, GapHistogram
+    from mtpwrap.front.metrics import _ITL_BUCKETS, GapHistogram
 
     gaps = [0.0, 0.0005, 0.0007, 0.01, 0.0100001, 0.3, 5, 7.5, 0.02, 0.02]
     ours, theirs = CollectorRegistry(), CollectorRegistry()

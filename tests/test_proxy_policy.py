@@ -8,7 +8,7 @@ from mtpwrap.config.apikeys import key_table, read_keys_file
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.config.settings import load_settings
 from mtpwrap.errors import ConfigError
-from mtpwrap.serve.access import (
+from mtpwrap.front.access import (
     classify,
     derive_allowed_hosts,
     find_key,
@@ -105,7 +105,7 @@ def test_required_scope_per_route(method, path, scope):
 def test_every_allow_list_feature_has_a_scope():
     from mtpwrap.config.apikeys import SCOPES
     from mtpwrap.config.table import FEATURES
-    from mtpwrap.serve.access import _EXACT, FEATURE_SCOPES
+    from mtpwrap.front.access import _EXACT, FEATURE_SCOPES
 
     assert set(FEATURE_SCOPES) == {"", *FEATURES} >= set(_EXACT.values())
     assert set(FEATURE_SCOPES.values()) <= set(SCOPES)

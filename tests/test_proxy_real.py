@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.config.objects import ProxyConfig
+from mtpwrap.front.info import ServeInfo
 from mtpwrap.proc import free_loopback_port as free_port
-from mtpwrap.serve.info import ServeInfo
 from tests.fakes.fake_upstream import sse_events
 from tests.fakes.front_harness import LlamaChild, serve_front
 from tests.helpers import wait_for

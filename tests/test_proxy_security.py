@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.serve import access
-from mtpwrap.serve.access import _EXACT
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front import access
+from mtpwrap.front.access import _EXACT
+from mtpwrap.front.info import ServeInfo
 from tests.fakes.fake_upstream import FakeUpstream
 from tests.fakes.front_harness import serve_front
 

@@ -12,8 +12,8 @@ import pytest
 
 from mtpwrap.config import settings
 from mtpwrap.decide import hardware
-from mtpwrap.run.state import State
 from mtpwrap.service import reload as reloading
+from mtpwrap.supervision.state import State
 from tests.helpers import DATA, make
 
 

@@ -15,8 +15,8 @@ from mtpwrap.config import settings
 from mtpwrap.decide import profiles
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import persist
 from mtpwrap.service import startup
+from mtpwrap.supervision import persist
 from tests.helpers import DATA, recorded_fork, replay
 
 FORKS = ["fork-0bc0a27", "fork-1c6e4ea"]

@@ -163,7 +163,7 @@ def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
 def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> None:
     """mtpwrap SIGKILLed: the child dies with it, its orphaned grandchild is killed by the
     next start (it could hold the GPU memory that start needs)."""
-    from mtpwrap.run import instance
+    from mtpwrap.supervision import instance
 
     fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
     script = (f"import subprocess, sys, time\n"

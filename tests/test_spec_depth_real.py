@@ -26,8 +26,8 @@ from mtpwrap.bench import stats
 from mtpwrap.build import spec_probe
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.decide import profiles
+from mtpwrap.front.info import ServeInfo
 from mtpwrap.proc import free_loopback_port
-from mtpwrap.serve.info import ServeInfo
 from tests.fakes.front_harness import LlamaChild, serve_front
 from tests.helpers import ignoring_draft_depth
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mtpwrap.run.state import State
-from mtpwrap.run.supervisor import Supervisor
+from mtpwrap.supervision.state import State
+from mtpwrap.supervision.supervisor import Supervisor
 from tests.helpers import fake_factory, make, until, wait_for
 
 

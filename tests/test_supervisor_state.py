@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from mtpwrap.run.state import SHUTDOWN_STATES, TRANSITIONS, Outcome, State, is_valid_transition
+from mtpwrap.supervision.state import (
+    SHUTDOWN_STATES,
+    TRANSITIONS,
+    Outcome,
+    State,
+    is_valid_transition,
+)
 
 
 def test_every_state_has_a_row_and_every_running_state_can_shut_down() -> None:

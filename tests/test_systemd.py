@@ -16,7 +16,7 @@ import pytest
 
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port as _free_port
-from mtpwrap.run import systemd
+from mtpwrap.supervision import systemd
 from tests.helpers import REPO, cli_env, run_cli
 
 
@@ -301,7 +301,7 @@ def test_ready_waits_for_a_generation_and_retries_are_not_logged_one_by_one(
         tmp_path: Path) -> None:
     """/health 200 but every completion fails: no READY=1, and the retries (several a second)
     give one warning, then one summary line at most every PROBE_REPORT_S."""
-    from mtpwrap.run.supervisor import PROBE_REPORT_S
+    from mtpwrap.supervision.supervisor import PROBE_REPORT_S
 
     svc = _Service(tmp_path, "generate_fail=1", MTPWRAP_SUPERVISOR_LOAD_STALL_S="60")
     watch = 2 * PROBE_REPORT_S + 1

@@ -281,7 +281,7 @@ def test_a_terminal_gets_warnings_and_the_log_path_the_file_gets_everything(
     import pty
     import threading
 
-    from mtpwrap.run.child import line_level
+    from mtpwrap.supervision.child import line_level
 
     home = tmp_path / "home"
     env = cli_env(MTPWRAP_HOME=str(home), MTPWRAP_DRAIN_S="5")

@@ -19,7 +19,7 @@ from mtpwrap.decide import launch
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import Endpoint, binds_unix_socket, listen_on
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.run import sockets
+from mtpwrap.supervision import sockets
 from tests.helpers import DATA, listening, until, without_socket_help
 
 HELP = DATA / "help"
@@ -130,8 +130,8 @@ def test_real_llama_server_listens_on_a_socket_only_this_user_opens(
 
     from mtpwrap.build.probe import probe
     from mtpwrap.config.objects import SupervisorConfig
-    from mtpwrap.run.child import ChildCommand
-    from mtpwrap.run.supervisor import Supervisor
+    from mtpwrap.supervision.child import ChildCommand
+    from mtpwrap.supervision.supervisor import Supervisor
 
     caps = probe(llama_server_bin)
     sock = tmp_path / "run" / "llama.sock"

@@ -1,4 +1,4 @@
-"""The relay's wire (`mtpwrap.run.wire`) against small HTTP servers on real UNIX and TCP
+"""The relay's wire (`mtpwrap.supervision.wire`) against small HTTP servers on real UNIX and TCP
 sockets, each answering the way a test needs: chunked streams in pieces, kept and closed
 connections, answers cut short, bytes that are not HTTP."""
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from mtpwrap.run import wire
-from mtpwrap.run.state import Upstream
-from mtpwrap.run.wire import BadResponse, ConnectFailed, Disconnected, WirePool
+from mtpwrap.supervision import wire
+from mtpwrap.supervision.state import Upstream
+from mtpwrap.supervision.wire import BadResponse, ConnectFailed, Disconnected, WirePool
 from tests.helpers import until
 
 JSON = b'{"ok":true}'

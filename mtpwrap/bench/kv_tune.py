@@ -12,7 +12,7 @@ from mtpwrap.bench.tune import _write_profile
 from mtpwrap.decide import profiles
 from mtpwrap.decide.resolve import Inputs
 from mtpwrap.errors import ConfigError
-from mtpwrap.run.inputs import gather, resolve_inputs
+from mtpwrap.supervision.inputs import gather, resolve_inputs
 
 
 def _k(n: int) -> str:

@@ -12,7 +12,7 @@ from mtpwrap.decide.gguf_facts import ModelFacts, read_facts
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
-from mtpwrap.run.inputs import find_server
+from mtpwrap.supervision.inputs import find_server
 
 if TYPE_CHECKING:
     from mtpwrap.bench.kv_run import KvPlan

@@ -25,7 +25,7 @@ from mtpwrap.build.probe import probe
 from mtpwrap.decide import profiles, resolve
 from mtpwrap.decide.vocab import KV_TYPES, SPEC_KINDS
 from mtpwrap.errors import ConfigError, RuntimeFailure
-from mtpwrap.run.inputs import load_snapshot
+from mtpwrap.supervision.inputs import load_snapshot
 
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities

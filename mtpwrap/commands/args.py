@@ -27,8 +27,8 @@ def command(profile_name: str, model: str | None, binary: str | None, replay: st
     import dataclasses
 
     from mtpwrap import console
-    from mtpwrap.run import inputs
     from mtpwrap.service.startup import upstream_endpoint
+    from mtpwrap.supervision import inputs
 
     inp = inputs.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
     # a model that is not here cannot be planned: the preview shows the argv without a plan

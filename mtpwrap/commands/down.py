@@ -13,7 +13,7 @@ import click
 def command(timeout: float | None, force: bool) -> None:
     """Send SIGTERM to the running instance and wait until it has exited."""
     from mtpwrap import console
-    from mtpwrap.run import instance
+    from mtpwrap.supervision import instance
 
     pid = instance.stop_instance(timeout=timeout, force=force)
     if pid is None:

@@ -101,7 +101,7 @@ def haproxy(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path
     a connection closed unanswered, or a node's own 503 is retried once on another node;
     nothing that reached llama-server is.
     """
-    from mtpwrap.serve import fleet
+    from mtpwrap.front import fleet
 
     opts = fleet.HaproxyOptions(
         bind=bind, metrics_bind=None if metrics_bind.lower() == "none" else metrics_bind,
@@ -131,7 +131,7 @@ def prometheus(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: P
                haproxy_metrics: str, scrape_interval_s: float,
                rule_files: tuple[str, ...], key_file: Path | None, output: Path | None) -> None:
     """Print prometheus.yml scraping every node (label `node`) and HAProxy."""
-    from mtpwrap.serve import fleet
+    from mtpwrap.front import fleet
 
     opts = fleet.PrometheusOptions(
         scrape_interval_s=scrape_interval_s,

@@ -103,7 +103,7 @@ def inspect_cmd(file: str, gpu: str | None, replay: str | None, binary: str | No
     from mtpwrap import console
     from mtpwrap.decide import hardware
     from mtpwrap.models import inspect, known
-    from mtpwrap.run import inputs
+    from mtpwrap.supervision import inputs
 
     path = known.resolve_model(file, what="models inspect")
     snap = hardware.gpu_snapshot(gpu) if gpu else inputs.load_snapshot(replay)

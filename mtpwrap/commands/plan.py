@@ -105,7 +105,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: str
     """Plan memory for a model on a GPU: each buffer, verdict, largest context per KV type."""
     from mtpwrap import console
     from mtpwrap.decide import profiles, resolve
-    from mtpwrap.run import inputs
+    from mtpwrap.supervision import inputs
 
     if not (model or profile):
         raise ConfigError("--model or --profile is required: which GGUF should be planned?")

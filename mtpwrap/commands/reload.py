@@ -11,7 +11,7 @@ from mtpwrap.config.options import shared_option
 def finish(kind: str, timeout: float) -> None:
     from mtpwrap import console
     from mtpwrap.errors import ConfigError, RuntimeFailure
-    from mtpwrap.run import instance
+    from mtpwrap.supervision import instance
 
     outcome = instance.request_reload(kind, timeout)
     message = str(outcome.get("message") or "")
@@ -35,8 +35,8 @@ def command(timeout: float) -> None:
     configuration is back).
     """
     from mtpwrap.errors import RuntimeFailure
-    from mtpwrap.run import instance
     from mtpwrap.service import reload, startup
+    from mtpwrap.supervision import instance
 
     data = instance.read_instance()
     if not instance.instance_running(data):

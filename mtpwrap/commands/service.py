@@ -17,7 +17,7 @@ def _options(profile: str | None, config: Path | None, user: str, watchdog_s: in
              exec_start: str | None) -> object:
     import shlex
 
-    from mtpwrap.run import systemd
+    from mtpwrap.supervision import systemd
 
     argv = shlex.split(exec_start) if exec_start else systemd.default_exec_start(
         str(config) if config else None, profile)
@@ -65,7 +65,7 @@ def command() -> None:
 def print_(**kw: object) -> None:
     """Print the unit file to stdout."""
     from mtpwrap import console
-    from mtpwrap.run import systemd
+    from mtpwrap.supervision import systemd
 
     console.out.print(systemd.render_unit(_options(**kw)), markup=False, end="")  # type: ignore[arg-type]
 
@@ -80,7 +80,7 @@ def print_(**kw: object) -> None:
 def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
     """Write the unit and /etc/mtpwrap/env, create the user, reload systemd."""
     from mtpwrap import console
-    from mtpwrap.run import systemd
+    from mtpwrap.supervision import systemd
 
     written = systemd.install(_options(**kw), unit_dir=unit_dir,  # type: ignore[arg-type]
                               etc_dir=etc_dir, create_user=not no_user)
@@ -97,7 +97,7 @@ def install(unit_dir: Path, etc_dir: Path, no_user: bool, **kw: object) -> None:
 def uninstall(unit_dir: Path) -> None:
     """Stop and disable the service and remove the unit (config and user stay)."""
     from mtpwrap import console
-    from mtpwrap.run import systemd
+    from mtpwrap.supervision import systemd
 
     removed = systemd.uninstall(unit_dir=unit_dir)
     console.info(f"removed {removed}" if removed else "no unit installed")

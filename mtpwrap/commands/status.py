@@ -17,7 +17,7 @@ def command(as_json: bool) -> None:
     Exit code 0 while it is ready, 1 while it runs but is not ready, 3 when none runs.
     """
     from mtpwrap import console
-    from mtpwrap.run import instance
+    from mtpwrap.supervision import instance
 
     report = instance.instance_report()
     if as_json:

@@ -53,7 +53,7 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
     from mtpwrap import console
     from mtpwrap.bench import materials, tune
     from mtpwrap.errors import ConfigError
-    from mtpwrap.run.inputs import gather
+    from mtpwrap.supervision.inputs import gather
 
     lang_list = [g for g in langs.replace(" ", "").split(",") if g]
     if not lang_list or any(g not in ("ko", "en") for g in lang_list):

@@ -36,7 +36,7 @@ def command(since: str | None, by: str, as_json: bool, config: str | None) -> No
     from mtpwrap import console
     from mtpwrap.config.objects import AuditConfig
     from mtpwrap.config.settings import load_settings
-    from mtpwrap.serve.audit import SUMS, read_records, summarize
+    from mtpwrap.front.audit import SUMS, read_records, summarize
 
     first = _since(since)
     cfg = AuditConfig(**load_settings({}, config=config).audit)

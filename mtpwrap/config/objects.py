@@ -154,7 +154,7 @@ class ProxyConfig:
     max_n_probs: int = _X["max_n_probs"]
     max_choices: int = _X["max_choices"]
     max_predict: int = _X["max_predict"]
-    # The connection layer (see mtpwrap.serve.http_server): time to a complete request head and
+    # The connection layer (see mtpwrap.front.http_server): time to a complete request head and
     # body, idle keep-alive, open connections, and the size and count of request headers.
     header_timeout_s: float = _X["header_timeout_s"]
     body_timeout_s: float = _X["body_timeout_s"]

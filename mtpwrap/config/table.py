@@ -131,7 +131,7 @@ SUPERVISOR: dict[str, Key] = {
                                               "limits take over."),
 }
 
-#: KV snapshots carried across restarts of llama-server (see mtpwrap.run.persist)
+#: KV snapshots carried across restarts of llama-server (see mtpwrap.supervision.persist)
 PERSIST: dict[str, Key] = {
     "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts (reload, "
                                  "restart, recycle); false: every restart recomputes the "
@@ -152,7 +152,7 @@ PERSIST: dict[str, Key] = {
 }
 
 
-#: the audit trail and usage (mtpwrap.serve.audit)
+#: the audit trail and usage (mtpwrap.front.audit)
 AUDIT: dict[str, Key] = {
     "sink": Key("str", "file", "Where the audit trail goes: one JSON line per request in a daily "
                                "file, journald's structured fields, or off.",
@@ -165,7 +165,7 @@ AUDIT: dict[str, Key] = {
 }
 
 
-#: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.serve.access maps
+#: the gated llama-server routes `proxy.enable_paths` may open (mtpwrap.front.access maps
 #: each to its paths)
 FEATURES: tuple[str, ...] = (
     "slots", "slot-actions", "props-write", "lora-adapters", "backend-metrics", "webui",

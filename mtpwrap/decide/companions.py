@@ -4,7 +4,7 @@ llama-server. What each one runs (`CompanionLaunch`: a `LaunchConfig` with --emb
 bytes come off the device before the chat model is planned, on the CPU they are counted
 against RAM) and what it takes from the chat model (CPU threads).
 
-Pure: the model files are found by `mtpwrap.run.inputs`, the headers read here.
+Pure: the model files are found by `mtpwrap.supervision.inputs`, the headers read here.
 """
 
 from __future__ import annotations

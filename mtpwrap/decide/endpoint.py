@@ -1,5 +1,6 @@
 """Where llama-server listens: a UNIX socket only the service user can open, or loopback TCP
-for a binary that cannot bind one. Pure: the socket's directory is made by `mtpwrap.run.sockets`."""
+for a binary that cannot bind one. Pure: the socket's directory is made by
+`mtpwrap.supervision.sockets`."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class ClassPolicy:
 
 @dataclass(frozen=True)
 class SpecAdapt:
-    """spec.adapt: online learning of each request class's draft depth (serve/depth_policy)."""
+    """spec.adapt: online learning of each request class's draft depth (front/depth_policy)."""
 
     enabled: bool = True
     #: the verification step's cost model r(k) = overhead + per_draft·k, in decode steps

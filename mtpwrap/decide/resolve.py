@@ -1,10 +1,10 @@
 """One resolved launch: profile + hardware snapshot + capabilities (+ model facts and measured KV
 sizes) → the `LaunchConfig` and its memory plan, with the reasons. Pure: the inputs are found,
-and llama-fit-params asked, by `mtpwrap.run.inputs`.
+and llama-fit-params asked, by `mtpwrap.supervision.inputs`.
 
 `resolve` is the only caller of the planner. `up`, `args`, `plan`, `bench` and `tune` all go
 through it, with the snapshot and the capabilities passed in, so they cannot disagree about a
-profile. `mtpwrap.run.inputs.gather` finds those inputs the way every command does (the
+profile. `mtpwrap.supervision.inputs.gather` finds those inputs the way every command does (the
 binary, its manifest and capabilities, the snapshot or a recording of one, the profile, the
 model).
 """
@@ -59,7 +59,7 @@ class Resolved:
     demand: planning reads the model's header).
 
     Frozen: made once by `resolve`. What is learnt later is a new Resolved, never a change to
-    this one: `ensure_plan` returns the planned launch, `mtpwrap.run.inputs.measure` the
+    this one: `ensure_plan` returns the planned launch, `mtpwrap.supervision.inputs.measure` the
     measured one, and a step-down (`step_down`) is a new LaunchConfig."""
 
     inputs: Inputs

@@ -21,10 +21,10 @@ from typing import Any
 from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
-from mtpwrap.run.persist import SnapshotStore
-from mtpwrap.run.state import State
-from mtpwrap.run.supervisor import Supervisor
 from mtpwrap.service.startup import CompanionRun, Launch, persist_config, prepare
+from mtpwrap.supervision.persist import SnapshotStore
+from mtpwrap.supervision.state import State
+from mtpwrap.supervision.supervisor import Supervisor
 
 
 class ReloadKind(str, enum.Enum):

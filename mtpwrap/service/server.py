@@ -26,10 +26,6 @@ from typing import TYPE_CHECKING, Any
 from mtpwrap.config.objects import ProxyConfig, exit_on_failed
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import instance
-from mtpwrap.run.state import State
-from mtpwrap.run.supervisor import Supervisor
-from mtpwrap.run.systemd import Notifier
 from mtpwrap.service.reload import (
     ReloadKind,
     ReloadOutcome,
@@ -47,11 +43,15 @@ from mtpwrap.service.startup import (
     supervisor_config,
     supervisor_values,
 )
+from mtpwrap.supervision import instance
+from mtpwrap.supervision.state import State
+from mtpwrap.supervision.supervisor import Supervisor
+from mtpwrap.supervision.systemd import Notifier
 
 if TYPE_CHECKING:
     import uvicorn
 
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
 
 log = logging.getLogger("mtpwrap.runner")
 

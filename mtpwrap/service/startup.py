@@ -17,16 +17,16 @@ from mtpwrap.config.settings import Settings
 from mtpwrap.decide import resolve
 from mtpwrap.decide.endpoint import Endpoint, listen_on
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import inputs, sockets
-from mtpwrap.run.child import ChildCommand
-from mtpwrap.run.persist import SnapshotStore
-from mtpwrap.run.supervisor import LaunchFactory, Supervisor
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front.info import ServeInfo
+from mtpwrap.supervision import inputs, sockets
+from mtpwrap.supervision.child import ChildCommand
+from mtpwrap.supervision.persist import SnapshotStore
+from mtpwrap.supervision.supervisor import LaunchFactory, Supervisor
 
 if TYPE_CHECKING:
     from mtpwrap.build.manifest import Manifest
     from mtpwrap.decide.resolve import Resolved
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
 
 
 @dataclass
@@ -263,7 +263,7 @@ def audit_config(settings: Settings) -> AuditConfig:
     found; ConfigError before anything starts otherwise."""
     cfg = AuditConfig(**settings.audit)
     if cfg.sink == "journald":
-        from mtpwrap.serve.audit import JOURNAL_SOCKET
+        from mtpwrap.front.audit import JOURNAL_SOCKET
 
         if not Path(JOURNAL_SOCKET).exists():
             raise ConfigError(f"audit.sink: journald, but there is no journald socket at "
@@ -287,8 +287,8 @@ def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig,
                companions: Mapping[str, Supervisor] | None = None) -> Front:
     """The front for this launch; `companions`: each companion's supervisor, by name."""
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
-    from mtpwrap.serve.companions import CompanionInfo
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
+    from mtpwrap.front.companions import CompanionInfo
 
     sups = companions or {}
     return Front(supervisor, config, launch.info, audit,

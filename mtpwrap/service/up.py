@@ -9,11 +9,11 @@ from pathlib import Path
 from mtpwrap.config.objects import AuditConfig
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
-from mtpwrap.run import instance
-from mtpwrap.run.child import child_log
-from mtpwrap.serve import loop as event_loop
+from mtpwrap.front import loop as event_loop
 from mtpwrap.service.server import bind_public, public_url, serve
 from mtpwrap.service.startup import Launch, child_log_file, persist_config, prepare
+from mtpwrap.supervision import instance
+from mtpwrap.supervision.child import child_log
 
 log = logging.getLogger("mtpwrap.runner")
 

@@ -22,9 +22,9 @@ import httpx
 
 from mtpwrap import upstream
 from mtpwrap.decide.endpoint import Endpoint
+from mtpwrap.front import loop as event_loop
 from mtpwrap.proc import ServerProcess, free_loopback_port
-from mtpwrap.run.state import State, SupervisorStatus, Upstream
-from mtpwrap.serve import loop as event_loop
+from mtpwrap.supervision.state import State, SupervisorStatus, Upstream
 from tests.helpers import until
 
 
@@ -230,7 +230,7 @@ def serve_front(base_url: str, api_key: str, config: Any, info: Any = None,
     """A Front over `base_url` (on the UNIX socket `socket`, if given) with a
     SupervisorDouble; yields (server, supervisor). `companions`: (CompanionInfo, base_url,
     api_key) of each companion, each behind a SupervisorDouble of its own."""
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
 
     sup = SupervisorDouble(base_url, api_key, state=state, pid=pid, socket=socket)
     others = [(info_, SupervisorDouble(url, key)) for info_, url, key in companions]

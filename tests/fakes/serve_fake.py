@@ -13,12 +13,12 @@ from pathlib import Path
 
 from mtpwrap.config import settings
 from mtpwrap.decide.endpoint import Endpoint
-from mtpwrap.run.child import ChildCommand
-from mtpwrap.serve import loop as event_loop
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front import loop as event_loop
+from mtpwrap.front.info import ServeInfo
 from mtpwrap.service import up
 from mtpwrap.service.server import bind_public, serve
 from mtpwrap.service.startup import Launch
+from mtpwrap.supervision.child import ChildCommand
 
 FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
 

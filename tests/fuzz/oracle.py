@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from mtpwrap.serve.replies import error_message
+from mtpwrap.front.replies import error_message
 
 ANSWERED_BY = "x-mtpwrap-answered-by"
 #: front-made 5xx allowed in a campaign without injected faults (503: busy or not ready)

@@ -25,7 +25,7 @@ from prometheus_client.utils import floatToGoString
 from mtpwrap import promtext
 from mtpwrap.decide import acceptance, hardware
 from mtpwrap.decide.hardware import GpuReading
-from mtpwrap.run.state import State, SupervisorStatus
+from mtpwrap.supervision.state import State, SupervisorStatus
 
 log = logging.getLogger("mtpwrap.metrics")
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from mtpwrap.serve.metrics import gpu_samples
+from mtpwrap.front.metrics import gpu_samples
 
 if TYPE_CHECKING:
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
 
 REFRESH_S = 3
 

@@ -1,6 +1,6 @@
 """The exchange with llama-server: one forwarded request, relayed to the client as it arrives.
 
-The relay sends the request over the front's wire to llama-server (`mtpwrap.run.wire`:
+The relay sends the request over the front's wire to llama-server (`mtpwrap.supervision.wire`:
 HTTP/1.1 over its UNIX socket or loopback TCP, parsed by llhttp, connections kept and reused)
 and passes the answer on as it arrives, without buffering: status and body byte for byte (what
 one read of the socket brought is one write to the client), response headers except hop-by-hop
@@ -42,13 +42,11 @@ import re
 import time
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.state import SupervisorPort, Upstream
-from mtpwrap.run.wire import ConnectFailed, UpstreamError, WirePool, WireResponse
-from mtpwrap.serve import depth_policy
-from mtpwrap.serve.depth_policy import DepthPolicy
-from mtpwrap.serve.exchange import UPSTREAM_OWES, Exchange, Step
-from mtpwrap.serve.metrics import FrontMetrics
-from mtpwrap.serve.replies import (
+from mtpwrap.front import depth_policy
+from mtpwrap.front.depth_policy import DepthPolicy
+from mtpwrap.front.exchange import UPSTREAM_OWES, Exchange, Step
+from mtpwrap.front.metrics import FrontMetrics
+from mtpwrap.front.replies import (
     BY_UPSTREAM,
     Receive,
     Replies,
@@ -57,6 +55,8 @@ from mtpwrap.serve.replies import (
     error_kind,
     error_message,
 )
+from mtpwrap.supervision.state import SupervisorPort, Upstream
+from mtpwrap.supervision.wire import ConnectFailed, UpstreamError, WirePool, WireResponse
 
 log = logging.getLogger("mtpwrap.proxy")
 
@@ -126,7 +126,7 @@ def _as_client_error(raw: bytes) -> bytes:
 
 
 def relay_wire(config: ProxyConfig) -> WirePool:
-    """The relay's connections to llama-server (`mtpwrap.run.wire`)."""
+    """The relay's connections to llama-server (`mtpwrap.supervision.wire`)."""
     return WirePool(connect_timeout_s=config.connect_timeout_s,
                     write_timeout_s=config.write_timeout_s,
                     # llama-server's slots, and two for the routes that take none (tokenize …)

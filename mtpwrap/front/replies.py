@@ -12,8 +12,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from mtpwrap.serve import audit
-from mtpwrap.serve.metrics import FrontMetrics
+from mtpwrap.front import audit
+from mtpwrap.front.metrics import FrontMetrics
 
 # The ASGI types, as the ASGI spec writes them (its messages are plain mappings).
 Scope = MutableMapping[str, Any]

@@ -19,7 +19,7 @@ A kept connection is dropped after `KEEPALIVE_EXPIRY_S` idle, well inside cpp-ht
 kept by a sweep the event loop runs while any connection is idle, so a burst's connections are
 closed soon after it rather than at the next request; and no more than `max_idle` are kept per
 place (llama-server serves only as many at once as it has slots). A streamed
-request says `Connection: close` (see `mtpwrap.serve.relay`), so its connection ends with it.
+request says `Connection: close` (see `mtpwrap.front.relay`), so its connection ends with it.
 
 Faults are `UpstreamError`s with a `kind` for the front's metrics: `connect` (nothing was sent:
 the one error that may be retried), `write_timeout`, `disconnected` (the connection ended
@@ -40,7 +40,7 @@ import httptools
 from mtpwrap.upstream import KEEPALIVE_EXPIRY_S
 
 if TYPE_CHECKING:
-    from mtpwrap.run.state import Upstream
+    from mtpwrap.supervision.state import Upstream
 
 #: how much one read takes from the socket at most
 READ_SIZE = 64 * 1024

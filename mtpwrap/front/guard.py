@@ -10,10 +10,10 @@ import logging
 import time
 
 from mtpwrap.config.apikeys import ApiKey
-from mtpwrap.serve import audit
-from mtpwrap.serve.access import Access, Denial
-from mtpwrap.serve.audit import UNAUDITED, Ticket, Trail
-from mtpwrap.serve.replies import (
+from mtpwrap.front import audit
+from mtpwrap.front.access import Access, Denial
+from mtpwrap.front.audit import UNAUDITED, Ticket, Trail
+from mtpwrap.front.replies import (
     ANSWERED_BY,
     BY_FRONT,
     BY_UPSTREAM,

@@ -31,9 +31,9 @@ from typing import Any, Protocol
 
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.config.objects import AuditConfig
-from mtpwrap.serve.access import route_label
-from mtpwrap.serve.budgets import Budgets
-from mtpwrap.serve.metrics import FrontMetrics
+from mtpwrap.front.access import route_label
+from mtpwrap.front.budgets import Budgets
+from mtpwrap.front.metrics import FrontMetrics
 
 log = logging.getLogger("mtpwrap.audit")
 

@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from mtpwrap.decide import acceptance
 from mtpwrap.decide.profile_types import ClassPolicy, SpecAdapt
 from mtpwrap.decide.request_class import CLASSES, classify
-from mtpwrap.serve.info import ServeInfo
+from mtpwrap.front.info import ServeInfo
 
 HEADER = b"x-mtpwrap-spec"
 #: the routes whose requests generate text (and accept speculative.* fields)

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.run.state import State
-from mtpwrap.serve.metrics import gpu_samples
+from mtpwrap.front.metrics import gpu_samples
+from mtpwrap.supervision.state import State
 
 if TYPE_CHECKING:
-    from mtpwrap.serve.front import Front
+    from mtpwrap.front.app import Front
 
 
 async def livez(_request: Request) -> Response:

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mtpwrap.run.state import State, SupervisorPort
+from mtpwrap.supervision.state import State, SupervisorPort
 
 if TYPE_CHECKING:
-    from mtpwrap.serve.admission import Admission
-    from mtpwrap.serve.relay import Relay
+    from mtpwrap.front.admission import Admission
+    from mtpwrap.front.relay import Relay
 
 #: the routes each role answers (llama-server's own spellings and the OpenAI-style ones)
 ROLE_ROUTES: dict[str, frozenset[str]] = {

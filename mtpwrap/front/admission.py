@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 
 from mtpwrap.config.objects import ProxyConfig
-from mtpwrap.run.state import State, SupervisorPort, SupervisorStatus, Upstream
-from mtpwrap.serve.metrics import FrontMetrics
+from mtpwrap.front.metrics import FrontMetrics
+from mtpwrap.supervision.state import State, SupervisorPort, SupervisorStatus, Upstream
 
 
 class Refusal(Exception):

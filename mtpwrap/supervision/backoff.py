@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 
 from mtpwrap.config.objects import SupervisorConfig
-from mtpwrap.run.child import ChildCommand
-from mtpwrap.run.state import Ended, Outcome
+from mtpwrap.supervision.child import ChildCommand
+from mtpwrap.supervision.state import Ended, Outcome
 
 log = logging.getLogger("mtpwrap.supervisor")
 

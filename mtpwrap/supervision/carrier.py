@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mtpwrap.run.child import ChildCommand, ChildProcess
-from mtpwrap.run.persist import (
+from mtpwrap.supervision.child import ChildCommand, ChildProcess
+from mtpwrap.supervision.persist import (
     CHECKPOINT_IDLE_S,
     Carried,
     SnapshotStore,

@@ -2,7 +2,7 @@
 and `Access`, the one check of a request line against them.
 
 Pure functions and data, no I/O and no ASGI imports, so they are tested with tables; the guard
-in front of the app (serve/front.py) asks `Access.check` and answers what it says.
+in front of the app (front/app.py) asks `Access.check` and answers what it says.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def required_scope(method: str, path: str) -> str:
     return FEATURE_SCOPES[feature or ""]
 
 
-#: the status page (serve/status.py): a browser gives the key as Basic authentication's
+#: the status page (front/status.py): a browser gives the key as Basic authentication's
 #: password, and a key with either scope may see it
 STATUS_PAGES = frozenset({"/status", "/status.json"})
 STATUS_SCOPES = frozenset({"metrics", "admin"})

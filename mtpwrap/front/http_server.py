@@ -42,7 +42,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 if TYPE_CHECKING:
     import uvicorn
 
-    from mtpwrap.serve.replies import ASGIApp
+    from mtpwrap.front.replies import ASGIApp
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout",
             431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}

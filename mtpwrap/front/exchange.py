@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from mtpwrap.serve.audit import Ticket
-    from mtpwrap.serve.depth_policy import DepthDecision
+    from mtpwrap.front.audit import Ticket
+    from mtpwrap.front.depth_policy import DepthDecision
 
 
 class Step(str, enum.Enum):

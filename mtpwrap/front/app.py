@@ -1,14 +1,14 @@
 """The HTTP front: clients talk to this, never to llama-server.
 
-One `Front` serves one supervised chat model and its companions (serve/companions.py). Its
+One `Front` serves one supervised chat model and its companions (front/companions.py). Its
 rooms:
-- access (serve/access.py): the allow-list, hosts, keys and scopes, checked by `AccessGuard`
-  (serve/guard.py) in front of every route (ops endpoints included); bodies
-  (serve/bodies.py): what a JSON body may hold;
-- admission (serve/admission.py): limits, the queue, drain;
-- the relay (serve/relay.py): the exchange with llama-server and the streaming relay, with
+- access (front/access.py): the allow-list, hosts, keys and scopes, checked by `AccessGuard`
+  (front/guard.py) in front of every route (ops endpoints included); bodies
+  (front/bodies.py): what a JSON body may hold;
+- admission (front/admission.py): limits, the queue, drain;
+- the relay (front/relay.py): the exchange with llama-server and the streaming relay, with
   its fault handling;
-- the draft-depth policy (serve/depth_policy.py) for generation requests;
+- the draft-depth policy (front/depth_policy.py) for generation requests;
 - here: the routes, reading the request body, and the lifecycle.
 
 Transparency. Status codes and bodies pass unchanged, byte for byte; a request with temperature 0
@@ -37,13 +37,12 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
-from mtpwrap.run.state import State, SupervisorPort, Upstream
-from mtpwrap.serve import audit, depth_policy, ops, status
-from mtpwrap.serve.access import Access, classify
-from mtpwrap.serve.access import Route as Verdict
-from mtpwrap.serve.admission import Admission, Refusal
-from mtpwrap.serve.audit import NoSink, Trail
-from mtpwrap.serve.bodies import (
+from mtpwrap.front import audit, depth_policy, ops, status
+from mtpwrap.front.access import Access, classify
+from mtpwrap.front.access import Route as Verdict
+from mtpwrap.front.admission import Admission, Refusal
+from mtpwrap.front.audit import NoSink, Trail
+from mtpwrap.front.bodies import (
     BadBody,
     check_fields,
     check_grammar,
@@ -54,21 +53,22 @@ from mtpwrap.serve.bodies import (
     parse_json_body,
     require_object,
 )
-from mtpwrap.serve.budgets import Budgets
-from mtpwrap.serve.companions import Companion, CompanionInfo, Routes, UnknownModel
-from mtpwrap.serve.depth_policy import DepthDecision
-from mtpwrap.serve.exchange import Exchange, Step
-from mtpwrap.serve.guard import AccessGuard
-from mtpwrap.serve.info import ServeInfo
-from mtpwrap.serve.metrics import CONTENT_TYPE, FrontMetrics
-from mtpwrap.serve.relay import Relay, relay_wire
-from mtpwrap.serve.replies import (
+from mtpwrap.front.budgets import Budgets
+from mtpwrap.front.companions import Companion, CompanionInfo, Routes, UnknownModel
+from mtpwrap.front.depth_policy import DepthDecision
+from mtpwrap.front.exchange import Exchange, Step
+from mtpwrap.front.guard import AccessGuard
+from mtpwrap.front.info import ServeInfo
+from mtpwrap.front.metrics import CONTENT_TYPE, FrontMetrics
+from mtpwrap.front.relay import Relay, relay_wire
+from mtpwrap.front.replies import (
     Receive,
     Replies,
     Scope,
     Send,
     declares_body,
 )
+from mtpwrap.supervision.state import State, SupervisorPort, Upstream
 from mtpwrap.upstream import UpstreamClients
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ class Front:
 
     def server_config(self, **kwargs: Any) -> uvicorn.Config:
         """The uvicorn configuration that serves this front, with its connection limits."""
-        from mtpwrap.serve.http_server import ConnectionLimits, uvicorn_config
+        from mtpwrap.front.http_server import ConnectionLimits, uvicorn_config
 
         cfg = self.config
         limits = ConnectionLimits(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mtpwrap.run.child import ChildProcess
+from mtpwrap.supervision.child import ChildProcess
 
 
 class WedgeWatch:

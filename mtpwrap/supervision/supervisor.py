@@ -35,17 +35,17 @@ from mtpwrap.config.objects import SupervisorConfig
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import MtpwrapError
 from mtpwrap.proc import describe_returncode, free_loopback_port
-from mtpwrap.run import sockets
-from mtpwrap.run.backoff import RestartPolicy
-from mtpwrap.run.carrier import SlotCarrier
-from mtpwrap.run.child import (
+from mtpwrap.supervision import sockets
+from mtpwrap.supervision.backoff import RestartPolicy
+from mtpwrap.supervision.carrier import SlotCarrier
+from mtpwrap.supervision.child import (
     ChildCommand,
     ChildProcess,
     close_file_logger,
     make_file_logger,
 )
-from mtpwrap.run.persist import SnapshotStore
-from mtpwrap.run.state import (
+from mtpwrap.supervision.persist import SnapshotStore
+from mtpwrap.supervision.state import (
     SHUTDOWN_STATES,
     Ended,
     Outcome,
@@ -55,7 +55,7 @@ from mtpwrap.run.state import (
     Upstream,
     is_valid_transition,
 )
-from mtpwrap.run.wedge import WedgeWatch
+from mtpwrap.supervision.wedge import WedgeWatch
 from mtpwrap.units import MiB
 
 log = logging.getLogger("mtpwrap.supervisor")
@@ -63,7 +63,7 @@ log = logging.getLogger("mtpwrap.supervisor")
 #: a readiness generation that keeps failing is logged once, then summed up at most this often
 PROBE_REPORT_S = 5.0
 
-#: the vocabulary is defined in mtpwrap.run.state; these are the names the front imports
+#: the vocabulary is defined in mtpwrap.supervision.state; these are the names the front imports
 __all__ = ["PROBE_REPORT_S", "LaunchFactory", "Supervisor"]
 
 

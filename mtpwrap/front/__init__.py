@@ -1,0 +1,1 @@
+"""The HTTP front, its request policy, ops endpoints, metrics and fleet configuration."""

@@ -1,2 +1,0 @@
-"""Run: llama-server as a child process, its supervisor (states, backoff, wedge watch), KV
-carried across restarts, systemd notify and the instance file; the `up` loop is `service`."""

@@ -1,1 +1,0 @@
-"""Serve: the HTTP front, its request policy, ops endpoints, metrics and fleet configuration."""
