@@ -1,5 +1,5 @@
 """Named keys: the key file's fields, their one-sentence errors, and the budgets and queue
-priority they give (`mtpwrap.config.apikeys`, `serve.budgets`, `serve.admission`), without a
+priority they give (`mtpwrap.config.apikeys`, `front.budgets`, `front.admission`), without a
 server: the real-server checks are in tests/test_audit_real.py."""
 
 from __future__ import annotations

@@ -211,8 +211,8 @@ def resolve_launch(settings: Settings,
 
 def upstream_endpoint(r: Resolved, companion: str | None = None) -> Endpoint:
     """Where this launch's llama-server (or its companion named `companion`) listens: its UNIX
-    socket (`run.sockets.socket_place`) when the binary binds one, else loopback TCP; the port
-    is the supervisor's."""
+    socket (`supervision.sockets.socket_place`) when the binary binds one, else loopback TCP;
+    the port is the supervisor's."""
     caps = r.inputs.caps
     place = (sockets.socket_place() if companion is None
              else sockets.socket_place(name=f"companion-{companion}.sock"))
