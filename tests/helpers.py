@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -148,6 +149,15 @@ class Instance:
 
     def close(self) -> None:
         self.process.kill()
+
+    def stop(self, timeout: float = 60) -> None:
+        """SIGTERM to mtpwrap (as systemd stops it), a wait for it to drain and exit, then
+        whatever is left killed."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        finally:
+            self.close()
 
 
 # --------------------------------------------------------------------------- a supervisor

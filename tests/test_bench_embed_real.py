@@ -6,7 +6,6 @@ per corpus, 1 round, 16 chat tokens. The chat model and the embedder are the sam
 from __future__ import annotations
 
 import json
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,11 +45,7 @@ def stand_in(llama_server_bin: Path, demo_model: Path,
                  120)
         yield inst.base
     finally:
-        inst.proc.send_signal(signal.SIGTERM)
-        try:
-            inst.proc.wait(60)
-        finally:
-            inst.close()
+        inst.stop()
 
 
 def _count(base: str, text: str) -> int:

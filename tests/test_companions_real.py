@@ -49,11 +49,7 @@ def _up(tmp_path: Path, binary: Path, model: Path, companions: list[dict[str, ob
         inst.wait_ready(180)
         yield inst
     finally:
-        inst.proc.send_signal(signal.SIGTERM)
-        try:
-            inst.proc.wait(60)
-        finally:
-            inst.close()
+        inst.stop()
 
 
 @pytest.fixture
