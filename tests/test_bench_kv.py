@@ -213,7 +213,7 @@ def test_one_corpus_per_language(tmp_path: Path) -> None:
 
 
 def test_the_profiles_kv_reason_is_the_launchs_reason(tmp_path: Path) -> None:
-    from mtpwrap.decide import launch, profiles
+    from mtpwrap.decide import choice, profiles
 
     base = profiles.load_profile("cpu-demo")
     why = "measured: mean KLD at 1K q8_0 0.0104, q4_0 0.142"
@@ -221,9 +221,9 @@ def test_the_profiles_kv_reason_is_the_launchs_reason(tmp_path: Path) -> None:
                                                  "why": why}}, where="test")
     assert profiles.to_yaml(prof)["kv"]["why"] == why
     assert profiles.validate(profiles.to_yaml(prof), where="again").kv == prof.kv
-    cfg = launch.choose(prof, None, None, model="m.gguf")
+    cfg = choice.choose(prof, None, None, model="m.gguf")
     assert cfg.cache_k == "q8_0" and why in cfg.reason("cache_k")
-    plain = launch.choose(base, None, None, model="m.gguf")
+    plain = choice.choose(base, None, None, model="m.gguf")
     assert "the list's order" not in plain.reason("cache_k")
     with pytest.raises(Exception, match=r"kv\.why"):
         profiles.with_overrides(base, {"kv": {"k": ["f16"], "v": ["f16"], "why": "a\nb"}},

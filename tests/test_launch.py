@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mtpwrap.decide import hardware, ladder, launch, profile_types, profiles
+from mtpwrap.decide import choice, hardware, ladder, launch, profile_types, profiles
 from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.hardware import HardwareSnapshot
 from mtpwrap.errors import ConfigError
@@ -128,7 +128,7 @@ def spec_of(prof: profile_types.Profile, caps: Capabilities, snap: HardwareSnaps
             extra: list[str] | None = None, draft_model: str | Path | None = None,
             binary: str | None = None) -> launch.RenderedLaunch:
     """choose() then render(): what `up` does for a profile before any plan."""
-    cfg = launch.choose(prof, caps, snap, model=model, draft_model=draft_model)
+    cfg = choice.choose(prof, caps, snap, model=model, draft_model=draft_model)
     return launch.render(cfg, caps, binary=binary, port=port, api_key=api_key,
                          extra=extra or [])
 
@@ -228,7 +228,7 @@ def test_api_key_goes_to_environment_never_argv() -> None:
 
 
 def test_slot_save_path_is_rendered_with_the_launch(tmp_path: Path) -> None:
-    cfg = launch.choose(SHIPPED["cpu-demo"], CAPS["upstream"], None, model=MODEL)
+    cfg = choice.choose(SHIPPED["cpu-demo"], CAPS["upstream"], None, model=MODEL)
     spec = launch.render(cfg, CAPS["upstream"], port=PORT, slot_save_path=tmp_path / "kv")
     assert spec.argv[spec.argv.index("--slot-save-path") + 1] == str(tmp_path / "kv")
     assert any(d.flag == "--slot-save-path" and "persist.dir" in d.reason
@@ -523,7 +523,7 @@ FORK_SIZES = {"tbq4_0": {"block": 256, "bytes": 132}, "tbq3_0": {"block": 256, "
 
 def _rungs(prof: profile_types.Profile, caps: str, sizes: dict[str, Any] | None = None
            ) -> list[launch.LaunchConfig]:
-    cfg = launch.choose(prof, CAPS[caps], SNAPS["rtx4090"], model=MODEL)
+    cfg = choice.choose(prof, CAPS[caps], SNAPS["rtx4090"], model=MODEL)
     return ladder.ladder(cfg, CAPS[caps], sizes)
 
 
@@ -542,14 +542,14 @@ def test_step_down_never_picks_a_bigger_kv_type() -> None:
     # without measured sizes the built-in table sizes the fork's types the same way
     assert _rungs(SHIPPED["4090-262k"], "fork") == rungs
     # a type with no size anywhere cannot be shown to shrink: no KV rung below it
-    odd = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"], model=MODEL)
+    odd = choice.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"], model=MODEL)
     odd = odd.replace(cache_k="tbqp4_0", cache_v="tbqp4_0")
     assert all(r.cache_k == "tbqp4_0" for r in ladder.ladder(odd, CAPS["fork"]))
 
 
 def test_step_down_without_speculation_drops_the_draft_model(tmp_path: Path) -> None:
     prof = _profile(tmp_path, "draft-demo", DRAFT_DEMO)
-    cfg = launch.choose(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
+    cfg = choice.choose(prof, CAPS["upstream"], SNAPS["none"], model=MODEL,
                         draft_model="/models/D.gguf")
     off = next(r for r in ladder.ladder(cfg, CAPS["upstream"]) if r.spec == "none")
     argv = launch.render(off, CAPS["upstream"], port=PORT).argv
@@ -593,23 +593,23 @@ def _kv_profile(tmp_path: Path, k: str, v: str) -> profile_types.Profile:
 @pytest.mark.parametrize("caps", ["fork", "fork-0bc0a27"])
 def test_kv_choice_asks_the_model(tmp_path: Path, caps: str) -> None:
     prof = _kv_profile(tmp_path, "tbq4_0, q4_0", "tbq4_0, q4_0")
-    demo = launch.choose(prof, CAPS[caps], None, model=MODEL,
+    demo = choice.choose(prof, CAPS[caps], None, model=MODEL,
                          facts=_shape_facts(tmp_path, "smollm2"))
     assert (demo.cache_k, demo.cache_v) == ("q4_0", "q4_0")
     assert "192" in demo.reason("cache_k") and "not a multiple" in demo.reason("cache_k")
     assert any("tbq4_0" in w and "192" in w and "using q4_0" in w for w in demo.warnings)
-    gemma = launch.choose(prof, CAPS[caps], None, model=MODEL,
+    gemma = choice.choose(prof, CAPS[caps], None, model=MODEL,
                           facts=_shape_facts(tmp_path, "gemma"))
     assert (gemma.cache_k, gemma.cache_v) == ("tbq4_0", "tbq4_0")
     assert "the model admits" in gemma.reason("cache_k")
     # without the header (a preview of a model not fetched) the binary alone decides
-    assert launch.choose(prof, CAPS[caps], None, model=MODEL).cache_k == "tbq4_0"
+    assert choice.choose(prof, CAPS[caps], None, model=MODEL).cache_k == "tbq4_0"
 
 
 def test_no_kv_type_the_model_admits_is_one_sentence(tmp_path: Path) -> None:
     prof = _kv_profile(tmp_path, "tbq4_0, tbq3_0", "tbq4_0")
     with pytest.raises(ConfigError) as info:
-        launch.choose(prof, CAPS["fork"], None, model=MODEL,
+        choice.choose(prof, CAPS["fork"], None, model=MODEL,
                       facts=_shape_facts(tmp_path, "smollm2"))
     msg = info.value.message
     assert msg.startswith("K KV types tbq4_0, tbq3_0: the model admits none of them")
@@ -619,7 +619,7 @@ def test_no_kv_type_the_model_admits_is_one_sentence(tmp_path: Path) -> None:
 
 def test_tbq3_v_sets_the_fork_switch_in_the_environment(tmp_path: Path) -> None:
     prof = _kv_profile(tmp_path, "tbq4_0", "tbq3_0")
-    cfg = launch.choose(prof, CAPS["fork-0bc0a27"], None, model=MODEL,
+    cfg = choice.choose(prof, CAPS["fork-0bc0a27"], None, model=MODEL,
                         facts=_shape_facts(tmp_path, "gemma"))
     spec = launch.render(cfg, CAPS["fork-0bc0a27"], port=PORT)
     assert spec.env == {"LLAMA_ALLOW_TBQ3_KV": "1"}
@@ -627,7 +627,7 @@ def test_tbq3_v_sets_the_fork_switch_in_the_environment(tmp_path: Path) -> None:
     said = [d for d in spec.decisions if d.flag == "LLAMA_ALLOW_TBQ3_KV=1"]
     assert said and "environment" in said[0].reason
     # tbq3_0 for K only: no switch
-    k_only = launch.choose(_kv_profile(tmp_path, "tbq3_0", "tbq4_0"), CAPS["fork"], None,
+    k_only = choice.choose(_kv_profile(tmp_path, "tbq3_0", "tbq4_0"), CAPS["fork"], None,
                            model=MODEL, facts=_shape_facts(tmp_path, "gemma"))
     assert launch.render(k_only, CAPS["fork"], port=PORT).env == {}
 
@@ -651,9 +651,9 @@ def test_tools_in_a_profile_file_are_refused_unless_opted_in(tmp_path: Path) -> 
     base = (profiles.shipped_dirs()[1] / "cpu-demo.yaml").read_text()
     path.write_text(base + 'extra_args: ["--tools", "all"]\n')
     with pytest.raises(ConfigError, match="--tools lets the model act on this machine"):
-        launch.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
+        choice.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
     path.write_text(base + 'extra_args: ["--tools", "all"]\nallow_tools: true\n')
-    cfg = launch.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
+    cfg = choice.choose(profiles.load_file(path), CAPS["fork-0bc0a27"], None, model=MODEL)
     assert cfg.allow_tools and any("--tools" in w for w in cfg.warnings)
 
 
@@ -663,13 +663,13 @@ def test_the_recipe_trade_is_named(tmp_path: Path) -> None:
                     .replace("  depth: 3\n", "  depth: 3\n  policy:\n    code: 3\n"
                              "    en-prose: 1\n", 1))
     prof = profiles.load_file(path)
-    fork = launch.choose(prof, CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
-    up = launch.choose(prof, CAPS["upstream"], SNAPS["rtx4090"], model=MODEL)
+    fork = choice.choose(prof, CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
+    up = choice.choose(prof, CAPS["upstream"], SNAPS["rtx4090"], model=MODEL)
     fork_note = [w for w in fork.warnings if "no one llama-server gives both" in w]
     up_note = [w for w in up.warnings if "no one llama-server gives both" in w]
     assert fork_note and "takes the fork's: TBQ KV and one fixed depth" in fork_note[0]
     assert up_note and "takes upstream's: per-class depth" in up_note[0]
-    plain_recipe = launch.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"],
+    plain_recipe = choice.choose(SHIPPED["4090-262k"], CAPS["fork"], SNAPS["rtx4090"],
                                  model=MODEL)
     assert not any("gives both" in w for w in plain_recipe.warnings)
 
@@ -677,7 +677,7 @@ def test_the_recipe_trade_is_named(tmp_path: Path) -> None:
 def test_step_down_takes_only_types_the_model_admits(tmp_path: Path) -> None:
     prof = _kv_profile(tmp_path, "f16", "f16")
     facts = _shape_facts(tmp_path, "smollm2")
-    cfg = launch.choose(prof, CAPS["fork"], None, model=MODEL, facts=facts)
+    cfg = choice.choose(prof, CAPS["fork"], None, model=MODEL, facts=facts)
     kv_rungs = [r.cache_k for r in ladder.ladder(cfg, CAPS["fork"], facts=facts)
                 if r.note and "KV" in r.note]
     assert kv_rungs and not any(t.startswith("tbq") for t in kv_rungs)
@@ -698,7 +698,7 @@ def _without(help_name: str, flag_line_start: str) -> Capabilities:
 def test_fit_params_rendering_leaves_out_what_it_lacks_and_names_it() -> None:
     """The fork's llama-fit-params rejects --spec-type: its command line leaves the speculation
     flags out and says so; a memory flag it lacks is still refused."""
-    cfg = launch.choose(SHIPPED["4090-262k"], CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
+    cfg = choice.choose(SHIPPED["4090-262k"], CAPS["fork-0bc0a27"], SNAPS["rtx4090"], model=MODEL)
     fit_caps = _without("fork-0bc0a27", "--spec-type")
     spec = launch.render(cfg, fit_caps, serve=False)
     assert spec.dropped == ["--spec-type mtp"]
@@ -720,7 +720,7 @@ def test_the_demo_model_takes_q4_0_from_a_tbq_list(demo_model: Path, tmp_path: P
     from mtpwrap.decide.gguf_facts import read_facts
 
     prof = _kv_profile(tmp_path, "tbq4_0, q4_0", "tbq4_0, q4_0")
-    cfg = launch.choose(prof, CAPS["fork-0bc0a27"], None, model=demo_model,
+    cfg = choice.choose(prof, CAPS["fork-0bc0a27"], None, model=demo_model,
                         facts=read_facts(demo_model))
     assert (cfg.cache_k, cfg.cache_v) == ("q4_0", "q4_0")
     assert f"{demo_model.name}'s K row (head size × KV heads) is 192" in cfg.reason("cache_k")
@@ -730,7 +730,7 @@ def test_the_web_ui_stays_off_unless_the_front_serves_it() -> None:
     """--no-webui is passed unless proxy.enable_paths lists webui (the front's setting could
     never work otherwise)."""
     prof, caps = SHIPPED["cpu-demo"], CAPS["upstream"]
-    cfg = launch.choose(prof, caps, None, model=MODEL)
+    cfg = choice.choose(prof, caps, None, model=MODEL)
     off = launch.render(cfg, caps, binary=EXE, port=PORT)
     on = launch.render(cfg, caps, binary=EXE, port=PORT, webui=True)
     assert "--no-webui" in off.argv and "--no-webui" not in on.argv

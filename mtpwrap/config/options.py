@@ -71,6 +71,8 @@ class SettingsCommand(click.Command):
 
 
 def _metavar(k: Key) -> str:
+    if k.metavar:
+        return k.metavar
     if k.choices:
         return "[" + "|".join(k.choices) + "]"
     return {"int": "INTEGER", "float": "NUMBER", "bool": "true|false",

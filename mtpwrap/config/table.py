@@ -33,6 +33,7 @@ class Key:
     check: Callable[[Any], bool] | None = None
     expect: str = ""  # how to describe a valid value in an error
     choices: tuple[str, ...] = ()
+    metavar: str = ""  # how --help shows the value (default: from the kind, e.g. TEXT)
 
     def accepts(self, value: Any) -> bool:
         if self.choices and value not in self.choices:
@@ -77,15 +78,16 @@ TOP: dict[str, Key] = {
     "host": Key("str", "127.0.0.1", "Address the HTTP front listens on; 0.0.0.0 only with API "
                                   "keys."),
     "port": Key("int", 8080, "Port of the HTTP front.", "", _port, "an integer 1..65535"),
-    "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made)."),
+    "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made).",
+                  metavar="PATH"),
     "hw_replay": Key("str", None, "A hardware recording (`mtpwrap hw --record`) to plan for "
-                                  "instead of this machine's GPUs."),
+                                  "instead of this machine's GPUs.", metavar="PATH"),
     "plan": Key("str", "auto", "The memory plan that gates a GPU launch: auto refuses what "
                                "does not fit or cannot be planned, skip launches unchecked "
                                "(`up --no-plan`).", choices=("auto", "skip")),
     "api_key_file": Key("str", None, "File with one client API key per line, optionally "
                                      "followed by its scopes; keys also come from "
-                                     "MTPWRAP_API_KEYS (comma separated)."),
+                                     "MTPWRAP_API_KEYS (comma separated).", metavar="PATH"),
     "drain_s": _seconds(30.0, "Seconds in-flight requests get on shutdown (the unit's "
                               "TimeoutStopSec covers it)."),
     "drain_grace_s": _seconds(0.0, "Before draining, seconds /readyz says 503 while requests "
@@ -138,7 +140,7 @@ PERSIST: dict[str, Key] = {
                                  "prompts."),
     "dir": Key("str", None, "Snapshot directory, 0700 with files 0600 (default: "
                             "<MTPWRAP_HOME>/kv-snapshots; under systemd "
-                            "/var/lib/mtpwrap/kv-snapshots)."),
+                            "/var/lib/mtpwrap/kv-snapshots).", metavar="DIR"),
     "min_tokens": Key("int", 2048, "Slots holding fewer tokens are not saved.", "tokens", _pos,
                       "an integer number of tokens >= 1"),
     "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",
@@ -159,7 +161,7 @@ AUDIT: dict[str, Key] = {
                 choices=("file", "journald", "off")),
     "dir": Key("str", None, "Audit files (0600, one per UTC day) and the budgets' counts "
                             "(default: <MTPWRAP_HOME>/audit; under systemd "
-                            "/var/lib/mtpwrap/audit)."),
+                            "/var/lib/mtpwrap/audit).", metavar="DIR"),
     "retention_days": Key("int", 90, "Audit files older than this many days are deleted.",
                           "days", _pos, "an integer number of days >= 1"),
 }

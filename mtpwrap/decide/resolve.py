@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide import companions, gguf_facts, kv, planner
+from mtpwrap.decide.choice import choose
 from mtpwrap.decide.companions import CompanionLaunch
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.ladder import step_down
-from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, choose, render
+from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, render
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
