@@ -351,6 +351,9 @@ class ServerProcess:
     socket: str | None = None
     #: run once the server has stopped (e.g. removing its socket's directory)
     after_stop: list[Callable[[], None]] = field(default_factory=list)
+    #: `log_path` is a temporary file of start_server's: removed when `stop()` ends a server
+    #: that was still running; kept (and named) when it died on its own or never got ready
+    temp_log: bool = False
 
     @property
     def pid(self) -> int:
@@ -375,9 +378,12 @@ class ServerProcess:
         self.process.kill(sig)
 
     def stop(self, grace: float = 15.0) -> int | None:
+        ended_here = self.process.poll() is None
         rc = self.process.stop(grace)
         while self.after_stop:
             self.after_stop.pop(0)()
+        if self.temp_log and ended_here:
+            self.log_path.unlink(missing_ok=True)
         return rc
 
     def client(self, *, timeout: httpx.Timeout | float | None = 30.0,
@@ -398,8 +404,8 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
     time is stopped and reported with its last output line (RuntimeFailure). `socket`: the
     UNIX socket it was told to listen on (None: loopback TCP at `base_url`); the wait asks
     through the one upstream client bound to it."""
-    import httpx
 
+    temp_log = log_path is None
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         os.close(fd)
@@ -415,13 +421,10 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
                 if rc is not None:
                     raise RuntimeFailure(f"{what} exited with {describe_returncode(rc)} while "
                                          f"starting ({srv.last_line()}; log {log_path}).")
-                if ready == "listening":
-                    if "listening on" in srv.log_text():
-                        return srv
-                else:
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get("/health").status_code == 200:
-                            return srv
+                if (ready == "listening" and "listening on" in srv.log_text()) or \
+                        (ready != "listening" and _healthy(client)):
+                    srv.temp_log = temp_log
+                    return srv
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"{what} was not ready after {timeout:.0f} s "
                                          f"({srv.last_line()}; log {log_path}).")
@@ -429,6 +432,15 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
     except BaseException:
         srv.stop(grace=5.0)
         raise
+
+
+def _healthy(client: httpx.Client) -> bool:
+    import httpx
+
+    try:
+        return client.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @contextlib.contextmanager

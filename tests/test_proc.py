@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -236,3 +237,32 @@ def test_running_server_waits_for_listening_and_stops_the_group(tmp_path: Path) 
         assert alive(srv.pid) and srv.proc.pid == srv.pid
         assert srv.last_line() == "server is listening on http://x"
     assert gone(srv.pid)
+
+
+def test_a_temporary_log_goes_with_a_server_stopped_and_stays_with_one_that_died(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    go = tmp_path / "go"  # the stand-in that dies on its own does so once this exists
+    up = ("import os, sys, time; print('server is listening on http://x', flush=True)\n"
+          "while sys.argv[1] == 'stay' or not os.path.exists(sys.argv[2]): time.sleep(0.05)")
+
+    def logs() -> list[Path]:
+        return sorted(tmp_path.glob("llama-server-*.log"))
+
+    with proc.running_server([sys.executable, "-c", up, "stay", str(go)], base_url="http://127.0.0.1:9",
+                             ready="listening", timeout=30) as srv:
+        assert logs() == [srv.log_path]
+    assert logs() == []  # stopped by us: nothing left in /tmp
+
+    srv = proc.start_server([sys.executable, "-c", up, "die", str(go)],
+                            base_url="http://127.0.0.1:9", ready="listening", timeout=30)
+    go.touch()
+    wait_for("the stand-in exits on its own", lambda: srv.process.poll() is not None, 30)
+    srv.stop()
+    assert logs() == [srv.log_path]  # it died on its own: its log is kept
+    srv.log_path.unlink()
+
+    with pytest.raises(RuntimeFailure, match=r"exited with exit 2 while starting"):
+        proc.start_server([sys.executable, "-c", "raise SystemExit(2)"],
+                          base_url="http://127.0.0.1:9", timeout=30)
+    assert len(logs()) == 1  # named in the message, so kept
