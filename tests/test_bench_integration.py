@@ -89,11 +89,12 @@ def test_stream_timing_recovers_accepted_runs(self_draft: Client,
     """The rejection-hotspot method, measured where the truth is known: every step of the
     self-draft emits 4 tokens together. The inferred accepted count must match the counter."""
     _, res, c = _one(self_draft, english, n_predict=41)
-    # The gap that separates steps: a fifth of the server's own mean step (about 100 ms here,
-    # more on a loaded machine). A fixed 2 ms split the steps of a loaded machine, where the
-    # client read a step's 4 tokens as 1 + 3: [4, 1, 3, 1, 3, ...], 22 inferred for 30.
+    # The gap that separates steps, as `bench` takes it: a fifth of the server's own mean step
+    # (about 100 ms here, more on a loaded machine). A fixed 2 ms split the steps of a loaded
+    # machine, where the client read a step's 4 tokens as 1 + 3: [4, 1, 3, 1, 3, ...], 22
+    # inferred for 30.
     assert c.n_decode > 0 and c.predicted_seconds > 0
-    sizes = bursts(res.arrivals[1:], 0.2 * c.predicted_seconds / c.n_decode)
+    sizes = bursts(res.arrivals[1:], c.step_gap())
     inferred = sum(g - 1 for g in sizes)
     # Allow a few tokens of error from scheduling; the report states it.
     assert abs(inferred - c.accepted) <= 0.1 * res.n, (sizes, c)
@@ -146,6 +147,11 @@ def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: 
     assert kv["baseline"]["v_bytes_per_value"] == pytest.approx(2.0, rel=0.01)
     md = (out / "report.md").read_text()
     assert "Korean decode t/s" in md and "English decode t/s" in md
+    # No --gap-ms: each cell separates steps by a fifth of the server's own mean step there.
+    streamed = [c for c in results["cells"] if "stream" in c]
+    assert streamed and all(c["stream"]["gap_s"] == stats.Counters(**c["counters"]).step_gap()
+                            for c in streamed)
+    assert "a fifth of the server's own mean step in that cell" in md
     assert "## Definitions" in md and "accepted ÷ drafted" in md
     for png in ("speed_vs_context.png", "acceptance_by_position.png",
                 "rejection_by_class.png"):

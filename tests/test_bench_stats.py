@@ -96,6 +96,11 @@ def _result(arrivals: list[float], pieces: list[str]) -> StreamResult:
                         arrivals[-1], {})
 
 
+def test_the_step_gap_is_a_fifth_of_the_servers_mean_step() -> None:
+    assert stats.Counters(predicted_seconds=3.0, n_decode=30).step_gap() == pytest.approx(0.02)
+    assert stats.Counters().step_gap() == stats.FALLBACK_GAP_S  # no counters: the fallback
+
+
 def test_bursts_group_by_gap() -> None:
     t = [0.0, 0.010, 0.0101, 0.0102, 0.0103, 0.020, 0.0201, 0.030]
     assert bursts(t, 0.001) == [1, 4, 2, 1]

@@ -236,24 +236,23 @@ def markdown(results: dict, files: dict[str, Path]) -> str:
             lines.append(f"| {r['config']} | {LANG_NAMES.get(r['lang'], r['lang'])} | "
                          f"{r['class']} | {r['drafted_positions']} | {r['rejections']} | "
                          f"{r['rejection_rate']:.3f} |")
-    gap = results["plan"]["gap_s"]
     errs = [e for e in s["timing_inference"]]
     worst = max((e["error_tokens_share"] or 0.0 for e in errs), default=0.0)
     lines += ["", "### Method and its error", "",
               "llama-server reports acceptance only in totals, not per token. Each verification "
               "step streams its accepted drafts and the target's own token back to back, while "
-              f"steps are a forward pass apart; tokens arriving within {gap * 1000:.1f} ms of the "
-              "previous one are taken as one step. In a step of g tokens the first g−1 are "
-              "accepted drafts; if g−1 is below the draft depth the last token is where a draft "
-              "was rejected. A token whose text ends inside a multi-byte character (common in "
-              "Korean with byte-level vocabularies) is held back by the server and sent with the "
-              "next step, so a run longer than depth + 1 hands its surplus back to the run before "
-              "it as far as that run has room; a held-back token from a step that emitted nothing "
+              "steps are a forward pass apart; a token arriving within "
+              f"{_gap(results)} of the previous one is "
+              "taken as part of its step. In a step of g tokens the first g−1 are accepted "
+              "drafts; if g−1 is below the draft depth the last token is where a draft was "
+              "rejected. A token whose text ends inside a multi-byte character (common in Korean "
+              "with byte-level vocabularies) is held back by the server and sent with the next "
+              "step, so a run longer than depth + 1 hands its surplus back to the run before it "
+              "as far as that run has room; a held-back token from a step that emitted nothing "
               "else stays invisible, which is the main error for Korean text on byte-level "
               "vocabularies (see the table). The request's last run is not counted (the token "
-              "limit may have cut it). For "
-              "drafters that sometimes propose nothing (ngram), a plain step also looks like a "
-              "rejection, so their rates are upper bounds.", "",
+              "limit may have cut it). For drafters that sometimes propose nothing (ngram), a "
+              "plain step also looks like a rejection, so their rates are upper bounds.", "",
               "Error, measured on this run against the server's counters (accepted drafts "
               "inferred from timing vs `spec_decode_num_accepted_tokens_total`; for "
               "configurations without speculation the truth is 0):", "",
@@ -395,3 +394,13 @@ def plots(results: dict, out_dir: Path) -> dict[str, Path]:
         fig.savefig(files["png_rejection"], dpi=110)
         plt.close(fig)
     return files
+
+
+def _gap(results: dict) -> str:
+    """The step gap the report used: the one given, or each cell's own."""
+    given = results["plan"]["gap_s"]
+    if given is not None:
+        return f"{given * 1000:.1f} ms"
+    used = [c["stream"]["gap_s"] for c in results["cells"] if "stream" in c]
+    span = f"; {min(used) * 1000:.1f}–{max(used) * 1000:.1f} ms in this run" if used else ""
+    return f"a fifth of the server's own mean step in that cell (from its counters{span})"

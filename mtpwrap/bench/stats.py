@@ -87,6 +87,18 @@ class Counters:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def step_gap(self) -> float:
+        """The stream gap that separates verification steps: a fifth of the server's own mean
+        decode step here (a step's tokens arrive back to back, steps a forward pass apart), so
+        a loaded machine's slower steps are not split; FALLBACK_GAP_S when it counted none."""
+        if self.n_decode > 0 and self.predicted_seconds > 0:
+            return 0.2 * self.predicted_seconds / self.n_decode
+        return FALLBACK_GAP_S
+
+
+#: the step gap when the server counted no decode time (a stream without /metrics counters)
+FALLBACK_GAP_S = 0.002
+
 
 @dataclass
 class SpecStats:

@@ -31,8 +31,6 @@ from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.errors import ConfigError, RuntimeFailure
 
 SCHEMA = 1
-#: Tokens within this many seconds of the previous one count as one verification step.
-DEFAULT_GAP_S = 0.002
 
 
 @dataclass
@@ -45,7 +43,9 @@ class SuitePlan:
     load_context: int = 256
     load_predict: int = 32
     quality_tokens: int = 32
-    gap_s: float = DEFAULT_GAP_S
+    #: tokens within this many seconds of the previous one count as one verification step;
+    #: None: each cell's own (`Counters.step_gap`, a fifth of the server's mean step there)
+    gap_s: float | None = None
     binary: Path | None = None
     model: Path | None = None
     url: str | None = None  # a running server instead of launching the matrix
@@ -127,8 +127,10 @@ def profile_provenance(name: str | None) -> dict | None:
 
 
 def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: StreamResult,
-          counters: stats.Counters, gap_s: float) -> dict:
+          counters: stats.Counters, gap_s: float | None) -> dict:
     t = res.timings
+    if gap_s is None:
+        gap_s = counters.step_gap()
     depth = cfg.depth
     if counters.per_pos:
         depth = len(counters.per_pos)  # the server's own k: one counter per draft position

@@ -40,8 +40,10 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               envvar="MTPWRAP_BENCH_N_PREDICT", help="Tokens generated per request.")
 @click.option("--concurrency", default="1,2", envvar="MTPWRAP_BENCH_CONCURRENCY",
               show_default=True, help="Concurrency levels for the latency test.")
-@click.option("--gap-ms", type=float, default=2.0, envvar="MTPWRAP_BENCH_GAP_MS",
-              show_default=True, help="Stream gap that separates verification steps.")
+@click.option("--gap-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              envvar="MTPWRAP_BENCH_GAP_MS",
+              help="Stream gap in ms that separates verification steps (default: in each "
+                   "cell a fifth of the server's own mean step, from its counters).")
 @shared_option("MTPWRAP_BENCH_THREADS",
                help="llama-server threads (--quick: 1, so the self-draft is bit-exact).")
 @setting_option("profile", default=None,
@@ -53,7 +55,7 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
             model: str | None, binary_opt: str | None, specs: tuple[str, ...], depth: int,
             kv_type: str,
             contexts: str | None, langs: str, n_predict: int | None, concurrency: str,
-            gap_ms: float, threads: int | None, profile: str | None,
+            gap_ms: float | None, threads: int | None, profile: str | None,
             out_dir: Path | None) -> None:
     """Measure speed by context, speculation acceptance, rejection hotspots, KV compression,
     latency under load and compressed-KV quality; write JSON, Markdown and PNG.
@@ -104,9 +106,10 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
         # (acceptance exactly 1.0); one thread also avoids spin-waits on a shared machine.
         threads = 1
     plan = suite.SuitePlan(configs=cfgs, contexts=ctx_list, langs=lang_list,
-                      n_predict=n_predict or (64 if quick else 256), concurrency=conc,
-                      gap_s=gap_ms / 1000.0, binary=binary, model=mpath, url=url,
-                      api_key=api_key, threads=threads, profile=profile)
+                           n_predict=n_predict or (64 if quick else 256), concurrency=conc,
+                           gap_s=None if gap_ms is None else gap_ms / 1000.0, binary=binary,
+                           model=mpath, url=url, api_key=api_key, threads=threads,
+                           profile=profile)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = out_dir or Path("bench-results") / stamp
     with console.progress() as bar:
