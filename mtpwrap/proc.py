@@ -404,7 +404,6 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
     time is stopped and reported with its last output line (RuntimeFailure). `socket`: the
     UNIX socket it was told to listen on (None: loopback TCP at `base_url`); the wait asks
     through the one upstream client bound to it."""
-
     temp_log = log_path is None
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
