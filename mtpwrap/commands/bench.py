@@ -40,7 +40,7 @@ FULL_CONTEXTS = "2048,8192,32768,131072,262144"
               envvar="MTPWRAP_BENCH_N_PREDICT", help="Tokens generated per request.")
 @click.option("--concurrency", default="1,2", envvar="MTPWRAP_BENCH_CONCURRENCY",
               show_default=True, help="Concurrency levels for the latency test.")
-@click.option("--gap-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--gap-ms", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MS",
               envvar="MTPWRAP_BENCH_GAP_MS",
               help="Stream gap in ms that separates verification steps (default: in each "
                    "cell a fifth of the server's own mean step, from its counters).")
