@@ -97,7 +97,12 @@ def _result(arrivals: list[float], pieces: list[str]) -> StreamResult:
 
 
 def test_the_step_gap_is_a_fifth_of_the_servers_mean_step() -> None:
-    assert stats.Counters(predicted_seconds=3.0, n_decode=30).step_gap() == pytest.approx(0.02)
+    # 40 tokens, 30 of them accepted drafts: 10 steps of 0.3 s. The prompt's 64 decode calls
+    # (a long prompt in small batches) are not steps.
+    c = stats.Counters(predicted_tokens=40, accepted=30, predicted_seconds=3.0, n_decode=74)
+    assert c.step_gap() == pytest.approx(0.06)
+    assert stats.Counters(predicted_tokens=30, predicted_seconds=3.0).step_gap() == \
+        pytest.approx(0.02)  # no speculation: a token a step
     assert stats.Counters().step_gap() == stats.FALLBACK_GAP_S  # no counters: the fallback
 
 

@@ -89,10 +89,14 @@ class Counters:
 
     def step_gap(self) -> float:
         """The stream gap that separates verification steps: a fifth of the server's own mean
-        decode step here (a step's tokens arrive back to back, steps a forward pass apart), so
-        a loaded machine's slower steps are not split; FALLBACK_GAP_S when it counted none."""
-        if self.n_decode > 0 and self.predicted_seconds > 0:
-            return 0.2 * self.predicted_seconds / self.n_decode
+        generation step here (a step's tokens arrive back to back, steps a forward pass apart),
+        so a loaded machine's slower steps are not split; FALLBACK_GAP_S when it counted none.
+        A step emits its accepted drafts and one token of its own, so generation took
+        predicted − accepted steps (n_decode would count the prompt's batches too: at long
+        context more than the steps)."""
+        steps = self.predicted_tokens - self.accepted
+        if steps > 0 and self.predicted_seconds > 0:
+            return 0.2 * self.predicted_seconds / steps
         return FALLBACK_GAP_S
 
 
