@@ -421,7 +421,7 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
                     raise RuntimeFailure(f"{what} exited with {describe_returncode(rc)} while "
                                          f"starting ({srv.last_line()}; log {log_path}).")
                 if (ready == "listening" and "listening on" in srv.log_text()) or \
-                        (ready != "listening" and _healthy(client)):
+                        (ready != "listening" and healthy(client)):
                     srv.temp_log = temp_log
                     return srv
                 if time.monotonic() > deadline:
@@ -433,11 +433,12 @@ def start_server(argv: Sequence[str], *, base_url: str, socket: str | None = Non
         raise
 
 
-def _healthy(client: httpx.Client) -> bool:
+def healthy(client: httpx.Client) -> bool:
+    """llama-server's GET /health answered 200 within 2 s (False: not yet, or not at all)."""
     import httpx
 
     try:
-        return client.get("/health").status_code == 200
+        return client.get("/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
 

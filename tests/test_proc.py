@@ -242,22 +242,20 @@ def test_running_server_waits_for_listening_and_stops_the_group(tmp_path: Path) 
 def test_a_temporary_log_goes_with_a_server_stopped_and_stays_with_one_that_died(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    go = tmp_path / "go"  # the stand-in that dies on its own does so once this exists
-    up = ("import os, sys, time; print('server is listening on http://x', flush=True)\n"
-          "while sys.argv[1] == 'stay' or not os.path.exists(sys.argv[2]): time.sleep(0.05)")
+    # up until a signal ends it (its stop, or the crash below)
+    up = [sys.executable, "-c", "import signal; print('server is listening on http://x', "
+          "flush=True); signal.pause()"]
 
     def logs() -> list[Path]:
         return sorted(tmp_path.glob("llama-server-*.log"))
 
-    with proc.running_server([sys.executable, "-c", up, "stay", str(go)], base_url="http://127.0.0.1:9",
-                             ready="listening", timeout=30) as srv:
+    with proc.running_server(up, base_url="http://127.0.0.1:9", ready="listening",
+                             timeout=30) as srv:
         assert logs() == [srv.log_path]
     assert logs() == []  # stopped by us: nothing left in /tmp
 
-    srv = proc.start_server([sys.executable, "-c", up, "die", str(go)],
-                            base_url="http://127.0.0.1:9", ready="listening", timeout=30)
-    go.touch()
-    wait_for("the stand-in exits on its own", lambda: srv.process.poll() is not None, 30)
+    srv = proc.start_server(up, base_url="http://127.0.0.1:9", ready="listening", timeout=30)
+    srv.kill()  # a crash: the server is gone before anyone stops it
     srv.stop()
     assert logs() == [srv.log_path]  # it died on its own: its log is kept
     srv.log_path.unlink()

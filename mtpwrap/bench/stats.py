@@ -27,6 +27,9 @@ M_ACCEPTED = "llamacpp:spec_decode_num_accepted_tokens_total"
 M_STEPS = "llamacpp:spec_decode_num_drafts_total"
 M_PER_POS = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
 
+#: the step gap when the server counted no generation time (a stream without its counters)
+FALLBACK_GAP_S = 0.002
+
 
 def parse_metrics(text: str) -> dict[str, object]:
     """Prometheus text → {sample name: value}, per-position counter → {name: {pos: value}}.
@@ -98,10 +101,6 @@ class Counters:
         if steps > 0 and self.predicted_seconds > 0:
             return 0.2 * self.predicted_seconds / steps
         return FALLBACK_GAP_S
-
-
-#: the step gap when the server counted no decode time (a stream without /metrics counters)
-FALLBACK_GAP_S = 0.002
 
 
 @dataclass

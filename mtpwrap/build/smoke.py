@@ -110,15 +110,6 @@ def judge_completion(r: Any) -> tuple[bool, str, int]:
     return True, "", predicted if isinstance(predicted, int) else 0
 
 
-def _healthy(client: Any) -> bool:
-    import httpx
-
-    try:
-        return bool(client.get("/health", timeout=2.0).status_code == 200)
-    except httpx.HTTPError:
-        return False
-
-
 def _try(server: proc.Process, where: Endpoint, key: str, timeout: float) -> SmokeResult | None:
     """Wait for health, ask for tokens; None when the process ended (a crash or an exit)."""
     deadline = time.monotonic() + timeout
@@ -127,7 +118,7 @@ def _try(server: proc.Process, where: Endpoint, key: str, timeout: float) -> Smo
         while time.monotonic() < deadline:
             if server.wait(0.25) is not None:
                 return None
-            if _healthy(client):
+            if proc.healthy(client):
                 ok, why, tokens = _generate(client, max(5.0, deadline - time.monotonic()))
                 if ok:
                     return SmokeResult("passed", f"generated {tokens} tokens", tokens=tokens)
