@@ -123,3 +123,44 @@ def test_missing_model_is_one_sentence_and_nothing_starts(tmp_path: Path) -> Non
     r = run_cli("up", "--binary", str(tmp_path / "nope"), "--model", str(model),
                 env=cli_env(MTPWRAP_HOME=str(home)))
     assert r.returncode == EXIT_CONFIG and "nope" in r.stderr
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7"])
+def test_an_open_front_needs_keys_or_the_operators_word(host: str) -> None:
+    from mtpwrap.service.startup import check_open_listen
+
+    with pytest.raises(ConfigError, match=rf"--host {host}: .*no API keys .*--allow-open-listen"):
+        check_open_listen(load_settings({"host": host}, env={}))
+    check_open_listen(load_settings({"host": host, "allow_open_listen": "true"}, env={}))
+    check_open_listen(load_settings({"host": host}, env={"MTPWRAP_API_KEYS": "k" * 20}))
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        check_open_listen(load_settings({"host": loopback}, env={}))
+
+
+def test_up_on_an_open_address_without_keys_exits_78_and_starts_nothing(tmp_path: Path) -> None:
+    """`up --host 0.0.0.0` with no keys: one sentence naming the flag (or variable, or file),
+    exit 78, no instance file; with --allow-open-listen true the launch goes on (here to the
+    next check, the missing model)."""
+    from mtpwrap.proc import free_loopback_port
+    from tests.helpers import REPO
+
+    fake = REPO / "tests" / "fakes" / "fake_llama_server.py"
+    home = tmp_path / "h"
+    port = free_loopback_port()
+    common = ("--binary", str(fake), "--model", str(tmp_path / "missing.gguf"), "--port",
+              str(port))
+    r = run_cli("up", "--host", "0.0.0.0", *common, env=cli_env(MTPWRAP_HOME=str(home)))
+    assert r.returncode == EXIT_CONFIG, r.stderr
+    assert "--host 0.0.0.0: the front would listen beyond loopback with no API keys" \
+        in r.stderr and "--allow-open-listen true" in r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.count("\n") <= 3
+    assert not (home / "state" / "instance.json").exists()
+    cfg = write(tmp_path, "host: 0.0.0.0\n")
+    r = run_cli("up", "--config", str(cfg), *common, env=cli_env(MTPWRAP_HOME=str(home)))
+    assert r.returncode == EXIT_CONFIG and f"{cfg}: host 0.0.0.0: the front" in r.stderr
+    r = run_cli("up", *common, env=cli_env(MTPWRAP_HOME=str(home), MTPWRAP_HOST="::"))
+    assert r.returncode == EXIT_CONFIG and "MTPWRAP_HOST=::: the front" in r.stderr
+    r = run_cli("up", "--host", "0.0.0.0", "--allow-open-listen", "true", *common,
+                env=cli_env(MTPWRAP_HOME=str(home)))
+    assert r.returncode == EXIT_CONFIG and "missing.gguf" in r.stderr
+    assert "loopback" not in r.stderr

@@ -207,7 +207,12 @@ class ProxyConfig:
         return bool(self.api_keys)
 
     def listen_is_loopback(self) -> bool:
-        try:
-            return ipaddress.ip_address(self.listen_host.strip("[]")).is_loopback
-        except ValueError:
-            return self.listen_host == "localhost"
+        return is_loopback(self.listen_host)
+
+
+def is_loopback(host: str) -> bool:
+    """`host` (an address or `localhost`) reaches this machine only."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"

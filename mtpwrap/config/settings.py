@@ -38,6 +38,9 @@ class Settings:
     profile: str
     model: str | None
     host: str
+    #: a front on an address other than loopback may go without API keys (`up` refuses it
+    #: otherwise)
+    allow_open_listen: bool
     port: int
     binary: str | None
     hw_replay: str | None
@@ -159,7 +162,8 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
 
     return Settings(
         profile=values["profile"], model=values["model"], host=values["host"],
-        port=values["port"], binary=values["binary"], hw_replay=values["hw_replay"],
+        allow_open_listen=values["allow_open_listen"], port=values["port"],
+        binary=values["binary"], hw_replay=values["hw_replay"],
         plan=values["plan"], api_key_file=keys_file,
         drain_s=values["drain_s"], drain_grace_s=values["drain_grace_s"],
         ready_timeout_s=values["ready_timeout_s"],

@@ -75,8 +75,12 @@ def _seconds(default: float, help: str, *, zero: str | None = None, positive: bo
 TOP: dict[str, Key] = {
     "profile": Key("str", "auto", "Profile name or file, or `auto` for this machine."),
     "model": Key("str", None, "Model path or name, overriding the profile's."),
-    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on; 0.0.0.0 only with API "
-                                  "keys."),
+    "host": Key("str", "127.0.0.1", "Address the HTTP front listens on; an address other than "
+                                  "loopback needs API keys, or allow_open_listen."),
+    "allow_open_listen": Key("bool", False, "Let the front listen on an address other than "
+                                            "loopback without API keys: anyone who reaches it "
+                                            "may use the model and read /metrics, /healthz and "
+                                            "the status page; refused at start without it."),
     "port": Key("int", 8080, "Port of the HTTP front.", "", _port, "an integer 1..65535"),
     "binary": Key("str", None, "llama-server to run (default: the one `mtpwrap build` made).",
                   metavar="PATH"),

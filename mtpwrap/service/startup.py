@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from mtpwrap import paths
-from mtpwrap.config.objects import AuditConfig, PersistConfig, ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import (
+    AuditConfig,
+    PersistConfig,
+    ProxyConfig,
+    SupervisorConfig,
+    is_loopback,
+)
 from mtpwrap.config.objects import supervisor_config as build_supervisor_config
 from mtpwrap.config.settings import Settings
 from mtpwrap.decide import resolve
@@ -258,6 +264,22 @@ def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
+def check_open_listen(settings: Settings) -> None:
+    """A front on an address other than loopback without API keys serves anyone who reaches
+    it: refused (ConfigError) unless `allow_open_listen` says the operator means it."""
+    if settings.api_keys or settings.allow_open_listen or is_loopback(settings.host):
+        return
+    src = settings.sources.get("host", "host")
+    where = (f"{src} {settings.host}" if src.startswith("--") else
+             f"{src}={settings.host}" if src.startswith("MTPWRAP_") else
+             f"{src}: host {settings.host}")
+    raise ConfigError(
+        f"{where}: the front would listen beyond loopback with no API keys configured, open to "
+        "anyone who can reach it.",
+        hint="Set api_key_file (or MTPWRAP_API_KEYS), listen on 127.0.0.1, or allow an open "
+             "front explicitly with --allow-open-listen true (MTPWRAP_ALLOW_OPEN_LISTEN=true).")
+
+
 def audit_config(settings: Settings) -> AuditConfig:
     """The audit trail's settings (`audit:`), its directory created (0700) or journald's socket
     found; ConfigError before anything starts otherwise."""
@@ -303,6 +325,7 @@ def prepare(settings: Settings,
     """Every check `up` makes before starting anything, for a new configuration: the launch
     (slot_save_path as `resolve_launch` takes it), the supervisor's and the front's settings.
     Raises ConfigError and starts nothing."""
+    check_open_listen(settings)  # first: before a binary is even asked for its --help
     launch = resolve_launch(settings, slot_save_path)
     cfg = supervisor_config(settings, launch)
     front_config = proxy_config(settings, launch)
