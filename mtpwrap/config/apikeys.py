@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ CLASSES = ("interactive", "batch")
 #: and completion tokens together).
 BUDGETS = ("rpm", "tokens_per_hour", "tokens_per_day")
 FIELDS = ("name", "scopes", "class", *BUDGETS)
+#: the shortest key the front takes: a shorter one is a typo or a guessable word
+MIN_KEY_CHARS = 8
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -126,6 +129,50 @@ def key_table(entries: tuple[str, ...], where: str) -> KeyTable:
                               "name")
         by_secret[k.secret] = k
     return tuple(by_secret.values())
+
+
+def checked_table(entries: tuple[str, ...], where: str) -> KeyTable:
+    """`key_table`, with every key at least MIN_KEY_CHARS long: the table the front may
+    serve."""
+    table = key_table(entries, where)
+    if any(len(k.secret) < MIN_KEY_CHARS for k in table):
+        raise ConfigError(f"{where}: each key must be at least {MIN_KEY_CHARS} characters "
+                          "without spaces")
+    return table
+
+
+def configured_keys(env: Mapping[str, str], keys_file: str | None, where: str
+                    ) -> tuple[str, ...]:
+    """The key entries `up` serves, each once: `MTPWRAP_API_KEYS` (comma separated), then the
+    lines of `keys_file` (`where`: what its errors name as the file's origin)."""
+    keys = [k.strip() for k in env.get("MTPWRAP_API_KEYS", "").split(",") if k.strip()]
+    if keys_file:
+        keys += read_keys_file(keys_file, where)
+    return tuple(dict.fromkeys(keys))
+
+
+def table_change(old: KeyTable, new: KeyTable) -> str | None:
+    """What changed from one key table to the next, by key name (never a key): the counts, the
+    keys removed and added, and the fields changed of the keys kept; None when nothing did."""
+    before = {k.secret: k for k in old}
+    after = {k.secret: k for k in new}
+    removed = sorted(k.name for s, k in before.items() if s not in after)
+    added = sorted(k.name for s, k in after.items() if s not in before)
+    changed = []
+    for s, k in sorted(after.items(), key=lambda item: item[1].name):
+        was = before.get(s)
+        if was is not None and was != k:
+            what = [f for f, a, b in (("name", was.name, k.name),
+                                      ("scopes", was.scopes, k.scopes),
+                                      ("class", was.klass, k.klass),
+                                      ("budget", was.budget, k.budget)) if a != b]
+            changed.append(f"{k.name} ({', '.join(what)})")
+    if not (removed or added or changed):
+        return None
+    parts = [f"removed {', '.join(removed)}"] if removed else []
+    parts += [f"added {', '.join(added)}"] if added else []
+    parts += [f"changed {', '.join(changed)}"] if changed else []
+    return f"{len(old)} key(s) -> {len(new)}: {'; '.join(parts)}"
 
 
 def read_keys_file(path: Any, where: str) -> tuple[str, ...]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap import paths
-from mtpwrap.config.apikeys import key_table
+from mtpwrap.config.apikeys import checked_table
 from mtpwrap.config.coerce import convert
 from mtpwrap.config.table import AUDIT, PERSIST, PROXY, REFUSED, SUPERVISOR, TOP, Key, MiB
 from mtpwrap.errors import ConfigError
@@ -176,10 +176,7 @@ class ProxyConfig:
             if not k.accepts(value):  # the table's rule, as the coercer applies it
                 raise ConfigError(f"{source}: proxy.{name}: expected {k.expected()}, got "
                                   f"{value!r}.")
-        if any(len(k.secret) < 8
-               for k in key_table(self.api_keys, f"{source}: proxy.api_keys")):
-            raise ConfigError(f"{source}: proxy.api_keys: each key must be at least 8 "
-                              "characters without spaces")
+        checked_table(self.api_keys, f"{source}: proxy.api_keys")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | None, source: str) -> ProxyConfig:

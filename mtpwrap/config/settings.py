@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpwrap.config.apikeys import read_keys_file
+from mtpwrap.config.apikeys import configured_keys
 from mtpwrap.config.coerce import check_names, convert, unknown_key
 from mtpwrap.config.table import (
     AUDIT,
@@ -63,6 +63,11 @@ class Settings:
         default_factory=lambda: {k: key.default for k, key in AUDIT.items()})
 
     @property
+    def keys_where(self) -> str:
+        """What an error about the key file names as the file's origin."""
+        return keys_origin(self.sources.get("api_key_file", "api_key_file"), self.config_file)
+
+    @property
     def proxy_source(self) -> str:
         return str(self.config_file) if self.config_file else "settings"
 
@@ -81,6 +86,12 @@ class Settings:
             return getattr(self, name)
         values: dict[str, Any] = getattr(self, section)
         return values[name]
+
+
+def keys_origin(source: str, config_file: Path | None) -> str:
+    """`api_key_file`'s origin as its errors name it: the flag or the variable that gave it,
+    or the config file's `api_key_file`."""
+    return f"{source}: api_key_file" if source == str(config_file) else source
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -154,11 +165,8 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
              if sources[f"proxy.{k}"] != "default"}
 
     keys_file = values["api_key_file"]
-    api_keys = [k.strip() for k in env.get("MTPWRAP_API_KEYS", "").split(",") if k.strip()]
-    if keys_file:
-        source = sources["api_key_file"]
-        where_keys = f"{source}: api_key_file" if source == where_file else source
-        api_keys += read_keys_file(str(keys_file), where_keys)
+    api_keys = configured_keys(env, str(keys_file) if keys_file else None,
+                               keys_origin(sources["api_key_file"], config_path))
 
     return Settings(
         profile=values["profile"], model=values["model"], host=values["host"],
@@ -168,6 +176,6 @@ def load_settings(cli: Mapping[str, Any], env: Mapping[str, str] | None = None,
         drain_s=values["drain_s"], drain_grace_s=values["drain_grace_s"],
         ready_timeout_s=values["ready_timeout_s"],
         log_level=values["log_level"], supervisor=sections["supervisor"], proxy=proxy,
-        api_keys=tuple(dict.fromkeys(api_keys)), config_file=config_path, sources=sources,
+        api_keys=api_keys, config_file=config_path, sources=sources,
         persist=sections["persist"], audit=sections["audit"],
     )

@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
+from mtpwrap.config.apikeys import KeyTable
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
 from mtpwrap.front import audit, depth_policy, ops, status
 from mtpwrap.front.access import Access, classify
@@ -135,7 +136,9 @@ class Front:
             Route("/status.json", status_data, methods=["GET", "HEAD"]),
             Mount("", app=self._proxy),
         ]
-        middleware = [Middleware(AccessGuard, access=Access.from_config(config),
+        #: hosts, keys and open pages; `swap_keys` replaces it whole
+        self.access = Access.from_config(config)
+        middleware = [Middleware(AccessGuard, access=lambda: self.access,
                                  replies=self.replies, trail=self.trail)]
         if config.cors_origins:
             from starlette.middleware.cors import CORSMiddleware
@@ -145,6 +148,12 @@ class Front:
                 allow_methods=["GET", "POST"],
                 allow_headers=["authorization", "x-api-key", "content-type"]))
         self.app = Starlette(routes=routes, middleware=middleware)
+
+    def swap_keys(self, keys: KeyTable) -> KeyTable:
+        """Check requests against `keys` from the next one on; the table it replaces. One
+        reference is swapped: a request already let in finishes under the key it came with."""
+        old, self.access = self.access.keys, dataclasses.replace(self.access, keys=keys)
+        return old
 
     def _warn_at_start(self, config: ProxyConfig) -> None:
         if not config.auth_enabled and not config.listen_is_loopback():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.front import audit
@@ -31,10 +32,12 @@ log = logging.getLogger("mtpwrap.proxy")
 
 class AccessGuard:
     """Host check, API keys and budgets, in front of everything (ops endpoints included): asks
-    `Access.check` and answers a denial through `Replies`; opens each request's audit ticket
+    `Access.check` of the rules in force (`access()`, whose keys a reload or the key file's
+    watch may swap) and answers a denial through `Replies`; opens each request's audit ticket
     and ends it when the answer has gone; also the last word on an error inside the app."""
 
-    def __init__(self, app: ASGIApp, access: Access, replies: Replies, trail: Trail) -> None:
+    def __init__(self, app: ASGIApp, access: Callable[[], Access], replies: Replies,
+                 trail: Trail) -> None:
         self.app = app
         self.access = access
         self.replies = replies
@@ -49,7 +52,8 @@ class AccessGuard:
             headers.setdefault(k.decode("latin-1"), v.decode("latin-1"))
         t0 = time.perf_counter()
         path = scope["path"]
-        verdict = self.access.check(scope["method"], path, headers)
+        # the table in use now (swapped whole on a change of keys): this request's verdict
+        verdict = self.access().check(scope["method"], path, headers)
         if path in UNAUDITED:
             await self._answer(scope, receive, _marking(send), verdict, t0, path)
             return

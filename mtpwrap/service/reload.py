@@ -2,9 +2,11 @@
 
 `restart`: the same command again. `reload`: the settings and the profile are read again from
 what `up` was given (`reload_inputs`: the flags, the MTPWRAP_* variables that set a key, the
-config file), checked as `up` checks them, and the supervisor swaps llama-server for the new
-command; a refusal leaves the running child untouched. The listen address and the front's and
-the snapshots' settings change only when mtpwrap restarts.
+config file) and checked as `up` checks them; a refusal changes nothing. Then the front's API
+keys (with their scopes, classes and budgets) are swapped in place (`keys.KeyWatch`), and the
+supervisor swaps llama-server for the new command only when the command (argv and environment)
+differs from the running one's — the same goes for each companion. The listen address, the
+front's other settings and the snapshots' change only when mtpwrap restarts.
 """
 
 from __future__ import annotations
@@ -14,17 +16,23 @@ import enum
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from mtpwrap.config.apikeys import key_table
 from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
 from mtpwrap.config.settings import Settings, load_settings
+from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
+from mtpwrap.service.keys import KeyWatch
 from mtpwrap.service.startup import CompanionRun, Launch, persist_config, prepare
 from mtpwrap.supervision.persist import SnapshotStore
 from mtpwrap.supervision.state import State
-from mtpwrap.supervision.supervisor import Supervisor
+from mtpwrap.supervision.supervisor import LaunchFactory, Supervisor
+
+#: what a reload answers of a llama-server it left running
+UNCHANGED = "llama-server unchanged (same command line): not restarted"
 
 
 class ReloadKind(str, enum.Enum):
@@ -98,18 +106,39 @@ def reread_settings(inputs: dict[str, Any]) -> Settings:
     return load_settings(dict(inputs.get("cli") or {}), env=env, config=inputs.get("config"))
 
 
+def same_command(running: LaunchFactory, step: int, new: LaunchFactory) -> bool:
+    """Whether `new` would start what `running` runs (at its step-down rung `step`): the same
+    argv and environment, both rendered on one stand-in endpoint and key (the real ones are
+    each start's own)."""
+    where = Endpoint(port=0)
+    now, then = running(where, "probe-key", step), new(where, "probe-key", 0)
+    return (now is not None and then is not None
+            and (list(now.argv), dict(now.env)) == (list(then.argv), dict(then.env)))
+
+
+def _proxy_changes(running: ProxyConfig | None, new: ProxyConfig) -> list[str]:
+    """The front's settings that differ, by name; the keys, which a reload swaps, aside."""
+    if running is None:
+        return []
+    return [f.name for f in fields(ProxyConfig)
+            if f.name != "api_keys" and getattr(running, f.name) != getattr(new, f.name)]
+
+
 async def _swap_companions(companions: Mapping[str, Supervisor], launch: Launch | None,
-                           drain_s: float) -> tuple[list[str], list[str]]:
+                           drain_s: float, unchanged: frozenset[str] = frozenset()
+                           ) -> tuple[list[str], list[str]]:
     """Restart every ready companion (with its new launch when `launch` is given), together:
-    (what failed, what else to say), one phrase each. A companion still starting takes a new
-    launch at its start and is not restarted; one that has failed stays failed until mtpwrap
-    restarts (the supervisor gave up on it)."""
+    (what failed, what else to say), one phrase each. A companion whose command is `unchanged`
+    is left running; one still starting takes a new launch at its start and is not restarted;
+    one that has failed stays failed until mtpwrap restarts (the supervisor gave up on it)."""
     factories = {c.name: c.factory for c in launch.companions} if launch is not None else {}
     notes: list[str] = []
     asked: list[str] = []
     for name, csup in companions.items():
         state = csup.status().state
-        if state is State.FAILED:
+        if name in unchanged:
+            notes.append(f"companion {name} unchanged: not restarted")
+        elif state is State.FAILED:
             notes.append(f"companion {name} has failed and starts again only when mtpwrap "
                          "restarts")
         elif state is not State.READY and launch is None:
@@ -144,11 +173,12 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
                        inputs: dict[str, Any], settings: Settings,
                        front_config: ProxyConfig | None,
                        companions: Mapping[str, Supervisor] | None = None,
-                       running: Sequence[CompanionRun] = ()) -> ReloadResult:
+                       running: Launch | None = None, keys: KeyWatch | None = None
+                       ) -> ReloadResult:
     """`restart`: the same command again. `reload`: re-read the settings and the profile,
-    check them like `up` does (a refusal leaves the running child untouched), then swap.
-    Companions (`companions`, by name; `running`: what they run now) are restarted, and
-    relaunched, with the chat model."""
+    check them like `up` does (a refusal changes nothing), swap the front's keys (`keys`), then
+    restart llama-server and the companions (`companions`, by name) whose command differs from
+    what `running` (the launch they run now) renders."""
     companions = companions or {}
     if kind is ReloadKind.RESTART:
         (ok, message), (failed, notes) = await asyncio.gather(
@@ -172,7 +202,8 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
             f"listens on {launch.endpoint.describe()}, the running one on "
             f"{'unix socket ' + str(sup.socket) if sup.socket else 'loopback TCP'}; restart "
             "mtpwrap to change where llama-server listens.", EXIT_CONFIG)
-    if (change := _companions_changed(running, launch.companions)) is not None:
+    if (change := _companions_changed(running.companions if running else (),
+                                      launch.companions)) is not None:
         return ReloadResult(
             ReloadOutcome.REFUSED, f"not reloaded, llama-server left as it was: {change}; "
             "restart mtpwrap to add, remove or rename a companion or change its role, model or "
@@ -180,14 +211,30 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     notes = []
     if (new_settings.host, new_settings.port) != (settings.host, settings.port):
         notes.append("the listen address changes only when mtpwrap restarts")
-    if new_front != front_config:
-        notes.append("proxy settings change only when mtpwrap restarts")
+    if changed := _proxy_changes(front_config, new_front):
+        notes.append(f"proxy settings ({', '.join(changed)}) change only when mtpwrap "
+                     "restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
         notes.append("persist settings change only when mtpwrap restarts")
+    said = []
+    if keys is not None:
+        # before any restart: a revoked key is refused now, not once a model has loaded
+        swapped = keys.swap(key_table(new_front.api_keys, "proxy.api_keys"), "reload")
+        keys.follow(new_settings)
+        said.append(f"API keys: {swapped}" if swapped else "API keys unchanged")
+    old_companions = {c.name: c.factory for c in running.companions} if running else {}
+    unchanged = frozenset(c.name for c in launch.companions if c.name in old_companions
+                          and same_command(old_companions[c.name], 0, c.factory))
+
+    async def chat() -> tuple[bool, str]:
+        if running is not None and same_command(running.factory, sup.status().step,
+                                                launch.factory):
+            return True, UNCHANGED
+        return await sup.reload(launch.factory, new_settings.drain_s)
+
     (ok, message), (failed, more) = await asyncio.gather(
-        sup.reload(launch.factory, new_settings.drain_s),
-        _swap_companions(companions, launch, new_settings.drain_s))
-    message = "; ".join([message, *failed, *more, *notes])
+        chat(), _swap_companions(companions, launch, new_settings.drain_s, unchanged))
+    message = "; ".join([*said, message, *failed, *more, *notes])
     if not ok:
         return ReloadResult(ReloadOutcome.FAILED, message, 1)
     # the chat model runs the new launch: the service adopts it even when a companion failed

@@ -1,5 +1,6 @@
 """The `up` loop: one asyncio loop runs the supervisor (which owns llama-server), the HTTP
-front (uvicorn) and mtpwrap's own service loop (sd_notify WATCHDOG/STATUS, the state file).
+front (uvicorn), mtpwrap's own service loop (sd_notify WATCHDOG/STATUS, the state file) and the
+watch on the key file (`keys`).
 
 `Service` has uvicorn's phases: `startup`, `main_loop`, `shutdown`, and signal handlers that
 only set flags (SIGTERM/SIGINT: stop, a second one: skip the rest of the drain; SIGHUP: reload;
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from mtpwrap.config.objects import ProxyConfig, exit_on_failed
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
+from mtpwrap.service.keys import KeyWatch
 from mtpwrap.service.reload import (
     ReloadKind,
     ReloadOutcome,
@@ -126,6 +128,8 @@ class Service:
         self._t0 = time.monotonic()
         self._base = self._base_record()
         self.front: Front | None = None
+        #: the front's keys: the key file watched, a reload's keys swapped in
+        self.keys: KeyWatch | None = None
         self._server: uvicorn.Server | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._waits: list[asyncio.Task[Any]] = []
@@ -165,6 +169,7 @@ class Service:
             for name, c in self.companions.items():
                 c.busy = front.companion_forwarding(name)
             self.front = front
+            self.keys = keys = KeyWatch.for_settings(front, self.settings)
             self.record()
         except BaseException:
             # never leave a child behind a front that could not start
@@ -181,6 +186,7 @@ class Service:
             "front": asyncio.create_task(self._server.serve(sockets=[self.sock]), name="front"),
             "service": asyncio.create_task(self._watchdog_loop(), name="service"),
             "reload": asyncio.create_task(self._reload_loop(), name="reload"),
+            "keys": asyncio.create_task(keys.run(), name="keys"),
         }
 
     async def main_loop(self) -> None:
@@ -220,6 +226,7 @@ class Service:
             t.cancel()
         notifier.status("stopping llama-server")
         self._tasks["reload"].cancel()
+        self._tasks["keys"].cancel()
         grace = 0.0 if self.force_exit.is_set() else sup.config.stop_grace_s
         await asyncio.gather(sup.stop(grace), *(c.stop(grace) for c in self.companions.values()))
         if self.store is not None:
@@ -304,7 +311,7 @@ class Service:
             try:
                 res = await apply_reload(kind, self.sup, self.store, self.inputs,
                                          self.settings, self.front_config, self.companions,
-                                         self.launch.companions)
+                                         self.launch, self.keys)
             except Exception as exc:  # a reload must never take the service down
                 log.exception("%s failed", kind.value)
                 res = ReloadResult(ReloadOutcome.FAILED, f"{kind.value} failed: {exc}", 1)
@@ -319,7 +326,8 @@ class Service:
 
     def _adopt(self, res: ReloadResult) -> None:
         """After a reload the new drain budgets count from now on; the listen address and the
-        front's settings stay until mtpwrap restarts (the message says so)."""
+        front's settings but its keys (swapped already) stay until mtpwrap restarts (the
+        message says so)."""
         if res.launch is None or res.config is None or res.settings is None:
             return
         self.launch = res.launch
