@@ -1,5 +1,5 @@
-"""Faults on the link between the front and the child (docs/reliability.md 4, 9–14), shown on
-demand by a fault-injecting upstream. The same promises are checked on the real llama-server in
+"""Faults on the link between the front and the child (docs/reliability.md 4, 9–14, 29), shown
+on demand by a fault-injecting upstream. The same promises are checked on the real llama-server in
 test_proxy_real.py where the real binary can show them (disconnect, crash mid-stream).
 """
 
@@ -262,6 +262,37 @@ def test_cut_stream_ends_with_an_error_event_never_done(fake, mode):
         assert sum(1 for e in events if "tok" in e) == 3
         assert r.content.endswith(b"\n\n")
         assert metric(srv.url, "mtpwrap_upstream_errors_total", kind="disconnected") == 1
+
+
+# ------------------------------------------------- 29: an error after the event-stream head
+
+
+@pytest.mark.parametrize(("answer", "status"), [
+    ((400, "application/json", b'{"error": "boom"}'), 400),
+    ((200, "application/json", b'{"error": "boom"}'), 502),
+    ((503, "text/event-stream", b'data: {"error": "boom"}\n\n'), 503),
+])
+def test_an_error_after_the_keepalive_head_ends_the_stream_and_is_recorded(
+        fake, answer: tuple[int, str, bytes], status: int) -> None:
+    """The front sent its own event-stream head (keep-alive during the prefill); llama-server
+    then answers with an error whose `error` is a bare string: the client gets one terminal
+    error event naming it and the stream ends; the metrics and the audit count the error, not
+    the 200 of the head."""
+    fake.mode, fake.interval, fake.late_error = "late_error", 0.8, answer
+    with serve_front(fake.base_url, fake.api_key, cfg(keepalive_s=0.2)) as (srv, _):
+        r = post(srv.url, {"stream": True, "messages": []}, timeout=10)
+        assert r.status_code == 200 and r.content.startswith(b": keep-alive\n\n")
+        events = sse_events(r.content)
+        assert len(events) == 1 and "[DONE]" not in events
+        assert json.loads(events[0])["error"] == {
+            "code": status, "message": "boom",
+            "type": "invalid_request_error" if status == 400 else "unavailable_error"}
+        assert r.content.endswith(b"\n\n")
+        kind = f"{status // 100}xx"
+        wait_for("the audit's count", lambda: counted(
+            srv.url, "mtpwrap_key_requests_total", status=kind) == 1, 5, every=0.05)
+        assert metric(srv.url, "mtpwrap_requests_total", status=str(status)) == 1
+        assert counted(srv.url, "mtpwrap_requests_total", status="200") == 0
 
 
 # --------------------------------------------------------------------------- 4: stalls

@@ -108,8 +108,16 @@ def upstream_500_class(message: str) -> tuple[str, bool]:
 
 
 def _error_message(raw: bytes) -> str:
-    """llama-server's error message, or the start of its body when it has none."""
-    return error_message(raw) or raw[:500].decode("utf-8", "replace")
+    """llama-server's error message (`error.message`, or `error` itself when it is a string,
+    in a JSON body or in one `data:` event), or the start of its body when it has none."""
+    body = raw.strip().removeprefix(b"data:")
+    if (message := error_message(body)) is not None:
+        return message
+    with contextlib.suppress(ValueError):
+        doc = json.loads(body)
+        if isinstance(doc, dict) and isinstance(doc.get("error"), str) and doc["error"]:
+            return str(doc["error"])[:500]
+    return raw[:500].decode("utf-8", "replace")
 
 
 def _as_client_error(raw: bytes) -> bytes:
@@ -225,18 +233,12 @@ class Relay:
         self.replies.record(ex.label, status, ex.t0)
 
     async def _error_as_event(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
-        """Headers already went out as an event stream: the child's error becomes an event."""
+        """Headers already went out as an event stream: the child's answer, whatever its shape,
+        ends the stream as one error event with its status (502 for one that was no error),
+        and that status is what the request is recorded with."""
         raw = await resp.read()
-        try:
-            err = json.loads(raw).get("error") or {"message": raw.decode()[:500]}
-        except (ValueError, AttributeError):
-            err = {"message": raw.decode("utf-8", "replace")[:500]}
-        err.setdefault("code", resp.status)
-        await send({"type": "http.response.body",
-                    "body": b"data: " + json.dumps({"error": err}).encode() + b"\n\n"})
-        ex.to(Step.DONE)
-        await send({"type": "http.response.body", "body": b""})
-        self.replies.record(ex.label, resp.status, ex.t0)
+        await self._end_with_error(ex, send, resp.status if resp.status >= 400 else 502,
+                                   _error_message(raw))
 
     def _response_headers(self, ex: Exchange, resp: WireResponse,
                           sse: bool) -> list[tuple[bytes, bytes]]:

@@ -1,6 +1,7 @@
 """An HTTP upstream that misbehaves on demand, for faults the real llama-server cannot show:
 a reset or a cut in the middle of a stream, a stall before or after the first event, an endless
-fast stream (for slow-reader tests), a close right after reading the request.
+fast stream (for slow-reader tests), a close right after reading the request, an error of any
+shape after a long wait.
 
 It is a raw asyncio socket server on purpose: the faults live below HTTP (RST, half-written
 chunks), which no HTTP framework lets a handler produce. It runs in its own thread and records
@@ -40,6 +41,8 @@ class FakeUpstream:
     interval: float = 0.01
     cut_after: int = 2
     chunk_bytes: int = 200
+    #: mode "late_error": after `interval` seconds, this status, content type and body
+    late_error: tuple[int, str, bytes] = (400, "application/json", b'{"error": "boom"}')
     api_key: str = "internal-key-0123456789"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
@@ -197,6 +200,13 @@ class FakeUpstream:
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     b"Access-Control-Allow-Origin: *\r\nContent-Length: %d\r\n\r\n%s"
                     % (len(body), body))
+            await w.drain()
+            return True
+        if mode == "late_error":
+            await asyncio.sleep(self.interval)  # the front has sent its event-stream head
+            status, ctype, body = self.late_error
+            w.write(b"HTTP/1.1 %d Fault\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                    % (status, ctype.encode(), len(body), body))
             await w.drain()
             return True
         if mode == "slow_json":
