@@ -16,7 +16,8 @@ import click
 #: command name -> "module:attribute" of a click command, imported on first use.
 COMMANDS: dict[str, tuple[str, str]] = {
     "args": ("mtpwrap.commands.args", "Show the llama-server command line for a profile, and why."),
-    "bench": ("mtpwrap.commands.bench", "Benchmark speed, acceptance, KV; write a report."),
+    "bench": ("mtpwrap.commands.bench",
+              "Benchmark speed, acceptance, KV, documents; write a report."),
     "build": (
         "mtpwrap.commands.build",
         "Build llama-server from the pinned source for this machine.",

@@ -269,7 +269,7 @@ def steps(plan: KvPlan, n_types: int) -> int:
 
 def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dict:
     """Measure every admitted type of the plan; the raw results the report is made of."""
-    from mtpwrap.bench.suite import _model_provenance, build_provenance, hardware_snapshot
+    from mtpwrap.bench.suite import build_provenance, hardware_snapshot, model_provenance
 
     workdir.mkdir(parents=True, exist_ok=True)
     facts = read_facts(plan.model)
@@ -279,7 +279,7 @@ def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dic
         "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "plan": plan.to_dict(), "types": types, "references": [], "rows": [], "speed": [],
         "provenance": {"build": build_provenance(plan.server), "hardware": hardware_snapshot(),
-                       "model": _model_provenance(plan.model),
+                       "model": model_provenance(plan.model),
                        "perplexity": {"path": str(plan.perplexity)}},
     }
     texts = prepare_texts(plan, workdir, progress, unmeasurable(plan, facts, workdir))

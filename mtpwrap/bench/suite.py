@@ -192,7 +192,7 @@ def run(plan: SuitePlan, workdir: Path, *,
             "build": build_provenance(plan.binary),
             "hardware": hardware_snapshot(),
             "profile": profile_provenance(plan.profile),
-            "model": _model_provenance(plan.model),
+            "model": model_provenance(plan.model),
             "corpora": {lang: c.provenance() for lang, c in corp.items()},
             "token_classes": tokenclass.DESCRIPTIONS,
         },
@@ -291,7 +291,7 @@ def total_steps(plan: SuitePlan) -> int:
     return len(plan.configs) * (len(plan.langs) * len(plan.contexts) + len(plan.concurrency))
 
 
-def _model_provenance(model: Path | None) -> dict | None:
+def model_provenance(model: Path | None) -> dict | None:
     if model is None:
         return None
     p = Path(model)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from mtpwrap.commands.bench_docs import command as docs_command
 from mtpwrap.commands.bench_embed import command as embed_command
 from mtpwrap.commands.bench_kv import command as kv_command
 from mtpwrap.config.options import setting_option, shared_option
@@ -61,7 +62,8 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
     latency under load and compressed-KV quality; write JSON, Markdown and PNG.
 
     `mtpwrap bench kv` measures each KV cache type's loss against f16 instead; `mtpwrap bench
-    embed` an embedding companion's throughput and its cost to the chat model's decode."""
+    embed` an embedding companion's throughput and its cost to the chat model's decode; `mtpwrap
+    bench docs` what reading a long document costs each question about it."""
     if ctx.invoked_subcommand is not None:
         return
     from mtpwrap import console
@@ -139,3 +141,4 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
 
 command.add_command(kv_command)
 command.add_command(embed_command)
+command.add_command(docs_command)
