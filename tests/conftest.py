@@ -44,7 +44,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """The guard goes first on PATH for the whole session, in this process and its children."""
+    """The guard goes first on PATH for the whole session, in this process and its children;
+    an illegal supervisor transition raises (a bug is a failed test, not a log line)."""
+    from mtpwrap.supervision import state
+
+    state.STRICT = True
     real = shutil.which("cmake")
     if real is None or os.environ.get("TESTS_COMPILE_GUARD"):
         return

@@ -146,6 +146,11 @@ class _LiveCollector:
         c = CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start")
         c.add_metric([], float(st.restarts))
         yield c
+        c = CounterMetricFamily("mtpwrap_supervisor_illegal_transitions",
+                                "State changes the transition table does not allow, refused "
+                                "(each one a bug, with an error line in the log)")
+        c.add_metric([], float(st.illegal_transitions))
+        yield c
         g = GaugeMetricFamily("mtpwrap_step_down", "Step-down rung of the running launch after "
                               "out-of-memory starts (0: the configured launch)")
         g.add_metric([], float(st.step))

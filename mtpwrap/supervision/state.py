@@ -4,6 +4,7 @@ child's run ended, the phases of a reload, and what the front is told (`Supervis
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +39,29 @@ TRANSITIONS: dict[State, frozenset[State]] = {
 
 def is_valid_transition(old: State, new: State) -> bool:
     return new is old or new in TRANSITIONS[old]
+
+
+class IllegalTransition(RuntimeError):
+    """A state change `TRANSITIONS` does not allow: a bug in the supervisor, never news from the
+    world (as h11's LocalProtocolError is a bug of the caller, not of the peer)."""
+
+
+#: An illegal transition raises `IllegalTransition` instead of being reported and refused. The
+#: test suite sets it (tests/conftest.py), so a bug that reaches one fails the test that shows
+#: it; a service keeps running in the state it had, and says so.
+STRICT = False
+
+
+def refuse_transition(old: State, new: State, reason: str | None,
+                      log: logging.Logger) -> None:
+    """Report an illegal transition (the caller stays in `old` and counts it for /metrics):
+    an error line, or `IllegalTransition` under `STRICT`. Later news of a supervisor that is
+    shutting down is no such thing: the caller keeps it as the reason, silently."""
+    message = (f"illegal state change {old.value} -> {new.value} ({reason}) refused; a bug: "
+               f"staying {old.value}")
+    log.error("%s", message)
+    if STRICT:
+        raise IllegalTransition(message)
 
 
 class Outcome(str, enum.Enum):
@@ -99,6 +123,8 @@ class SupervisorStatus:
     #: the step-down rung running now (0: the configured launch) and what it changed
     step: int = 0
     step_note: str | None = None
+    #: state changes refused as illegal since the start (each one a bug)
+    illegal_transitions: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the internal API key is left out on purpose (this goes to files)."""

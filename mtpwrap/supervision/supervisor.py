@@ -54,6 +54,7 @@ from mtpwrap.supervision.state import (
     SupervisorStatus,
     Upstream,
     is_valid_transition,
+    refuse_transition,
 )
 from mtpwrap.supervision.wedge import WedgeWatch
 from mtpwrap.units import MiB
@@ -109,6 +110,7 @@ class Supervisor:
         self.config = config or SupervisorConfig()
         self._state = State.STARTING
         self._reason: str | None = "not started yet"
+        self._illegal = 0  # transitions refused as illegal (state.refuse_transition)
         self._listeners: list[Callable[[State, State, str | None], None]] = []
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
@@ -137,6 +139,7 @@ class Supervisor:
             ready_since=self._ready_since, last_exit=self._last_exit,
             pid=child.pid if child else None, upstream=self._upstream,
             step=self._policy.step, step_note=self._policy.step_note,
+            illegal_transitions=self._illegal,
         )
 
     @property
@@ -238,7 +241,8 @@ class Supervisor:
                 if old is not State.STOPPED:
                     self._reason = reason
             else:
-                self.log.warning("state %s -> %s refused (%s)", old.value, new.value, reason)
+                self._illegal += 1
+                refuse_transition(old, new, reason, self.log)
             return
         if new is old and reason == self._reason:
             return
