@@ -30,7 +30,7 @@ def recorded() -> dict:
     steps = [
         _row("cold", "A + question", 3027, 0, 1312.5, 1.41),
         _row("same", "A + question", 526, 2512, 204.0, 0.27),
-        _row("separate", "A | question", 528, 2508, 207.9, 0.29),
+        _row("separate", "A / question", 528, 2508, 207.9, 0.29),
         _row("other", "B + long question", 3530, 0, 1601.2, 1.70, "B"),
         _row("other", "B + question", 3031, 0, 1330.0, 1.44, "B"),
         _row("restart", "A + question", 3032, 0, 1318.7, 1.42,
@@ -108,6 +108,27 @@ def test_the_report_states_machine_load_model_binary_and_every_raw_number(
     assert again["steps"][1]["timings"] == {"prompt_n": 526, "cache_n": 2512,
                                             "prompt_ms": 204.0}
     assert "api_key" not in again["plan"]
+
+
+def test_a_request_without_an_answer_is_a_row_with_its_error(tmp_path: Path) -> None:
+    res = recorded()
+    doc = docs.Doc("A", "en", "en", "text", 3000, {})
+    res["steps"].append(docs.row("separate", "A / question", doc, "separate", None,
+                                 error="the template | refused two user messages"))
+    _, rows = docs_report.table(res)
+    assert rows[-1] == ["separate", "A / question", "–", "–", "–", "–", "–", "–", "–"]
+    md = docs_report.markdown(res)
+    assert "- separate, A / question: the template | refused two user messages" in md
+    assert "| separate | A / question | – |" in md
+
+
+def test_a_tiny_model_can_state_a_longer_trained_context(tmp_path: Path) -> None:
+    from mtpwrap.build.tiny_gguf import write_tiny_random
+    from mtpwrap.decide.gguf_facts import read_facts
+
+    path = write_tiny_random(tmp_path / "t.gguf", "qwen35", mtp=True, context=16384)
+    assert read_facts(path).n_ctx_train == 16384
+    assert read_facts(write_tiny_random(tmp_path / "d.gguf")).n_ctx_train == 4096
 
 
 def test_steps_run_in_their_order_with_the_cold_read_first() -> None:

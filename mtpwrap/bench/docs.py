@@ -248,18 +248,33 @@ def read_rate(timings: dict) -> float | None:
     return float(n) / (float(ms) / 1000.0)
 
 
-def row(step: str, request: str, doc: Doc, question_form: str, read: Read,
-        action: dict | None = None) -> dict:
-    t = read.timings
+def row(step: str, request: str, doc: Doc, question_form: str, read: Read | None,
+        action: dict | None = None, error: str | None = None) -> dict:
+    """One request's figures; `read` None with the `error` that kept it from an answer."""
+    t = read.timings if read else {}
+    usage = read.usage if read else {}
     return {"step": step, "request": request, "document": doc.name,
             "document_tokens": doc.tokens, "form": question_form,
-            "prompt_tokens": read.usage.get("prompt_tokens"),
+            "prompt_tokens": usage.get("prompt_tokens"),
             "prompt_n": t.get("prompt_n"), "cache_n": t.get("cache_n"),
             "prompt_ms": t.get("prompt_ms"), "read_tokens_per_s": read_rate(t),
-            "ttft_s": read.ttft_s, "total_s": read.total_s,
-            "predicted_n": t.get("predicted_n"), "progress_events": read.progress_events,
-            "progress_last": read.progress_last, "timings": t, "usage": read.usage,
-            "model": read.model, "action": action}
+            "ttft_s": read.ttft_s if read else None, "total_s": read.total_s if read else None,
+            "predicted_n": t.get("predicted_n"),
+            "progress_events": read.progress_events if read else 0,
+            "progress_last": read.progress_last if read else None, "timings": t,
+            "usage": usage, "model": read.model if read else None, "action": action,
+            "error": error}
+
+
+def measure(client: runner.Client, messages: list[dict], max_tokens: int, *, step: str,
+            request: str, doc: Doc, form: str, action: dict | None = None) -> dict:
+    """One request's row; a request llama-server (or the front) refused or broke off is a row
+    with its error, so the steps after it still run."""
+    try:
+        read = ask(client, messages, max_tokens)
+    except RuntimeFailure as exc:
+        return row(step, request, doc, form, None, action, str(exc))
+    return row(step, request, doc, form, read, action)
 
 
 # -------------------------------------------------------------------------------------------
@@ -350,23 +365,20 @@ def _step(plan: DocsPlan, target: docs_front.Target, name: str, docs: dict[str, 
           rows: list[dict]) -> None:
     a: Doc = docs["A"]
     q = QUESTIONS[a.lang]
-    action: dict | None = None
-    if name in ("reload", "restart", "crash"):
-        action = target.act(name)
+    action = target.act(name) if name in ("reload", "restart", "crash") else None
+    c, n = target.client, plan.max_tokens
     if name == "separate":
-        read = ask(target.client, separate_messages(a.text, q[name]), plan.max_tokens)
-        rows.append(row(name, "A | question", a, "separate", read))
-        return
-    if name == "other":
+        rows.append(measure(c, separate_messages(a.text, q[name]), n, step=name,
+                            request="A / question", doc=a, form="separate"))
+    elif name == "other":
         b: Doc = docs["B"]
-        read = ask(target.client, same_message(b.text, docs["long"]), plan.max_tokens)
-        rows.append(row(name, "B + long question", b, "same", read))
-        read = ask(target.client, same_message(b.text, QUESTIONS[b.lang][name]),
-                   plan.max_tokens)
-        rows.append(row(name, "B + question", b, "same", read))
-        return
-    read = ask(target.client, same_message(a.text, q[name]), plan.max_tokens)
-    rows.append(row(name, "A + question", a, "same", read, action))
+        rows.append(measure(c, same_message(b.text, docs["long"]), n, step=name,
+                            request="B + long question", doc=b, form="same"))
+        rows.append(measure(c, same_message(b.text, QUESTIONS[b.lang][name]), n, step=name,
+                            request="B + question", doc=b, form="same"))
+    else:
+        rows.append(measure(c, same_message(a.text, q[name]), n, step=name,
+                            request="A + question", doc=a, form="same", action=action))
 
 
 def _ubatch_cells(plan: DocsPlan, results: dict, a: Doc, out: Path,
@@ -386,18 +398,23 @@ def _ubatch_cells(plan: DocsPlan, results: dict, a: Doc, out: Path,
         prof = profiles.with_overrides(base, {"ubatch": ub, "model": str(model)},
                                        where=f"the ubatch {ub} cell")
         cl, caps = runner.resolve_profile(prof, binary=binary, model=model, caps=caps)
-        srv = runner.start_launch(cl, caps, binary=binary, log_path=out / f"ubatch-{ub}.log",
-                                  timeout=plan.timeout_s, what=f"llama-server with ubatch {ub}")
-        client = runner.Client.of(srv)
+        launch = {"profile": base.name, "ubatch": cl.ubatch, "batch": cl.batch,
+                  "context": cl.context, "slots": cl.slots, "threads": cl.threads}
         try:
-            read = ask(client, messages, plan.max_tokens)
-        finally:
-            client.close()
-            srv.stop()
-        cell = row("cold", f"ubatch {ub}", a, "same", read)
-        cell.update({"ubatch": ub, "launch": {"profile": base.name, "ubatch": cl.ubatch,
-                                              "batch": cl.batch, "context": cl.context,
-                                              "slots": cl.slots, "threads": cl.threads}})
+            srv = runner.start_launch(cl, caps, binary=binary,
+                                      log_path=out / f"ubatch-{ub}.log", timeout=plan.timeout_s,
+                                      what=f"llama-server with ubatch {ub}")
+        except RuntimeFailure as exc:  # e.g. out of memory at a larger ubatch: the next cell
+            cell = row("cold", f"ubatch {ub}", a, "same", None, error=str(exc))
+        else:
+            client = runner.Client.of(srv)
+            try:
+                cell = measure(client, messages, plan.max_tokens, step="cold",
+                               request=f"ubatch {ub}", doc=a, form="same")
+            finally:
+                client.close()
+                srv.stop()
+        cell.update({"ubatch": ub, "launch": launch})
         results["ubatch"].append(cell)
         results["ubatch_binary"] = str(binary)
         results["ubatch_model"] = str(model)

@@ -98,7 +98,7 @@ def ubatch_table(results: dict) -> tuple[list[str], list[list[str]]]:
 
 def _md_table(columns: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns),
-            *["| " + " | ".join(r) + " |" for r in rows]]
+            *["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]]
 
 
 def _load(values: list[float] | None) -> str:
@@ -164,6 +164,11 @@ def markdown(results: dict) -> str:
         lines += ["", "## Read rate against ubatch", "",
                   "Each cell a launch of the profile with that ubatch; one cold read of document "
                   "A and the first question.", "", *_md_table(*ubatch_table(results))]
+    failed = [r for r in [*results["steps"], *(results.get("ubatch") or [])] if r.get("error")]
+    if failed:
+        lines += ["", "Requests without an answer:", ""]
+        lines += [f"- {r['step']}, {r['request']}: {' '.join(str(r['error']).split())[:300]}"
+                  for r in failed]
     again = (results.get("summary") or {}).get("read_again") or []
     if again:
         lines += ["", f"Requests that read at least {REREAD_SHARE:.0%} of their document "

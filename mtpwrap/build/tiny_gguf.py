@@ -387,19 +387,20 @@ def write_shape_only(path: Path, model: str = "qwen3.6-27b", ftype: str = "q4_k_
 # --------------------------------------------------------------------------- tiny random
 
 
-def tiny_spec(arch: str = "qwen35", mtp: bool = True, ftype: str = "f16") -> ModelSpec:
+def tiny_spec(arch: str = "qwen35", mtp: bool = True, ftype: str = "f16",
+              context: int = 4096) -> ModelSpec:
     """Small dimensions, every tensor f32/f16 (or q8_0 matrices), a working tokenizer: loads
-    and runs in seconds."""
+    and runs in seconds. `context`: the trained context its header states."""
     if arch == "qwen35":
         return _qwen35_spec(
             name="tiny-qwen35-mtp" if mtp else "tiny-qwen35", n_embd=128, n_layer=4,
             n_nextn=1 if mtp else 0, n_head=4, n_head_kv=2, head_dim=64, n_ff=256, d_conv=4,
-            d_state=32, n_group=2, n_v_heads=4, n_vocab=None, n_ctx=4096, rope_dim=16,
+            d_state=32, n_group=2, n_v_heads=4, n_vocab=None, n_ctx=context, rope_dim=16,
             sections=[3, 3, 2, 0], ftype="f16", tied=True)
     if arch == "llama":
         # head size 128: fork cache types with 128-value blocks need whole heads per block
         return _llama_spec(name="tiny-llama", n_embd=256, n_layer=2, n_head=2, n_head_kv=1,
-                           n_ff=256, n_ctx=4096, ftype=ftype, tied=True)
+                           n_ff=256, n_ctx=context, ftype=ftype, tied=True)
     raise ConfigError(f"no tiny model for architecture {arch!r}; use 'qwen35' or 'llama'.")
 
 
@@ -428,12 +429,13 @@ def _random_tensors(spec: ModelSpec, seed: int) -> Iterator[tuple[str, Any]]:
 
 
 def write_tiny_random(path: Path, arch: str = "qwen35", mtp: bool = True, seed: int = 0,
-                      ftype: str = "f16") -> Path:
+                      ftype: str = "f16", context: int = 4096) -> Path:
     """A tiny random-weight model llama-server runs; the qwen35 one has an MTP (nextn) block.
-    `ftype="q8_0"` (llama only) quantizes its matrices, so quantized CPU kernels run too."""
+    `ftype="q8_0"` (llama only) quantizes its matrices, so quantized CPU kernels run too;
+    `context` is the trained context in its header (longer documents for a benchmark)."""
     from gguf import GGUFWriter
 
-    spec = tiny_spec(arch, mtp, ftype)
+    spec = tiny_spec(arch, mtp, ftype, context)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = GGUFWriter(path, spec.arch)
