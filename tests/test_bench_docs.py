@@ -150,3 +150,18 @@ def test_bad_input_is_one_sentence(args: list[str], says: str) -> None:
     r = run_cli("bench", "docs", *args, env=cli_env(), timeout=60)
     assert r.returncode == 78, r.output
     assert says in r.output and "Traceback" not in r.output
+
+
+def test_actions_on_a_front_this_machine_does_not_run_are_refused_before_any_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpwrap.bench.docs_front import Target
+
+    monkeypatch.setenv("MTPWRAP_STATE_DIR", str(tmp_path / "state"))
+    target = Target("http://127.0.0.1:9", None, 5.0)
+    try:
+        target.check_actions(["cold", "same"])  # nothing to act on
+        with pytest.raises(ConfigError, match="The restart step needs the front running on "
+                                              "this machine"):
+            target.check_actions(["cold", "restart"])
+    finally:
+        target.close()

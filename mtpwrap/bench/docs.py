@@ -310,6 +310,7 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
             results["up_command"] = own.argv
         stack.callback(target.close)
         results["front"] = target.health()
+        target.check_actions(plan.steps)
         docs = _documents(plan, target, results, step)
         for name in plan.steps:
             step(f"step {name}")
@@ -365,7 +366,14 @@ def _step(plan: DocsPlan, target: docs_front.Target, name: str, docs: dict[str, 
           rows: list[dict]) -> None:
     a: Doc = docs["A"]
     q = QUESTIONS[a.lang]
-    action = target.act(name) if name in ("reload", "restart", "crash") else None
+    action = None
+    if name in ("reload", "restart", "crash"):
+        try:
+            action = target.act(name)
+        except RuntimeFailure as exc:  # the report says so; the steps after it still run
+            rows.append(row(name, "A + question", a, "same", None, {"action": name},
+                            f"the {name} failed: {exc}"))
+            return
     c, n = target.client, plan.max_tokens
     if name == "separate":
         rows.append(measure(c, separate_messages(a.text, q[name]), n, step=name,

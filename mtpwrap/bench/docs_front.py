@@ -140,21 +140,34 @@ class Target:
             raise ConfigError(f"The {name} step would act on the instance at {data.get('url')}, "
                               f"not on --url {self.url}; give --url as `mtpwrap status` shows it.")
 
-    def crash(self) -> dict:
-        """SIGKILL llama-server (the pid /healthz gives), then wait for a new one, ready."""
-        before = self.health()
-        pid = before.get("child_pid")
+    def check_actions(self, steps: list[str]) -> None:
+        """Before anything is measured: the actions among `steps` can act on this front."""
+        for name in ("reload", "restart"):
+            if name in steps:
+                self._check_local(name)
+        if "crash" in steps:
+            self._child(self.health())
+
+    def _child(self, health: dict) -> int:
+        """The pid of the front's llama-server, a process of this machine."""
+        pid = health.get("child_pid")
         if not isinstance(pid, int) or pid <= 1:
             raise RuntimeFailure(f"{self.url}/healthz names no llama-server pid (state "
-                                 f"{before.get('state')}).")
+                                 f"{health.get('state')}).")
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
         except OSError:
             cmd = ""
-        if Path(cmd).name != Path(str(before.get("binary") or "llama-server")).name:
+        if Path(cmd).name != Path(str(health.get("binary") or "llama-server")).name:
             raise ConfigError(f"The crash step kills llama-server (pid {pid}), which is not a "
                               "process on this machine; leave the step out (--steps) or run "
                               "bench docs where the front runs.")
+        return pid
+
+    def crash(self) -> dict:
+        """SIGKILL llama-server (the pid /healthz gives), then wait for a new one, ready."""
+        before = self.health()
+        pid = self._child(before)
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
 
