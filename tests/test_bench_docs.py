@@ -60,6 +60,12 @@ def recorded() -> dict:
                                  "sha256": "ab" * 32},
                        "binary": {"binary": "/b/llama-server",
                                   "manifest": {"variant": "cpu",
+                                               "binaries": {"llama-server": {
+                                                   "sha256": "cd" * 32}},
+                                               "patches": [{"name": "0001-x",
+                                                            "status": "applied"},
+                                                           {"name": "0002-y",
+                                                            "status": "opted-out"}],
                                                "source": {"kind": "submodule",
                                                           "commit": "0c1e570"}}},
                        "commit": "0c1e570", "profile": "tiny", "context": 4096,
@@ -98,7 +104,8 @@ def test_the_report_states_machine_load_model_binary_and_every_raw_number(
     md = files["md"].read_text()
     for text in ("Example CPU, 2 CPUs; no GPU", "1.50 1.20 1.00 at the start",
                  "1.90 1.40 1.10 at the end", "`tiny-qwen35-mtp.gguf`, 1234 bytes",
-                 "ab" * 32, "commit 0c1e570", "variant cpu",
+                 "ab" * 32, "commit 0c1e570", "variant cpu", "cd" * 32,
+                 "patches applied: 0001-x\n",
                  "`mtpwrap bench docs --profile tiny.yaml`", "## Read rate against ubatch",
                  "- restart: restart: llama-server restarted; ready again after 2.3 s",
                  "| cold | A + question | 3027 | 3027 | 0 | 1.31 | 2306.3 | 1.41 | – |",

@@ -114,6 +114,9 @@ def provenance_lines(results: dict) -> list[str]:
     manifest = binary.get("manifest") or {}
     source = manifest.get("source") or {}
     gpus = (m.get("hardware") or {}).get("gpus") or []
+    sha = ((manifest.get("binaries") or {}).get("llama-server") or {}).get("sha256")
+    patches = [str(x.get("name")) for x in manifest.get("patches") or []
+               if isinstance(x, dict) and x.get("status") == "applied"]
     lines = [f"- Machine: {m['cpu_model']}, {m['cpu_count']} CPUs"
              + (f"; GPUs: {'; '.join(gpus)}" if gpus else "; no GPU"),
              f"- Load average (1, 5, 15 min): {_load(m.get('loadavg_start'))} at the start, "
@@ -123,7 +126,9 @@ def provenance_lines(results: dict) -> list[str]:
              f"- Binary: `{binary.get('binary') or '?'}`; commit {p.get('commit') or '?'}"
              + (f"; source {source.get('kind') or ''} {source.get('commit') or ''}".rstrip()
                 if source else "")
-             + (f"; variant {manifest.get('variant')}" if manifest.get("variant") else ""),
+             + (f"; variant {manifest.get('variant')}" if manifest.get("variant") else "")
+             + (f"; sha256 `{sha}`" if sha else "")
+             + f"; patches applied: {', '.join(patches) or 'none'}",
              f"- Profile: {p.get('profile') or '?'} (context {p.get('context') or '?'}, KV "
              f"{p.get('kv') or '?'}, speculation {p.get('speculation') or 'none'}); slot "
              f"context {results.get('slot_context') or '?'} tokens"
