@@ -68,6 +68,7 @@ def recorded() -> dict:
                                                             "status": "opted-out"}],
                                                "source": {"kind": "submodule",
                                                           "commit": "0c1e570"}}},
+                       "binary_sha256": "cd" * 32, "binary_sha256_end": "ef" * 32,
                        "commit": "0c1e570", "profile": "tiny", "context": 4096,
                        "kv": "f16/f16", "speculation": "draft-mtp", "started_by_bench": True},
     }
@@ -106,6 +107,7 @@ def test_the_report_states_machine_load_model_binary_and_every_raw_number(
                  "1.90 1.40 1.10 at the end", "`tiny-qwen35-mtp.gguf`, 1234 bytes",
                  "ab" * 32, "commit 0c1e570", "variant cpu", "cd" * 32,
                  "patches applied: 0001-x\n",
+                 f"**The binary was replaced during the run** (sha256 `{'ef' * 32}`",
                  "`mtpwrap bench docs --profile tiny.yaml`", "## Read rate against ubatch",
                  "- restart: restart: llama-server restarted; ready again after 2.3 s",
                  "| cold | A + question | 3027 | 3027 | 0 | 1.31 | 2306.3 | 1.41 | – |",

@@ -310,6 +310,7 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
             results["up_command"] = own.argv
         stack.callback(target.close)
         results["front"] = target.health()
+        results["provenance"] = docs_front.provenance(plan, results["front"])
         target.check_actions(plan.steps)
         docs = _documents(plan, target, results, step)
         for name in plan.steps:
@@ -317,7 +318,8 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
             _step(plan, target, name, docs, results["steps"])
     if plan.ubatch:
         _ubatch_cells(plan, results, docs["A"], out, step)
-    results["provenance"] = docs_front.provenance(plan, results["front"])
+    results["provenance"]["binary_sha256_end"] = docs_front.digest(
+        results["front"].get("binary"))
     with contextlib.suppress(OSError):
         results["machine"]["loadavg_end"] = list(os.getloadavg())
     results["finished"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from mtpwrap import proc
+from mtpwrap import hashing, proc
 from mtpwrap.bench import suite
 from mtpwrap.bench.runner import Client
 from mtpwrap.config.table import env_name
@@ -235,13 +235,21 @@ class OwnFront:
         self.close()
 
 
+def digest(path: object) -> str | None:
+    """The sha256 of a file of this machine, None where there is none."""
+    p = Path(str(path)) if path else None
+    return hashing.sha256_file(p) if p is not None and p.is_file() else None
+
+
 def provenance(plan: DocsPlan, health: dict) -> dict[str, Any]:
-    """The model (file, size, sha256), the binary (manifest, version) and the profile the
-    front said it runs."""
+    """The model (file, size, sha256), the binary (its own sha256, manifest, version) and the
+    profile the front said it runs, taken before the first read: a binary replaced at its path
+    during the run is what a restart starts, and the report compares the digests."""
     model = health.get("model")
     binary = health.get("binary")
     return {"model": suite.model_provenance(Path(model)) if model else None,
             "binary": suite.build_provenance(Path(binary)) if binary else None,
+            "binary_sha256": digest(binary),
             "commit": health.get("commit"), "profile": health.get("profile"),
             "context": health.get("context"), "kv": health.get("kv"),
             "speculation": health.get("speculation"),

@@ -127,12 +127,19 @@ def provenance_lines(results: dict) -> list[str]:
              + (f"; source {source.get('kind') or ''} {source.get('commit') or ''}".rstrip()
                 if source else "")
              + (f"; variant {manifest.get('variant')}" if manifest.get("variant") else "")
-             + (f"; sha256 `{sha}`" if sha else "")
+             + (f"; sha256 `{p.get('binary_sha256') or sha}`" if p.get("binary_sha256") or sha
+                else "")
+             + (f" (its manifest records `{sha}`: another build's)"
+                if sha and p.get("binary_sha256") and sha != p["binary_sha256"] else "")
              + f"; patches applied: {', '.join(patches) or 'none'}",
              f"- Profile: {p.get('profile') or '?'} (context {p.get('context') or '?'}, KV "
              f"{p.get('kv') or '?'}, speculation {p.get('speculation') or 'none'}); slot "
              f"context {results.get('slot_context') or '?'} tokens"
              + ("; started by the benchmark" if p.get("started_by_bench") else "")]
+    end = p.get("binary_sha256_end")
+    if end and end != p.get("binary_sha256"):
+        lines.append(f"- **The binary was replaced during the run** (sha256 `{end}` at the "
+                     "end): a restart or crash after that started the new one")
     if results["plan"].get("command"):
         lines.insert(0, f"- Command: `{results['plan']['command']}`")
     return lines
