@@ -44,12 +44,17 @@ def _f(v: float | int | None, fmt: str = "{:.1f}") -> str:
 
 
 def summarize(results: dict) -> dict:
-    """Per step its figures, and the steps that read their document again."""
+    """The cold read's figures, the requests after a document's first that read it again,
+    and the read rate of each ubatch cell."""
     rows = results["steps"]
     cold = next((r for r in rows if r["step"] == "cold"), None)
-    reread = [f"{r['step']}: {r['request']}" for r in rows if r["step"] != "cold"
-              and isinstance(r.get("prompt_n"), int)
-              and r["prompt_n"] >= REREAD_SHARE * r["document_tokens"]]
+    reread: list[str] = []
+    seen: set[str] = set()
+    for r in rows:  # a document's first request reads it; the ones after it may read it again
+        if (r["document"] in seen and isinstance(r.get("prompt_n"), int)
+                and r["prompt_n"] >= REREAD_SHARE * r["document_tokens"]):
+            reread.append(f"{r['step']}: {r['request']}")
+        seen.add(r["document"])
     return {"cold_read_tokens_per_s": cold["read_tokens_per_s"] if cold else None,
             "cold_ttft_s": cold["ttft_s"] if cold else None,
             "read_again": reread,
