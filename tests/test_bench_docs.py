@@ -173,3 +173,11 @@ def test_actions_on_a_front_this_machine_does_not_run_are_refused_before_any_rea
             target.check_actions(["cold", "restart"])
     finally:
         target.close()
+
+
+def test_the_reports_command_line_leaves_the_api_key_out() -> None:
+    from mtpwrap.commands.bench_docs import _without_key
+
+    assert _without_key(["--url", "http://h", "--api-key", "sekrit-12345", "docs"]) == [
+        "--url", "http://h", "--api-key", "…", "docs"]
+    assert _without_key(["docs", "--api-key=sekrit-12345"]) == ["docs", "--api-key=…"]

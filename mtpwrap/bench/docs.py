@@ -309,7 +309,7 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
             target = own.target
             results["up_command"] = own.argv
         stack.callback(target.close)
-        results["front"] = target.health()
+        results["front"] = target.health(required=False)
         results["provenance"] = docs_front.provenance(plan, results["front"])
         target.check_actions(plan.steps)
         docs = _documents(plan, target, results, step)

@@ -89,12 +89,17 @@ class Target:
         r = self._get("/readyz")
         return r is not None and r.status_code == 200
 
-    def health(self) -> dict:
-        """The front's /healthz: model, binary, commit, profile, llama-server's pid."""
+    def health(self, required: bool = True) -> dict:
+        """The front's /healthz: model, binary, commit, profile, llama-server's pid. Not
+        `required` (the report's provenance): a key without the metrics scope gives
+        {"unavailable": why} instead of an error."""
         r = self._get("/healthz")
-        if r is None or r.status_code == 401:
-            raise ConfigError(f"{self.url}/healthz refused the key or did not answer; "
-                              "pass an --api-key with the metrics scope.")
+        if r is None or r.status_code in (401, 403):
+            why = (f"{self.url}/healthz refused the key or did not answer; an --api-key with "
+                   "the metrics scope lets the report name the model and the binary")
+            if not required:
+                return {"unavailable": why}
+            raise ConfigError(why + " (and the crash step find llama-server).")
         if r.status_code != 200:
             raise RuntimeFailure(f"{self.url}/healthz answered {r.status_code}.")
         return dict(r.json())

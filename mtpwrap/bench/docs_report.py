@@ -138,13 +138,16 @@ def provenance_lines(results: dict) -> list[str]:
                 if sha and p.get("binary_sha256") and sha != p["binary_sha256"] else "")
              + f"; patches applied: {', '.join(patches) or 'none'}",
              f"- Profile: {p.get('profile') or '?'} (context {p.get('context') or '?'}, KV "
-             f"{p.get('kv') or '?'}, speculation {p.get('speculation') or 'none'}); slot "
+             f"{p.get('kv') or '?'}, speculation "
+             f"{p.get('speculation') or ('none' if p.get('profile') else '?')}); slot "
              f"context {results.get('slot_context') or '?'} tokens"
              + ("; started by the benchmark" if p.get("started_by_bench") else "")]
     end = p.get("binary_sha256_end")
     if end and end != p.get("binary_sha256"):
         lines.append(f"- **The binary was replaced during the run** (sha256 `{end}` at the "
                      "end): a restart or crash after that started the new one")
+    if (results.get("front") or {}).get("unavailable"):
+        lines.append(f"- {results['front']['unavailable']}")
     if results["plan"].get("command"):
         lines.insert(0, f"- Command: `{results['plan']['command']}`")
     return lines

@@ -12,6 +12,18 @@ import click
 from mtpwrap.config.options import setting_option, shared_option
 
 
+def _without_key(argv: list[str]) -> list[str]:
+    """The command line for the report, the API key's value left out."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--api-key":
+            arg = "…"
+        elif arg.startswith("--api-key="):
+            arg = "--api-key=…"
+        out.append(arg)
+    return out
+
+
 @click.command("docs")
 @shared_option("MTPWRAP_BENCH_URL",
                help="Base URL of the running front (default: `mtpwrap bench --url`; neither: "
@@ -75,7 +87,7 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, profile: s
                          doc_tokens=doc_tokens, long_tokens=long_tokens,
                          steps=docs.parse_steps(steps), ubatch=cells, max_tokens=max_tokens,
                          timeout_s=float(timeout_s),
-                         command=shlex.join(["mtpwrap", *sys.argv[1:]]))
+                         command=shlex.join(["mtpwrap", *_without_key(sys.argv[1:])]))
     out = out_dir or Path("bench-results") / ("docs-" + _dt.datetime.now().strftime(
         "%Y%m%d-%H%M%S"))
     with console.progress() as bar:
