@@ -82,3 +82,32 @@ def test_the_workflow_measured_through_mtpwrap_up(tiny_profile: Path, llama_serv
     md = (out / "report.md").read_text()
     assert "| step | request | prompt | read | cached |" in md
     assert "## Read rate against ubatch" in md and "| 64 |" in md
+
+
+def test_a_crash_of_llama_server_is_survived_and_measured(llama_server_bin: Path,
+                                                           demo_model: Path,
+                                                           tmp_path: Path) -> None:
+    profile = tmp_path / "demo-docs.yaml"
+    profile.write_text(yaml.safe_dump({
+        "description": "The demo model, one slot, on the CPU", "hardware": {"requires_gpu": False},
+        "model": str(demo_model), "context": 2048, "kv": {"k": ["f16"], "v": ["f16"]},
+        "spec": {"kind": "none"}, "gpu_layers": 0, "slots": 1, "threads": 2}))
+    out = tmp_path / "report"
+    r = run_cli("bench", "docs", "--profile", str(profile), "--binary", str(llama_server_bin),
+                "--corpora", "en", "--doc-tokens", "1000", "--long-tokens", "64",
+                "--steps", "separate,crash", "--ubatch", "none", "--max-tokens", "2",
+                "--timeout", "120", "--out", str(out), "--json",
+                env=cli_env(MTPWRAP_HOME=str(tmp_path / "home")), timeout=240)
+    assert r.returncode == 0, r.output
+    res = json.loads(r.stdout)
+    assert res == json.loads((out / "report.json").read_text())
+    cold, separate, crash = res["steps"]
+    assert [cold["step"], separate["step"], crash["step"]] == ["cold", "separate", "crash"]
+    assert cold["prompt_n"] >= res["documents"]["A"]["tokens"] and cold["cache_n"] == 0
+    assert separate["cache_n"] > 0 and separate["error"] is None
+    # The llama-server that read the document was killed; a new one answered the question.
+    act = crash["action"]
+    assert act["action"] == "crash" and act["killed_pid"] == res["front"]["child_pid"]
+    assert act["ready_after_s"] > 0 and crash["error"] is None
+    assert crash["prompt_n"] + crash["cache_n"] == crash["prompt_tokens"]
+    assert res["ubatch"] == []
