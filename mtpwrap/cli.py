@@ -36,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("mtpwrap.commands.status", "Report on the running instance."),
     "down": ("mtpwrap.commands.down", "Stop the running instance cleanly."),
     "reload": ("mtpwrap.commands.reload",
-               "Apply a changed configuration: swap llama-server behind the front."),
+               "Apply a changed configuration: keys at once, llama-server if its command "
+               "changed."),
     "restart": ("mtpwrap.commands.restart", "Restart llama-server behind the front."),
     "service": ("mtpwrap.commands.service", "Print, install or remove the systemd unit."),
 }

@@ -132,7 +132,8 @@ def test_reload_carries_a_long_context_into_the_new_child(make_served: MakeServe
     child = s.state()["child_pid"]
     assert stat.S_IMODE(s.snapshot_dir().stat().st_mode) == 0o700
 
-    s.set_profile(description="the same demo, reloaded")
+    # a new command line (a reload that leaves it as it is leaves llama-server running)
+    s.set_profile(description="the same demo, reloaded", ubatch=256)
     r = s.reload()
     assert r.returncode == 0, r.stderr
     st = s.state()
@@ -159,6 +160,7 @@ def test_reload_without_persistence_recomputes_the_prompt(make_served: MakeServe
     s = make_served(persist={"enabled": False})
     s.wait_ready()
     full = prompt_n(s.complete(LONG))
+    s.set_profile(ubatch=256)  # a new command line: llama-server is restarted
     r = s.reload()
     assert r.returncode == 0, r.stderr
     again = s.complete(LONG + " Question: which item is due on day 3?")

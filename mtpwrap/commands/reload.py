@@ -26,13 +26,15 @@ def finish(kind: str, timeout: float) -> None:
 @click.command("reload")
 @shared_option("MTPWRAP_RELOAD_TIMEOUT")
 def command(timeout: float) -> None:
-    """Re-read settings and the profile and swap llama-server behind the front.
+    """Re-read settings, API keys and the profile; swap what changed behind the front.
 
     The new configuration is checked here first, then again by the running instance; an
-    invalid one (exit 78) leaves the running llama-server untouched. New requests wait in the
-    front's queue, in-flight ones finish, long contexts are carried over (persist.*). Exit 0
-    when the new llama-server is ready, 78 when refused, 1 when it did not start (the previous
-    configuration is back).
+    invalid one (exit 78) changes nothing. The API keys (scopes, classes, budgets) are swapped
+    at once: a key taken out is refused from the next request on, requests already running
+    finish. llama-server is restarted only when its command line changed: new requests wait in
+    the front's queue, in-flight ones finish, long contexts are carried over (persist.*). Exit
+    0 when done (the new llama-server ready, or the running one left as it was), 78 when
+    refused, 1 when the new llama-server did not start (the previous configuration is back).
     """
     from mtpwrap.errors import RuntimeFailure
     from mtpwrap.service import reload, startup
