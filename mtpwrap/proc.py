@@ -5,7 +5,9 @@
 - `stop` / `stop_async`: the one stop policy — SIGTERM to the group, a bounded wait, SIGKILL
   to the group, and a SIGKILL sweep of the group even after a clean exit (a grandchild left
   behind would hold the GPU memory or the port the next start needs). One SIGTERM only:
-  llama-server takes a second one as "exit now" with code 1.
+  llama-server takes a second one as "exit now" with code 1. Every signal goes through
+  `mtpwrap.pids` to the group the leader led, checked by the leader's identity (taken while
+  it was unreaped, so still its own), never to a group id that may have been reused.
 - `run`: a command run to completion with a timeout; rc, stdout and stderr, and one clear
   error for a missing binary, a timeout, or (with `check`) a failure.
 - `version`: what a binary says to `--version`.
@@ -34,6 +36,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from mtpwrap import upstream
 from mtpwrap.errors import MissingToolError, MtpwrapError, RuntimeFailure
+from mtpwrap.pids import Identity, identify, signal_group
 
 if TYPE_CHECKING:
     import httpx
@@ -107,15 +110,6 @@ def describe_returncode(rc: int | None) -> str:
     return f"exit {rc}"
 
 
-def signal_group(pgid: int, sig: int) -> bool:
-    """Send `sig` to every process of the group; False when the group is already gone."""
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
 def _child_setup(*, umask: int = -1, die_with_parent: bool = True) -> Callable[[], None] | None:
     """The preexec function of a started process: its file-creation mask (unless `umask` is
     -1) and, on Linux, death with mtpwrap even on SIGKILL; None when there is nothing to do.
@@ -162,6 +156,8 @@ class Process:
         self.what = what
         self.pid = popen.pid
         self.pgid = popen.pid  # start_new_session: the leader of its own session and group
+        #: taken before anything can reap it, so it is this process's own
+        self.leader = identify(popen.pid)
 
     @property
     def returncode(self) -> int | None:
@@ -179,7 +175,7 @@ class Process:
 
     def send(self, sig: int) -> bool:
         """`sig` to the whole group (a crash or a wedge in a test)."""
-        return signal_group(self.pgid, sig)
+        return bool(signal_group(self.leader, sig))
 
     def kill(self, sig: int = signal.SIGKILL) -> int | None:
         """`sig` to the whole group, then wait (bounded) for the leader to exit."""
@@ -190,7 +186,7 @@ class Process:
 
     def stop(self, grace: float) -> int | None:
         """The stop policy (see the module's docstring); the exit code, None when stuck."""
-        return stop(self.popen, grace, what=self.what)
+        return stop(self.popen, grace, what=self.what, leader=self.leader)
 
 
 def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
@@ -211,24 +207,28 @@ def start(argv: Sequence[str], *, env: Mapping[str, str] | None = None,
     return Process(popen, args, what or Path(args[0]).name)
 
 
-def stop(popen: subprocess.Popen[Any], grace: float, *, what: str = "process") -> int | None:
+def stop(popen: subprocess.Popen[Any], grace: float, *, what: str = "process",
+         leader: Identity | None = None) -> int | None:
     """SIGTERM to the group, up to `grace` seconds, SIGKILL to the group, and the sweep.
-    The exit code; None when the leader outlived SIGKILL by KILL_WAIT_S (logged)."""
+    The exit code; None when the leader outlived SIGKILL by KILL_WAIT_S (logged). `leader`:
+    its identity from its start (else taken now, while Popen has not reaped it)."""
     pgid = popen.pid
+    if leader is None and popen.returncode is None:
+        leader = identify(pgid)
     if popen.poll() is None:
-        signal_group(pgid, signal.SIGTERM)
+        signal_group(leader, signal.SIGTERM)
         try:
             popen.wait(grace)
         except subprocess.TimeoutExpired:
             log.warning("%s[%d] ignored SIGTERM for %.1fs; killing its process group",
                         what, pgid, grace)
-            signal_group(pgid, signal.SIGKILL)
+            signal_group(leader, signal.SIGKILL)
             try:
                 popen.wait(KILL_WAIT_S)
             except subprocess.TimeoutExpired:
                 log.error("%s[%d] is still there %.0fs after SIGKILL", what, pgid, KILL_WAIT_S)
                 return None
-    signal_group(pgid, signal.SIGKILL)  # the sweep: whatever the leader left in its group
+    signal_group(leader, signal.SIGKILL)  # the sweep: whatever the leader left in its group
     return popen.returncode
 
 
@@ -244,9 +244,12 @@ async def start_async(argv: Sequence[str], *, env: Mapping[str, str] | None = No
 
 
 async def stop_async(proc: asyncio.subprocess.Process, grace: float, *,
-                     what: str = "process") -> int | None:
-    """`stop` for a process started by `start_async`: the same policy, awaited."""
+                     what: str = "process", leader: Identity | None = None) -> int | None:
+    """`stop` for a process started by `start_async`: the same policy, awaited. `leader`: its
+    identity from its start (else taken now, while the event loop has not reaped it)."""
     pgid = proc.pid
+    if leader is None and proc.returncode is None:
+        leader = identify(pgid)
 
     async def exited(timeout: float) -> bool:
         # `returncode`, not `wait()`: until 3.12, asyncio's wait() also waits for the output
@@ -259,15 +262,15 @@ async def stop_async(proc: asyncio.subprocess.Process, grace: float, *,
         return True
 
     if proc.returncode is None:
-        signal_group(pgid, signal.SIGTERM)
+        signal_group(leader, signal.SIGTERM)
         if not await exited(grace):
             log.warning("%s[%d] ignored SIGTERM for %.1fs; killing its process group",
                         what, pgid, grace)
-            signal_group(pgid, signal.SIGKILL)
+            signal_group(leader, signal.SIGKILL)
             if not await exited(KILL_WAIT_S):
                 log.error("%s[%d] is still there %.0fs after SIGKILL", what, pgid, KILL_WAIT_S)
                 return None
-    signal_group(pgid, signal.SIGKILL)  # the sweep
+    signal_group(leader, signal.SIGKILL)  # the sweep
     return proc.returncode
 
 

@@ -114,7 +114,14 @@ def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served) -
                          indirect=True)
 def test_sigterm_drains_in_flight_streams_then_stops(served: Served) -> None:
     served.wait_ready()
-    child = served.state()["child_pid"]
+    st = served.state()
+    child = st["child_pid"]
+    # The file names mtpwrap and its child by identity: this boot, their start times.
+    from mtpwrap import pids
+
+    assert st["boot_id"] == pids.boot_id() and st["written"] <= pids.ticks_now()
+    assert pids.alive(pids.Identity(served.proc.pid, st["pid_start"]))
+    assert pids.alive(pids.Identity(child, st["child_start"])) and st["child_pgid"] == child
     got: list[str] = []
     t = threading.Thread(target=sse, args=(served.base, 20, got))
     t.start()
@@ -180,17 +187,25 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
         child, grandchild = (int(x) for x in parent.stdout.readline().split())
         import os
 
+        from mtpwrap import pids
+
+        # What the instance file records while both live: boot, start times, when written.
+        mine, its = pids.identify(parent.pid), pids.identify(child)
+        assert mine is not None and its is not None
+        data = {"pid": parent.pid, "pid_start": mine.start,
+                "child_pgid": child, "child_start": its.start,
+                "boot_id": pids.boot_id(), "written": pids.ticks_now(),
+                "binary": sys.executable}
         os.kill(child, signal.SIGKILL)  # what PR_SET_PDEATHSIG does when mtpwrap dies
         parent.kill()
         parent.wait()
         wait_for("the child dead", lambda: dead(child), 5, every=0.02)
         assert Path(f"/proc/{grandchild}").exists()  # an orphan, still running
-        data = {"pid": parent.pid, "child_pgid": child, "binary": sys.executable}
         assert instance.reap_leftovers(data) == [grandchild]
         wait_for("the grandchild dead", lambda: dead(grandchild), 5, every=0.02)
-        # A live group that is not an orphan (our own) is never touched.
-        assert instance.reap_leftovers({"pid": parent.pid, "child_pgid": os.getpgid(0),
-                                      "binary": "/nonexistent"}) == []
+        # A live group whose leader is not the recorded one (our own) is never touched.
+        ours = {**data, "child_pgid": os.getpgid(0), "child_start": 1}
+        assert instance.reap_leftovers(ours) == []
     finally:
         parent.kill()
 

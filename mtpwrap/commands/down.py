@@ -17,6 +17,6 @@ def command(timeout: float | None, force: bool) -> None:
 
     pid = instance.stop_instance(timeout=timeout, force=force)
     if pid is None:
-        console.info("no instance is running")
+        console.info(instance.not_running())
     else:
         console.info(f"stopped mtpwrap (pid {pid})")

@@ -359,7 +359,8 @@ class Service:
             self.front.reload = reload
         # SupervisorStatus.pid is the child's; the file's pid is mtpwrap's own.
         data = {**st.to_dict(), **sup.timeline(), **self._base, "child_pid": st.pid,
-                "child_pgid": st.pid, "updated_at": time.time(), "reload": reload,
+                "child_pgid": st.pid, "child_start": st.pid_start, "updated_at": time.time(),
+                "reload": reload,
                 "persist": sup.carrier.report,
                 "companions": [{**run.to_dict(), **self.companions[run.name].status().to_dict()}
                                for run in self.launch.companions]}

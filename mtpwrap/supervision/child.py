@@ -23,7 +23,8 @@ from typing import Any
 from mtpwrap import promtext, upstream
 from mtpwrap.build.smoke import judge_completion
 from mtpwrap.decide.launch import LaunchConfig
-from mtpwrap.proc import child_env, signal_group, start_async, stop_async
+from mtpwrap.pids import identify, signal_group
+from mtpwrap.proc import child_env, start_async, stop_async
 
 log = logging.getLogger("mtpwrap.supervisor")
 child_log = logging.getLogger("mtpwrap.child")
@@ -94,6 +95,9 @@ class ChildProcess:
         self.proc = proc
         self.pid = proc.pid
         self.pgid = proc.pid  # start_new_session: the child leads its own session and group
+        # Its identity while the event loop has not reaped it (uvloop reaps in this thread):
+        # every signal to its group is checked against it, and the instance file records it.
+        self.leader = identify(proc.pid) if proc.returncode is None else None
         self.base_url = base_url
         self.socket = socket
         self.api_key = api_key
@@ -309,12 +313,12 @@ class ChildProcess:
     async def terminate(self, grace: float) -> int | None:
         """End it by the one stop policy (`proc.stop_async`: SIGTERM, `grace` seconds, SIGKILL,
         and the group swept even after a clean exit); the exit code, None when it is stuck."""
-        rc = await stop_async(self.proc, grace, what="llama-server")
+        rc = await stop_async(self.proc, grace, what="llama-server", leader=self.leader)
         await self.close()
         return rc
 
     def kill_group(self) -> None:
-        signal_group(self.pgid, signal.SIGKILL)
+        signal_group(self.leader, signal.SIGKILL)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

@@ -1,10 +1,15 @@
 """The instance file: how a running `mtpwrap up` tells `status`, `down` and the next `up` about
 itself (paths.state_dir()/instance.json, written atomically on every state change, removed
-on a clean exit)."""
+on a clean exit).
+
+A file left by an instance that did not exit cleanly outlives its processes, and their pids go
+to others. So the file records this boot's id and each process's start time (mtpwrap's own,
+llama-server's and each companion's, `pids.Identity`), and nothing is signalled unless the boot
+and the start time still match: a pid that is another process now makes the file stale.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -15,6 +20,7 @@ from typing import Any
 
 from mtpwrap import paths
 from mtpwrap.errors import RuntimeFailure
+from mtpwrap.pids import Identity, alive, boot_id, identify, send, signal_group, ticks_now
 
 log = logging.getLogger("mtpwrap.instance")
 
@@ -33,28 +39,60 @@ def read_instance() -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+def _identity(pid: object, start: object) -> Identity | None:
+    """A recorded pid and start time, when the file has both."""
+    if isinstance(pid, int) and pid > 1 and isinstance(start, int):
+        return Identity(pid, start)
+    return None
+
+
+def _recorded(data: dict[str, Any], pid_key: str, start_key: str) -> Identity | None:
+    """The process the file names under `pid_key`, when the file is of this boot and says when
+    that process started; None otherwise (nothing it names can then be trusted)."""
+    if data.get("boot_id") != boot_id():
+        return None
+    return _identity(data.get(pid_key), data.get(start_key))
+
+
+def owner(data: dict[str, Any] | None) -> Identity | None:
+    """The mtpwrap that wrote `data`, while it still runs; None when the file is stale."""
+    who = _recorded(data, "pid", "pid_start") if data else None
+    return who if who is not None and alive(who) else None
 
 
 def instance_running(data: dict[str, Any] | None) -> bool:
-    """True when the recorded mtpwrap process is still there (and is still mtpwrap)."""
-    if not data or not pid_alive(data.get("pid")):
-        return False
-    try:
-        cmdline = Path(f"/proc/{data['pid']}/cmdline").read_bytes()
-    except OSError:
-        return False
-    return b"mtpwrap" in cmdline
+    """True when the recorded mtpwrap process is still there (the same process, not its pid)."""
+    return owner(data) is not None
+
+
+def stale_reason(data: dict[str, Any]) -> str:
+    """Why a file that names no running instance is stale, in a few words."""
+    pid = data.get("pid")
+    if not isinstance(data.get("pid_start"), int) or not data.get("boot_id"):
+        return f"it does not say when pid {pid} started"
+    if data.get("boot_id") != boot_id():
+        return "it was written before the machine last booted"
+    now = identify(pid) if isinstance(pid, int) else None
+    if now is None or not alive(now):
+        return f"pid {pid} is gone"
+    return f"pid {pid} is another process now"
+
+
+def not_running() -> str:
+    """What `down` says when no instance runs: whether the state file was stale."""
+    data = read_instance()
+    if data is None:
+        return "no instance is running"
+    return (f"no instance is running: the state file {instance_path()} is stale "
+            f"({stale_reason(data)}); nothing was signalled")
 
 
 def write_instance(data: dict[str, Any]) -> None:
+    """Write the file for the instance that calls it: stamped with this boot's id, its own
+    start time, and when (`written`, on the clock of start times)."""
+    me = identify(os.getpid())
+    data = {**data, "boot_id": boot_id(), "pid_start": me.start if me else None,
+            "written": ticks_now()}
     path = instance_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -63,46 +101,31 @@ def write_instance(data: dict[str, Any]) -> None:
 
 
 def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
-    """Kill the llama-server groups (the chat model's and each companion's) that a previous,
-    SIGKILLed mtpwrap left behind.
+    """Kill what is left of the llama-server groups (the chat model's and each companion's)
+    that a previous, SIGKILLed mtpwrap left behind. Returns the pids killed.
 
     The child itself dies with its parent (PR_SET_PDEATHSIG), but a grandchild it started
-    survives as an orphan and may hold the GPU memory or port the next start needs. A group
-    id can be reused after its processes are gone, so only orphans are killed (or the
-    recorded binary itself, should the child have survived). Returns the pids killed."""
-    if not data or instance_running(data):
+    survives as an orphan and may hold the GPU memory or port the next start needs. The
+    group's id is its leader's pid, which goes to another process once the group is empty:
+    so only a group whose leader's identity the file records, of this boot, is touched, and
+    only while it is provably still that group (`pids.signal_group`: no process with the
+    leader's pid but the leader, every member started after the leader, the oldest before the
+    file was last written, while the leader held the id)."""
+    if not data or instance_running(data) or data.get("boot_id") != boot_id():
         return []
-    binary = data.get("binary")
-    groups = [data.get("child_pgid"), *(c.get("pid") for c in data.get("companions") or []
-                                        if isinstance(c, dict))]
+    written = data.get("written") if isinstance(data.get("written"), int) else None
+    groups = [_identity(data.get("child_pgid"), data.get("child_start")),
+              *(_identity(c.get("pid"), c.get("pid_start"))
+                for c in data.get("companions") or [] if isinstance(c, dict))]
     victims: list[int] = []
-    for pgid in groups:
-        if isinstance(pgid, int) and pgid > 1 and binary:
-            victims += _reap_group(pgid, str(binary), data.get("pid"))
-    return victims
-
-
-def _reap_group(pgid: int, binary: str, owner: object) -> list[int]:
-    import psutil
-
-    victims = []
-    for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
-        try:
-            if os.getpgid(p.pid) != pgid or p.info.get("status") == psutil.STATUS_ZOMBIE:
-                continue
-        except (ProcessLookupError, PermissionError):
+    for leader in groups:
+        if leader is None or written is None:
             continue
-        cmd = p.info.get("cmdline") or []
-        if p.info.get("ppid") == 1 or (cmd and cmd[0] == binary):
-            victims.append(p.pid)
-        else:
-            return []  # somebody else's live group now: leave it alone
-    for pid in victims:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    if victims:
-        log.warning("killed %d process(es) of group %d left behind by an earlier mtpwrap "
-                    "(pid %s)", len(victims), pgid, owner)
+        killed = signal_group(leader, signal.SIGKILL, started_by=written)
+        if killed:
+            log.warning("killed %d process(es) of group %d left behind by an earlier mtpwrap "
+                        "(pid %s)", len(killed), leader.pid, data.get("pid"))
+        victims += killed
     return victims
 
 
@@ -122,7 +145,7 @@ def instance_report() -> dict[str, Any]:
         return {"running": False, "reason": f"no state file at {instance_path()}"}
     if not instance_running(data):
         return {"running": False,
-                "reason": f"stale state file: pid {data.get('pid')} is gone",
+                "reason": f"stale state file: {stale_reason(data)}",
                 "last_state": data.get("state"), "last_exit": data.get("last_exit")}
     started = data.get("started_at")
     import httpx
@@ -154,27 +177,25 @@ def stop_instance(timeout: float | None = None, force: bool = False) -> int | No
     """SIGTERM the running instance and wait for it; its pid, or None when none runs."""
 
     data = read_instance()
-    if not instance_running(data):
+    who = owner(data)
+    if who is None or data is None:
         return None
-    assert data is not None
-    pid = int(data["pid"])
+    pid = who.pid
     if timeout is None:
         timeout = float(data.get("drain_s") or 30) + float(data.get("stop_grace_s") or 10) + 10
     try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return pid
+        if not send(who, signal.SIGTERM):
+            return pid
     except PermissionError as exc:
         raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap down` "
                              "as the user that runs it (or use systemctl stop).") from exc
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not pid_alive(pid):
+        if not alive(who):
             return pid
         time.sleep(0.1)
     if force:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        send(who, signal.SIGKILL)
         return pid
     raise RuntimeFailure(f"mtpwrap (pid {pid}) did not stop within {timeout:.0f}s.",
                          hint="Wait longer with --timeout, or use --force.")
@@ -186,16 +207,15 @@ def request_reload(kind: str, timeout: float) -> dict[str, Any]:
     "message": ..., "exit_code": ...}."""
 
     data = read_instance()
-    if not instance_running(data):
+    who = owner(data)
+    if who is None or data is None:
         raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
                              f"{instance_path()}).", hint="Start one with `mtpwrap up`.")
-    assert data is not None
-    pid = int(data["pid"])
+    pid = who.pid
     before = int((data.get("reload") or {}).get("generation") or 0)
     try:
-        os.kill(pid, signal.SIGHUP if kind == "reload" else signal.SIGUSR2)
-    except ProcessLookupError:
-        raise RuntimeFailure(f"mtpwrap (pid {pid}) exited before the {kind}.") from None
+        if not send(who, signal.SIGHUP if kind == "reload" else signal.SIGUSR2):
+            raise RuntimeFailure(f"mtpwrap (pid {pid}) exited before the {kind}.")
     except PermissionError as exc:
         raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap {kind}` "
                              "as the user that runs it (or use systemctl reload).") from exc
@@ -206,7 +226,7 @@ def request_reload(kind: str, timeout: float) -> dict[str, Any]:
         if int(state.get("generation") or 0) > before and state.get("result") not in (
                 None, "running"):
             return dict(state)
-        if not pid_alive(pid):
+        if not alive(who):
             raise RuntimeFailure(f"mtpwrap (pid {pid}) exited during the {kind}.")
         time.sleep(0.1)
     raise RuntimeFailure(f"the {kind} did not finish within {timeout:.0f}s; `mtpwrap status` "

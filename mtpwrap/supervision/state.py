@@ -125,6 +125,8 @@ class SupervisorStatus:
     step_note: str | None = None
     #: state changes refused as illegal since the start (each one a bug)
     illegal_transitions: int = 0
+    #: the child's start time (`pids.Identity.start`): its pid names it only with this
+    pid_start: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
@@ -136,7 +138,7 @@ class SupervisorStatus:
             "child_started_at": self.child_started_at,
             "ready_since": self.ready_since,
             "last_exit": self.last_exit,
-            "pid": self.pid,
+            "pid": self.pid, "pid_start": self.pid_start,
             "upstream": None if self.upstream is None else {
                 "base_url": self.upstream.base_url, "socket": self.upstream.socket,
                 "generation": self.upstream.generation},

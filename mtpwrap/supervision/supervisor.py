@@ -138,6 +138,7 @@ class Supervisor:
             child_started_at=child.started_at if child else None,
             ready_since=self._ready_since, last_exit=self._last_exit,
             pid=child.pid if child else None, upstream=self._upstream,
+            pid_start=child.leader.start if child and child.leader else None,
             step=self._policy.step, step_note=self._policy.step_note,
             illegal_transitions=self._illegal,
         )
