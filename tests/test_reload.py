@@ -45,3 +45,47 @@ def test_a_reload_that_does_not_fit_is_refused_by_the_running_instance(
         await sup.stop(3)
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_a_reload_restarts_only_what_would_run_another_command() -> None:
+    from mtpwrap.decide.endpoint import Endpoint
+    from mtpwrap.supervision.child import ChildCommand
+    from mtpwrap.supervision.supervisor import LaunchFactory
+
+    def factory(*argv: str, **env: str) -> LaunchFactory:
+        def make(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
+            rung = [f"--rung={step}"] if step else []
+            return ChildCommand([*argv, "--port", str(endpoint.port), *rung],
+                                {"LLAMA_API_KEY": api_key, **env})
+        return make
+
+    running = factory("llama-server", "-c", "4096")
+    assert reloading.same_command(running, 0, factory("llama-server", "-c", "4096"))
+    assert not reloading.same_command(running, 0, factory("llama-server", "-c", "8192"))
+    assert not reloading.same_command(running, 0, factory("llama-server", "-c", "4096",
+                                                          CUDA_VISIBLE_DEVICES="1"))
+    # a running launch stepped down after out-of-memory starts runs another command
+    assert not reloading.same_command(running, 1, factory("llama-server", "-c", "4096"))
+
+
+def test_a_companion_whose_command_is_unchanged_is_left_running() -> None:
+    from mtpwrap.supervision.state import SupervisorStatus
+
+    class Companion:
+        """A ready companion's supervisor as reload sees it."""
+
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def status(self) -> SupervisorStatus:
+            return SupervisorStatus(State.READY, None, 0, None, None, None, None, None, None)
+
+        async def reload(self, factory: object, drain_s: float) -> tuple[bool, str]:
+            self.asked += 1
+            return True, "restarted"
+
+    kids = {"same": Companion(), "new": Companion()}
+    failed, notes = asyncio.run(reloading._swap_companions(
+        kids, None, 5.0, frozenset({"same"})))  # type: ignore[arg-type]
+    assert (kids["same"].asked, kids["new"].asked) == (0, 1)
+    assert failed == [] and notes == ["companion same unchanged: not restarted"]
