@@ -30,6 +30,9 @@ ALICE = "alice-key-0123456789"
 BOB = "bob-key-abcdefghijkl"
 BOTH = f"{ALICE} name=alice\n{BOB} name=bob\n"
 HELLO = [{"role": "user", "content": "Say hello."}]
+#: ~800 tokens: a document llama-server keeps warm in a slot
+DOCUMENT = " ".join(f"Clause {i}: the party shall deliver item {i * 7} by day {i % 28 + 1}."
+                    for i in range(50))
 
 
 class Up:
@@ -70,6 +73,15 @@ class Up:
             return exc.status_code
         return 200
 
+    def prompt_n(self, prompt: str) -> int:
+        """Prompt tokens llama-server computed for a completion of `prompt` (not its cache's)."""
+        r = httpx.post(f"{self.base}/v1/completions", timeout=120,
+                       headers={"authorization": f"Bearer {ALICE}"},
+                       json={"model": "demo", "prompt": prompt, "max_tokens": 2,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        return int(r.json()["timings"]["prompt_n"])
+
     def healthz(self, key: str) -> int:
         """/healthz with `key`: the front's own page, answered without a slot of
         llama-server's (so a probe never waits behind a stream)."""
@@ -96,6 +108,8 @@ def up(tmp_path: Path, free_port: int, llama_server_bin: Path, demo_model: Path
 def test_reload_drops_a_key_without_restarting_llama_server(up: Up) -> None:
     assert up.chat(ALICE) == 200 and up.chat(BOB) == 200
     child = up.state()["child_pid"]
+    cold = up.prompt_n(DOCUMENT)
+    assert cold > 500, cold
     fewer = up.tmp / "keys-without-bob"
     fewer.write_text(f"{ALICE} name=alice\n")
     # another file, named by the config: only a reload reads it (the watch is on the first)
@@ -113,6 +127,10 @@ def test_reload_drops_a_key_without_restarting_llama_server(up: Up) -> None:
     took = st["reload"]["finished_at"] - st["reload"]["started_at"]
     print(f"reload that swapped the keys: {took:.2f} s in the running instance")
     assert took < 5, took
+    # the document is still warm: only the new question is computed
+    warm = up.prompt_n(DOCUMENT + " Which item is due on day 3?")
+    print(f"prompt tokens computed: {cold} cold, {warm} after the reload")
+    assert warm < 0.05 * cold, (warm, cold)
 
     # the watch follows the file the reload named
     fewer.write_text(f"{BOB} name=bob\n")
