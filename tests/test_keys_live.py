@@ -77,7 +77,7 @@ def watched(tmp_path: Path) -> Iterator[tuple[Watched, FakeUpstream]]:
         fake.stop()
 
 
-def test_a_key_taken_out_of_the_file_is_refused_within_two_polls(
+def test_a_key_taken_out_of_the_file_is_refused_within_a_few_polls(
         watched: tuple[Watched, FakeUpstream], caplog: pytest.LogCaptureFixture) -> None:
     w, _fake = watched
     assert w.status(ALICE) == 200 and w.status(BOB) == 200
@@ -85,7 +85,7 @@ def test_a_key_taken_out_of_the_file_is_refused_within_two_polls(
     t0 = time.monotonic()
     w.path.write_text(f"{ALICE} name=alice\n")
     took = wait_for("bob refused", lambda: w.status(BOB) == 401, 5, every=0.05)
-    assert took < 4 * keywatch.POLL_S, took
+    assert took < 6 * keywatch.POLL_S, took  # two polls, with room for a loaded machine
     assert time.monotonic() - t0 < 5
     assert w.status(ALICE) == 200
     said = [r.getMessage() for r in caplog.records if r.name == "mtpwrap.keys"]
