@@ -23,13 +23,15 @@ def _sha(p: Path) -> str:
 
 def test_each_patch_has_a_header_and_touches_files() -> None:
     patches = patchset.available()
-    assert [p.name for p in patches] == ["0001-per-request-speculative"]
+    assert [p.name for p in patches] == ["0001-per-request-speculative",
+                                         "0002-slot-checkpoints"]
     for p in patches:
         text = p.path.read_text()
         assert text.startswith("# ")
         for part in ("Why:", "How to drop it:", "Upstream base:"):
             assert part in text, f"{p.name}: header lacks {part!r}"
-        assert "tools/server/server-schema.cpp" in p.files
+    assert "tools/server/server-schema.cpp" in patches[0].files
+    assert patches[1].files == ("tools/server/server-context.cpp",)
 
 
 @pytest.mark.integration
@@ -70,9 +72,10 @@ def test_a_patch_that_does_not_apply_names_file_and_hunk(offline_tree: Path,
 
 def test_opting_out() -> None:
     applied, out = patchset.select(skip=("0001",))
-    assert applied == [] and [p.name for p in out] == ["0001-per-request-speculative"]
+    assert [p.name for p in applied] == ["0002-slot-checkpoints"]
+    assert [p.name for p in out] == ["0001-per-request-speculative"]
     applied, out = patchset.select(no_patches=True)
-    assert applied == [] and len(out) == 1
+    assert applied == [] and len(out) == 2
     with pytest.raises(ConfigError, match=r"--skip-patch 0009: no such patch"):
         patchset.select(skip=("0009",))
 
@@ -87,34 +90,38 @@ def test_cache_key_holds_the_patches_content() -> None:
 
 
 def test_each_patch_says_which_sources_it_is_for() -> None:
-    (patch,) = patchset.available()
-    assert patch.sources == (f"offline@{source.OFFLINE_COMMIT}",)
-    assert "per-request draft depth unsupported" in patch.without
-    assert patch.meant_for("offline", source.OFFLINE_COMMIT)
-    assert not patch.meant_for("submodule", source.SUBMODULE_COMMIT)
-    assert not patch.meant_for("offline", "1234567")  # another upstream commit
+    speculative, checkpoints = patchset.available()
+    assert "per-request draft depth unsupported" in speculative.without
+    assert "re-reads the whole document" in checkpoints.without
+    for patch in (speculative, checkpoints):
+        assert patch.sources == (f"offline@{source.OFFLINE_COMMIT}",)
+        assert patch.meant_for("offline", source.OFFLINE_COMMIT)
+        assert not patch.meant_for("submodule", source.SUBMODULE_COMMIT)
+        assert not patch.meant_for("offline", "1234567")  # another upstream commit
 
 
 def test_a_patch_not_for_the_source_is_recorded_not_tried() -> None:
     applied, records = patchset.for_source("submodule", source.SUBMODULE_COMMIT)
-    assert applied == []
-    (rec,) = records
-    assert rec["status"] == "not-for-source"
+    assert applied == [] and len(records) == 2
+    rec = records[0]
+    assert {r["status"] for r in records} == {"not-for-source"}
     assert rec["why"] == (f"written for offline@{source.OFFLINE_COMMIT}; this build's source is "
                           f"the submodule at {source.SUBMODULE_COMMIT[:12]}")
     assert rec["without"] and "policy is off" in rec["without"]
     applied, records = patchset.for_source("offline", source.OFFLINE_COMMIT)
-    assert [p.name for p in applied] == ["0001-per-request-speculative"]
-    assert [r["status"] for r in records] == ["applied"]
+    assert [p.name for p in applied] == ["0001-per-request-speculative",
+                                         "0002-slot-checkpoints"]
+    assert [r["status"] for r in records] == ["applied", "applied"]
     # opting out still wins, and a PATH tree is built as it is
     assert [r["status"] for r in patchset.for_source("offline", source.OFFLINE_COMMIT,
-                                                     skip=("0001",))[1]] == ["opted-out"]
+                                                     skip=("0001",))[1]] == ["opted-out",
+                                                                            "applied"]
     applied, records = patchset.for_source("path", None)
     assert applied == [] and records[0]["why"] == "a --source PATH tree is built as it is"
 
 
 def test_a_patch_with_no_for_line_is_for_every_pinned_source(tmp_path: Path) -> None:
-    (patch,) = patchset.available()
+    patch = patchset.available()[0]
     text = "".join(line for line in patch.path.read_text().splitlines(keepends=True)
                    if not line.startswith("# For:"))
     (tmp_path / patch.path.name).write_text(text)
@@ -123,7 +130,7 @@ def test_a_patch_with_no_for_line_is_for_every_pinned_source(tmp_path: Path) -> 
 
 
 def test_the_header_is_not_part_of_the_cache_key(tmp_path: Path) -> None:
-    (patch,) = patchset.available()
+    patch = patchset.available()[0]
     (tmp_path / patch.path.name).write_text("# a new first line of prose\n"
                                             + patch.path.read_text())
     (reworded,) = patchset.available(tmp_path)
