@@ -133,7 +133,7 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
     s = load_settings({}, env={"MTPWRAP_PERSIST_MAX_MB": "100"}, config=cfg)
     pc = startup.persist_config(s)
     assert pc is not None and pc.min_tokens == 512 and pc.max_bytes == 100 * 2**20
-    assert pc.directory == Path("/srv/snaps") and pc.checkpoints is False
+    assert pc.directory == Path("/srv/snaps") and pc.checkpoints is True
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "false"}, config=cfg)
     assert startup.persist_config(off) is None
     cfg.write_text("persist:\n  min_token: 512\n")

@@ -149,8 +149,10 @@ PERSIST: dict[str, Key] = {
                       "an integer number of tokens >= 1"),
     "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",
                   _nonneg, "an integer number of MiB >= 0 (0: a quarter of the free disk)"),
-    "checkpoints": Key("bool", False, "Also take snapshots while serving, so a crash restores "
-                                      "the last one."),
+    "checkpoints": Key("bool", True, "Also take snapshots while serving, so a crash of "
+                                     "llama-server restores the last one (documents stay warm "
+                                     "across a crash); false: only planned restarts carry "
+                                     "them."),
     "checkpoint_tokens": Key("int", 2048, "A checkpoint is taken when llama-server has "
                                           "prefilled this many tokens since the last one and "
                                           "has been idle for a few seconds.", "tokens", _pos,

@@ -39,6 +39,9 @@ log = logging.getLogger("mtpwrap.persist")
 
 PREFIX = "mtpwrap-slot"
 SUFFIX = ".bin"
+#: llama-server (patch 0002) writes a slot's context checkpoints and draft context beside its
+#: file, under the file's name with this suffix: the two are kept and removed together
+SIDECAR = ".ckpt"
 #: idle seconds before a checkpoint is taken
 CHECKPOINT_IDLE_S = 3.0
 #: share of the free disk the snapshots may take when persist.max_mb is 0 (auto)
@@ -158,24 +161,42 @@ class SnapshotStore:
             return []
 
     def secure(self, name: str) -> int:
-        """Make a freshly written snapshot 0600; its size in bytes (0 when it is gone)."""
-        p = self.path(name)
+        """Make a freshly written snapshot (and its sidecar, when llama-server wrote one) 0600;
+        its size in bytes (0 when it is gone)."""
         try:
-            os.chmod(p, 0o600)
-            return p.stat().st_size
+            os.chmod(self.path(name), 0o600)
+            size = self.path(name).stat().st_size
         except OSError:
             return 0
+        with contextlib.suppress(OSError):
+            os.chmod(self.path(name + SIDECAR), 0o600)
+            size += self.path(name + SIDECAR).stat().st_size
+        return size
+
+    def size(self, name: str) -> int:
+        """A snapshot's bytes with its sidecar's."""
+        total = 0
+        for p in (self.path(name), self.path(name + SIDECAR)):
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size
+        return total
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(OSError):
-            self.path(name).unlink()
-
-    def clear(self) -> int:
-        n = 0
-        for p in self.files():
+        for p in (self.path(name), self.path(name + SIDECAR)):
             with contextlib.suppress(OSError):
                 p.unlink()
-                n += 1
+
+    def clear(self) -> int:
+        """Delete every snapshot with its sidecar, and what a write cut short left; the number
+        of snapshots deleted."""
+        n = len(self.files())
+        try:
+            leftovers = [p for p in self.directory.iterdir() if p.name.startswith(PREFIX)]
+        except OSError:
+            return 0
+        for p in leftovers:
+            with contextlib.suppress(OSError):
+                p.unlink()
         return n
 
     def evict(self) -> list[str]:
@@ -183,8 +204,7 @@ class SnapshotStore:
         entries = []
         for p in self.files():
             with contextlib.suppress(OSError):
-                st = p.stat()
-                entries.append((st.st_mtime_ns, p.name, st.st_size))
+                entries.append((p.stat().st_mtime_ns, p.name, self.size(p.name)))
         entries.sort()
         total = sum(size for _, _, size in entries)
         gone: list[str] = []
