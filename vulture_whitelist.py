@@ -13,6 +13,10 @@ _ = object()  # vulture's whitelist form: `_.name` uses `name`; this file is nev
 # status pages, --json) and no code reads by attribute
 _.roofline_tokens_per_s  # bench.gpu_plan.Cell
 _.per_position  # bench.stats.SpecStats
+_.checkpoint_bytes  # decide.documents.DocumentPlan (plan --json, /status)
+_.ram_budget  # decide.documents.DocumentPlan
+_.ctx_checkpoints  # decide.launch.LaunchConfig: render reads it by name (_DOCUMENT_FLAGS)
+_.checkpoint_min_step  # decide.launch.LaunchConfig, the same
 _.per_position_conditional  # bench.stats.SpecStats
 _.mean_draft_length  # bench.stats.SpecStats
 _.cuda_version  # build.manifest.Manifest

@@ -147,6 +147,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: str
         d["profile"] = inp.profile.name
         d["measured"] = r.measured
         d["measured_text"] = r.measured_text
+        d["documents"] = r.documents.to_dict() if r.documents is not None else None
         console.print_json(d)
         return
     _print_plan(r, desc, device)
@@ -183,6 +184,7 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"llama.cpp's own figures: {r.measured_text}")
     if device is None:
         console.out.print(f"host memory needed: {_fmt(host_needed)} MiB")
+        _print_documents(r)
         return
     assert p.headroom is not None
     if r.measured:
@@ -206,3 +208,15 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"  {note}")
     for why in p.not_admitted.values():
         console.out.print(f"  not listed, {why}")
+    _print_documents(r)
+
+
+def _print_documents(r: Any) -> None:
+    """How documents stay warm under this launch (`decide.documents`), with each reason."""
+    from mtpwrap import console
+
+    if r.documents is None:
+        return
+    console.out.print(f"documents: {r.documents.summary()}")
+    for key, why in r.documents.why:
+        console.out.print(f"  {key}: {why}")

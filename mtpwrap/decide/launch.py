@@ -73,6 +73,11 @@ class LaunchConfig:
     kv_unified: bool | None = None  #: None: llama.cpp's default (unified when slots > 1)
     repack: bool | None = None  #: CPU weight repacking; None: llama.cpp's default (on)
     fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
+    #: how documents stay warm (mtpwrap.decide.documents); None: llama.cpp's default
+    ctx_checkpoints: int | None = None
+    checkpoint_min_step: int | None = None
+    cache_reuse: int | None = None
+    cache_ram: int | None = None  #: MiB of host RAM for llama-server's prompt cache
     #: a companion: serve embeddings (--embeddings) or reranking (--reranking) only
     serves: str | None = None
     pooling: str | None = None  #: --pooling; None: the model's own
@@ -158,6 +163,9 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
 # --------------------------------------------------------------------------- rendering
 
 
+#: the document cache's flags (mtpwrap.decide.documents), in the order they are spelled
+_DOCUMENT_FLAGS = ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse", "cache_ram")
+
 #: what sizes the memory llama-fit-params reports: it must take all of these
 _MEMORY_FLAGS = frozenset({"model", "context", "gpu_layers", "slots", "batch", "ubatch",
                            "cache_k", "cache_v", "flash_attn"})
@@ -170,6 +178,8 @@ class _Argv:
         self.args: list[str] = []
         self.decisions: list[Decision] = []
         self.dropped: list[str] = []
+        #: document-cache flags this binary lacks (a warning: it serves, less warm)
+        self.missing: list[str] = []
 
     def add(self, logical: str, value: Any, reason: str, *, spellings: tuple[str, ...] = ()
             ) -> bool:
@@ -257,6 +267,15 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("pooling", cfg.pooling, r("pooling"))
     if cfg.alias is not None and serve:
         b.add("alias", cfg.alias, r("alias"))
+    if serve:
+        for name in _DOCUMENT_FLAGS:
+            value = getattr(cfg, name)
+            if value is None:
+                continue
+            if caps.first_of(SPELLINGS[name]) is None:
+                b.missing.append(f"{SPELLINGS[name][-1]} {value} ({r(name)})")
+                continue
+            b.add(name, value, r(name))
     if serve and slot_save_path is not None:
         b.add("slot_save_path", slot_save_path,
               "mtpwrap's KV snapshot directory (persist.dir), never a client's")
@@ -293,6 +312,9 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
 
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
+    if b.missing:
+        warnings.append(f"{caps.describe()} lacks what keeps documents warm, left out: "
+                        + "; ".join(b.missing))
     return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
                           profile=cfg.profile, secret_env=frozenset(secret), dropped=b.dropped)
 

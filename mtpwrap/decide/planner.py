@@ -19,6 +19,7 @@ the only estimated rows and are labelled so.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -395,6 +396,38 @@ def _run_rows(facts: ModelFacts, cfg: PlanConfig, n_ctx: int, gpu: str) -> list[
         rows.append(Row("overhead", overhead, gpu, f"{cfg.backend} context and workspace "
                         "(an allowance above the 300-500 MiB CUDA contexts measured)"))
     return rows
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """What one slot's document costs outside the device plan: llama-server's RAM prompt cache
+    keeps a sequence's whole state (`llama_state_seq_get_size`), and a context checkpoint the
+    part of it that cannot be rolled back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)."""
+
+    kv_per_token: int  #: main KV and the MTP context's KV, bytes per cached token
+    fixed: int         #: the recurrent state of one sequence (one row, f32)
+    checkpoint: int    #: one checkpoint: that row plus the sliding-window cells of one sequence
+
+    def entry(self, tokens: int, checkpoints: int = 0) -> int:
+        """One sequence of `tokens` with its checkpoints, as the RAM cache stores it."""
+        return self.kv_per_token * tokens + self.fixed + checkpoints * self.checkpoint
+
+
+def sequence_state(facts: ModelFacts, cfg: PlanConfig,
+                   kv_sizes: dict[str, Any] | None = None) -> SequenceState:
+    """The per-sequence sizes of a launch (`SequenceState`), from the same rows as `plan`."""
+    per_token = kv_bytes(facts, facts.kv_layers, 1, 1, cfg.type_k, cfg.type_v, cfg, kv_sizes)
+    if cfg.spec == "mtp":
+        per_token += kv_bytes(facts, list(range(facts.n_layer, facts.n_layer_all)), 1, 1,
+                              cfg.type_k_draft, cfg.type_v_draft, cfg, kv_sizes)
+    row = len(facts.recurrent_layers) * (facts.recurrent_r_floats + facts.recurrent_s_floats) * 4
+    swa = 0
+    if facts.swa_layers:
+        cells = _swa_cells(facts, _pad(cfg.n_ctx, 256), dataclasses.replace(cfg, n_slots=1))
+        swa = kv_bytes(facts, facts.swa_layers, cells, 1, cfg.type_k, cfg.type_v, cfg, kv_sizes)
+        per_token -= kv_bytes(facts, facts.swa_layers, 1, 1, cfg.type_k, cfg.type_v, cfg,
+                              kv_sizes)
+    return SequenceState(kv_per_token=per_token, fixed=row + swa, checkpoint=row + swa)
 
 
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,

@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.decide import companions, gguf_facts, kv, planner
+from mtpwrap.decide import companions, documents, gguf_facts, kv, planner
 from mtpwrap.decide.choice import choose
 from mtpwrap.decide.companions import CompanionLaunch
+from mtpwrap.decide.documents import DocumentPlan
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.ladder import step_down
 from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, render
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
-from mtpwrap.decide.vocab import SPELLINGS
+from mtpwrap.decide.vocab import ROPE_FLAGS, SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
 from mtpwrap.units import GiB
 
@@ -73,6 +74,8 @@ class Resolved:
     facts: ModelFacts | None = None  #: the model's header, once planned
     #: the embedding and rerank models served next to this one, decided and planned
     companions: tuple[CompanionLaunch, ...] = ()
+    #: how documents stay warm (checkpoints, the RAM cache), when the model's header was read
+    documents: DocumentPlan | None = None
 
     @property
     def measured_headroom(self) -> int | None:
@@ -275,6 +278,7 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
         # would otherwise fail at load, after the service said it was starting
 
         planner.require_mtp_head(facts, f"profile {profile.name}'s spec.kind: mtp")
+    cfg = _within_trained_context(cfg, facts)
     gpu = on_device(profile, snapshot)
     comps = companions.resolve_companions(
         profile, {c.name: inp.companion_models.get(c.name, c.model)
@@ -299,7 +303,60 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
         chat_host = r.plan.host_total if r.plan is not None else (
             0 if gpu or facts is None else facts.file_size)
         companions.check_ram(chat_host, comps, snapshot)
-    return r
+    return _with_documents(r)
+
+
+def _within_trained_context(cfg: LaunchConfig, facts: ModelFacts | None) -> LaunchConfig:
+    """A slot's context above the model's trained one is capped by llama-server ("exceeds the
+    training context of the model - capping") while the plan would show the profile's: cap it
+    here, with the reason, unless the profile stretches the model (rope or YaRN flags in its
+    extra_args)."""
+    train = facts.n_ctx_train if facts is not None else 0
+    if not train or not cfg.context or ROPE_FLAGS.intersection(cfg.extra_args):
+        return cfg
+    per_slot = cfg.context if cfg.kv_unified else cfg.context // max(1, cfg.slots)
+    if per_slot <= train:
+        return cfg
+    capped = train if cfg.kv_unified else train * max(1, cfg.slots)
+    note = (f"context {cfg.context:,} asks {per_slot:,} tokens per slot, past the model's "
+            f"trained context of {train:,} (its GGUF header), which llama-server caps it to; "
+            f"using {capped:,}. Set the context to at most that, or stretch the model with "
+            "rope/YaRN flags in the profile's extra_args.")
+    return cfg.replace(context=capped, warnings=cfg.warnings + (note,),
+                       why={"context": f"{cfg.reason('context')}, capped to the model's trained "
+                                       f"context of {train:,} tokens per slot"})
+
+
+def _with_documents(r: Resolved) -> Resolved:
+    """r with its document cache decided (`documents.decide`) and the launch carrying it;
+    r itself when the model's header was not read or its KV types cannot be sized."""
+    facts, launch, inp = r.facts, r.launch, r.inputs
+    if facts is None or not facts.kv_cache or launch.serves is not None:
+        return r
+    backend = "cuda" if on_device(r.profile, inp.snapshot) else "cpu"
+    try:
+        pc = plan_config(launch, facts, backend=backend, caps=inp.caps)
+        state = planner.sequence_state(facts, pc, inp.kv_sizes)
+        host = (r.plan if r.plan is not None else
+                planner.plan(facts, pc, None, inp.kv_sizes)).host_total
+    except ConfigError:
+        return r
+    slot_context = planner.kv_geometry(pc.n_ctx, pc.n_slots, pc.kv_unified)[1]
+    doc = documents.decide(
+        facts, state, slot_context=slot_context, ubatch=launch.ubatch, batch=launch.batch,
+        ram_total=inp.snapshot.ram_total if inp.snapshot is not None else None,
+        host_used=host + sum(c.host_bytes for c in r.companions))
+    why = dict(doc.why)
+    launch = launch.replace(
+        why={field: why[key] for field, key in (
+            ("ctx_checkpoints", "checkpoints"), ("checkpoint_min_step", "min_step"),
+            ("batch", "batch"), ("cache_reuse", "cache_reuse"), ("cache_ram", "cache_ram"))
+            if key in why},
+        ctx_checkpoints=doc.checkpoints, checkpoint_min_step=doc.min_step,
+        batch=doc.batch if doc.batch is not None else launch.batch,
+        cache_reuse=doc.cache_reuse, cache_ram=doc.cache_ram_mib,
+        warnings=launch.warnings + doc.warnings)
+    return dataclasses.replace(r, launch=launch, documents=doc)
 
 
 def _check_gpu_companions(comps: Sequence[CompanionLaunch],

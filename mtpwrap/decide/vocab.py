@@ -58,6 +58,10 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "no_webui": ("--no-webui", "--no-ui"),
     "api_key": ("--api-key",),
     "slot_save_path": ("--slot-save-path",),
+    "ctx_checkpoints": ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
+    "checkpoint_min_step": ("-cms", "--checkpoint-min-step"),
+    "cache_reuse": ("--cache-reuse",),
+    "cache_ram": ("-cram", "--cache-ram"),
     "embeddings": ("--embeddings", "--embedding"),
     "reranking": ("--reranking", "--rerank"),
     "pooling": ("--pooling",),
@@ -91,6 +95,10 @@ VERBOSE = frozenset({"-v", "--verbose", "--log-verbose"})
 VERBOSITY = frozenset(SPELLINGS["verbosity"])
 #: KV types a step-down moves through (each taken only when it is smaller per value).
 STEP_KV_TYPES = ("q8_0", "tbq4_0", "q4_0", "tbq3_0")
+#: flags that stretch a model past its trained context (a profile's extra_args): with one of
+#: them a context above the trained one is the profile's stated choice, not capped
+ROPE_FLAGS = frozenset({"--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale",
+                        "--yarn-orig-ctx", "--yarn-ext-factor"})
 #: the smallest context a step-down halves to.
 CONTEXT_FLOOR = 4096
 #: the environment variable the fork reads before it takes tbq3_0 for the V cache
