@@ -1,0 +1,168 @@
+"""A long document asked many times, through `mtpwrap up` and the official `openai` client, on
+the tiny hybrid qwen35 model with its MTP head (the flagship's architecture: recurrent layers,
+so llama-server reuses a prompt only back to a context checkpoint). A second question re-reads at
+most the checkpoint spacing of the document (1,024 tokens, or 2 % of it), whether it comes in
+the document's message after a long question, in its own message, after other users' documents,
+after `mtpwrap reload`, after `mtpwrap restart` and after llama-server was killed.
+
+"read" is llama-server's own `timings.prompt_n` of the answer: the tokens it computed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from mtpwrap.build.tiny_gguf import write_tiny_random
+from tests.helpers import Instance, run_cli, wait_for
+
+pytestmark = pytest.mark.integration
+
+#: what a new question may re-read of its document: the plan's checkpoint spacing
+REREAD = 1024
+#: a short question and the chat template around it
+QUESTION = 96
+
+
+def document(name: str, clauses: int = 200) -> str:
+    """About 8K tokens of contract, different for each name."""
+    return " ".join(f"{name} clause {i}: the party of part {i % 5} shall deliver item {i * 7} "
+                    f"by day {i % 28 + 1}." for i in range(clauses))
+
+
+#: 2K tokens of instructions: longer than llama-server's own checkpoints near the prompt's end
+LONG = " ".join(f"Instruction {i}: answer carefully, cite the clause and its part."
+                for i in range(160))
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    folder = tmp_path_factory.mktemp("documents")
+    model = write_tiny_random(folder / "tiny-qwen35-mtp-32k.gguf", "qwen35", mtp=True,
+                              context=32768)
+    path = folder / "tiny-documents.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "tiny-documents",
+        "description": "The tiny hybrid model with its MTP head, 32K context, on the CPU",
+        "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
+        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
+        "gpu_layers": 0, "slots": 1, "threads": 2}))
+    yield path
+    model.unlink()
+
+
+class Up(Instance):
+    def __init__(self, tmp: Path, port: int, binary: Path, profile: Path) -> None:
+        model = Path(yaml.safe_load(profile.read_text())["model"])
+        super().__init__(tmp / "home", port, binary, model, log=tmp / "up.log",
+                         profile=str(profile))
+        self.wait_ready(180)
+        self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="unused",
+                                    max_retries=0, timeout=300)
+
+    def ask(self, messages: list[dict[str, str]]) -> tuple[int, int]:
+        """(read, tokens of the prompt) of one answer, from llama-server's own timings."""
+        r = self.client.chat.completions.create(model="tiny", messages=messages,  # type: ignore[arg-type]
+                                                max_tokens=1, temperature=0)
+        timings = (r.model_extra or {})["timings"]
+        assert r.usage is not None
+        return int(timings["prompt_n"]), int(r.usage.prompt_tokens)
+
+    def state(self) -> dict:
+        return json.loads((self.home / "state" / "instance.json").read_text())
+
+
+def same(doc: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}]
+
+
+def separate(doc: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": doc}, {"role": "user", "content": question}]
+
+
+def bound(doc_tokens: int) -> int:
+    return max(REREAD, doc_tokens // 50) + QUESTION
+
+
+@pytest.fixture
+def up(tmp_path: Path, free_port: int, llama_server_bin: Path, profile: Path) -> Iterator[Up]:
+    u = Up(tmp_path, free_port, llama_server_bin, profile)
+    try:
+        yield u
+    finally:
+        u.close()
+
+
+def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
+    """The document's own message, after a long question (whose checkpoints llama-server
+    places inside the question); then the document as a message of its own."""
+    a = document("Alpha")
+    read, tokens = up.ask(same(a, LONG + " Which clause names day 9?"))
+    doc_tokens = tokens - 2100
+    assert read >= tokens - 8 and doc_tokens > 6000, (read, tokens)
+    for q in ("Who delivers item 70?", "What is due on day 3?"):
+        read, tokens = up.ask(same(a, q))
+        assert read <= bound(doc_tokens), (q, read, tokens)
+    read, _ = up.ask(separate(a, "Name the last clause."))
+    assert read <= bound(doc_tokens), read
+    read, _ = up.ask(separate(a, "Name the first clause."))
+    assert read <= QUESTION, read
+
+
+def test_three_users_three_documents_round_robin(up: Up) -> None:
+    """One slot: each document leaves it for llama-server's RAM cache (sized by the plan)
+    and comes back with its checkpoints."""
+    docs = {n: document(n) for n in ("Alpha", "Bravo", "Charlie")}
+    sizes = {}
+    for n, d in docs.items():
+        read, tokens = up.ask(same(d, LONG + " Which clause names day 9?"))
+        assert read >= tokens - 8
+        sizes[n] = tokens - 2100
+    for rnd in range(2):
+        for n, d in docs.items():
+            read, _ = up.ask(same(d, f"Round {rnd}: what does part {rnd + 1} deliver?"))
+            assert read <= bound(sizes[n]), (rnd, n, read)
+
+
+def test_restart_reload_and_a_crash_keep_the_document_warm(up: Up) -> None:
+    a = document("Alpha")
+    read, tokens = up.ask(same(a, LONG + " Which clause names day 9?"))
+    doc_tokens = tokens - 2100
+    read, _ = up.ask(same(a, "Who delivers item 70?"))
+    assert read <= bound(doc_tokens), read
+
+    r = run_cli("restart", env=up.env, timeout=240)
+    assert r.returncode == 0, r.output
+    read, _ = up.ask(same(a, "What is due on day 3?"))
+    assert read <= bound(doc_tokens), ("after restart", read)
+
+    r = run_cli("reload", env=up.env, timeout=240)
+    assert r.returncode == 0, r.output
+    read, _ = up.ask(same(a, "What is due on day 4?"))
+    assert read <= bound(doc_tokens), ("after reload", read)
+
+    # a crash: what was saved is the last checkpoint taken while idle (persist.checkpoints)
+    def checkpoint() -> object:
+        return (up.state().get("persist") or {}).get("checkpoint")
+
+    before = checkpoint()
+    up.ask(same(a, LONG + " Which clause names day 12?"))  # new prompt since the restart
+    wait_for("a persist checkpoint", lambda: checkpoint() not in (None, before), 60)
+    directory = Path(up.state()["persist_dir"])
+    files = sorted(p.name for p in directory.iterdir())
+    assert any(f.endswith(".ckpt") for f in files), files  # the checkpoints went with it
+    assert directory.stat().st_mode & 0o777 == 0o700
+    for p in directory.iterdir():
+        assert p.stat().st_mode & 0o777 == 0o600, p
+    child = up.state()["child_pid"]
+    os.kill(child, signal.SIGKILL)
+    wait_for("llama-server back", lambda: up.state().get("child_pid") not in (None, child)
+             and up.state().get("state") == "ready", 180)
+    read, _ = up.ask(same(a, "What is due on day 5?"))
+    assert read <= bound(doc_tokens), ("after a crash", read)
