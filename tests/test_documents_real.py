@@ -15,6 +15,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -101,7 +102,23 @@ def up(tmp_path: Path, free_port: int, llama_server_bin: Path, profile: Path) ->
 
 def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
     """The document's own message, after a long question (whose checkpoints llama-server
-    places inside the question); then the document as a message of its own."""
+    places inside the question); then the document as a message of its own. The launch says
+    how documents stay warm, and llama-server was told it."""
+    for page in ("healthz", "status.json"):
+        said = httpx.get(f"{up.base}/{page}", timeout=30).json()["documents"]
+        assert said["min_step"] == REREAD and said["checkpoints"] >= 8, said
+        assert "full-context document(s) of 32,768 tokens" in said["summary"], said
+    assert up.log is not None and "documents    RAM cache" in up.log.read_text()
+    argv = Path(f"/proc/{up.state()['child_pid']}/cmdline").read_text().split("\0")
+
+    def value(*spellings: str) -> str:
+        (i,) = [argv.index(s) for s in spellings if s in argv]
+        return argv[i + 1]
+
+    assert value("-cms", "--checkpoint-min-step") == "1024"
+    assert value("--cache-reuse") == "0"
+    assert value("-ctxcp", "--ctx-checkpoints") == str(said["checkpoints"])
+    assert int(value("-cram", "--cache-ram")) > 1024
     a = document("Alpha")
     read, tokens = up.ask(same(a, LONG + " Which clause names day 9?"))
     doc_tokens = tokens - 2100

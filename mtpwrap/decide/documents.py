@@ -62,6 +62,7 @@ class DocumentPlan:
         d = asdict(self)
         d["why"] = dict(self.why)
         d["warnings"] = list(self.warnings)
+        d["summary"] = self.summary()
         return d
 
     def summary(self) -> str:

@@ -7,6 +7,7 @@ reload); the front, `/healthz` and the draft-depth policy read its fields.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mtpwrap.decide.profile_types import Speculation
 
@@ -52,6 +53,9 @@ class ServeInfo:
     #: what the build lacks for want of a patch not written for its source, one sentence each
     #: (build.manifest.Manifest.lacks)
     lacks: tuple[str, ...] = ()
+    #: how documents stay warm under this launch (decide.documents.DocumentPlan.to_dict):
+    #: the RAM cache, how many full-context documents it holds, the checkpoints
+    documents: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.per_request_depth not in PER_REQUEST_DEPTH:

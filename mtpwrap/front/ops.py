@@ -118,6 +118,7 @@ def health_document(front: Front) -> dict[str, Any]:
         "log_file": info.log_file,
         "webui": info.webui,
         "build_lacks": list(info.lacks),
+        "documents": info.documents,
         "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
         "companions": [c.health() for c in front.routes.companions],

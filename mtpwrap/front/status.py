@@ -68,6 +68,7 @@ async function refresh() {
     $("slots").textContent = s.slots.busy + " of " + s.slots.total;
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
+    $("documents").textContent = s.documents ? s.documents.summary : "-";
     fill("companions", s.companions, [["name"], ["role"], ["state"], ["restarts", 1],
          ["forwarding", 1], ["queued", 1]]);
     fill("usage", s.usage_today, [["key"], ["requests", 1], ["refused", 1],
@@ -99,6 +100,7 @@ _HTML = f"""<!doctype html>
 <tr><th>slots busy</th><td id="slots"></td></tr>
 <tr><th>queued</th><td id="queue"></td></tr>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
+<tr><th>documents</th><td id="documents"></td></tr>
 </tbody></table>
 <h2>Companions</h2>
 <table><thead><tr><th>name</th><th>role</th><th>state</th><th>restarts</th><th>computing</th>
@@ -134,6 +136,7 @@ def document(front: Front) -> dict[str, Any]:
     return {
         "time": time.time(), "state": st.state.value, "reason": st.reason,
         "model": info.model, "profile": info.profile, "context": info.context,
+        "documents": info.documents,
         "slots": {"busy": front.forwarding, "total": front.config.max_concurrency},
         "queue": front.admission.gate.waiting(),
         "tokens_per_s": round(trail.tokens_per_s(), 2),

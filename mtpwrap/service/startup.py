@@ -191,7 +191,8 @@ def resolve_launch(settings: Settings,
         memory_plan=r.memory_text, log_file=str(child_log_file()),
         webui=webui.get("in_binary"), webui_why=str(webui.get("why") or ""),
         upstream=listen.transport, upstream_why=listen.why,
-        lacks=inp.manifest.lacks() if inp.manifest is not None else ())
+        lacks=inp.manifest.lacks() if inp.manifest is not None else (),
+        documents=r.documents.to_dict() if r.documents is not None else None)
     result = Launch(factory=factory, info=info,
                     decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
                                for d in first.decisions],

@@ -62,6 +62,7 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("KV cache", i.kv),
         ("speculation", i.speculation_type),
         ("memory plan", i.memory_plan),
+        ("documents", i.documents["summary"] if i.documents is not None else None),
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(child_log_file())),
         ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
