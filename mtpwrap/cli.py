@@ -39,6 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "Apply a changed configuration: keys at once, llama-server if its command "
                "changed."),
     "restart": ("mtpwrap.commands.restart", "Restart llama-server behind the front."),
+    "documents": ("mtpwrap.commands.documents",
+                  "Read documents ahead of the questions, list what is warm, forget them all."),
     "service": ("mtpwrap.commands.service", "Print, install or remove the systemd unit."),
 }
 

@@ -183,3 +183,39 @@ def test_restart_reload_and_a_crash_keep_the_document_warm(up: Up) -> None:
              and up.state().get("state") == "ready", 180)
     read, _ = up.ask(same(a, "What is due on day 5?"))
     assert read <= bound(doc_tokens), ("after a crash", read)
+
+
+def test_warm_ahead_list_and_forget(up: Up, tmp_path: Path) -> None:
+    """An operator reads tomorrow's contracts in ahead (at the batch class), lists what is
+    warm (never the text) and forgets every document."""
+    files = []
+    for n in ("Alpha", "Bravo"):
+        f = tmp_path / f"{n.lower()}-contract.txt"
+        f.write_text(document(n))
+        files.append(f)
+    r = run_cli("documents", "warm", *map(str, files), env=up.env, timeout=300)
+    assert r.returncode == 0, r.output
+    listed = json.loads(run_cli("documents", "list", "--json", env=up.env).stdout)
+    assert [e["name"] for e in listed["warmed"]] == ["alpha-contract.txt", "bravo-contract.txt"]
+    assert all(e["tokens"] > 6000 and len(e["sha256"]) == 64 for e in listed["warmed"])
+    assert "clause 17" not in json.dumps(listed)
+    for n in ("Alpha", "Bravo"):  # the first question finds its document read
+        read, tokens = up.ask(same(document(n), "Who delivers item 70?"))
+        assert read <= bound(tokens), (n, read, tokens)
+
+    # a class that is not one is the client's mistake, said in one sentence
+    bad = httpx.post(f"{up.base}/v1/chat/completions", timeout=30,
+                     headers={"x-mtpwrap-class": "urgent"},
+                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert bad.status_code == 400 and "X-Mtpwrap-Class: expected one of interactive, batch" \
+        in bad.json()["error"]["message"]
+
+    child = up.state()["child_pid"]
+    r = run_cli("documents", "forget", env=up.env, timeout=300)
+    assert r.returncode == 0, r.output
+    assert "cold" in r.output and up.state()["child_pid"] != child
+    directory = Path(up.state()["persist_dir"])
+    assert not list(directory.iterdir())
+    assert json.loads(run_cli("documents", "list", "--json", env=up.env).stdout)["warmed"] == []
+    read, tokens = up.ask(same(document("Alpha"), "Who delivers item 70?"))
+    assert read >= tokens - 8, (read, tokens)  # forgotten: read again from the start

@@ -10,7 +10,8 @@ Priority: a key's class (`class=interactive|batch` on its line) places its reque
 queue. A freed slot goes to the interactive request that has waited longest; a batch request
 only when no interactive one waits — or once it has waited `priority_aging_s`, from when it
 counts as interactive, so batch work is never starved. Batch requests may wait
-`batch_queue_timeout_s`, interactive ones `queue_timeout_s`.
+`batch_queue_timeout_s`, interactive ones `queue_timeout_s`. A request may lower its own class
+with `X-Mtpwrap-Class: batch` (`mtpwrap documents warm` does), never raise it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ class Refusal(Exception):
 
 #: the queue's classes, by rank (the order they are served in)
 RANKS = {"interactive": 0, "batch": 1}
+#: a request's own class: it may yield to others, not pass them
+CLASS_HEADER = b"x-mtpwrap-class"
+
+
+def request_class(headers: list[tuple[bytes, bytes]], klass: str) -> str:
+    """The class a request is queued in: its key's `klass`, or a lower one its
+    X-Mtpwrap-Class header asks for. ValueError (one sentence) for a class that is not one."""
+    for name, value in headers:
+        if name == CLASS_HEADER:
+            asked = value.decode("latin-1").strip().lower()
+            if asked not in RANKS:
+                raise ValueError(f"X-Mtpwrap-Class: expected one of {', '.join(RANKS)}, got "
+                                 f"{asked[:40]!r}.")
+            return max(klass, asked, key=RANKS.__getitem__)
+    return klass
 
 
 @dataclass(order=True)

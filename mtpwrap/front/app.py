@@ -41,7 +41,7 @@ from mtpwrap.config.objects import AuditConfig, ProxyConfig
 from mtpwrap.front import audit, depth_policy, ops, status
 from mtpwrap.front.access import Access, classify
 from mtpwrap.front.access import Route as Verdict
-from mtpwrap.front.admission import Admission, Refusal
+from mtpwrap.front.admission import Admission, Refusal, request_class
 from mtpwrap.front.audit import NoSink, Trail
 from mtpwrap.front.bodies import (
     BadBody,
@@ -284,6 +284,13 @@ class Front:
             await self.replies.error(send, r.status, r.message, route.label, t0, retry=True,
                                      close=True, reason=r.reason)
             return
+        if ticket is not None:
+            try:
+                ticket.klass = request_class(scope["headers"], ticket.klass)
+            except ValueError as err:
+                await self.replies.error(send, 400, str(err), route.label, t0,
+                                         close=declares_body(scope), reason="header")
+                return
         self.admission.hold()
         try:
             if route.label in _MODEL_LISTS and self.routes.companions:

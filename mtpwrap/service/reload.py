@@ -1,12 +1,15 @@
-"""`mtpwrap reload` (SIGHUP) and `mtpwrap restart` (SIGUSR2) of a running `up`.
+"""`mtpwrap reload` (SIGHUP), `mtpwrap restart` (SIGUSR2) and `mtpwrap documents forget`
+(SIGUSR1) of a running `up`.
 
-`restart`: the same command again. `reload`: the settings and the profile are read again from
-what `up` was given (`reload_inputs`: the flags, the MTPWRAP_* variables that set a key, the
-config file) and checked as `up` checks them; a refusal changes nothing. Then the front's API
-keys (with their scopes, classes and budgets) are swapped in place (`keys.KeyWatch`), and the
-supervisor swaps llama-server for the new command only when the command (argv and environment)
-differs from the running one's — the same goes for each companion. The listen address, the
-front's other settings and the snapshots' change only when mtpwrap restarts.
+`restart`: the same command again. `forget`: the same command again without carrying the slots,
+and the snapshot directory emptied: no document is left in llama-server or on disk. `reload`:
+the settings and the profile are read again from what `up` was given (`reload_inputs`: the
+flags, the MTPWRAP_* variables that set a key, the config file) and checked as `up` checks them;
+a refusal changes nothing. Then the front's API keys (with their scopes, classes and budgets)
+are swapped in place (`keys.KeyWatch`), and the supervisor swaps llama-server for the new
+command only when the command (argv and environment) differs from the running one's — the same
+goes for each companion. The listen address, the front's other settings and the snapshots'
+change only when mtpwrap restarts.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ UNCHANGED = "llama-server unchanged (same command line): not restarted"
 class ReloadKind(str, enum.Enum):
     RELOAD = "reload"  # SIGHUP: the configuration read again
     RESTART = "restart"  # SIGUSR2: the same command again
+    FORGET = "forget"  # SIGUSR1: the same command again, cold: every document forgotten
 
 
 class ReloadOutcome(str, enum.Enum):
@@ -180,6 +184,13 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     restart llama-server and the companions (`companions`, by name) whose command differs from
     what `running` (the launch they run now) renders."""
     companions = companions or {}
+    if kind is ReloadKind.FORGET:
+        ok, message = await sup.reload(None, settings.drain_s, carry=False)
+        removed = await asyncio.to_thread(store.clear) if store is not None else 0
+        if not ok:
+            return ReloadResult(ReloadOutcome.FAILED, message, 1)
+        return ReloadResult(ReloadOutcome.OK, f"{message} cold: its slots and RAM prompt cache "
+                            f"are empty, {removed} snapshot file(s) removed", 0)
     if kind is ReloadKind.RESTART:
         (ok, message), (failed, notes) = await asyncio.gather(
             sup.reload(None, settings.drain_s),

@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mtpwrap.runner")
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_RELOAD_SIGNALS = {signal.SIGHUP: ReloadKind.RELOAD, signal.SIGUSR2: ReloadKind.RESTART}
+_RELOAD_SIGNALS = {sig: ReloadKind(kind) for kind, sig in instance.RELOAD_SIGNALS.items()}
 
 
 def bind_public(host: str, port: int) -> socket.socket:

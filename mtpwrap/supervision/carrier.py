@@ -124,6 +124,13 @@ class SlotCarrier:
             except Exception:  # a broken listener must not take the owner down
                 log.exception("persist listener failed")
 
+    def drop_all(self) -> None:
+        """Forget every snapshot: the last checkpoint and what was carried, files and all."""
+        self._drop_checkpoint()
+        old, self._carried = self._carried, None
+        self._forget(old)
+        self._set_report({"dropped": True})
+
     def _drop_checkpoint(self) -> None:
         old, self._checkpoint = self._checkpoint, None
         self._forget(old)

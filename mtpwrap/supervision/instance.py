@@ -201,10 +201,15 @@ def stop_instance(timeout: float | None = None, force: bool = False) -> int | No
                          hint="Wait longer with --timeout, or use --force.")
 
 
+#: what each of `mtpwrap reload`, `restart` and `documents forget` asks of the running
+#: instance: the signal its service takes as that request
+RELOAD_SIGNALS = {"reload": signal.SIGHUP, "restart": signal.SIGUSR2, "forget": signal.SIGUSR1}
+
+
 def request_reload(kind: str, timeout: float) -> dict[str, Any]:
-    """Ask the running instance to reload (SIGHUP) or restart llama-server (SIGUSR2) and wait
-    for the outcome it records in the state file: {"result": "ok"|"refused"|"failed",
-    "message": ..., "exit_code": ...}."""
+    """Ask the running instance to reload (SIGHUP), restart llama-server (SIGUSR2) or restart
+    it cold, every document forgotten (SIGUSR1), and wait for the outcome it records in the
+    state file: {"result": "ok"|"refused"|"failed", "message": ..., "exit_code": ...}."""
 
     data = read_instance()
     who = owner(data)
@@ -214,7 +219,7 @@ def request_reload(kind: str, timeout: float) -> dict[str, Any]:
     pid = who.pid
     before = int((data.get("reload") or {}).get("generation") or 0)
     try:
-        if not send(who, signal.SIGHUP if kind == "reload" else signal.SIGUSR2):
+        if not send(who, RELOAD_SIGNALS[kind]):
             raise RuntimeFailure(f"mtpwrap (pid {pid}) exited before the {kind}.")
     except PermissionError as exc:
         raise RuntimeFailure(f"not allowed to signal mtpwrap (pid {pid}); run `mtpwrap {kind}` "

@@ -83,6 +83,8 @@ class _Reload:
     done: asyncio.Future[tuple[bool, str]]
     phase: ReloadPhase = ReloadPhase.PENDING
     previous: LaunchFactory | None = None
+    #: carry the slots over (False: the new child starts cold, every snapshot dropped)
+    carry: bool = True
 
     def finish(self, ok: bool, message: str) -> None:
         if not self.done.done():
@@ -197,11 +199,13 @@ class Supervisor:
         if self._state not in (State.STOPPING, State.STOPPED):
             self._set_state(State.DRAINING, "shutting down")
 
-    async def reload(self, factory: LaunchFactory | None, drain_s: float) -> tuple[bool, str]:
+    async def reload(self, factory: LaunchFactory | None, drain_s: float, *,
+                     carry: bool = True) -> tuple[bool, str]:
         """Swap the child for one made by `factory` (None: the same command again): new
         requests wait in the front's queue, in-flight ones finish (at most `drain_s`), slots are
-        saved, the old child stops and the new one starts. (True, what happened) once the new
-        child is READY; (False, why) when it did not start and the previous command is back."""
+        saved (`carry` False: not saved, and every snapshot taken is dropped), the old child
+        stops and the new one starts. (True, what happened) once the new child is READY;
+        (False, why) when it did not start and the previous command is back."""
         if self._shutdown:
             return False, "mtpwrap is shutting down"
         if self._reload is not None:
@@ -212,7 +216,7 @@ class Supervisor:
             self._factory, self._policy.step = factory, 0
             return True, (f"llama-server is {self._state.value}; the new configuration "
                           "applies to its next start")
-        rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future())
+        rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future(), carry=carry)
         self._reload = rl
         self._wake.set()
         return await asyncio.shield(rl.done)
@@ -471,7 +475,7 @@ class Supervisor:
                 rl.phase = ReloadPhase.DRAINING
                 kind = Outcome.RELOAD if rl.factory is not None else Outcome.RESTART
                 return await self._planned(child, kind, f"{kind.value}ing llama-server",
-                                           rl.drain_s, rl.factory)
+                                           rl.drain_s, rl.factory, carry=rl.carry)
 
             if self._stall_report is not None:
                 _gen, why = self._stall_report
@@ -509,10 +513,10 @@ class Supervisor:
         return self.busy() if self.busy is not None else 0
 
     async def _planned(self, child: ChildProcess, kind: Outcome, why: str, drain_s: float,
-                       factory: LaunchFactory | None) -> Ended:
+                       factory: LaunchFactory | None, *, carry: bool = True) -> Ended:
         """A planned restart: stop routing new work here (requests wait in the front's queue),
         let in-flight requests finish (at most `drain_s`), then save the slots for the child
-        that `factory` (None: the current one) will start."""
+        that `factory` (None: the current one) will start (`carry` False: drop them all)."""
         self._set_state(State.STARTING, why)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_s
@@ -531,7 +535,9 @@ class Supervisor:
         if idle < 2 and not self._stop_requested:
             self.log.warning("%s: drain budget (%gs) spent with requests still running",
                         kind.value, drain_s)
-        if (self.carrier.store is not None and self._spec is not None
+        if not carry:
+            self.carrier.drop_all()
+        elif (self.carrier.store is not None and self._spec is not None
                 and child.returncode is None and not self._stop_requested):
             step = self._policy.step if factory is None else 0
             nxt = (factory or self._factory)(Endpoint(port=0), "probe-key", step)
