@@ -115,7 +115,8 @@ def test_missing_pynvml_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builtins, "__import__", fake_import)
     snap = hardware.snapshot()
     assert snap.gpus == () and "pynvml" in (snap.error or "")
-    assert hardware.gpu_readings() == []
+    with pytest.raises(hardware.NvmlUnavailable, match="pynvml"):
+        hardware.NvmlSession().readings()
 
 
 @pytest.mark.parametrize("name", ["rtx4090", "h200", "two-rtx3090", "none"])
@@ -136,24 +137,30 @@ def test_record_then_replay_reproduces_the_snapshot() -> None:
 
 
 def test_gpu_readings_live_fields() -> None:
-    m = hardware.gpu_readings(RecordedNvml(load("h200")))
+    m = hardware.NvmlSession(RecordedNvml(load("h200"))).readings()
     assert len(m) == 1
     assert m[0].memory_used == 644939776
     assert m[0].power_w == 78.7 and m[0].power_limit_w == 700.0
     assert m[0].throttle_reasons == ("gpu_idle",)
-    two = hardware.gpu_readings(RecordedNvml(load("two-rtx3090")))
+    two = hardware.NvmlSession(RecordedNvml(load("two-rtx3090"))).readings()
     assert two[1].power_w is None and two[1].throttle_reasons == ()
 
 
-def test_gpu_readings_never_raise() -> None:
-    assert hardware.gpu_readings(RecordedNvml(load("none"))) == []
+def test_an_nvml_session_opens_nvml_once_and_raises_only_when_it_cannot() -> None:
+    nvml = RecordedNvml(load("h200"))
+    session = hardware.NvmlSession(nvml)
+    assert [len(session.readings()) for _ in range(3)] == [1, 1, 1]
+    assert nvml.initialized == 1  # one nvmlInit for every read
+    session.close()
+    assert nvml.initialized == 0
 
     class Broken(RecordedNvml):
         def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
             raise RuntimeError("GPU fell off the bus")
 
-    out = hardware.gpu_readings(Broken(load("rtx4090")))
-    assert out == []
+    assert hardware.NvmlSession(Broken(load("rtx4090"))).readings() == []
+    with pytest.raises(hardware.NvmlUnavailable):
+        hardware.NvmlSession(RecordedNvml(load("none"))).readings()
 
 
 def test_throttle_reason_names() -> None:
@@ -223,7 +230,7 @@ def test_live_snapshot_agrees_with_nvidia_smi() -> None:
         assert g.driver_version == row["driver_version"]
         assert g.power_limit_w == pytest.approx(float(row["power.limit"]), abs=0.1)
         assert g.pcie_width == int(row["pcie.link.width.current"])
-    readings = hardware.gpu_readings()
+    readings = hardware.NvmlSession().readings()
     assert [r.uuid for r in readings] == [g.uuid for g in snap.gpus]
     for r in readings:
         assert r.memory_used is not None and r.memory_total is not None

@@ -351,14 +351,13 @@ def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
 
 
 def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
-    """Recorded NVML answers of an H200 go through hardware.gpu_readings into both pages."""
+    """Recorded NVML answers of an H200 go through the front's NVML session into both pages."""
     from mtpwrap.decide import hardware
     from mtpwrap.decide.nvml_replay import RecordedNvml
     from tests.helpers import load_snapshot as load
 
-    expected = hardware.gpu_readings(RecordedNvml(load("h200")))[0]
-    real = hardware.gpu_readings
-    monkeypatch.setattr(hardware, "gpu_readings", lambda: real(RecordedNvml(load("h200"))))
+    expected = hardware.NvmlSession(RecordedNvml(load("h200"))).readings()[0]
+    monkeypatch.setattr(hardware, "_load_nvml", lambda: (RecordedNvml(load("h200")), None))
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         assert metric(srv.url, "mtpwrap_gpu_memory_total_bytes", gpu="0") == \
             expected.memory_total
@@ -373,14 +372,15 @@ def test_gpu_readings_reach_metrics_and_healthz(fake, monkeypatch):
 def test_no_gpu_module_or_no_gpu_is_not_an_error(fake, monkeypatch):
     from mtpwrap.decide import hardware
 
-    def boom():
-        raise RuntimeError("NVML driver not loaded")
-
-    monkeypatch.setattr(hardware, "gpu_readings", boom)
+    monkeypatch.setattr(hardware, "_load_nvml",
+                        lambda: (None, "the nvidia-ml-py package (pynvml) is not installed"))
     with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
         text = HTTP.get(srv.url + "/metrics", headers=AUTH).text
-        assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_" not in text
-        assert HTTP.get(srv.url + "/healthz", headers=AUTH).json()["gpu"] == []
+        assert "mtpwrap_requests_total" in text and "mtpwrap_gpu_memory" not in text
+        assert "mtpwrap_gpu_reading_fresh 0.0" in text
+        health = HTTP.get(srv.url + "/healthz", headers=AUTH).json()
+        assert health["gpu"] == [] and health["gpu_read"]["state"] == "unavailable"
+        assert "pynvml" in health["gpu_read"]["reason"]
 
 
 def test_the_chunk_gap_histogram_reads_like_prometheus_clients_own():

@@ -341,18 +341,48 @@ class GpuReading:
     throttle_reasons: tuple[str, ...] = ()
 
 
-def gpu_readings(nvml: Any | None = None) -> list[GpuReading]:
-    """Live per-GPU gauges for /metrics and /healthz. No driver, no GPU or any NVML failure:
-    an empty list (or what was read before the failure)."""
-    if nvml is None:
-        nvml, _ = _load_nvml()
+class NvmlUnavailable(Exception):
+    """NVML cannot be read here: no pynvml, no driver, or its init failed (the text says which)."""
+
+
+class NvmlSession:
+    """NVML initialised once for a process that reads the GPUs again and again (the front's
+    /metrics, /healthz and /status.json): `readings()` opens NVML on its first call and then
+    only queries; a failed init is tried again on the next call; `close()` shuts NVML down.
+
+    Its calls block (NVML init is slow without persistence mode and can hang on some drivers):
+    the front calls it from a worker thread (`mtpwrap.front.gpu`), one call at a time.
+    """
+
+    def __init__(self, nvml: Any | None = None) -> None:
+        self._nvml = nvml
+        self._open = False
+
+    def readings(self) -> list[GpuReading]:
+        nvml = self._nvml
         if nvml is None:
-            return []
+            nvml, why = _load_nvml()
+            if nvml is None:
+                raise NvmlUnavailable(why or "NVML is not available")
+            self._nvml = nvml
+        if not self._open:
+            try:
+                nvml.nvmlInit()
+            except Exception as exc:  # NVMLError, or OSError from a broken library install
+                raise NvmlUnavailable(_init_error_text(exc)) from exc
+            self._open = True
+        return _read_gpus(nvml)
+
+    def close(self) -> None:
+        if self._open and self._nvml is not None:
+            self._open = False
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+
+
+def _read_gpus(nvml: Any) -> list[GpuReading]:
+    """The gauges of every GPU of an initialised NVML; what was read before a failure."""
     err = _error_class(nvml)
-    try:
-        nvml.nvmlInit()
-    except Exception:  # a scrape must never fail because the GPU side did
-        return []
     out: list[GpuReading] = []
     try:
         for i in range(int(_query(nvml, err, "nvmlDeviceGetCount") or 0)):
@@ -384,9 +414,6 @@ def gpu_readings(nvml: Any | None = None) -> list[GpuReading]:
     except Exception:
         # NVML can fail half-way (GPU fell off the bus); report what was read so far.
         return out
-    finally:
-        with contextlib.suppress(Exception):
-            nvml.nvmlShutdown()
     return out
 
 

@@ -58,6 +58,7 @@ from mtpwrap.front.budgets import Budgets
 from mtpwrap.front.companions import Companion, CompanionInfo, Routes, UnknownModel
 from mtpwrap.front.depth_policy import DepthDecision
 from mtpwrap.front.exchange import Exchange, Step
+from mtpwrap.front.gpu import GpuGauge
 from mtpwrap.front.guard import AccessGuard
 from mtpwrap.front.info import ServeInfo
 from mtpwrap.front.metrics import CONTENT_TYPE, FrontMetrics
@@ -101,8 +102,11 @@ class Front:
         self.leaving = False  # /readyz says draining; requests are still taken (drain grace)
         self._workers: dict[Exchange, asyncio.Task[None]] = {}
         self._enabled = frozenset(config.enable_paths)
+        #: the GPU gauges: NVML opened once, read off the loop with a timeout, cached
+        self.gpu = GpuGauge()
         self.metrics = FrontMetrics(supervisor.status, self._front_stats,
-                                    lambda: [c.health() for c in self.routes.companions])
+                                    lambda: [c.health() for c in self.routes.companions],
+                                    self.gpu.current)
         self.admission = Admission(supervisor, config, self.metrics)
         self.replies = Replies(self.metrics, config.retry_after_s)
         #: the audit trail, usage and budgets (audit_config None: no trail, budgets in memory)
@@ -225,6 +229,7 @@ class Front:
         await self.wire.aclose()
         await self.clients.aclose()
         self.trail.close()
+        self.gpu.close()
 
     def _front_stats(self) -> dict[str, float]:
         by_class = self.admission.gate.waiting()
@@ -258,6 +263,7 @@ class Front:
             except httpx.TransportError as err:
                 log.debug("child /metrics unreadable (try %d): %s", attempt, err)
         self.metrics.set_backend(text)
+        await self.gpu.view()  # off the loop, within its timeout: the collector reads the cache
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # ----------------------------------------------------------------------------- the proxy

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import (
@@ -23,8 +23,9 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from mtpwrap import promtext
-from mtpwrap.decide import acceptance, hardware
+from mtpwrap.decide import acceptance
 from mtpwrap.decide.hardware import GpuReading
+from mtpwrap.front.gpu import GpuView
 from mtpwrap.supervision.state import State, SupervisorStatus
 
 log = logging.getLogger("mtpwrap.metrics")
@@ -35,19 +36,6 @@ BACKEND_PREFIX = "mtpwrap_backend_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
                 0.5, 1, 2.5, 5)
-
-
-def gpu_samples() -> list[GpuReading]:
-    """GPU readings through `mtpwrap.decide.hardware.gpu_readings()`, or [] when unavailable.
-
-    The hardware module owns NVML; this is the one place the front calls it, guarded so that no
-    driver, no GPU or a failing call never breaks a scrape.
-    """
-    try:
-        return hardware.gpu_readings()
-    except Exception as err:
-        log.debug("GPU metrics unavailable: %s", err)
-        return []
 
 
 class GapSeries:
@@ -125,12 +113,15 @@ def _companion_families(rows: list[dict[str, object]]) -> Iterator[Metric]:
 
 
 class _LiveCollector:
-    """Values read at scrape time: supervisor status, backend page, GPU."""
+    """Values read at scrape time: supervisor status, backend page, GPU (the readings the
+    front's gauge holds: the scrape awaited them, off the loop, before it rendered)."""
 
     def __init__(self, status: Callable[[], SupervisorStatus],
                  front_stats: Callable[[], dict[str, float]],
-                 companions: Callable[[], list[dict[str, object]]]):
+                 companions: Callable[[], list[dict[str, object]]],
+                 gpu: Callable[[], GpuView] = GpuView):
         self._status = status
+        self._gpu = gpu
         self._front_stats = front_stats
         self._companions = companions
         self.backend_families: list[Metric] = []
@@ -170,7 +161,14 @@ class _LiveCollector:
         yield g
         yield from self.backend_families
         yield from _derived(self.backend_families)
-        yield from _gpu_families(gpu_samples())
+        gpu = self._gpu()
+        g = GaugeMetricFamily("mtpwrap_gpu_reading_fresh", "1 when the GPU gauges below were "
+                              "read from NVML within the cache's age; 0 when NVML has not "
+                              "answered in time or is unavailable (the gauges are left out)")
+        g.add_metric([], 1.0 if gpu.state == "fresh" else 0.0)
+        yield g
+        if gpu.state == "fresh":
+            yield from _gpu_families(gpu.readings)
 
 
 def _sample_values(families: Iterable[Metric], name: str) -> list[tuple[dict[str, str], float]]:
@@ -231,7 +229,7 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuReading], float | None], float],
 )
 
 
-def _gpu_families(samples: list[GpuReading]) -> Iterator[Metric]:
+def _gpu_families(samples: Sequence[GpuReading]) -> Iterator[Metric]:
     if not samples:
         return
     for name, doc, read, scale in _GPU_GAUGES:
@@ -274,7 +272,8 @@ class FrontMetrics:
 
     def __init__(self, status: Callable[[], SupervisorStatus],
                  front_stats: Callable[[], dict[str, float]],
-                 companions: Callable[[], list[dict[str, object]]] = list):
+                 companions: Callable[[], list[dict[str, object]]] = list,
+                 gpu: Callable[[], GpuView] = GpuView):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("mtpwrap_requests", "Requests answered, by route and status",
@@ -316,7 +315,7 @@ class FrontMetrics:
                                       "answered them (the chat model's file, or a companion's "
                                       "name) and status class", ["model", "status"],
                                       registry=r)
-        self.live = _LiveCollector(status, front_stats, companions)
+        self.live = _LiveCollector(status, front_stats, companions, gpu)
         r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
         for reason in ("overload", "not_ready", "draining", "queue_timeout"):

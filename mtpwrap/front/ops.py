@@ -7,7 +7,8 @@
   companion that is down does not take the node out of a balancer. `/readyz?model=NAME` is one
   companion's (or, with the chat model's name or `chat`, the chat model's).
 - `/healthz`: one JSON document for people (always 200): state, profile, build, model, context,
-  uptime, restarts, last error, GPU memory and temperature, queue and in-flight counts.
+  uptime, restarts, last error, GPU memory and temperature (with how current they are:
+  `gpu_read`), queue and in-flight counts.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from mtpwrap.front.metrics import gpu_samples
+from mtpwrap.front.gpu import GpuView
 from mtpwrap.supervision.state import State
 
 if TYPE_CHECKING:
@@ -71,14 +72,19 @@ def make_readyz(front: Front) -> Callable[[Request], Awaitable[Response]]:
     return readyz
 
 
-def health_document(front: Front) -> dict[str, Any]:
+def gpu_rows(view: GpuView) -> list[dict[str, Any]]:
+    """The GPUs as /healthz and /status.json list them."""
+    return [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
+             "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
+            for g in view.readings]
+
+
+def health_document(front: Front, gpu: GpuView) -> dict[str, Any]:
+    """The /healthz document; `gpu` is what the front's gauge gave (`await front.gpu.view()`)."""
     st = front.supervisor.status()
     now = time.time()
     ready, _ = readiness(front)
     info = front.info
-    gpus = [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
-             "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
-            for g in gpu_samples()]
     up = st.upstream
     return {
         "state": st.state.value,
@@ -108,7 +114,9 @@ def health_document(front: Front) -> dict[str, Any]:
             "max_concurrency": front.config.max_concurrency,
             "queue_size": front.config.queue_size,
         },
-        "gpu": gpus,
+        "gpu": gpu_rows(gpu),
+        # how current "gpu" is: fresh, stale (NVML has not answered since) or unavailable
+        "gpu_read": gpu.to_dict(),
         "profile_reason": info.profile_reason,
         "commit": info.commit,
         "kv": info.kv,
@@ -127,6 +135,6 @@ def health_document(front: Front) -> dict[str, Any]:
 
 def make_healthz(front: Front) -> Callable[[Request], Awaitable[Response]]:
     async def healthz(_request: Request) -> Response:
-        return JSONResponse(health_document(front))
+        return JSONResponse(health_document(front, await front.gpu.view()))
 
     return healthz

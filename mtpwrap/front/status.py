@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
-from mtpwrap.front.metrics import gpu_samples
+from mtpwrap.front.gpu import GpuView
+from mtpwrap.front.ops import gpu_rows
 
 if TYPE_CHECKING:
     from mtpwrap.front.app import Front
@@ -129,7 +130,7 @@ _HEADERS = {"cache-control": "no-store", "content-security-policy": _CSP,
             "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
-def document(front: Front) -> dict[str, Any]:
+def document(front: Front, gpu: GpuView) -> dict[str, Any]:
     st = front.supervisor.status()
     info = front.info
     trail = front.trail
@@ -143,9 +144,8 @@ def document(front: Front) -> dict[str, Any]:
         "usage_today": trail.usage_today(),
         "refusals": list(reversed(trail.refusals)),
         "companions": [c.health() for c in front.routes.companions],
-        "gpus": [{"index": g.index, "name": g.name, "memory_used_bytes": g.memory_used,
-                  "memory_total_bytes": g.memory_total, "temperature_c": g.temperature_c}
-                 for g in gpu_samples()],
+        "gpus": gpu_rows(gpu),
+        "gpu_read": gpu.to_dict(),
     }
 
 
@@ -154,6 +154,7 @@ def make_pages(front: Front) -> tuple[Any, Any]:
         return HTMLResponse(_HTML, headers=_HEADERS)
 
     async def data(_request: Request) -> Response:
-        return JSONResponse(document(front), headers={"cache-control": "no-store"})
+        return JSONResponse(document(front, await front.gpu.view()),
+                            headers={"cache-control": "no-store"})
 
     return page, data

@@ -1,0 +1,124 @@
+"""Nothing that can block runs on the serving event loop: a hung NVML (a stand-in library that
+stalls on demand). `docs/reliability.md` 33."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from mtpwrap import proc
+from mtpwrap.proc import free_loopback_port
+from tests.helpers import REPO, cli_env, wait_for, wait_ready
+
+STALLING_NVML = REPO / "tests" / "fakes" / "stalling_nvml"
+WATCHDOG_USEC = 300_000  # a ping every 0.15 s
+
+
+class _Watchdog:
+    """A NOTIFY_SOCKET of our own, read in a thread: when each WATCHDOG=1 arrived."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        name = f"mtpwrap-offloop-{os.getpid()}-{time.monotonic_ns()}"
+        self.sock.bind("\0" + name)
+        self.sock.settimeout(0.2)
+        self.address = "@" + name
+        self.pings: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.sock.recv(4096).decode()
+            except (TimeoutError, OSError):
+                continue
+            if "WATCHDOG=1" in msg:
+                self.pings.append(time.monotonic())
+
+    def longest_gap(self, start: float, end: float) -> float:
+        marks = [start, *(t for t in self.pings if start <= t <= end), end]
+        return max(b - a for a, b in zip(marks, marks[1:], strict=False))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
+def _gpu_read(base: str) -> dict:
+    r = httpx.get(base + "/healthz", timeout=3)  # a hung NVML must not hang /healthz
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_a_hung_nvml_stops_neither_streams_nor_livez_nor_the_watchdog(tmp_path: Path) -> None:
+    """While NVML hangs: a stream is served to its end, /livez answers at once, WATCHDOG=1
+    keeps its pace, and /healthz, /status.json and /metrics answer within their timeout with
+    the GPU read marked stale; NVML is initialised once for all the reads."""
+    stall, inits = tmp_path / "nvml-stall", tmp_path / "nvml-inits"
+    dog = _Watchdog()
+    port = free_loopback_port()
+    env = cli_env(NOTIFY_SOCKET=dog.address, WATCHDOG_USEC=str(WATCHDOG_USEC),
+                  MTPWRAP_HOME=str(tmp_path / "h"), MTPWRAP_DRAIN_S="2",
+                  FAKE_LLAMA_FAULTS="token_delay_s=0.02", FAKE_NVML_STALL=str(stall),
+                  FAKE_NVML_INITS=str(inits))
+    env["PYTHONPATH"] = str(STALLING_NVML) + os.pathsep + env["PYTHONPATH"]
+    log = tmp_path / "up.log"
+    process = proc.start([sys.executable, "-m", "tests.fakes.serve_fake", str(port)], env=env,
+                         cwd=REPO, stdout=log.open("w"), stderr=proc.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process.popen, log.read_text, timeout=60)
+        health = _gpu_read(base)
+        assert health["gpu_read"]["state"] == "fresh", health["gpu_read"]
+        assert [g["name"] for g in health["gpu"]] == ["Stand-in GPU"]
+
+        stall.touch()  # NVML hangs from here on
+        t_stall = time.monotonic()
+        wait_for("/healthz saying the GPU read is stale",
+                 lambda: _gpu_read(base)["gpu_read"]["state"] == "stale", 20)
+        health = _gpu_read(base)
+        assert "NVML has not answered" in health["gpu_read"]["reason"]
+        assert health["gpu"][0]["name"] == "Stand-in GPU"  # the last readings, marked stale
+
+        t0 = time.monotonic()
+        assert httpx.get(base + "/livez", timeout=3).status_code == 200
+        livez_s = time.monotonic() - t0
+        page = httpx.get(base + "/status.json", timeout=3).json()
+        assert page["gpu_read"]["state"] == "stale"
+        metrics = httpx.get(base + "/metrics", timeout=3).text
+        assert "mtpwrap_gpu_reading_fresh 0.0" in metrics
+        assert "mtpwrap_gpu_memory_total_bytes" not in metrics  # no stale value as a gauge
+
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                "max_tokens": 40}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body,
+                          timeout=10) as r:
+            assert r.status_code == 200
+            events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) > 5
+        t_end = time.monotonic()
+        assert stall.exists()  # all of the above ran while NVML hung
+        gap = dog.longest_gap(t_stall, t_end)
+        assert gap < 1.5, f"the watchdog went {gap:.2f}s without a ping while NVML hung"
+        assert livez_s < 1.0, livez_s
+
+        stall.unlink()  # the driver answers again
+        wait_for("the GPU read fresh again",
+                 lambda: _gpu_read(base)["gpu_read"]["state"] == "fresh", 20)
+        assert inits.read_text().splitlines() == ["init"]  # NVML initialised once
+    finally:
+        stall.unlink(missing_ok=True)
+        process.kill()
+        dog.close()
+    out = log.read_text()
+    assert "Traceback" not in out, out
+
