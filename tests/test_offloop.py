@@ -1,8 +1,9 @@
 """Nothing that can block runs on the serving event loop: a hung NVML (a stand-in library that
-stalls on demand). `docs/reliability.md` 33."""
+stalls on demand), the state file, the socket probe. `docs/reliability.md` 33-34."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -122,3 +123,28 @@ def test_a_hung_nvml_stops_neither_streams_nor_livez_nor_the_watchdog(tmp_path: 
     out = log.read_text()
     assert "Traceback" not in out, out
 
+
+def test_the_state_file_follows_the_state_written_off_the_loop(tmp_path: Path) -> None:
+    """The instance file is rewritten by a writer thread, the latest state winning."""
+    from mtpwrap.supervision.writer import LatestWriter
+
+    written: list[dict] = []
+    gate = threading.Event()
+
+    def slow_write(data: dict) -> None:
+        gate.wait(10)  # a disk that takes its time
+        written.append(data)
+
+    w = LatestWriter(slow_write, name="test-writer")
+    t0 = time.monotonic()
+    for i in range(50):
+        w.submit({"n": i})
+    assert time.monotonic() - t0 < 0.5  # submitting never waits for the disk
+    gate.set()
+    w.close(timeout=10)
+    assert written[-1] == {"n": 49} and len(written) <= 3
+    path = tmp_path / "x.json"
+    w2 = LatestWriter(lambda d: path.write_text(json.dumps(d)), name="test-writer-2")
+    w2.submit({"a": 1})
+    w2.close(timeout=10)
+    assert json.loads(path.read_text()) == {"a": 1}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import errno
 import logging
@@ -49,6 +50,7 @@ from mtpwrap.supervision import instance
 from mtpwrap.supervision.state import State
 from mtpwrap.supervision.supervisor import Supervisor
 from mtpwrap.supervision.systemd import Notifier
+from mtpwrap.supervision.writer import LatestWriter
 
 if TYPE_CHECKING:
     import uvicorn
@@ -127,12 +129,17 @@ class Service:
         self._requests: asyncio.Queue[ReloadKind] = asyncio.Queue()
         self._t0 = time.monotonic()
         self._base = self._base_record()
+        #: the state file, rewritten on every state change by a thread (never on the loop)
+        self._state_file: LatestWriter[dict[str, Any]] = LatestWriter(
+            _write_state, name="mtpwrap-state-file")
         self.front: Front | None = None
         #: the front's keys: the key file watched, a reload's keys swapped in
         self.keys: KeyWatch | None = None
         self._server: uvicorn.Server | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._waits: list[asyncio.Task[Any]] = []
+        #: tasks started from a state listener, held here until they end
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- the phases -----------------------------------------------------------------------
     async def serve(self) -> int:
@@ -153,10 +160,7 @@ class Service:
         for c in self.companions.values():
             c.add_listener(self._on_companion_state)
             await c.start()
-        for _ in range(200):
-            if sup.status().pid is not None or sup.state is not State.STARTING:
-                break
-            await asyncio.sleep(0.005)
+        await sup.wait_spawned(1.0)  # the summary names llama-server's pid
         if self.announce is not None:
             self.announce()  # the summary, printed while llama-server loads
         try:
@@ -241,6 +245,8 @@ class Service:
         self._tasks["service"].cancel()
         for t in self._waits:
             t.cancel()
+        # the last pending write lands before the file goes (never after: a stale file)
+        await asyncio.to_thread(self._state_file.close)
         with contextlib.suppress(OSError):
             instance.instance_path().unlink()
         notifier.status("stopped")
@@ -351,7 +357,8 @@ class Service:
                 "persist_dir": str(store.directory) if store is not None else None}
 
     def record(self) -> None:
-        """Write the state file (and show the reload state on /healthz)."""
+        """Have the state file written (by its writer thread: the disk may be slow) and show
+        the reload state on /healthz."""
         sup = self.sup
         st = sup.status()
         reload = self.reload_state.to_dict()
@@ -364,8 +371,12 @@ class Service:
                 "persist": sup.carrier.report,
                 "companions": [{**run.to_dict(), **self.companions[run.name].status().to_dict()}
                                for run in self.launch.companions]}
-        with contextlib.suppress(OSError):
-            instance.write_instance(data)
+        self._state_file.submit(copy.deepcopy(data))  # the thread reads its own copy
+
+    async def _announce_ready(self) -> None:
+        """READY=1 once the state file says ready: whoever systemd lets in next reads it."""
+        await asyncio.to_thread(self._state_file.flush, 5.0)
+        self.notifier.ready(f"ready: {self.launch.info.profile} at {self.url}")
 
     def _on_companion_state(self, old: State, new: State, reason: str | None) -> None:
         self.record()
@@ -376,13 +387,20 @@ class Service:
             self._first_ready.set()
             took = time.monotonic() - self._t0
             log.info("ready in %.2fs: %s/v1", took, self.url)
-            self.notifier.ready(f"ready: {self.launch.info.profile} at {self.url}")
+            task = asyncio.create_task(self._announce_ready(), name="ready")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         else:
             self.notifier.status(f"{new.value}" + (f": {reason}" if reason else ""))
         if new is State.FAILED and self.exit_on_failed:
             log.error("failed: exiting 1 so that the service manager's restart policy takes "
                       "over (supervisor.exit_on_failed)")
             self.should_exit.set()
+
+
+def _write_state(data: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):  # a full disk must not stop the service
+        instance.write_instance(data)
 
 
 async def serve(settings: Settings, launch: Launch, sock: socket.socket,

@@ -116,6 +116,7 @@ class Supervisor:
         self._listeners: list[Callable[[State, State, str | None], None]] = []
         self._changed = asyncio.Event()
         self._wake = asyncio.Event()
+        self._spawned = asyncio.Event()  # a child was started, or the first start failed
         self._stop_requested = False
         self._shutdown = False
         self._task: asyncio.Task[None] | None = None
@@ -165,6 +166,15 @@ class Supervisor:
         if self._task is None:
             self._started_at = time.time()
             self._task = asyncio.create_task(self._run(), name="supervisor")
+
+    async def wait_spawned(self, timeout: float) -> bool:
+        """Wait (at most `timeout`) until the first child was started or could not be: True
+        when that happened in time."""
+        try:
+            await asyncio.wait_for(self._spawned.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     async def wait_ready(self, timeout: float) -> Upstream | None:
         loop = asyncio.get_running_loop()
@@ -252,6 +262,8 @@ class Supervisor:
         if new is old and reason == self._reason:
             return
         self._state, self._reason = new, reason
+        if new is not State.STARTING:
+            self._spawned.set()  # past the first start, whichever way it went
         if new is State.READY:
             self._ready_since = time.time()
         elif old is State.READY:
@@ -335,7 +347,7 @@ class Supervisor:
     async def _one_child(self) -> Ended:
         cfg = self.config
         try:
-            endpoint = self._endpoint()
+            endpoint = await self._endpoint()
         except MtpwrapError as exc:
             self._last_exit = "not started"
             return Ended(Outcome.EXIT, exc.message)
@@ -359,6 +371,7 @@ class Supervisor:
             return Ended(Outcome.EXIT, f"cannot start {spec.argv[0]}: {exc}")
         self._child = child
         self._upstream = Upstream(base_url, key, gen, endpoint.socket)
+        self._spawned.set()
         self.log.info("llama-server started: pid %d, %s (generation %d)", child.pid,
                  endpoint.describe(), gen)
         loaded = False
@@ -379,12 +392,13 @@ class Supervisor:
             self._policy.reset_step_down(f"a clean run ({outcome.kind.value})")
         return outcome
 
-    def _endpoint(self) -> Endpoint:
+    async def _endpoint(self) -> Endpoint:
         """Where the next child listens: the socket, its directory made 0700 and a crashed
-        child's socket file removed (it would refuse to bind), or a free loopback port."""
+        child's socket file removed (it would refuse to bind), or a free loopback port. The
+        socket's probe (a connect that can wait up to a second) runs off the loop."""
         if self.socket is None:
             return Endpoint(host=self.config.host, port=free_loopback_port(self.config.host))
-        sockets.prepare(self.socket)
+        await asyncio.to_thread(sockets.prepare, self.socket)
         return Endpoint(socket=str(self.socket))
 
     def _exit_outcome(self, child: ChildProcess, when: str) -> Ended:

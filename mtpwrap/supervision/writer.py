@@ -1,0 +1,69 @@
+"""Writes that must not block the event loop, done by a thread of their own: `LatestWriter`
+keeps only the newest value not yet written (a state file, where only the last state counts),
+and its `submit` never waits for the disk."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+log = logging.getLogger("mtpwrap.writer")
+
+T = TypeVar("T")
+
+
+class LatestWriter(Generic[T]):
+    """`write(value)` in a daemon thread, for the newest value submitted; values submitted while
+    a write runs replace each other, so a burst of state changes costs at most two writes."""
+
+    def __init__(self, write: Callable[[T], None], *, name: str) -> None:
+        self._write = write
+        self._cond = threading.Condition()
+        self._value: T | None = None
+        self._has = False
+        self._writing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, value: T) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._value, self._has = value, True
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until what was submitted is written; blocks (call it off the loop): True when
+        it was within `timeout`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._has and not self._writing, timeout)
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Write what is pending, then stop; blocks (call it off the loop): True when the
+        thread finished within `timeout`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._has and not self._closed:
+                    self._cond.wait()
+                if not self._has:
+                    return
+                value, self._value, self._has = self._value, None, False
+                self._writing = True
+            try:
+                self._write(value)  # type: ignore[arg-type]
+            except Exception:  # a failed write must not end the writer
+                log.exception("%s: write failed", self._thread.name)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
