@@ -750,3 +750,42 @@ def test_stop_past_the_drain_budget_names_the_shutdown(tmp_path: Path, llama_ser
         assert took < 2 + 10 + 3  # drain_s + the child's stop grace + slack
     finally:
         inst.close()
+
+
+def test_a_websocket_upgrade_is_answered_as_http_and_never_switches(front: object) -> None:
+    """An Upgrade to a websocket gets the front's HTTP answer on every path (wsproto is
+    installed here, so uvicorn's "auto" would switch protocol past the connection limits):
+    never a 101, and nothing is forwarded as a websocket (`docs/reliability.md` 35)."""
+    upgrade = (b"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+               b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n")
+    for path, status in ((b"/livez", 200), (b"/v1/models", 401)):
+        s = _connect(front.url)  # type: ignore[attr-defined]
+        s.sendall(b"GET " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + upgrade + b"\r\n")
+        s.settimeout(5)
+        data = s.recv(65536)
+        s.close()
+        assert _status(data) == status, data[:300]
+
+
+def test_the_guard_lets_nothing_but_http_through() -> None:
+    """A websocket scope that reaches the guard (any server, any configuration) is closed
+    before it is accepted; the app behind it never sees it."""
+    from mtpwrap.front.guard import AccessGuard
+
+    reached: list[dict] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        reached.append(scope)
+
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "websocket.connect"}
+
+    guard = AccessGuard(app, lambda: None, None, None)  # type: ignore[arg-type]
+    scope = {"type": "websocket", "path": "/v1/models", "headers": [], "query_string": b""}
+    asyncio.run(guard(scope, receive, send))
+    assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]

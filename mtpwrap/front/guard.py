@@ -45,7 +45,7 @@ class AccessGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await _refuse_other(scope, send)  # nothing but HTTP passes the guard
             return
         headers: dict[str, str] = {}
         for k, v in scope["headers"]:
@@ -139,3 +139,10 @@ def _marking(send: Send) -> Send:
                 message = {**message, "headers": [*headers, BY_FRONT]}
         await send(message)
     return marked
+
+
+async def _refuse_other(scope: Scope, send: Send) -> None:
+    """A scope that is not HTTP never reaches the app: a websocket is closed before it is
+    accepted (a 403 to its handshake); anything else gets nothing."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})

@@ -414,6 +414,10 @@ def uvicorn_config(app: ASGIApp, limits: ConnectionLimits, idle_timeout_s: float
 
     options: dict[str, Any] = {"http": protocol_class(limits),
                                "timeout_keep_alive": idle_timeout_s, "log_config": None,
-                               "lifespan": "off", "access_log": False}
+                               "lifespan": "off", "access_log": False,
+                               # no protocol switch: with a websocket library installed,
+                               # "auto" would hand an Upgrade to a protocol class that has
+                               # none of the limits above
+                               "ws": "none"}
     options.update(kwargs)  # a benchmark may compare another parser ("h11") here
     return uvicorn.Config(app, **options)
