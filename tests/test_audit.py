@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 from mtpwrap.front import audit
-from mtpwrap.front.audit import FileSink, JournalSink, Ticket, answer_counts, read_records
+from mtpwrap.front.audit import FileSink, JournalSink, Ticket, read_records
+from mtpwrap.front.usage import Tally, answer_counts, reservation
 
 DAY = 86400.0
 T0 = 1_800_000_000.0  # 2027-01-15
@@ -29,7 +30,8 @@ class Clock:
 def record(n: int) -> dict[str, object]:
     t = Ticket(method="POST", route="/v1/chat/completions", client="127.0.0.1", key="app")
     t.status, t.by = 200, "llama-server"
-    t.tail.append(b'{"usage":{"completion_tokens":%d,"prompt_tokens":7}}' % n)
+    t.tally.sent, t.tally.status, t.tally.ended = True, 200, True
+    t.tally.feed(b'{"usage":{"completion_tokens":%d,"prompt_tokens":7}}' % n)
     return t.record("demo")
 
 
@@ -96,10 +98,12 @@ def test_counts_come_from_the_answers_end_not_from_text_inside_it() -> None:
                                      "completion_tokens": 16, "drafted_tokens": 12,
                                      "accepted_tokens": 10, "finish": "length"}
     # usage wins where llama-server gave it; Anthropic's names too
+    # (Anthropic's prompt is its input tokens and those read from the cache)
     anthropic = (b'{"content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn",'
-                 b'"usage":{"cache_read_input_tokens":0,"input_tokens":21,"output_tokens":4}}')
+                 b'"usage":{"cache_read_input_tokens":30,"input_tokens":21,"output_tokens":4}}')
     counts = answer_counts(anthropic)
-    assert counts["prompt_tokens"] == 21 and counts["completion_tokens"] == 4
+    assert counts["prompt_tokens"] == 51 and counts["completion_tokens"] == 4
+    assert counts["cached_tokens"] == 30
     assert counts["finish"] == "end_turn"
     assert answer_counts(b'{"tokens":[1,2,3]}')["prompt_tokens"] is None
 
@@ -107,12 +111,78 @@ def test_counts_come_from_the_answers_end_not_from_text_inside_it() -> None:
 def test_a_front_made_answer_has_no_token_counts_and_the_record_has_every_field() -> None:
     t = Ticket(method="POST", route="/v1/chat/completions", client="10.0.0.7", key="app")
     t.status, t.reason = 429, "budget_rpm"
-    t.tail.append(b'{"usage":{"prompt_tokens":5}}')  # never read for a front-made answer
     r = t.record("demo")
     assert r["prompt_tokens"] is None and r["by"] == "front" and r["reason"] == "budget_rpm"
     assert list(r) == ["time", "id", "key", "class", "client", "method", "route", "model",
                        "status", "by", "stream", "prompt_tokens", "cached_tokens",
                        "completion_tokens", "drafted_tokens", "accepted_tokens", "queued_s",
-                       "ttft_s", "total_s", "bytes_in", "bytes_out", "finish", "reason"]
+                       "ttft_s", "total_s", "bytes_in", "bytes_out", "finish", "reason",
+                       "tokens_from"]
+    assert r["tokens_from"] is None
     json.dumps(r)  # plain JSON
     assert audit.tokens({"prompt_tokens": 5, "completion_tokens": None}) == 5
+
+
+# --------------------------------------------------------------------------- a cut answer's tally
+
+CHAT = [b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant",'
+        b'"content":null}}],"object":"chat.completion.chunk"}\n\n'] + [
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"w%d"}}],'
+    b'"object":"chat.completion.chunk"}\n\n' % i for i in range(7)]
+
+
+def test_a_cut_stream_counts_a_token_per_event_even_across_reads() -> None:
+    whole = b"".join(CHAT)
+    for cut in range(1, len(whole)):  # every place a read may end
+        t = Tally(route="/v1/chat/completions", stream=True, sent=True, status=200)
+        t.feed(whole[:cut])
+        t.feed(whole[cut:])
+        counts = t.counts()
+        assert (counts["completion_tokens"], counts["from"]) == (7, "cut"), cut
+        assert t.wants_prompt(499)  # the chat stream never said its prompt: it is asked
+    # the text of the answer never counts as an event
+    t = Tally(route="/v1/chat/completions", stream=True, sent=True, status=200)
+    t.feed(b'data: {"choices":[{"delta":{"content":"\\"delta\\":{\\"x"}}]}\n\n')
+    assert t.counts()["completion_tokens"] == 1
+
+
+def test_an_anthropic_stream_keeps_the_prompt_of_its_first_event() -> None:
+    start = (b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+             b'{"cache_read_input_tokens":500,"input_tokens":40,"output_tokens":0}}}\n\n')
+    delta = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+             b'"delta":{"type":"text_delta","text":"word"}}\n\n')
+    end = (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+           b'"max_tokens"},"usage":{"output_tokens":300}}\n\nevent: message_stop\n'
+           b'data: {"type":"message_stop"}\n\n')
+    t = Tally(route="/v1/messages", stream=True, sent=True, status=200)
+    for chunk in [start] + [delta] * 300:  # far more than the tail keeps
+        t.feed(chunk)
+    cut = t.counts()
+    assert (cut["prompt_tokens"], cut["cached_tokens"], cut["completion_tokens"],
+            cut["from"]) == (540, 500, 300, "cut")
+    assert not t.wants_prompt(499)
+    t.feed(end)
+    t.ended = True
+    whole = t.counts()
+    assert (whole["prompt_tokens"], whole["completion_tokens"], whole["from"]) == (
+        540, 300, "answer")
+
+
+def test_what_is_not_sent_costs_nothing_and_an_error_is_not_a_cut() -> None:
+    t = Tally(route="/v1/chat/completions", stream=True)
+    assert t.counts(499)["from"] is None and not t.wants_prompt(499)
+    t.sent = True  # sent; the client left during the prefill: its prompt is charged
+    assert t.wants_prompt(499) and t.counts(499)["from"] == "cut"
+    # llama-server gone (or a stall) before its answer began: the front's 502/504 costs nothing
+    assert not t.wants_prompt(502) and t.counts(502)["from"] is None
+    t.status = 400
+    t.feed(b'{"error":{"code":400,"message":"too long"}}')
+    assert t.counts(400)["completion_tokens"] is None and not t.wants_prompt(400)
+
+
+def test_a_reservation_is_the_prompt_estimate_and_the_most_it_may_generate() -> None:
+    doc = {"messages": [], "max_tokens": 100, "n_predict": 300, "n": 2}
+    assert reservation("/v1/chat/completions", doc, 30, 0, 4096) == 10 + 100 * 2
+    assert reservation("/v1/chat/completions", {"messages": []}, 30, 0, 4096) == 10 + 4096
+    assert reservation("/v1/chat/completions", {"messages": []}, 30, 500, 4096) == 10 + 500
+    assert reservation("/v1/embeddings", {"input": "x", "max_tokens": 9}, 31, 0, 4096) == 11

@@ -13,7 +13,7 @@ import pytest
 from mtpwrap.config.apikeys import Budget, default_name, key_table, parse_key, read_keys_file
 from mtpwrap.errors import ConfigError
 from mtpwrap.front.admission import PriorityGate
-from mtpwrap.front.budgets import Budgets
+from mtpwrap.front.budgets import Budgets, Hold, OverBudget
 from tests.helpers import until
 
 SECRET = "s3cret-key-0123456789"
@@ -96,9 +96,9 @@ def test_token_budgets_count_what_was_spent_and_survive_a_restart(tmp_path: Path
     k = parse_key(f"{SECRET} name=app tokens_per_day=100", "f")
     b = Budgets(path, clock)
     assert b.check(k) is None
-    b.spend(k, 60)  # outside an event loop: saved at once
+    b.settle(k, None, 60)  # outside an event loop: saved at once
     assert b.check(k) is None
-    b.spend(k, 45)
+    b.settle(k, None, 45)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     # a new process: the day's count is still there
     again = Budgets(path, clock)
@@ -108,6 +108,24 @@ def test_token_budgets_count_what_was_spent_and_survive_a_restart(tmp_path: Path
     assert "tokens per day" in over.message("app")
     clock.t += 86400
     assert again.check(k) is None  # a new day
+
+
+def test_requests_in_flight_hold_their_reservation_until_they_settle() -> None:
+    clock = Clock(1_800_000_000.0)
+    k = parse_key(f"{SECRET} name=app tokens_per_hour=100", "f")
+    b = Budgets(None, clock)
+    first = b.reserve(k, 80)
+    second = b.reserve(k, 80)  # 80 held is under 100: let in (it may overshoot, as one may)
+    third = b.reserve(k, 80)
+    assert isinstance(first, Hold) and isinstance(second, Hold)
+    assert isinstance(third, OverBudget) and third.budget == "tokens_per_hour"
+    assert "used or reserved (for its requests in flight, 160 tokens)" in third.message("app")
+    assert b.check(k) is not None  # at the door too
+    b.settle(k, first, 30)
+    b.settle(k, second, 0)  # cut before llama-server had it
+    assert b.held == {} and b.used("app", "hour") == 30
+    assert isinstance(b.reserve(k, 80), Hold)
+    assert b.reserve(parse_key(f"{SECRET}x name=free", "f"), 80) is None  # no token budget
 
 
 # --------------------------------------------------------------------------- priority

@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.apikeys import KeyTable
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
-from mtpwrap.front import audit, depth_policy, ops, status
+from mtpwrap.front import audit, depth_policy, ops, status, usage
 from mtpwrap.front.access import Access, classify
 from mtpwrap.front.access import Route as Verdict
 from mtpwrap.front.admission import Admission, Refusal, request_class
@@ -54,12 +54,12 @@ from mtpwrap.front.bodies import (
     parse_json_body,
     require_object,
 )
-from mtpwrap.front.budgets import Budgets
+from mtpwrap.front.budgets import Budgets, OverBudget
 from mtpwrap.front.companions import Companion, CompanionInfo, Routes, UnknownModel
 from mtpwrap.front.depth_policy import DepthDecision
 from mtpwrap.front.exchange import Exchange, Step
 from mtpwrap.front.gpu import GpuGauge
-from mtpwrap.front.guard import AccessGuard
+from mtpwrap.front.guard import AccessGuard, refuse_budget
 from mtpwrap.front.info import ServeInfo
 from mtpwrap.front.metrics import CONTENT_TYPE, FrontMetrics
 from mtpwrap.front.relay import Relay, relay_wire
@@ -363,6 +363,7 @@ class Front:
             return
         stream = False
         decision: DepthDecision | None = None
+        doc: object = None
         target = early
         if route.json_body and (body or route.object_body):
             # llama-server parses the body as JSON whatever its Content-Type says, so every
@@ -398,11 +399,14 @@ class Front:
                                              close=True, reason=r.reason)
                     return
             decision, body = self._decide_depth(label, doc, body)
-        if target is not None and (ticket := audit.current.get()) is not None:
-            ticket.model = target.name
         ticket = audit.current.get()
         if ticket is not None:
-            ticket.stream = stream
+            if target is not None:
+                ticket.model = target.name
+            ticket.stream = ticket.tally.stream = stream
+            ticket.tally.route = label
+            if not await self._reserve(ticket, send, label, doc, body, t0, scope):
+                return
         ex = Exchange(label=label, stream=stream, t0=t0, slot=route.slot, depth=decision,
                       ticket=ticket)
         worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path,
@@ -419,6 +423,31 @@ class Front:
             self._workers.pop(ex, None)
         if worker.cancelled() and ex.cancel_reason is not None:
             await relay.finish_cancelled(ex, send)
+
+    async def _reserve(self, ticket: audit.Ticket, send: Send, label: str, doc: object,
+                       body: bytes, t0: float, scope: Scope) -> bool:
+        """Reserve what the request may cost against its key's token budgets (False: refused,
+        the 429 sent), and say how to count its prompt if its answer is cut."""
+        ticket.prompt_estimate = usage.reservation(label, None, len(body), 0, None)
+        ticket.count_prompt = lambda: self._count_prompt(label, doc)
+        if ticket.api_key is None:
+            return True
+        hold = self.budgets.reserve(ticket.api_key, usage.reservation(
+            label, doc, len(body), self.config.max_predict, self.info.context))
+        if isinstance(hold, OverBudget):
+            await refuse_budget(self.replies, send, ticket.api_key, hold, label, t0,
+                                close=False, path=scope["path"])
+            return False
+        ticket.hold = hold
+        return True
+
+    async def _count_prompt(self, label: str, doc: object) -> int | None:
+        """The prompt of a request to the chat model as llama-server's tokenizer counts it."""
+        up = self.supervisor.status().upstream
+        if up is None:
+            return None
+        return await usage.count_prompt(self.clients.get(up), up.base_url, up.api_key, label,
+                                        doc, self.config.backend_metrics_timeout_s)
 
     async def _work(self, ex: Exchange, scope: Scope, send: Send, body: bytes,
                     path: str, admission: Admission, relay: Relay) -> None:

@@ -2,7 +2,8 @@
 
 A line says who asked (the key's name, never the key), from where, which route, what came of
 it (status, who answered, the finish or refusal reason), how many tokens (llama-server's own
-`usage` and `timings`: prompt, cached, completion, drafted, accepted), how long it waited in
+counts: prompt, cached, completion, drafted, accepted; for a request cut short, what was
+computed — `front.usage` — and `tokens_from` says which), how long it waited in
 the queue, its time to the first token and in all, and the bytes in and out. Never a prompt, an
 answer, a header or a key: the line is built from the fields below only.
 
@@ -14,7 +15,9 @@ structured field (`MTPWRAP_KEY=`, `MTPWRAP_TOKENS_IN=` …) for a SIEM via rsysl
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import contextvars
 import datetime as dt
 import json
@@ -24,7 +27,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,52 +35,18 @@ from typing import Any, Protocol
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.config.objects import AuditConfig
 from mtpwrap.front.access import route_label
-from mtpwrap.front.budgets import Budgets
+from mtpwrap.front.budgets import Budgets, Hold
 from mtpwrap.front.metrics import FrontMetrics
+from mtpwrap.front.usage import Tally
 
 log = logging.getLogger("mtpwrap.audit")
 
 #: the front's own pages, audited under their path (every other path is a route's label)
 FRONT_PAGES = frozenset({"/metrics", "/healthz", "/status", "/status.json"})
-#: the answer's last bytes kept to read its usage and timings from (they end the answer)
-TAIL_BYTES = 16 * 1024
 #: journald's native socket
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
-
-# One token count each, the last in the answer: usage (OpenAI's and Anthropic's names) and
-# timings. `(?<!\\)` skips a name inside a JSON string of the answer (its quotes are escaped).
-_COUNT = {name: re.compile(rb'(?<!\\)"' + name.encode() + rb'"\s*:\s*(\d+)') for name in (
-    "prompt_tokens", "completion_tokens", "cached_tokens", "input_tokens", "output_tokens",
-    "cache_read_input_tokens", "prompt_n", "cache_n", "predicted_n", "draft_n",
-    "draft_n_accepted")}
-_FINISH = re.compile(rb'(?<!\\)"(?:finish_reason|stop_reason)"\s*:\s*"([a-z_]{1,32})"')
-
-
-def _last(pattern: re.Pattern[bytes], tail: bytes) -> int | None:
-    found = pattern.findall(tail)
-    return int(found[-1]) if found else None
-
-
-def answer_counts(tail: bytes) -> dict[str, Any]:
-    """Token counts and the finish reason from the end of a relayed answer: llama-server's
-    `usage` where it gave one, else its `timings` (a stream without `include_usage`)."""
-    n = {name: _last(p, tail) for name, p in _COUNT.items()}
-    prompt_n, cache_n = n["prompt_n"], n["cache_n"]
-    from_timings = None if prompt_n is None else prompt_n + (cache_n or 0)
-    out: dict[str, Any] = {
-        "prompt_tokens": _first(n["prompt_tokens"], n["input_tokens"], from_timings),
-        "cached_tokens": _first(n["cached_tokens"], n["cache_read_input_tokens"], cache_n),
-        "completion_tokens": _first(n["completion_tokens"], n["output_tokens"],
-                                    n["predicted_n"]),
-        "drafted_tokens": n["draft_n"], "accepted_tokens": n["draft_n_accepted"],
-    }
-    finish = _FINISH.findall(tail)
-    out["finish"] = finish[-1].decode() if finish else None
-    return out
-
-
-def _first(*values: int | None) -> int | None:
-    return next((v for v in values if v is not None), None)
+#: how long the end of a cut request waits for llama-server to count its prompt
+COUNT_TIMEOUT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -101,15 +70,28 @@ class Ticket:
     ttft_s: float | None = None
     #: why the front refused it (the `mtpwrap_refused`/`shed` reason), or how it was cut
     reason: str | None = None
-    #: the relayed answer's last chunks (references), for its token counts and draft figures
-    tail: collections.deque[bytes] = field(default_factory=lambda: collections.deque(maxlen=64))
+    #: what llama-server's answer says of its tokens (the relay feeds it)
+    tally: Tally = field(default_factory=Tally)
     api_key: ApiKey | None = field(default=None, repr=False)
     #: the companion that answered (its name); None: the chat model
     model: str | None = None
+    #: the tokens reserved against the key's budgets when the request was admitted
+    hold: Hold | None = None
+    #: the reservation's estimate of the prompt (what a cut charges when llama-server cannot
+    #: count it)
+    prompt_estimate: int | None = None
+    #: asks llama-server how many tokens the request's prompt is (for a cut answer)
+    count_prompt: Callable[[], Awaitable[int | None]] | None = field(default=None, repr=False)
+    #: the prompt as llama-server counted it after a cut
+    prompt_counted: int | None = None
 
     def record(self, model: str) -> dict[str, Any]:
-        counts = answer_counts(b"".join(self.tail)[-TAIL_BYTES:]) if self.by != "front" \
-            else {}
+        counts = self.tally.counts(self.status)
+        if counts["prompt_tokens"] is None and counts["from"] == "cut":
+            if self.prompt_counted is not None:
+                counts["prompt_tokens"] = self.prompt_counted
+            elif self.prompt_estimate is not None:
+                counts["prompt_tokens"], counts["from"] = self.prompt_estimate, "estimate"
         return {
             "time": _iso(self.at), "id": self.id, "key": self.key, "class": self.klass,
             "client": self.client, "method": self.method, "route": self.route, "model": model,
@@ -124,6 +106,7 @@ class Ticket:
             "total_s": round(time.perf_counter() - self.t0, 4),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "finish": counts.get("finish"), "reason": self.reason,
+            "tokens_from": counts.get("from"),
         }
 
 
@@ -299,6 +282,16 @@ class Trail:
             t.key, t.klass, t.api_key = key.name, key.klass, key
         return t
 
+    async def finish(self, t: Ticket) -> dict[str, Any]:
+        """`end`, once llama-server has counted the prompt of a request cut before its answer
+        said (a few seconds at most: past them the reservation's estimate is charged, as it is
+        for a request stopped by a shutdown, when llama-server is about to stop)."""
+        if t.count_prompt is not None and t.reason != "shutdown" and \
+                t.tally.wants_prompt(t.status):
+            with contextlib.suppress(Exception):
+                t.prompt_counted = await asyncio.wait_for(t.count_prompt(), COUNT_TIMEOUT_S)
+        return self.end(t)
+
     def end(self, t: Ticket) -> dict[str, Any]:
         record = t.record(t.model or self.model() or "-")
         try:
@@ -321,7 +314,7 @@ class Trail:
             self.refusals.append({k: record[k] for k in ("time", "key", "route", "status",
                                                         "reason")})
         if t.api_key is not None:
-            self.budgets.spend(t.api_key, tokens(record))
+            self.budgets.settle(t.api_key, t.hold, tokens(record))
         self._add_today(record)
         if record["completion_tokens"]:
             self._recent.append((self.clock(), record["completion_tokens"]))

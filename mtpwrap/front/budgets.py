@@ -2,9 +2,13 @@
 `tokens_per_hour=`, `tokens_per_day=` on the key's line).
 
 Windows are the UTC calendar's: a minute, an hour, a day; a budget resets at its window's end,
-which is what the 429 says (`Retry-After` and the time). A request is checked before it is
-forwarded (a request past `rpm`, or any once the tokens are spent); its tokens count when its
-answer ends (llama-server's usage). The hour's and the day's counts are kept in
+which is what the 429 says (`Retry-After` and the time). A request is checked at the door (a
+request past `rpm`, or any once the tokens are spent or spoken for), and once its body is read
+it reserves what it may cost (`front.usage.reservation`), refused if the requests already in
+flight have spoken for the rest: so parallel requests cannot all pass before any is charged.
+When it ends, its reservation is let go and what llama-server computed for it is charged
+(`front.usage`: its own counts, or at a cut what was computed), whichever way it ended. The
+hour's and the day's counts are kept in
 `<audit.dir>/budgets.json` (written at most every 2 s while they change, and at the end), so a
 restart does not give a key its day again.
 """
@@ -38,21 +42,37 @@ class OverBudget:
     resets_at: float  # epoch seconds
     retry_after_s: int
 
+    #: tokens held by the key's requests in flight when it was refused
+    held: int = 0
+
     def message(self, key: str) -> str:
         when = time.strftime("%H:%M:%S UTC", time.gmtime(self.resets_at))
         what = ("requests per minute" if self.budget == "rpm"
                 else f"tokens per {self.budget.rsplit('_', 1)[1]}")
-        return (f"The API key {key!r} has used its budget of {self.limit} {what}; it resets at "
-                f"{when} (in {self.retry_after_s} s).")
+        used = "used" if not self.held else \
+            f"used or reserved (for its requests in flight, {self.held} tokens)"
+        return (f"The API key {key!r} has {used} its budget of {self.limit} {what}; it resets "
+                f"at {when} (in {self.retry_after_s} s).")
+
+
+@dataclass
+class Hold:
+    """Tokens a request in flight has reserved against its key's token budgets."""
+
+    key: str
+    tokens: int
 
 
 class Budgets:
-    """Counts per key name and window; `check` before a request, `spend` after it."""
+    """Counts per key name and window; `check` at the door, `reserve` once the body is read,
+    `settle` when the request ends."""
 
     def __init__(self, path: Path | None, clock: Callable[[], float] = time.time) -> None:
         self.path, self.clock = path, clock
         #: (key name, window) -> [window start, count]
         self.counts: dict[tuple[str, str], list[float]] = {}
+        #: key name -> tokens reserved by its requests in flight
+        self.held: dict[str, int] = {}
         self._save: asyncio.TimerHandle | None = None
         self._load()
 
@@ -73,17 +93,47 @@ class Budgets:
         if not limits:
             return None
         now = self.clock()
-        for window, (span, field, _what) in WINDOWS.items():
-            limit = limits.get(field)
-            if limit and self._count(key.name, window, now)[1] >= limit:
-                resets = self._count(key.name, window, now)[0] + span
-                return OverBudget(field, limit, resets, max(1, int(resets - now + 0.999)))
+        if (over := self._over(key, limits, now, ("minute", "hour", "day"))) is not None:
+            return over
         if "rpm" in limits:
             self._count(key.name, "minute", now)[1] += 1
         return None
 
-    def spend(self, key: ApiKey, tokens: int) -> None:
-        """A finished request's tokens, for a key with a token budget."""
+    def reserve(self, key: ApiKey, tokens: int) -> Hold | OverBudget | None:
+        """Reserve `tokens` for a request of `key`'s about to be sent: refused while what is
+        spent and what its requests in flight hold reach a token budget; None for a key with
+        no token budget."""
+        limits = key.budget.limits()
+        if not (limits.get("tokens_per_hour") or limits.get("tokens_per_day")):
+            return None
+        if (over := self._over(key, limits, self.clock(), ("hour", "day"))) is not None:
+            return over
+        self.held[key.name] = self.held.get(key.name, 0) + tokens
+        return Hold(key.name, tokens)
+
+    def _over(self, key: ApiKey, limits: dict[str, int], now: float,
+              windows: tuple[str, ...]) -> OverBudget | None:
+        held = self.held.get(key.name, 0)
+        for window in windows:
+            span, field, what = WINDOWS[window]
+            limit = limits.get(field)
+            c = self._count(key.name, window, now)
+            reserved = held if what == "tokens" else 0
+            if limit and c[1] + reserved >= limit:
+                resets = c[0] + span
+                return OverBudget(field, limit, resets, max(1, int(resets - now + 0.999)),
+                                  reserved)
+        return None
+
+    def settle(self, key: ApiKey, hold: Hold | None, tokens: int) -> None:
+        """A request has ended: its reservation goes, its tokens count (for a key with a token
+        budget)."""
+        if hold is not None:
+            left = self.held.get(hold.key, 0) - hold.tokens
+            if left > 0:
+                self.held[hold.key] = left
+            else:
+                self.held.pop(hold.key, None)
         b = key.budget
         if not tokens or not (b.tokens_per_hour or b.tokens_per_day):
             return

@@ -93,8 +93,8 @@ class Exchange:
     cancel_reason: str | None = None
     status: int = 0
     generation: int | None = None
-    #: its audit ticket, which also keeps the answer's last chunks (the depth policy reads
-    #: the draft figures from them)
+    #: its audit ticket, whose tally the relay feeds the answer's chunks to (the depth policy
+    #: reads the draft figures from its last ones)
     ticket: Ticket | None = None
     #: held while the front's own bytes (headers, a keep-alive comment) are written; the relay
     #: takes it only when it is held (see `Relay._body`)

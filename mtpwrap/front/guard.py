@@ -14,6 +14,7 @@ from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.front import audit
 from mtpwrap.front.access import Access, Denial
 from mtpwrap.front.audit import UNAUDITED, Ticket, Trail
+from mtpwrap.front.budgets import OverBudget
 from mtpwrap.front.replies import (
     ANSWERED_BY,
     BY_FRONT,
@@ -69,7 +70,7 @@ class AccessGuard:
                 ticket.status, ticket.reason = refused
             elif not ticket.status:
                 ticket.status, ticket.reason = 499, ticket.reason or "client_disconnect"
-            self.trail.end(ticket)
+            await self.trail.finish(ticket)
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send,
                       verdict: Denial | ApiKey | None, t0: float, path: str) -> None:
@@ -81,11 +82,8 @@ class AccessGuard:
                                      reason=verdict.reason)
             return
         if verdict is not None and (over := self.trail.budgets.check(verdict)) is not None:
-            self.replies.metrics.refused.labels("budget").inc()
-            await self.replies.error(
-                send, 429, over.message(verdict.name), "other", t0, close=declares_body(scope),
-                extra=[(b"retry-after", str(over.retry_after_s).encode())], path=path,
-                reason=f"budget_{over.budget}")
+            await refuse_budget(self.replies, send, verdict, over, "other", t0,
+                                close=declares_body(scope), path=path)
             return
         try:
             await self.app(scope, receive, send)
@@ -101,6 +99,15 @@ class AccessGuard:
                                          path=path, reason="internal")
 
 
+async def refuse_budget(replies: Replies, send: Send, key: ApiKey, over: OverBudget, label: str,
+                        t0: float, close: bool, path: str | None = None) -> None:
+    """The 429 of a budget: which key, which budget, when it resets (and `Retry-After`)."""
+    replies.metrics.refused.labels("budget").inc()
+    await replies.error(send, 429, over.message(key.name), label, t0, close=close,
+                        extra=[(b"retry-after", str(over.retry_after_s).encode())], path=path,
+                        reason=f"budget_{over.budget}")
+
+
 def _counting(receive: Receive, ticket: Ticket) -> Receive:
     """`receive`, counting the request body's bytes on the ticket."""
     async def counted() -> Message:
@@ -112,8 +119,8 @@ def _counting(receive: Receive, ticket: Ticket) -> Receive:
 
 
 def _observing(send: Send, ticket: Ticket) -> Send:
-    """`_marking(send)` that also notes on the ticket the status, who answered, the bytes out
-    and, of llama-server's answers, the last chunks (their usage and timings)."""
+    """`_marking(send)` that also notes on the ticket the status, who answered and the bytes
+    out (the relay feeds llama-server's answer to the ticket's tally)."""
     marked = _marking(send)
 
     async def observed(message: Message) -> None:
@@ -123,8 +130,6 @@ def _observing(send: Send, ticket: Ticket) -> Send:
                 ticket.by = "llama-server"
         elif body := message.get("body"):
             ticket.bytes_out += len(body)
-            if ticket.by != "front":
-                ticket.tail.append(body)
         await marked(message)
     return observed
 

@@ -196,6 +196,8 @@ class Relay:
         loop = asyncio.get_running_loop()
         ex.to(Step.WAITING)
         ex.last_progress = loop.time()
+        if ex.ticket is not None:  # from here on a prompt may be computed: it is charged
+            ex.ticket.tally.sent = True
         try:
             resp = await self._send_upstream(ex, scope, body, upstream, path)
         except UpstreamError as err:
@@ -254,6 +256,8 @@ class Relay:
     async def _relay(self, ex: Exchange, resp: WireResponse, send: Send,
                      loop: asyncio.AbstractEventLoop) -> None:
         ex.status = resp.status
+        if ex.ticket is not None:
+            ex.ticket.tally.status = resp.status
         sse = resp.header(b"content-type").startswith(b"text/event-stream")
         async with ex.send_lock:
             if resp.status == 500 and not sse:
@@ -270,6 +274,8 @@ class Relay:
             ex.to(Step.RELAYING)
         await self._body(ex, resp, send, loop)
         ex.to(Step.DONE)
+        if ex.ticket is not None:
+            ex.ticket.tally.ended = True
         await send({"type": "http.response.body", "body": b""})
         self.replies.record(ex.label, resp.status, ex.t0)
         self._observe_depth(ex)
@@ -280,9 +286,11 @@ class Relay:
         what the watch needs (the time, the chunk's reference) and one float appended for the
         inter-chunk histogram, which takes the request's gaps once at its end; whether the
         stream stands at an event boundary is read from the last chunk only when a keep-alive
-        comment or an error event is to be written."""
+        comment or an error event is to be written. The ticket's tally sees each chunk (its
+        token counts)."""
         clock = loop.time
         lock = ex.send_lock
+        feed = ex.ticket.tally.feed if ex.ticket is not None else None
         gaps: list[float] = []
         gap = gaps.append if ex.event_stream else None
         last = 0.0
@@ -306,6 +314,8 @@ class Relay:
                 # more than the rest of the relay); uvicorn's send blocks while its buffer is
                 # full. A keep-alive comment is only written while no send is in progress.
                 ex.last_chunk = chunk
+                if feed is not None:
+                    feed(chunk)
                 ex.sending_since = now
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 ex.sending_since = 0.0
@@ -317,9 +327,9 @@ class Relay:
         """What the drafts of a relayed answer came to (its timings end it: the audit ticket
         keeps its last chunks), for the depth policy."""
         if (self.depth is None or ex.depth is None or ex.status != 200 or ex.ticket is None
-                or not ex.ticket.tail):
+                or not ex.ticket.tally.tail):
             return
-        counts = depth_policy.draft_counts(b"".join(ex.ticket.tail)[-depth_policy.TAIL_BYTES:])
+        counts = depth_policy.draft_counts(ex.ticket.tally.last_bytes(depth_policy.TAIL_BYTES))
         if counts is not None:
             self.depth.observe(ex.depth, *counts)
 
@@ -362,6 +372,8 @@ class Relay:
             # The client had the whole stream and went before llama-server's closing chunk
             # came (the official clients close at `[DONE]`): an answer given, not one cut short.
             ex.to(Step.DONE)
+            if ex.ticket is not None:
+                ex.ticket.tally.ended = True
             self.replies.record(ex.label, ex.status, ex.t0)
             self._observe_depth(ex)
             return
