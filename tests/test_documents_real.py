@@ -119,6 +119,15 @@ def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
     assert value("--cache-reuse") == "0"
     assert value("-ctxcp", "--ctx-checkpoints") == str(said["checkpoints"])
     assert int(value("-cram", "--cache-ram")) > 1024
+    # what runs is shown as it runs: the state file, `status`, `args --running`, /healthz (an
+    # admin's, and with no keys everyone local is one)
+    running = json.loads(run_cli("args", "--running", "--json", env=up.env).stdout)
+    assert running["argv"] == argv[:-1]  # /proc's cmdline ends with a NUL
+    assert any(d.startswith("--cache-ram") or d.startswith("-cram") for d in
+               running["decisions"]), running["decisions"]
+    assert "***" in running["env"].values()  # the internal key is never shown
+    assert httpx.get(f"{up.base}/healthz", timeout=30).json()["command"] == running
+    assert "llama-server runs" in run_cli("status", env=up.env).stdout
     a = document("Alpha")
     read, tokens = up.ask(same(a, LONG + " Which clause names day 9?"))
     doc_tokens = tokens - 2100

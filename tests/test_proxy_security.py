@@ -394,3 +394,13 @@ def test_the_webui_feature_says_when_the_build_has_no_bundle(fake, bundle, caplo
     else:
         assert r.status_code == 200 and r.json()["path"] == "/"
         assert [s.path for s in fake.seen] == ["/"]
+
+
+def test_only_an_admin_sees_the_running_command(scoped):
+    """The command llama-server runs (paths, model, flags) is an admin's to see: /healthz and
+    /status.json carry it for a key with the admin scope, never for a metrics-only key."""
+    ops = HTTP.get(scoped.url + "/healthz", headers={"x-api-key": OPS}).json()
+    assert "command" not in ops
+    assert "command" in HTTP.get(scoped.url + "/healthz", headers={"x-api-key": ALL}).json()
+    page = HTTP.get(scoped.url + "/status.json", headers={"x-api-key": OPS}).json()
+    assert page["command"] is None

@@ -20,15 +20,23 @@ from mtpwrap.config.options import setting_option, shared_option
                    "binary that cannot bind a UNIX socket (otherwise the socket is shown).")
 @click.option("--no-plan", "no_plan", is_flag=True,
               help="As `up --no-plan`: no memory plan, so nothing is refused for memory.")
+@click.option("--running", is_flag=True,
+              help="The command the running instance's llama-server was started with (after "
+                   "any step-down, deferred plan or reload), from its state file, instead of "
+                   "the profile's.")
 @shared_option("MTPWRAP_JSON")
 def command(profile_name: str, model: str | None, binary: str | None, replay: str | None,
-            port: int | None, no_plan: bool, as_json: bool) -> None:
+            port: int | None, no_plan: bool, running: bool, as_json: bool) -> None:
     """Print the llama-server command line for a profile, and why each flag is there."""
     import dataclasses
 
     from mtpwrap import console
     from mtpwrap.service.startup import upstream_endpoint
     from mtpwrap.supervision import inputs
+
+    if running:
+        _print_running(as_json)
+        return
 
     inp = inputs.gather(profile_name, model=model, binary=binary, replay=replay, fetch=False)
     # a model that is not here cannot be planned: the preview shows the argv without a plan
@@ -68,3 +76,30 @@ def command(profile_name: str, model: str | None, binary: str | None, replay: st
             console.out.print(f"  {(d.flag + value):<{width + 12}}  {d.reason}", markup=False)
     for w in warnings:
         console.warn(w)
+
+
+def _print_running(as_json: bool) -> None:
+    """The running llama-server's command, as the instance's state file records it."""
+    from mtpwrap import console
+    from mtpwrap.errors import RuntimeFailure
+    from mtpwrap.supervision import instance
+
+    report = instance.instance_report()
+    if not report["running"]:
+        raise RuntimeFailure(f"--running: no mtpwrap instance is running ({report['reason']}).",
+                             hint="Start one with `mtpwrap up`, or leave out --running for the "
+                                  "profile's command line.")
+    cmd = report.get("command")
+    if cmd is None:
+        raise RuntimeFailure(f"--running: llama-server is not running now ({report['state']}"
+                             f"{': ' + report['reason'] if report.get('reason') else ''}).")
+    if as_json:
+        console.print_json(cmd)
+        return
+    if cmd.get("note"):
+        console.out.print(f"# {cmd['note']}", markup=False)
+    env = " ".join(f"{k}={v}" for k, v in cmd.get("env", {}).items())
+    console.out.print((env + " " if env else "") + shlex.join(cmd["argv"]), markup=False)
+    console.out.print("")
+    for line in cmd.get("decisions", []):
+        console.out.print(f"  {line}", markup=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 import click
@@ -41,6 +42,9 @@ def command(as_json: bool) -> None:
                 rows.append([f"last {rl.get('kind', 'reload')}",
                              f"{rl.get('result')}: {rl.get('message') or '-'}"])
             rows.append(["KV snapshots", report.get("persist_dir") or "off"])
+            if cmd := report.get("command"):
+                rows.append(["llama-server runs", shlex.join(cmd["argv"])
+                             + (f"  ({cmd['note']})" if cmd.get("note") else "")])
             for c in report.get("companions") or []:
                 state = c.get("state", "?") + (f" ({c['reason']})" if c.get("reason") else "")
                 rows.append([f"{c['role']} {c['name']}",

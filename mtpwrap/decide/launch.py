@@ -40,6 +40,10 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         return {"flag": self.flag, "value": self.value, "reason": self.reason}
 
+    def line(self) -> str:
+        """`flag value: reason`, as `up`'s log, the state file and `status` show it."""
+        return f"{self.flag} {self.value or ''}".strip() + f": {self.reason}"
+
 
 @dataclass(frozen=True)
 class LaunchConfig:

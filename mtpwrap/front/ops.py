@@ -8,7 +8,8 @@
   companion's (or, with the chat model's name or `chat`, the chat model's).
 - `/healthz`: one JSON document for people (always 200): state, profile, build, model, context,
   uptime, restarts, last error, GPU memory and temperature (with how current they are:
-  `gpu_read`), queue and in-flight counts.
+  `gpu_read`), queue and in-flight counts; for a key with the admin scope (or when the front
+  has no keys) the command llama-server runs, with the reason for each flag (`command`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mtpwrap.front import audit
 from mtpwrap.front.gpu import GpuView
 from mtpwrap.supervision.state import State
 
@@ -133,8 +135,20 @@ def health_document(front: Front, gpu: GpuView) -> dict[str, Any]:
     }
 
 
+def admin_asks(front: Front) -> bool:
+    """Whether the request being answered may see what only an admin sees (the running
+    command line): its key has the admin scope, or the front has no keys at all."""
+    ticket = audit.current.get()
+    if ticket is not None and ticket.api_key is not None:
+        return "admin" in ticket.api_key.scopes
+    return not front.access.keys
+
+
 def make_healthz(front: Front) -> Callable[[Request], Awaitable[Response]]:
     async def healthz(_request: Request) -> Response:
-        return JSONResponse(health_document(front, await front.gpu.view()))
+        doc = health_document(front, await front.gpu.view())
+        if admin_asks(front):
+            doc["command"] = front.supervisor.status().command
+        return JSONResponse(doc)
 
     return healthz

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from mtpwrap.front.gpu import GpuView
-from mtpwrap.front.ops import gpu_rows
+from mtpwrap.front.ops import admin_asks, gpu_rows
 
 if TYPE_CHECKING:
     from mtpwrap.front.app import Front
@@ -70,6 +70,7 @@ async function refresh() {
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
     $("documents").textContent = s.documents ? s.documents.summary : "-";
+    $("command").textContent = s.command ? s.command.argv.join(" ") : "(an admin key shows it)";
     fill("companions", s.companions, [["name"], ["role"], ["state"], ["restarts", 1],
          ["forwarding", 1], ["queued", 1]]);
     fill("usage", s.usage_today, [["key"], ["requests", 1], ["refused", 1],
@@ -102,6 +103,7 @@ _HTML = f"""<!doctype html>
 <tr><th>queued</th><td id="queue"></td></tr>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
 <tr><th>documents</th><td id="documents"></td></tr>
+<tr><th>llama-server runs</th><td id="command"></td></tr>
 </tbody></table>
 <h2>Companions</h2>
 <table><thead><tr><th>name</th><th>role</th><th>state</th><th>restarts</th><th>computing</th>
@@ -146,6 +148,8 @@ def document(front: Front, gpu: GpuView) -> dict[str, Any]:
         "companions": [c.health() for c in front.routes.companions],
         "gpus": gpu_rows(gpu),
         "gpu_read": gpu.to_dict(),
+        # the command llama-server runs: for an admin only (ops.admin_asks)
+        "command": st.command if admin_asks(front) else None,
     }
 
 

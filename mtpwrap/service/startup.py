@@ -59,7 +59,9 @@ class ChildFactory:
         spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.listen_why),
                         api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
                         webui=self.webui)
-        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung)
+        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung,
+                            decisions=tuple(d.line() for d in spec.decisions),
+                            secret_env=spec.secret_env)
 
 
 @dataclass
@@ -194,8 +196,7 @@ def resolve_launch(settings: Settings,
         lacks=inp.manifest.lacks() if inp.manifest is not None else (),
         documents=r.documents.to_dict() if r.documents is not None else None)
     result = Launch(factory=factory, info=info,
-                    decisions=[f"{d.flag} {d.value or ''}".strip() + f": {d.reason}"
-                               for d in first.decisions],
+                    decisions=[d.line() for d in first.decisions],
                     warnings=[*warnings, *first.warnings],
                     supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
                     slots=cfg.slots, endpoint=listen, companions=tuple(companions))

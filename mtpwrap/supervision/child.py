@@ -64,6 +64,17 @@ class ChildCommand:
     note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
     #: the launch `argv` renders (what KV snapshots depend on); None for other commands
     launch: LaunchConfig | None = None
+    #: why each flag is there (`Decision.line`), for the running command's report
+    decisions: tuple[str, ...] = ()
+    #: names in `env` whose values are secrets (the internal key): never shown
+    secret_env: frozenset[str] = frozenset()
+
+    def shown(self) -> dict[str, Any]:
+        """The command as the state file, `status` and an admin's /healthz show it: argv,
+        the environment with its secrets as "***", the step-down note, the reasons."""
+        return {"argv": list(self.argv),
+                "env": {k: "***" if k in self.secret_env else v for k, v in self.env.items()},
+                "note": self.note or None, "decisions": list(self.decisions)}
 
 
 class _RateLimiter:

@@ -167,6 +167,7 @@ def instance_report() -> dict[str, Any]:
         "last_exit": data.get("last_exit"), "log_file": data.get("log_file"),
         "updated_at": data.get("updated_at"), "reload": data.get("reload"),
         "persist": data.get("persist"), "persist_dir": data.get("persist_dir"),
+        "command": data.get("command"),
         "companions": [{k: c.get(k) for k in ("name", "role", "model", "state", "reason",
                                               "pid", "restarts", "last_exit", "log_file")}
                        for c in data.get("companions") or [] if isinstance(c, dict)],

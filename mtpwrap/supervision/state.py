@@ -127,6 +127,8 @@ class SupervisorStatus:
     illegal_transitions: int = 0
     #: the child's start time (`pids.Identity.start`): its pid names it only with this
     pid_start: int | None = None
+    #: the command the current child runs (`ChildCommand.shown`: secrets left out)
+    command: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
@@ -143,6 +145,7 @@ class SupervisorStatus:
                 "base_url": self.upstream.base_url, "socket": self.upstream.socket,
                 "generation": self.upstream.generation},
             "step_down": self.step, "step_down_note": self.step_note,
+            "command": self.command,
         }
 
 

@@ -108,6 +108,7 @@ class Supervisor:
         self.busy: Callable[[], int] | None = None
         self._reload: _Reload | None = None
         self._spec: ChildCommand | None = None
+        self._shown: dict[str, Any] | None = None  #: _spec as shown (ChildCommand.shown)
         self._was_ready = False
         self.config = config or SupervisorConfig()
         self._state = State.STARTING
@@ -144,6 +145,7 @@ class Supervisor:
             pid_start=child.leader.start if child and child.leader else None,
             step=self._policy.step, step_note=self._policy.step_note,
             illegal_transitions=self._illegal,
+            command=self._shown if child else None,
         )
 
     @property
@@ -357,7 +359,7 @@ class Supervisor:
             raise RuntimeError("the launch factory returned no command for step 0")
         self._generation += 1
         gen = self._generation
-        self._spec, self._was_ready = spec, False
+        self._spec, self._shown, self._was_ready = spec, spec.shown(), False
         self.carrier.new_child()
         base_url = endpoint.base_url
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
