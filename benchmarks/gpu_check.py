@@ -1,6 +1,8 @@
 """What only a GPU can show, in one run: decode and prefill tokens/s vs context for a shape-real
 Qwen3.6-27B-class model with f16 / q8_0 / q4_0 KV and MTP on and off, the planner's prediction
-next to what CUDA allocated, and `mtpwrap bench --quick` on the demo model.
+next to what CUDA allocated, the read cells (`mtpwrap bench docs` on the same model: the read
+rate by ubatch at 32K and 128K tokens and a new question after `mtpwrap restart`; `--read-cells`),
+and `mtpwrap bench --quick` on the demo model.
 
 Called by benchmarks/gpu_check.sh, which builds first. Everything lands flat in one folder:
 gpu_check.json (every figure), gpu_check.md, the PNG plots and logs. `--dry-run` does all the
@@ -37,6 +39,11 @@ MTP_DEPTH = 3
 GPU_EXTRA = ["--no-repack"]
 #: the profile every cell derives from (all layers on the GPU)
 BASE_PROFILE = "h200-262k"
+#: the read cells: document tokens -> the ubatches read at, largest document last; each cell one
+#: `mtpwrap bench docs` run (a launch per ubatch, a cold read, then a new question after
+#: `mtpwrap restart` at the profile's own ubatch), so the plan's choice of ubatch can be
+#: weighed against what the read gains
+READ_CELLS = {32_768: (32, 128, 512, 2048), 131_072: (512, 2048)}
 #: without a binary (--dry-run on a machine that has none): the pinned source's recorded --help
 RECORDED_HELP = REPO / "tests" / "data" / "help" / "upstream-0c1e570.txt"
 
@@ -74,6 +81,39 @@ def command_lines(server_bin: Path, model: Path, contexts: tuple[int, ...] = CON
         argv = launch.render(cfg, caps, binary=server_bin, port=0, extra=GPU_EXTRA).argv
         out.append({"config": c.to_dict(), "argv": argv})
     return out
+
+
+def read_commands(server_bin: Path, model: Path, out: Path) -> list[dict]:
+    """The `mtpwrap bench docs` command of every read cell (`READ_CELLS`), its report in
+    OUT/read-TOKENS."""
+    cells = []
+    for tokens, ubatches in READ_CELLS.items():
+        argv = [sys.executable, "-m", "mtpwrap", "bench", "docs", "--profile", BASE_PROFILE,
+                "--binary", str(server_bin), "--model", str(model), "--corpora", "licence",
+                "--doc-tokens", str(tokens), "--steps", "cold,restart",
+                "--ubatch", ",".join(map(str, ubatches)), "--max-tokens", "1",
+                "--timeout", "600", "--out", str(out / f"read-{tokens}"), "--json"]
+        cells.append({"doc_tokens": tokens, "ubatch": list(ubatches), "argv": argv})
+    return cells
+
+
+def run_read_cells(cells: list[dict], budget_s: float) -> list[dict]:
+    """Each read cell in order while time is left; what each gave (exit code, seconds)."""
+    done = []
+    t0 = time.monotonic()
+    for cell in cells:
+        left = budget_s - (time.monotonic() - t0)
+        if left < 60:
+            done.append({**cell, "skipped": f"{left:.0f}s left of the budget"})
+            continue
+        t = time.monotonic()
+        try:
+            p = proc.run(cell["argv"], timeout=left, cwd=REPO)
+            rec = {"rc": p.returncode, "tail": (p.stderr or "")[-2000:]}
+        except proc.CommandTimedOut:
+            rec = {"rc": None, "error": f"timed out after {left:.0f}s"}
+        done.append({**cell, **rec, "seconds": round(time.monotonic() - t, 1)})
+    return done
 
 
 _BUF = re.compile(r"(\w+)\s*:\s*(\S+) (model|KV|RS|compute) buffer size =\s*([\d.]+) MiB")
@@ -187,10 +227,20 @@ def main(argv: list[str] | None = None) -> int:
                     "prebuilt-manifest.json in OUT)")
     ap.add_argument("--plan-gpu", default=os.environ.get("GPU_CHECK_PLAN_GPU", "auto"),
                     help="GPU the planner predicts for (default: the one present)")
+    ap.add_argument("--read-cells", type=float, default=None, metavar="SECONDS",
+                    help="run only the read cells (READ_CELLS), within SECONDS; their results "
+                    "in OUT/read_cells.json")
     args = ap.parse_args(argv)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.read_cells is not None:
+        model, _ = write_model(args.work)
+        if model is None:
+            return 2
+        cells = run_read_cells(read_commands(args.server_bin, model, out), args.read_cells)
+        (out / "read_cells.json").write_text(json.dumps(cells, indent=1))
+        return 0 if all(c.get("rc") == 0 for c in cells) else 1
     contexts = tuple(int(c) for c in args.contexts.split(","))
     t0 = time.monotonic()
     result: dict = {"dry_run": args.dry_run, "contexts": list(contexts),
@@ -206,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "gpu_plan.txt").write_text("\n".join(gpu_plan.describe(result["gpu_plan"]))
                                           + "\n")
         result["commands"] = command_lines(args.server_bin, model, contexts)
+        result["read_commands"] = read_commands(args.server_bin, model, out)
         # The planner reads only the GGUF header: its prediction is made on any machine.
         result["planner"] = planner(model, contexts, args.plan_gpu)
         result["launch_context"] = launch_context(contexts)

@@ -4,7 +4,9 @@
 #   2. write a shape-real Qwen3.6-27B-class model (sparse file of zeros: weight values do not
 #      change speed) and measure decode/prefill tokens/s vs context with f16/q8_0/q4_0 KV and
 #      MTP on/off through llama-server, with the planner's prediction next to CUDA's allocations,
-#   3. `mtpwrap bench --quick` on the demo model,
+#   3. the read cells: `mtpwrap bench docs` on the same model, the read rate by ubatch at 32K
+#      and 128K tokens and a new question after `mtpwrap restart` (gpu_check.py READ_CELLS),
+#      then `mtpwrap bench --quick` on the demo model,
 #   4. when ADAPTIVE_SPEC_MODEL names a GGUF with an MTP head (carried to the machine): each
 #      static draft depth against the adaptive per-class policy (benchmarks/adaptive_spec.py).
 # Everything goes into one folder: the first argument, else $OUT, else ./gpu-check-TIMESTAMP.
@@ -23,6 +25,7 @@
 #   GPU_CHECK_CONTEXTS   comma-separated prompt lengths (default 1024,8192,32768)
 #   GPU_CHECK_PLAN_GPU   GPU the planner predicts for (default auto: the one present)
 #   ADAPTIVE_SPEC_MODEL  a real model with an MTP head for step 4 (skipped, saying so, without)
+#   GPU_CHECK_READ       0: leave the read cells out
 set -euo pipefail
 
 dry_run=0
@@ -107,6 +110,19 @@ timeout 420 "$py" "$here/gpu_check.py" "${args[@]}" >>"$log" 2>&1 || rc=$?
 say "speed matrix finished with exit code $rc"
 if [[ -f "$out/gpu_plan.txt" ]]; then tee -a "$log" <"$out/gpu_plan.txt"; fi
 
+if (( ! dry_run )); then
+    left=$(( 600 - ($(date +%s) - start) ))
+    if [[ "${GPU_CHECK_READ:-1}" == "0" ]]; then
+        say "read cells: skipped (GPU_CHECK_READ=0)"
+    elif (( left > 150 )); then
+        say "read cells: read rate by ubatch at 32K and 128K, a new question after a restart" \
+            "(${left}s left)"
+        timeout "$((left - 60))" "$py" "$here/gpu_check.py" "$out" --binary "$server" \
+            --read-cells "$((left - 70))" >>"$log" 2>&1 || say "read cells failed or ran out of time"
+    else
+        say "no time left for the read cells"
+    fi
+fi
 if (( ! dry_run )); then
     left=$(( 600 - ($(date +%s) - start) ))
     if (( left > 60 )); then

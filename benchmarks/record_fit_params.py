@@ -91,7 +91,8 @@ def kept(log: str) -> str:
     return "".join(line + "\n" for line in log.splitlines() if KEEP.search(line))
 
 
-def grid(fit: Path, models: Path) -> None:
+def grid(fit: Path, models: Path, ubatches: tuple[int, ...] = (512, 32),
+         contexts: tuple[int, ...] = (4096, 16384, 32768, 131072)) -> None:
     import itertools
 
     from mtpwrap.build.calibrate import measure_config
@@ -103,7 +104,7 @@ def grid(fit: Path, models: Path) -> None:
     worst = 0.0
     for name, ctx, kv, ub in itertools.product(
             ("llama3-8b", "gemma3-12b", "qwen3.6-27b", "qwen3.6-35b-a3b", "deepseek2-lite"),
-            (4096, 16384, 32768, 131072), ("f16", "q4_0"), (512, 32)):
+            contexts, ("f16", "q4_0"), ubatches):
         path = model_path(models, name + ".gguf")
         cfg = PlanConfig(backend="cpu", n_ctx=ctx, type_k=kv, type_v=kv, ubatch=ub,
                          n_outputs=ub, mask_f32=not capped)
@@ -124,10 +125,14 @@ def main() -> int:
     ap.add_argument("--server", action="store_true")
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--grid", action="store_true")
+    ap.add_argument("--ubatches", default="512,32", help="the grid's ubatches")
+    ap.add_argument("--contexts", default="4096,16384,32768,131072", help="the grid's contexts")
     a = ap.parse_args()
     if a.grid:
         a.models.mkdir(parents=True, exist_ok=True)
-        grid(a.bin_dir / "llama-fit-params", a.models)
+        grid(a.bin_dir / "llama-fit-params", a.models,
+             tuple(int(u) for u in a.ubatches.split(",")),
+             tuple(int(c) for c in a.contexts.split(",")))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     a.models.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,31 @@ def test_command_lines_cover_kv_types_and_mtp() -> None:
             assert "--spec-type" not in argv
 
 
+def test_the_read_cells_read_by_ubatch_and_ask_again_after_a_restart(tmp_path: Path) -> None:
+    gc = _load()
+    cells = gc.read_commands(Path("/opt/llama-server"), Path("/m/27b.gguf"), tmp_path)
+    assert [c["doc_tokens"] for c in cells] == [32_768, 131_072]
+    for c in cells:
+        argv = c["argv"]
+        assert argv[1:5] == ["-m", "mtpwrap", "bench", "docs"]
+        opt = dict(zip(argv, argv[1:], strict=False))
+        assert opt["--binary"] == "/opt/llama-server" and opt["--model"] == "/m/27b.gguf"
+        assert opt["--doc-tokens"] == str(c["doc_tokens"])
+        assert opt["--steps"] == "cold,restart"
+        assert [int(u) for u in opt["--ubatch"].split(",")] == c["ubatch"]
+        assert opt["--out"] == str(tmp_path / f"read-{c['doc_tokens']}")
+    assert 32 in cells[0]["ubatch"] and 2048 in cells[0]["ubatch"]
+    # a cell the budget leaves no time for is named, not run
+    skipped = gc.run_read_cells(cells, budget_s=0)
+    assert all("skipped" in c for c in skipped)
+
+
+def test_the_script_runs_the_read_cells_on_a_gpu() -> None:
+    text = SCRIPT.read_text()
+    assert "--read-cells" in text and "GPU_CHECK_READ" in text
+    assert text.index("--read-cells") < text.rindex("mtpwrap bench --quick")
+
+
 def test_allocation_lines_are_parsed() -> None:
     gc = _load()
     log = ("0.01.000.000 I load_tensors:        CUDA0 model buffer size = 15360.50 MiB\n"
@@ -92,6 +117,7 @@ def test_dry_run_creates_result_folder(tmp_path: Path) -> None:
     st = model.stat()
     assert st.st_size > 10 * 2**30 and st.st_blocks * 512 < 64 * 2**20
     assert len(result["commands"]) == 5
+    assert [c["doc_tokens"] for c in result["read_commands"]] == [32_768, 131_072]
     # The planner's prediction for every cell, made from the header on this CPU machine.
     plans = {p["config"]: p for p in result["planner"]}
     assert set(plans) == {c["config"]["name"] for c in result["commands"]}

@@ -49,11 +49,12 @@ QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 PINNED: dict[tuple[str, str], list[str]] = {
     ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
                                "--flash-attn", "auto", "--metrics", "--no-webui"],
-    ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
+    # 4090-262k leaves the ubatch to the memory plan (resolve), which this table precedes
+    ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1",
                             "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",
                             "--spec-type", "mtp", "--spec-draft-n-max", "3",
                             "-ctkd", "tbq4_0", "-ctvd", "tbq4_0", "--mlock", *QWEN_TAIL],
-    ("4090-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1", "-ub", "32",
+    ("4090-262k", "upstream"): ["-c", "262144", "-ngl", "99", "-np", "1",
                                 "-ctk", "q4_0", "-ctv", "q4_0", "--flash-attn", "on",
                                 "--spec-type", "draft-mtp", "--spec-draft-n-max", "3",
                                 "-ctkd", "f16", "-ctvd", "f16",
@@ -174,9 +175,11 @@ def test_recipe_flags_against_fork() -> None:
     argv = build("4090-262k", "fork", "rtx4090").argv
     pairs = {(a, b) for a, b in zip(argv, argv[1:], strict=False)}
     for pair in [("--spec-type", "mtp"), ("--spec-draft-n-max", "3"), ("-ctk", "tbq4_0"),
-                 ("-ctv", "tbq4_0"), ("--flash-attn", "on"), ("-np", "1"), ("-ub", "32"),
+                 ("-ctv", "tbq4_0"), ("--flash-attn", "on"), ("-np", "1"),
                  ("-c", "262144"), ("-ngl", "99")]:
         assert pair in pairs, pair
+    # -ub 32 is the memory plan's choice on the recorded 4090 (tests/test_resolve.py)
+    assert "-ub" not in argv
     assert "--mlock" in argv and "--no-warmup" in argv
     spec = build("4090-262k", "fork", "rtx4090")
     assert spec.warnings == []
@@ -399,8 +402,11 @@ def test_cli_args_json_for_the_recipe(tmp_path: Path) -> None:
     assert out["profile"] == "4090-262k"
     # the binary binds UNIX sockets: `args` shows the socket `up` uses, and no port
     sock = str(Path(os.environ["MTPWRAP_HOME"]) / "run" / "llama.sock")
+    # /models/M.gguf is not here, so no plan chooses the ubatch: the smallest, 32
+    pinned = PINNED[("4090-262k", "fork")]
+    at = pinned.index("-np") + 2
     assert out["argv"] == [str(exe), "-m", MODEL, "--host", sock,
-                           *PINNED[("4090-262k", "fork")]]
+                           *pinned[:at], "-ub", "32", *pinned[at:]]
     assert "RTX 4090" in out["profile_reason"]
     # the only warning: /models/M.gguf does not exist here, so it is shown as given
     assert len(out["warnings"]) == 1 and "no such model file" in out["warnings"][0]
@@ -710,7 +716,7 @@ def test_fit_params_rendering_leaves_out_what_it_lacks_and_names_it() -> None:
     with pytest.raises(ConfigError, match="--spec-type"):
         launch.render(cfg, fit_caps)  # llama-server itself: refused, never dropped
     with pytest.raises(ConfigError, match="-ub"):
-        launch.render(cfg, _without("fork-0bc0a27", "-ub,"), serve=False)
+        launch.render(cfg.replace(ubatch=32), _without("fork-0bc0a27", "-ub,"), serve=False)
 
 
 @pytest.mark.integration

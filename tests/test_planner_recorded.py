@@ -92,6 +92,10 @@ KNOWN_MISSES = {
         "-15.3 %: at 16K the fork's allocator keeps the 48 MiB f32 mask and its f16 copy live "
         "next to the logits; at 32K and 131K it does not (docs/measurements/planner-compute.md), "
         "and the rule follows those",
+    ("upstream-0c1e570", "qwen3.6-35b-a3b-c8192-f16-ub32.server.txt"):
+        "-26 % (5.9 MiB planned, 8.1 recorded): at ubatch 32 the MoE hybrid's llama-server keeps "
+        "about 2 MiB more than its per-token rule, which holds within 2 % at 512 and 2048 "
+        "(docs/measurements/planner-compute.md)",
 }
 
 

@@ -91,7 +91,8 @@ def _overrides(model: str | None, context: int | None, kv: str | None, spec: str
 @click.option("--slots", type=int, default=None, envvar="MTPWRAP_SLOTS",
               help="Parallel slots (-np; default 1).")
 @click.option("--ubatch", type=int, default=None, envvar="MTPWRAP_UBATCH",
-              help="Micro-batch size (-ub; default 512).")
+              help="Micro-batch size (-ub; default: the profile's, else on a GPU the largest "
+                   "whose compute buffers fit, else 512).")
 @click.option("--flash-attn/--no-flash-attn", default=None, envvar="MTPWRAP_FLASH_ATTN",
               help="Flash attention (default: the profile's, else auto).")
 @click.option("--measure/--no-measure", default=True, envvar="MTPWRAP_PLAN_MEASURE",
@@ -148,6 +149,7 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: str
         d["measured"] = r.measured
         d["measured_text"] = r.measured_text
         d["documents"] = r.documents.to_dict() if r.documents is not None else None
+        d["ubatch"] = {"value": r.launch.ubatch, "why": _ubatch_why(r)}
         console.print_json(d)
         return
     _print_plan(r, desc, device)
@@ -184,6 +186,7 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"llama.cpp's own figures: {r.measured_text}")
     if device is None:
         console.out.print(f"host memory needed: {_fmt(host_needed)} MiB")
+        console.out.print(f"ubatch: {_ubatch_why(r)}")
         _print_documents(r)
         return
     assert p.headroom is not None
@@ -208,7 +211,16 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"  {note}")
     for why in p.not_admitted.values():
         console.out.print(f"  not listed, {why}")
+    console.out.print(f"ubatch: {_ubatch_why(r)}")
     _print_documents(r)
+
+
+def _ubatch_why(r: Any) -> str:
+    """The launch's ubatch (-ub) and why it has it: the profile's, or the plan's choice."""
+    ub = r.launch.ubatch
+    if ub is None:
+        return "llama.cpp's default 512 (no device to fit it to)"
+    return f"{ub:,}: {r.launch.reason('ubatch') or 'set'}"
 
 
 def _print_documents(r: Any) -> None:

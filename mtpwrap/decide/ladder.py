@@ -1,7 +1,8 @@
 """Stepping down after out-of-memory starts: cheaper launches, each cumulative, on `LaunchConfig`.
 
-Draft depth down to 1, speculation off, each smaller KV type per value (among those the binary
-offers and the model admits), the context halved down to CONTEXT_FLOOR.
+First the ubatch halved down to 32 (it costs read speed only), then draft depth down to 1,
+speculation off, each smaller KV type per value (among those the binary offers and the model
+admits), the context halved down to CONTEXT_FLOOR.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from mtpwrap.decide import kv
 from mtpwrap.decide.vocab import CONTEXT_FLOOR, KV_TYPES, SPELLINGS, STEP_KV_TYPES
 from mtpwrap.errors import ConfigError
 
+#: the smallest ubatch a step-down goes to (the recipe's -ub 32)
+UBATCH_FLOOR = 32
+
 if TYPE_CHECKING:
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.gguf_facts import ModelFacts
@@ -25,12 +29,20 @@ def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,
            cost: Callable[[LaunchConfig], int] | None = None, *,
            facts: ModelFacts | None = None, target: kv.Target | None = None
            ) -> list[LaunchConfig]:
-    """The cheaper launches tried after out-of-memory starts, each cumulative: draft depth
-    down to 1, speculation off, each smaller KV type per value (among those the binary offers
-    and, given its `facts`, the model admits on `target`), the context halved down to
-    CONTEXT_FLOOR. With `cost` (planned bytes of a launch) the groups go in the order of the
+    """The cheaper launches tried after out-of-memory starts, each cumulative: the ubatch
+    halved down to UBATCH_FLOOR first (only the read slows), then draft depth down to 1,
+    speculation off, each smaller KV type per value (among those the binary offers and, given
+    its `facts`, the model admits on `target`), the context halved down to CONTEXT_FLOOR.
+    With `cost` (planned bytes of a launch) the groups after the ubatch go in the order of the
     bytes their first step saves, least first, and a step that saves nothing is left out;
     without it, in that fixed order, leaving out steps that change nothing."""
+    def ubatch(c: LaunchConfig) -> LaunchConfig | None:
+        if c.ubatch is None or c.ubatch <= UBATCH_FLOOR:
+            return None
+        n = max(UBATCH_FLOOR, c.ubatch // 2)
+        return c.replace(ubatch=n, why={"ubatch": "step-down after out-of-memory"},
+                         note=f"ubatch {n}")
+
     def depth(c: LaunchConfig) -> LaunchConfig | None:
         if c.spec in ("mtp", "draft") and c.depth is not None and c.depth > 1:
             return c.replace(depth=1, why={"depth": "step-down after out-of-memory"},
@@ -73,6 +85,7 @@ def ladder(cfg: LaunchConfig, caps: Capabilities | None = None,
 
         ranked = [(saved(g[0]), i, g) for i, g in enumerate(groups)]
         groups = [g for s, _, g in sorted(ranked) if s > 0 or g[0] is context]
+    groups.insert(0, (ubatch, True))
     steps: list[LaunchConfig] = []
     notes: list[str] = []
     cur, cur_cost = cfg, cost(cfg) if cost is not None else 0

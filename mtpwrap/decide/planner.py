@@ -40,8 +40,12 @@ BACKEND_OVERHEAD = {"cuda": 512 * MiB, "cpu": 0}
 DEFAULT_MARGIN = 1024 * MiB
 #: the compute buffer of the fork's MTP context on CUDA: "-ub 32 keeps MTP compute buffer at
 #: ~712 MiB" (README of Indras-Mirror/llama.cpp-mtp at 0bc0a27, Key Flags, measured there on an
-#: RTX 4090 with Qwen3.6-27B). The CPU-fitted estimate is far below it, so it is the floor.
+#: RTX 4090 with Qwen3.6-27B). The CPU-fitted estimate is far below it, so it is the floor, at
+#: FORK_MTP_UBATCH tokens; at a larger ubatch it grows in proportion (`mtp_compute_floor`).
 FORK_MTP_COMPUTE = 712 * MiB
+FORK_MTP_UBATCH = 32
+#: the ubatches the plan chooses from when the profile leaves it open (`choose_ubatch`)
+UBATCHES = (32, 64, 128, 256, 512, 1024, 2048)
 #: contexts tried by largest_context, besides the exact search.
 _CTX_STEP = 256
 
@@ -205,7 +209,9 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     - layers: per-token activations (16 B × FFN width for attention models, 44 B × the DeltaNet
       inner size for hybrid ones) plus the attention mask (f16, n_ctx × ubatch) with flash
       attention, or the f32 scores and mask (n_ctx × ubatch × (heads + 1) × 4 B) without.
-    Hybrid models with float K keep the mask live in the output phase too (upstream). Where the
+    Dense hybrid models with float K keep the mask live in the output phase too (upstream); the
+    MoE hybrid does not, keeps 36 B per DeltaNet value, and keeps capped logits rows live in the
+    layer phase (fitted to upstream's llama-server at ubatch 32-2048). Where the
     mask is built in f32 and cast (cfg.mask_f32, the fork), it takes 4 + 2 bytes per cell in the
     layer phase and none in the output phase (fitted to the fork's CPU allocations: the
     recordings in tests/data/fit-params/fork-0bc0a27 and the grid in
@@ -217,9 +223,12 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     n_out = n_outputs(cfg)
     hybrid = bool(facts.recurrent_layers) and not mtp_context
     widest = facts.n_ff or 4 * facts.n_embd  # MoE models carry no dense FFN width
+    moe = hybrid and facts.n_expert > 0
     if hybrid:
         out_tok = 4 * (max(facts.n_ff, facts.recurrent_conv_dim) + 10)
-        layer_tok = 44 * facts.recurrent_inner
+        # the MoE hybrid (qwen35moe) keeps less per token: 36 B × the DeltaNet inner size
+        # (upstream 0c1e570's llama-server at ubatch 512 and 2048, tests/data/fit-params)
+        layer_tok = (36 if moe else 44) * facts.recurrent_inner
     else:
         out_tok = 8 * facts.n_embd
         if facts.is_mla:  # absorbed MLA keeps per-head latent rows (K and V width) around
@@ -229,9 +238,13 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
     type_k = cfg.type_k_draft if mtp_context else cfg.type_k
     out_phase = n_out * 4 * facts.n_vocab + ub * out_tok
     if cfg.flash_attn:
-        if hybrid and type_k in _F_TYPES and not cfg.mask_f32:
+        if hybrid and type_k in _F_TYPES and not cfg.mask_f32 and not moe:
             out_phase += mask
         layer_phase = ub * layer_tok + mask
+        if moe and n_out < ub:
+            # with the logits rows capped (llama-server), the MoE hybrid's few rows of logits
+            # stay live beside the layers (−26 % at ubatch 32 without them)
+            layer_phase += n_out * 4 * facts.n_vocab
     else:
         layer_phase = n_ctx * ub * 4 * (_kq_heads(facts) + 1) + ub * facts.n_embd * 24
     total = max(out_phase, layer_phase)
@@ -242,8 +255,17 @@ def compute_bytes(facts: ModelFacts, n_ctx: int, cfg: PlanConfig, *, mtp_context
         nk, nv = max((facts.kv_row_values(il) for il in layers), key=sum)
         total += per_value * n_ctx * (nk + nv)
     if mtp_context and cfg.mtp_head_model and cfg.backend == "cuda":
-        total = max(total, FORK_MTP_COMPUTE)
+        total = max(total, mtp_compute_floor(cfg.ubatch))
     return int(total)
+
+
+def mtp_compute_floor(ubatch: int) -> int:
+    """The fork's MTP context's compute buffer on CUDA, from its one published figure (712 MiB
+    at -ub 32): every buffer of a reserve graph is at most linear in its tokens (activations
+    ub × width, logits ub × vocabulary, scores and mask ub × context), so a + b·ub measured
+    at 32 is at most that figure × ub / 32 above it. An upper bound, until a GPU measures it
+    (benchmarks/gpu_check.sh records the MTP context's compute buffer at each ubatch)."""
+    return FORK_MTP_COMPUTE * max(ubatch, FORK_MTP_UBATCH) // FORK_MTP_UBATCH
 
 
 def _dequant_bytes(facts: ModelFacts, type_k: str, type_v: str, cfg: PlanConfig) -> int:
@@ -373,9 +395,12 @@ def _mtp_rows(facts: ModelFacts, cfg: PlanConfig, n_ctx: int, cells: int, stream
                     + ("(the fork's MTP context takes -ctk/-ctv)" if cfg.mtp_head_model
                        else "(-ctkd/-ctvd)")))
     mtp_compute = compute_bytes(facts, n_ctx, cfg, mtp_context=True)
+    floor = cfg.mtp_head_model and cfg.backend == "cuda" \
+        and mtp_compute == mtp_compute_floor(cfg.ubatch)
     rows.append(Row("MTP compute", mtp_compute, gpu,
-                    "the fork's published figure at -ub 32 (a floor)"
-                    if mtp_compute == FORK_MTP_COMPUTE else "estimate"))
+                    ("the fork's published figure at -ub 32 (a floor)" if cfg.ubatch
+                     <= FORK_MTP_UBATCH else "the fork's published 712 MiB at -ub 32, × "
+                     f"{cfg.ubatch}/32 (an upper bound)") if floor else "estimate"))
     return rows
 
 
@@ -466,6 +491,57 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
                       config=cfg, context=n_ctx, device_bytes=device_memory_bytes, rows=rows,
                       total=total, host_total=host_total, fits=fits, headroom=headroom,
                       warnings=warnings)
+
+
+@dataclass(frozen=True)
+class UbatchChoice:
+    """The ubatch the plan chose (`choose_ubatch`), its plan and why."""
+
+    ubatch: int
+    plan: MemoryPlan
+    reason: str
+    #: each ubatch tried, largest first, with its headroom beyond the margin (negative: short)
+    tried: tuple[tuple[int, int], ...] = ()
+
+
+def choose_ubatch(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int,
+                  kv_sizes: dict[str, Any] | None = None, *, limit: int | None = None
+                  ) -> UbatchChoice:
+    """The largest of UBATCHES (at most `limit`, the logical batch, and the context) whose plan
+    fits the device with the same margin: the read (prefill) takes the ubatch as its step, and
+    a larger one reads faster while its compute buffers (the main context's and the MTP
+    context's) grow with it. When none fits, the smallest, whose plan says by how much."""
+    n_ctx = _pad(config.n_ctx, 256)
+    cands = [u for u in UBATCHES if u <= (limit or UBATCHES[-1]) and u <= n_ctx] or [UBATCHES[0]]
+    tried: list[tuple[int, int]] = []
+    chosen: MemoryPlan | None = None
+    for u in reversed(cands):
+        cfg = dataclasses.replace(config, ubatch=u,
+                                  n_outputs=None if config.n_outputs is None else u)
+        p = plan(facts, cfg, device_memory_bytes, kv_sizes)
+        assert p.headroom is not None
+        tried.append((u, p.headroom))
+        chosen = p
+        if p.fits:
+            break
+    assert chosen is not None
+    u, head = tried[-1]
+    compute = chosen.row("compute").bytes + sum(
+        r.bytes for r in chosen.rows if r.name == "MTP compute")
+    bound = ", ".join([f"{cands[-1]:,} is the largest offered" if u == cands[-1] else ""]
+                      + [f"{b:,} would be {-h / MiB:,.0f} MiB short" for b, h in tried[-2:-1]])
+    if not chosen.fits:
+        reason = (f"no ubatch of {cands[0]}…{cands[-1]} fits: {u} is the smallest "
+                  f"(compute buffers {compute / MiB:,.0f} MiB)")
+    else:
+        reason = (f"the largest of {cands[0]}…{cands[-1]} whose compute buffers "
+                  f"({compute / MiB:,.0f} MiB) fit beside the weights, the KV cache"
+                  f"{' and the MTP context' if config.spec == 'mtp' else ''} at context "
+                  f"{n_ctx:,}, {head / MiB:,.0f} MiB left beyond the "
+                  f"{config.margin / MiB:,.0f} MiB margin"
+                  + (f" ({bound.strip(', ')})" if bound.strip(", ") else "")
+                  + "; a larger ubatch reads a document faster")
+    return UbatchChoice(ubatch=u, plan=chosen, reason=reason, tried=tuple(tried))
 
 
 def plan_with_limits(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,

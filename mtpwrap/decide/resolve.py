@@ -299,6 +299,13 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                 hint="Run `mtpwrap build` (it measures the binary's KV types), choose KV types "
                      "the planner knows, or pass --no-plan (MTPWRAP_PLAN=skip) to launch "
                      "unchecked.")
+    if gpu and r.plan is None and r.launch.ubatch is None:
+        # no plan chose the ubatch (--no-plan, or a plan that could not be made): the
+        # smallest, whose compute buffers are the least a GPU launch can have
+        r = dataclasses.replace(r, launch=r.launch.replace(
+            ubatch=planner.UBATCHES[0],
+            why={"ubatch": f"no memory plan chose it: the smallest, {planner.UBATCHES[0]}, "
+                           "keeps the compute buffers least"}))
     if refuse and comps:
         chat_host = r.plan.host_total if r.plan is not None else (
             0 if gpu or facts is None else facts.file_size)
@@ -382,7 +389,9 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
     """r with its memory plan (r itself when it is planned already): a new Resolved, whose
     `plan_text` is "not planned (why)" when the planner cannot size this configuration; raises
     ConfigError when it does not fit the device. For `context: max` on a device the new one's
-    launch has the largest context that fits."""
+    launch has the largest context that fits; where the profile leaves the ubatch open, the
+    largest ubatch whose compute buffers fit beside the rest (`planner.choose_ubatch`), with
+    the reason."""
     if r.planned and kv_limits is None:
         return r
     prof, inp = r.profile, r.inputs
@@ -402,6 +411,12 @@ def ensure_plan(r: Resolved, *, kv_limits: Sequence[str] | None = None,
                     context=n, why={"context": "context: max; the memory plan's largest "
                                                "context that fits"})
                 pc = dataclasses.replace(pc, n_ctx=n)
+        if device and launch.ubatch is None:
+            # the profile leaves the ubatch open: the largest whose compute buffers fit
+            choice = planner.choose_ubatch(facts, pc, device, inp.kv_sizes,
+                                           limit=launch.batch)
+            launch = launch.replace(ubatch=choice.ubatch, why={"ubatch": choice.reason})
+            pc = choice.plan.config
         if kv_limits is not None:
             target = dataclasses.replace(kv_target(inp), flash_attn=launch.flash_attn or "auto")
             listed, refused = admitted_types(kv_limits, facts, target)
