@@ -6,21 +6,25 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+# A message is text, never markup: `pip install 'mtpwrap[bench]'` keeps its brackets.
+
+
 def info(message: str) -> None:
-    err.print(message)
+    err.print(escape(message))
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/yellow] {message}")
+    err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
 
 def error(message: str) -> None:
-    err.print(f"[bold red]error:[/bold red] {message}", markup=True)
+    err.print(f"[bold red]error:[/bold red] {escape(message)}", markup=True)
 
 
 def print_json(data: Any) -> None:

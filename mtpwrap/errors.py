@@ -42,6 +42,24 @@ class MissingToolError(MtpwrapError):
     exit_code = EXIT_UNAVAILABLE
 
 
+class MissingExtra(ConfigError):
+    """What a command needs is in one of mtpwrap's extras, which this installation lacks."""
+
+    def __init__(self, extra: str, what: str, module: str) -> None:
+        super().__init__(f"{what} needs {module}, from mtpwrap's `{extra}` extra, which this "
+                         f"installation lacks: install it with pip install 'mtpwrap[{extra}]'.")
+
+
+def require_extra(module: str, extra: str, what: str) -> None:
+    """MissingExtra when `module` cannot be imported."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(extra, what, module) from None
+
+
 class IntegrityError(ConfigError):
     """A download or file did not match its pinned sha256."""
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from mtpwrap.bench import corpora
-from mtpwrap.errors import ConfigError
+from mtpwrap.errors import ConfigError, MissingExtra, require_extra
 
 LANG_NAMES = {"ko": "Korean", "en": "English"}
 
@@ -136,9 +136,10 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
     try:
+        require_extra("matplotlib", "bench", "the plots")
         files.update(plots(results, out_dir))
-    except ImportError:  # a bare machine without matplotlib still gets the figures
-        results["plots"] = "skipped: matplotlib is not installed"
+    except MissingExtra as exc:  # a serving-only install still gets the figures
+        results["plots"] = f"skipped: {exc.message}"
     files["json"].write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
     files["md"].write_text(markdown(results, files), encoding="utf-8")
     return files

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from mtpwrap.bench import stats, tokenclass
+from mtpwrap.errors import MissingExtra, require_extra
 from mtpwrap.units import MiB
 
 LANG_NAMES = {"ko": "Korean", "en": "English", "ruling": "Korean rulings",
@@ -161,9 +162,10 @@ def write(results: dict, out_dir: Path) -> dict[str, Path]:
     files = {"json": out_dir / "report.json", "md": out_dir / "report.md"}
     files["json"].write_text(json.dumps(results, indent=1, ensure_ascii=False, default=str))
     try:
+        require_extra("matplotlib", "bench", "the plots")
         files.update(plots(results, out_dir))
-    except ImportError:  # a bare GPU machine gets the wheelhouse without matplotlib
-        results["summary"]["plots"] = "skipped: matplotlib is not installed"
+    except MissingExtra as exc:  # a serving-only install still gets the figures
+        results["summary"]["plots"] = f"skipped: {exc.message}"
     files["md"].write_text(markdown(results, files), encoding="utf-8")
     return files
 

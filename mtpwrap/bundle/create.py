@@ -30,7 +30,7 @@ from mtpwrap.build.manifest import Manifest, installed_variants, load_manifest
 from mtpwrap.build.prebuilt import pack_prebuilt
 from mtpwrap.bundle import check, sbom
 from mtpwrap.bundle.contents import FOLDERS, Item
-from mtpwrap.errors import ConfigError, RuntimeFailure
+from mtpwrap.errors import ConfigError, RuntimeFailure, require_extra
 from mtpwrap.models import fetch, importer, known
 from mtpwrap.models.known import KnownModel
 from mtpwrap.models.pull import record_path
@@ -142,7 +142,8 @@ def collect_wheels(root: Path, want: Target) -> list[Item]:
     if len(own) != 1:
         raise RuntimeFailure(f"bundle create: expected one mtpwrap wheel in {dest}, found "
                              f"{len(own)}.")
-    requirement = f"{own[0]}[cuda]" if want.cuda else str(own[0])
+    # the bundle carries what its commands need: benchmarks (plots) and bundles (the SBOM)
+    requirement = f"{own[0]}[{'bench,bundle,cuda' if want.cuda else 'bench,bundle'}]"
     platforms = [a for tag in want.platforms for a in ("--platform", tag)]
     _pip(["download", "--only-binary=:all:", "--implementation", "cp", "--python-version",
           want.python, *platforms, "-d", str(dest), requirement],
@@ -341,6 +342,8 @@ def create(out: Path, want: Target, *, builds: Sequence[str] = (), models: Seque
         if path.exists():
             raise ConfigError(f"bundle create {path}: it exists already.",
                               hint="Name a new folder, or remove that one.")
+    require_extra("cyclonedx", "bundle", "bundle create (the SBOM)")
+    require_extra("packageurl", "bundle", "bundle create (the SBOM)")
     if sign_key is not None:
         _check_key(sign_key)
     carried_builds = builds_to_carry(dict.fromkeys(builds))
