@@ -86,7 +86,7 @@ hermetic: install
 
 # The runtime wheels (matplotlib left out: plots are skipped) for a machine without network or
 # venv: `make wheelhouse PYVER=3.12`, then carry .wheelhouse. WHEELS=lent leaves out what the
-# lent GPU machine's image already has (mtpwrap/bench/gpu_plan.py LENT_IMAGE_HAS).
+# lent GPU machine's image already has (benchmarks/gpu_plan.py LENT_IMAGE_HAS).
 WHEELHOUSE ?= .wheelhouse
 WHEELS ?= all
 PYVER ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -97,7 +97,7 @@ wheelhouse: install
 	  --python-version $(PYVER) --platform manylinux_2_28_$(ARCH) \
 	  --platform manylinux_2_27_$(ARCH) --platform manylinux_2_17_$(ARCH) \
 	  --platform manylinux2014_$(ARCH) -d $(WHEELHOUSE) \
-	  $$($(BIN)/python -c "from mtpwrap.bench import gpu_plan; \
+	  $$($(BIN)/python -c "from benchmarks import gpu_plan; \
 	    print(' '.join(gpu_plan.wheels('$(WHEELS)' == 'lent')))")
 	du -sh $(WHEELHOUSE)
 

@@ -11,7 +11,7 @@ _ = object()  # vulture's whitelist form: `_.name` uses `name`; this file is nev
 
 # --- dataclass fields that reach people through dataclasses.asdict (reports, manifests,
 # status pages, --json) and no code reads by attribute
-_.roofline_tokens_per_s  # bench.gpu_plan.Cell
+_.roofline_tokens_per_s  # benchmarks.gpu_plan.Cell
 _.per_position  # bench.stats.SpecStats
 _.checkpoint_bytes  # decide.documents.DocumentPlan (plan --json, /status)
 _.ram_budget  # decide.documents.DocumentPlan

@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks import gpu_plan  # noqa: E402
 from mtpwrap import proc  # noqa: E402
-from mtpwrap.bench import gpu_plan  # noqa: E402
 from mtpwrap.bench.runner import BenchConfig, cell_launch  # noqa: E402
 from mtpwrap.build.probe import probe  # noqa: E402
 from mtpwrap.decide import launch, profiles  # noqa: E402

@@ -219,7 +219,7 @@ def shape_facts(tmp_path_factory: pytest.TempPathFactory):
 
 
 def test_speed_plan_fits_the_budget_inside_the_lease(shape_facts) -> None:
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     p = gpu_plan.plan(shape_facts)
     cells = [(c["kv"], c["context"]) for c in p["cells"]]
@@ -237,7 +237,7 @@ def test_speed_plan_fits_the_budget_inside_the_lease(shape_facts) -> None:
 
 
 def test_roofline_falls_with_fill_and_rises_with_smaller_kv(shape_facts) -> None:
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     bw = 4.8e12
     f16_32k = gpu_plan.roofline(shape_facts, "f16", 32_768, bw)
@@ -250,7 +250,7 @@ def test_roofline_falls_with_fill_and_rises_with_smaller_kv(shape_facts) -> None
 
 
 def test_what_the_gpu_check_carries_is_within_the_limit(repo_root: Path) -> None:
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     tracked = subprocess.run(["git", "ls-files"], cwd=repo_root, capture_output=True,
                              text=True, check=True).stdout.split()
@@ -272,7 +272,7 @@ def test_nvml_bandwidth_is_bus_width_times_double_rate_clock() -> None:
 def test_the_engine_plan_names_what_runs_and_what_it_costs(repo_root: Path) -> None:
     """A carried build is installed in seconds; without one the lent machine compiles (the fork
     when the submodule holds its pin, else the offline source), and the lease says so."""
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     items = [{"path": ".", "bytes": 3 * 2**20}, {"path": ".wheelhouse", "bytes": 21 * 2**20}]
     carried = {"variant": "cuda-sm90", "source": {"kind": "submodule", "commit": "0bc0a27"}}
@@ -298,7 +298,7 @@ def test_the_engine_plan_names_what_runs_and_what_it_costs(repo_root: Path) -> N
 def test_the_wheels_for_the_lent_image_are_only_what_it_lacks() -> None:
     """`make wheelhouse WHEELS=lent` carries what the image cannot import at the versions
     mtpwrap needs; everything else comes from the image."""
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     every = {w.split("==")[0] for w in gpu_plan.wheels(False)}
     lent = {w.split("==")[0] for w in gpu_plan.wheels(True)}
@@ -314,7 +314,7 @@ def test_the_wheels_for_the_lent_image_are_only_what_it_lacks() -> None:
 
 
 def test_the_carry_line_adds_the_parts_against_the_limit() -> None:
-    from mtpwrap.bench import gpu_plan
+    from benchmarks import gpu_plan
 
     items = [{"path": ".", "bytes": 9 * 2**20}, {"path": ".wheelhouse", "bytes": 2 * 2**20},
              {"path": ".prebuilt", "bytes": 52 * 2**20}]

@@ -68,8 +68,8 @@ LENT_IMAGE_HAS = frozenset({
 
 def wheels(for_lent: bool) -> list[str]:
     """`name==version` of every distribution mtpwrap needs at run time (its requirements and
-    theirs, as installed here; matplotlib left out: plots are skipped where it is missing), less
-    what the lent image has when `for_lent`."""
+    theirs, as installed here; no extra: the `bench` extra's plots are skipped where it is
+    missing), less what the lent image has when `for_lent`."""
     seen: dict[str, str] = {}
     todo = ["mtpwrap"]
     while todo:
@@ -77,8 +77,7 @@ def wheels(for_lent: bool) -> list[str]:
         for line in dist.requires or []:
             req = Requirement(line)
             name = canonicalize_name(req.name)
-            if (name in seen or name == "matplotlib"
-                    or (req.marker and not req.marker.evaluate({"extra": ""}))):
+            if name in seen or (req.marker and not req.marker.evaluate({"extra": ""})):
                 continue
             seen[name] = metadata.version(req.name)
             todo.append(req.name)
