@@ -141,7 +141,9 @@ def test_audit_lines_carry_llama_servers_own_counts_and_no_text(up: Up) -> None:
         (plain.usage.prompt_tokens, plain.usage.completion_tokens),
         (streamed_usage.prompt_tokens, streamed_usage.completion_tokens),
         (legacy.usage.prompt_tokens, legacy.usage.completion_tokens),
-        (anthropic["usage"]["input_tokens"], anthropic["usage"]["output_tokens"])]
+        # Anthropic's prompt: the tokens read and those found in llama-server's cache
+        (anthropic["usage"]["input_tokens"] + anthropic["usage"].get("cache_read_input_tokens", 0),
+         anthropic["usage"]["output_tokens"])]
     assert lines[0]["finish"] == plain.choices[0].finish_reason
     assert lines[1]["ttft_s"] is not None and 0 < lines[1]["ttft_s"] <= lines[1]["total_s"]
     assert all(x["class"] == "interactive" and x["client"] == "127.0.0.1" for x in lines)
