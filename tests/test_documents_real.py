@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -228,3 +229,49 @@ def test_warm_ahead_list_and_forget(up: Up, tmp_path: Path) -> None:
     assert json.loads(run_cli("documents", "list", "--json", env=up.env).stdout)["warmed"] == []
     read, tokens = up.ask(same(document("Alpha"), "Who delivers item 70?"))
     assert read >= tokens - 8, (read, tokens)  # forgotten: read again from the start
+
+
+def test_a_person_queued_behind_a_long_read_is_told_how_long(
+        tmp_path: Path, free_port: int, llama_server_bin: Path, profile: Path) -> None:
+    """One slot, a ~26K-token document being read: the status page shows the read (tokens
+    done of total, rate, time left), and a question queued behind it that waits out its queue
+    time gets a 503 saying how far the read is, with Retry-After from the read's progress."""
+    u = Up.__new__(Up)
+    Instance.__init__(u, tmp_path / "home", free_port, llama_server_bin,
+                      Path(yaml.safe_load(profile.read_text())["model"]), log=tmp_path / "up.log",
+                      profile=str(profile), MTPWRAP_PROXY_QUEUE_TIMEOUT_S="1")
+    try:
+        u.wait_ready(180)
+        u.client = openai.OpenAI(base_url=f"{u.base}/v1", api_key="unused", max_retries=0,
+                                 timeout=600)
+        long_doc = document("Long", 600)
+        outcome: dict[str, object] = {}
+
+        def read() -> None:
+            outcome["answer"] = u.ask(same(long_doc, "Which clause names day 9?"))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        seen: list[dict] = []
+
+        def a_read_with_a_rate() -> bool:
+            reads = httpx.get(f"{u.base}/status.json", timeout=30).json()["reads"]
+            seen.extend(reads)
+            return bool(reads) and reads[0]["rate"] is not None \
+                and reads[0]["eta_s"] is not None
+        wait_for("a read with its rate on the status page", a_read_with_a_rate, 120, every=0.5)
+        r = httpx.post(f"{u.base}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 2})
+        still_reading = reader.is_alive()
+        reader.join(600)
+        read_n, tokens = outcome["answer"]  # type: ignore[misc]
+        last = seen[-1]
+        assert last["total"] == tokens and 0 < last["done"] < tokens, (last, tokens)
+        assert last["rate"] > 0 and last["eta_s"] > 0
+        assert still_reading, "the read ended within the queue time: a longer document"
+        assert r.status_code == 503, r.text
+        message = r.json()["error"]["message"]
+        assert "llama-server is reading a prompt (" in message and f"of {tokens:,}" in message
+        assert "retry in about" in message and 1 <= int(r.headers["retry-after"]) <= 600
+    finally:
+        u.close()

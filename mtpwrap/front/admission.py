@@ -21,18 +21,23 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.front.metrics import FrontMetrics
+from mtpwrap.front.reads import Reads
 from mtpwrap.supervision.state import State, SupervisorPort, SupervisorStatus, Upstream
 
 
 class Refusal(Exception):
     """A request admission turns away, with the answer it gets."""
 
-    def __init__(self, status: int, reason: str, message: str, retry: bool = True) -> None:
+    def __init__(self, status: int, reason: str, message: str, retry: bool = True,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.reason, self.message, self.retry = status, reason, message, retry
+        #: when to come back, where the front knows better than its default (a read's end)
+        self.retry_after_s = retry_after_s
 
 
 #: the queue's classes, by rank (the order they are served in)
@@ -140,6 +145,9 @@ class Admission:
         self.gate = PriorityGate(config.max_concurrency, config.priority_aging_s)
         self._idle = asyncio.Event()
         self._idle.set()
+        #: the reads in progress (the chat model's: a queue timeout says when to come back)
+        self.reads: Reads | None = None
+        self._sampling: set[asyncio.Task[Any]] = set()
 
     # ------------------------------------------------------------------ holding
 
@@ -215,6 +223,10 @@ class Admission:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + (self.config.batch_queue_timeout_s if klass == "batch"
                                   else self.config.queue_timeout_s)
+        if self.reads is not None:  # the first sample of the read it waits behind: its rate
+            task = asyncio.create_task(self.reads.sample())
+            self._sampling.add(task)
+            task.add_done_callback(self._sampling.discard)
         while True:
             up = await self.supervisor.wait_ready(max(0.0, deadline - loop.time()))
             if up is None:
@@ -227,8 +239,7 @@ class Admission:
                                        max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:  # not the builtin before Python 3.11
                 self.metrics.shed.labels("queue_timeout").inc()
-                raise Refusal(503, "queue_timeout",
-                              "The server is busy; retry later.") from None
+                raise await self._busy() from None
             # The child may have restarted while we waited for a slot: ask again.
             st = self.supervisor.status()
             if _ready(st):
@@ -237,6 +248,16 @@ class Admission:
             # A restart (planned or not) began meanwhile: wait for the next child in the
             # queue rather than send this request to the one that is going away.
             self.gate.release()
+
+    async def _busy(self) -> Refusal:
+        """The 503 of a wait that ran out: how far the read it waited behind is, and when to
+        come back (`Retry-After`) from that read's own progress where it is known."""
+        if self.reads is None or not await self.reads.sample():
+            return Refusal(503, "queue_timeout", "The server is busy; retry later.")
+        after = self.reads.retry_after()
+        return Refusal(503, "queue_timeout", f"The server is busy: {self.reads.describe()}; "
+                       + (f"retry in about {after} s." if after else "retry later."),
+                       retry_after_s=after)
 
     def _took(self, up: Upstream) -> Upstream:
         self.forwarding += 1

@@ -62,6 +62,7 @@ from mtpwrap.front.gpu import GpuGauge
 from mtpwrap.front.guard import AccessGuard, refuse_budget
 from mtpwrap.front.info import ServeInfo
 from mtpwrap.front.metrics import CONTENT_TYPE, FrontMetrics
+from mtpwrap.front.reads import Reads
 from mtpwrap.front.relay import Relay, relay_wire
 from mtpwrap.front.replies import (
     Receive,
@@ -118,6 +119,10 @@ class Front:
         self.clients = UpstreamClients(
             timeout=httpx.Timeout(config.connect_timeout_s, read=None),
             max_connections=config.max_concurrency + 4)
+        #: the prompts llama-server is reading (the status page, a queue timeout's 503)
+        self.reads = Reads(supervisor, self.clients, self._prompt_totals)
+        self.admission.reads = self.reads
+        self._counted: dict[Exchange, int | None] = {}
         self.wire = relay_wire(config)
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
         self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
@@ -441,6 +446,17 @@ class Front:
         ticket.hold = hold
         return True
 
+    async def _prompt_totals(self) -> list[int]:
+        """The prompt lengths of the requests forwarded to the chat model now, longest first,
+        each counted once by llama-server's tokenizer (`Reads`: how long a read has left)."""
+        forwarded = [ex for ex in self._workers if ex.slot and ex.ticket is not None
+                     and ex.ticket.count_prompt is not None]
+        self._counted = {ex: self._counted.get(ex) for ex in forwarded}
+        for ex in forwarded:
+            if self._counted[ex] is None and ex.ticket is not None and ex.ticket.count_prompt:
+                self._counted[ex] = await ex.ticket.count_prompt()
+        return sorted((n for n in self._counted.values() if n is not None), reverse=True)
+
     async def _count_prompt(self, label: str, doc: object) -> int | None:
         """The prompt of a request to the chat model as llama-server's tokenizer counts it."""
         up = self.supervisor.status().upstream
@@ -459,7 +475,7 @@ class Front:
                 ex.ticket.queued_s = time.perf_counter() - t
         except Refusal as r:
             await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry,
-                                     reason=r.reason)
+                                     reason=r.reason, retry_after_s=r.retry_after_s)
             ex.to(Step.DONE)
             return
         if not ex.slot:

@@ -80,13 +80,16 @@ class Replies:
     async def error(self, send: Send, status: int, message: str, label: str, t0: float,
                     retry: bool = False, close: bool = False,
                     extra: list[tuple[bytes, bytes]] | None = None,
-                    path: str | None = None, reason: str | None = None) -> None:
-        """A front-made error answer; `reason`: why, for the audit trail (a metrics label)."""
+                    path: str | None = None, reason: str | None = None,
+                    retry_after_s: int | None = None) -> None:
+        """A front-made error answer; `reason`: why, for the audit trail (a metrics label);
+        `retry_after_s`: when to come back, where known better than the front's default."""
         body = error_body(status, message, error_kind(status), path or label)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(body)).encode())]
         if retry or status == 503:  # a 503 always says when to come back
-            headers.append((b"retry-after", str(self.retry_after_s).encode()))
+            after = self.retry_after_s if retry_after_s is None else retry_after_s
+            headers.append((b"retry-after", str(after).encode()))
         if close:
             headers.append((b"connection", b"close"))
         headers += extra or []

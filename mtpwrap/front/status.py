@@ -22,6 +22,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from mtpwrap.front.gpu import GpuView
 from mtpwrap.front.ops import admin_asks, gpu_rows
+from mtpwrap.front.reads import Read
 
 if TYPE_CHECKING:
     from mtpwrap.front.app import Front
@@ -70,6 +71,10 @@ async function refresh() {
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
     $("documents").textContent = s.documents ? s.documents.summary : "-";
+    $("reads").textContent = s.reads.length ? s.reads.map((r) => "slot " + r.slot + ": " +
+      r.done + (r.total === null ? "" : " of " + r.total) + " tokens" +
+      (r.rate === null ? "" : ", " + Math.round(r.rate) + " tokens/s") +
+      (r.eta_s === null ? "" : ", " + Math.ceil(r.eta_s) + " s left")).join("; ") : "none";
     $("command").textContent = s.command ? s.command.argv.join(" ") : "(an admin key shows it)";
     fill("companions", s.companions, [["name"], ["role"], ["state"], ["restarts", 1],
          ["forwarding", 1], ["queued", 1]]);
@@ -103,6 +108,7 @@ _HTML = f"""<!doctype html>
 <tr><th>queued</th><td id="queue"></td></tr>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
 <tr><th>documents</th><td id="documents"></td></tr>
+<tr><th>reading now</th><td id="reads"></td></tr>
 <tr><th>llama-server runs</th><td id="command"></td></tr>
 </tbody></table>
 <h2>Companions</h2>
@@ -132,7 +138,7 @@ _HEADERS = {"cache-control": "no-store", "content-security-policy": _CSP,
             "x-content-type-options": "nosniff", "referrer-policy": "no-referrer"}
 
 
-def document(front: Front, gpu: GpuView) -> dict[str, Any]:
+def document(front: Front, gpu: GpuView, reads: list[Read]) -> dict[str, Any]:
     st = front.supervisor.status()
     info = front.info
     trail = front.trail
@@ -140,6 +146,8 @@ def document(front: Front, gpu: GpuView) -> dict[str, Any]:
         "time": time.time(), "state": st.state.value, "reason": st.reason,
         "model": info.model, "profile": info.profile, "context": info.context,
         "documents": info.documents,
+        # each prompt llama-server is reading: tokens done of total, rate, time left
+        "reads": [r.to_dict() for r in reads],
         "slots": {"busy": front.forwarding, "total": front.config.max_concurrency},
         "queue": front.admission.gate.waiting(),
         "tokens_per_s": round(trail.tokens_per_s(), 2),
@@ -158,7 +166,7 @@ def make_pages(front: Front) -> tuple[Any, Any]:
         return HTMLResponse(_HTML, headers=_HEADERS)
 
     async def data(_request: Request) -> Response:
-        return JSONResponse(document(front, await front.gpu.view()),
+        return JSONResponse(document(front, await front.gpu.view(), await front.reads.sample()),
                             headers={"cache-control": "no-store"})
 
     return page, data
