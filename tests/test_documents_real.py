@@ -235,11 +235,13 @@ def test_a_person_queued_behind_a_long_read_is_told_how_long(
         tmp_path: Path, free_port: int, llama_server_bin: Path, profile: Path) -> None:
     """One slot, a ~26K-token document being read: the status page shows the read (tokens
     done of total, rate, time left), and a question queued behind it that waits out its queue
-    time gets a 503 saying how far the read is, with Retry-After from the read's progress."""
+    time gets a 503 saying how far the read is, with Retry-After from the read's progress. A
+    read longer than prefill_stall_s (2 s here) is not cut while it advances."""
     u = Up.__new__(Up)
     Instance.__init__(u, tmp_path / "home", free_port, llama_server_bin,
                       Path(yaml.safe_load(profile.read_text())["model"]), log=tmp_path / "up.log",
-                      profile=str(profile), MTPWRAP_PROXY_QUEUE_TIMEOUT_S="1")
+                      profile=str(profile), MTPWRAP_PROXY_QUEUE_TIMEOUT_S="1",
+                      MTPWRAP_PROXY_PREFILL_STALL_S="2")
     try:
         u.wait_ready(180)
         u.client = openai.OpenAI(base_url=f"{u.base}/v1", api_key="unused", max_retries=0,

@@ -214,7 +214,9 @@ PROXY: dict[str, Key] = {
                                  positive=True),
     "stream_stall_s": _seconds(60.0, "A stream that sends nothing this long is cut.",
                                positive=True),
-    "prefill_stall_s": _seconds(600.0, "Longest wait for the first token.", positive=True),
+    "prefill_stall_s": _seconds(600.0, "Longest wait for the first token with no progress: "
+                                "llama-server's read of a long prompt counts as progress.",
+                                positive=True),
     "keepalive_s": _seconds(15.0, "Seconds between keep-alive comments on a quiet stream.",
                             positive=True),
     "write_timeout_s": _seconds(30.0, "A client that reads nothing this long is dropped.",

@@ -127,6 +127,7 @@ class Front:
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
         self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
                            self.depth)
+        self.relay.reads = self.reads
         #: the embedding and rerank companions, each with its own slots, queue and relay
         self.routes = Routes(tuple(
             Companion(info, sup,

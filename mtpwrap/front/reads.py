@@ -121,6 +121,13 @@ class Reads:
             out.append((slot, in_slot, cached, rate))
         return out
 
+    async def advancing(self) -> bool:
+        """Whether a read advanced since the previous sample (a read seen for the first time
+        counts: nothing says it stopped)."""
+        before = dict(self._last)
+        await self.sample()
+        return any(before.get(slot) is not s for slot, s in self._last.items())
+
     def retry_after(self) -> int | None:
         """Seconds until the first read in progress ends, from the last sample (None: no read
         with a known end)."""

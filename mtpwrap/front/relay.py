@@ -22,7 +22,8 @@ over the socket and over TCP, tests/test_upstream_reuse.py).
 Faults. A request is never retried once its body may have reached the child (a generation is not
 idempotent); only a refused connect is retried, once. If the child dies or the loopback link
 breaks mid-stream, or a stream makes no progress within its budget (`prefill_stall_s` before the
-first chunk, `stream_stall_s` after), the client gets a terminal SSE event
+first chunk — while llama-server's read of the prompt advances, that is progress — and
+`stream_stall_s` after), the client gets a terminal SSE event
 `data: {"error": {...}}` and the stream ends without `[DONE]`; a stall is reported to the
 supervisor. A client that goes away, before or after the first token, cancels the upstream
 request at once (the connection to the child is closed, which llama-server treats as a cancel).
@@ -46,6 +47,7 @@ from mtpwrap.front import depth_policy
 from mtpwrap.front.depth_policy import DepthPolicy
 from mtpwrap.front.exchange import UPSTREAM_OWES, Exchange, Step
 from mtpwrap.front.metrics import FrontMetrics
+from mtpwrap.front.reads import Reads
 from mtpwrap.front.replies import (
     BY_UPSTREAM,
     Receive,
@@ -154,6 +156,9 @@ class Relay:
         self.depth = depth
         self.tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
                                   config.write_timeout_s / 4))
+        #: the prompts llama-server is reading (the chat model's): a long read that advances
+        #: is progress, so `prefill_stall_s` cuts a read that stopped, not one that is long
+        self.reads: Reads | None = None
 
     # ------------------------------------------------------------------ sending
 
@@ -442,6 +447,10 @@ class Relay:
                 continue
             idle = loop.time() - ex.last_progress
             budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
+            if idle >= budget and not ex.first_chunk and self.reads is not None \
+                    and await self.reads.advancing():
+                ex.last_progress = loop.time()  # still reading the prompt: not a stall
+                continue
             if idle >= budget:
                 ex.cancel_reason = "stall"
                 worker.cancel()
