@@ -18,11 +18,13 @@ What llama-server does (docs/facts.md, "Documents asked many times"):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.planner import SequenceState
+from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.units import GiB, MiB
 
 #: a new question re-reads at most about this many tokens of its document (the checkpoint
@@ -75,31 +77,49 @@ class DocumentPlan:
                f"RAM cache {self.cache_ram_mib / 1024:.1f} GiB")
         ckpt = (f"a checkpoint every {self.min_step:,} tokens, {self.checkpoints} kept per "
                 "slot" if self.needs_checkpoints and self.min_step else
-                "no checkpoints needed (plain attention)")
+                "only llama.cpp's own checkpoints (the binary lacks the spacing flag)"
+                if self.needs_checkpoints else "no checkpoints needed (plain attention)")
         return f"{ram}, {held}; {ckpt}"
 
 
+def _flag(field: str) -> str:
+    """A LaunchConfig field's flag as upstream's --help spells it (its first long spelling)."""
+    return next(s for s in SPELLINGS[field] if s.startswith("--"))
+
+
 def decide(facts: ModelFacts, state: SequenceState, *, slot_context: int, ubatch: int | None,
-           batch: int | None, ram_total: int | None, host_used: int) -> DocumentPlan:
-    """The document cache of a launch whose one slot holds `slot_context` tokens.
+           batch: int | None, ram_total: int | None, host_used: int, slots: int = 1,
+           has: Callable[[str], bool] | None = None) -> DocumentPlan:
+    """The document cache of a launch whose `slots` slots hold `slot_context` tokens each.
 
     `state`: the launch's per-sequence sizes; `batch`/`ubatch`: the profile's, None when it
     leaves them to llama.cpp; `host_used`: RAM the launch itself and its companions take (the
-    model's host share, its KV on a CPU, the companions), from the memory plans."""
+    model's host share, its KV on a CPU, the companions), from the memory plans; `has`: whether
+    the binary takes a flag (a LaunchConfig field name; None: not known, all assumed)."""
     why: dict[str, str] = {}
     warnings: list[str] = []
+    has = has or (lambda _flag: True)
+    lacks = [_flag(f) for f in ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse",
+                                "cache_ram") if not has(f)]
     needs = bool(facts.recurrent_layers or facts.swa_layers)
     kind = ("hybrid (recurrent layers)" if facts.recurrent_layers else
             "sliding-window attention" if facts.swa_layers else "plain attention")
     checkpoints = min_step = chosen_batch = cache_reuse = None
     n_ckpt = 0
-    if needs:
+    if needs and not has("checkpoint_min_step"):
+        n_ckpt = EDGE_CHECKPOINTS
+        why["min_step"] = (
+            f"{kind}, and this binary lacks {_flag('checkpoint_min_step')}: only "
+            "llama.cpp's own checkpoints (at a user message's start and before the prompt's "
+            "end), so a new question after a long one in the same message re-reads the "
+            "document")
+    elif needs:
         ub = ubatch or 512
         step = max(REREAD_TOKENS, ub)
         chosen_batch = step if batch is None else batch
         min_step = max(step, chosen_batch)
         n_ckpt = math.ceil(QUESTION_TOKENS / min_step) + EDGE_CHECKPOINTS
-        checkpoints = n_ckpt
+        checkpoints = n_ckpt if has("ctx_checkpoints") else None
         why["min_step"] = (
             f"{kind}: a new question goes back to the newest checkpoint before it, so one "
             f"every {min_step:,} tokens bounds what it re-reads of the document")
@@ -107,29 +127,38 @@ def decide(facts: ModelFacts, state: SequenceState, *, slot_context: int, ubatch
                         if batch is not None else
                         f"checkpoints fall on batch boundaries: a batch of {chosen_batch:,} "
                         "places them every step")
+        grows = (f", up to {state.checkpoint_at(slot_context) / MiB:,.0f} MiB at the "
+                 "document's end (each carries the MTP context's KV)"
+                 if state.checkpoint_per_token else "")
         why["checkpoints"] = (
             f"{QUESTION_TOKENS:,} tokens of question reach back over {n_ckpt - EDGE_CHECKPOINTS}"
             f" checkpoints, plus the {EDGE_CHECKPOINTS} llama-server places at the message "
-            f"and prompt ends; {state.checkpoint / MiB:.1f} MiB each")
-        if facts.recurrent_layers:
-            cache_reuse = 0
-            why["cache_reuse"] = ("off: KV shifting leaves the recurrent state describing "
-                                  "other tokens on a hybrid model")
+            f"and prompt ends; {state.checkpoint / MiB:.1f} MiB each{grows}")
+    if facts.recurrent_layers and has("cache_reuse"):
+        cache_reuse = 0
+        why["cache_reuse"] = ("off: KV shifting leaves the recurrent state describing "
+                              "other tokens on a hybrid model")
     entry = state.entry(slot_context, n_ckpt)
     budget = None
     cache_ram = None
     documents = None
     if ram_total:
         reserve = max(OS_RESERVE_MIN, int(ram_total * OS_RESERVE_SHARE))
-        budget = ram_total - reserve - host_used
-        cache_ram = max(0, budget // MiB)
+        # the slots' own checkpoints live in host RAM beside the cache
+        held = slots * n_ckpt * state.checkpoint_at(slot_context)
+        budget = ram_total - reserve - host_used - held
+        cache_ram = max(0, budget // MiB) if has("cache_ram") else None
         documents = max(0, budget) // entry if entry else 0
         why["cache_ram"] = (
-            f"host RAM {ram_total / GiB:.1f} GiB less {reserve / GiB:.1f} GiB for the system "
-            f"and {host_used / GiB:.2f} GiB the model and its companions hold: "
+            f"host RAM {ram_total / GiB:.1f} GiB less {reserve / GiB:.1f} GiB for the system, "
+            f"{host_used / GiB:.2f} GiB the model and its companions hold and "
+            f"{held / GiB:.2f} GiB of the slots' checkpoints: "
             f"{max(0, budget) / GiB:.1f} GiB, {documents} full-context document(s) of "
             f"{entry / GiB:.2f} GiB")
-        if documents < 1:
+        if not has("cache_ram"):
+            why["cache_ram"] = "this binary lacks --cache-ram: llama.cpp's own prompt cache"
+            documents = None
+        elif documents < 1:
             warnings.append(
                 f"one full-context document ({slot_context:,} tokens, {entry / GiB:.2f} GiB of "
                 f"state) is larger than the RAM left for llama-server's prompt cache "
@@ -141,4 +170,6 @@ def decide(facts: ModelFacts, state: SequenceState, *, slot_context: int, ubatch
         batch=chosen_batch, cache_reuse=cache_reuse, cache_ram_mib=cache_ram,
         context=slot_context, entry_bytes=entry, checkpoint_bytes=state.checkpoint,
         ram_budget=budget, documents=documents, why=tuple(why.items()),
-        warnings=tuple(warnings))
+        warnings=tuple(warnings) + ((f"this binary lacks {', '.join(lacks)}: documents stay "
+                                     "warm as llama.cpp's defaults allow (see the plan's "
+                                     "documents lines)",) if lacks else ()))

@@ -182,8 +182,6 @@ class _Argv:
         self.args: list[str] = []
         self.decisions: list[Decision] = []
         self.dropped: list[str] = []
-        #: document-cache flags this binary lacks (a warning: it serves, less warm)
-        self.missing: list[str] = []
 
     def add(self, logical: str, value: Any, reason: str, *, spellings: tuple[str, ...] = ()
             ) -> bool:
@@ -271,15 +269,10 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
         b.add("pooling", cfg.pooling, r("pooling"))
     if cfg.alias is not None and serve:
         b.add("alias", cfg.alias, r("alias"))
-    if serve:
+    if serve:  # decided with the binary in view (decide.documents): it takes each one set
         for name in _DOCUMENT_FLAGS:
-            value = getattr(cfg, name)
-            if value is None:
-                continue
-            if caps.first_of(SPELLINGS[name]) is None:
-                b.missing.append(f"{SPELLINGS[name][-1]} {value} ({r(name)})")
-                continue
-            b.add(name, value, r(name))
+            if (value := getattr(cfg, name)) is not None:
+                b.add(name, value, r(name))
     if serve and slot_save_path is not None:
         b.add("slot_save_path", slot_save_path,
               "mtpwrap's KV snapshot directory (persist.dir), never a client's")
@@ -316,9 +309,6 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
 
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
-    if b.missing:
-        warnings.append(f"{caps.describe()} lacks what keeps documents warm, left out: "
-                        + "; ".join(b.missing))
     return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
                           profile=cfg.profile, secret_env=frozenset(secret), dropped=b.dropped)
 

@@ -427,24 +427,34 @@ def _run_rows(facts: ModelFacts, cfg: PlanConfig, n_ctx: int, gpu: str) -> list[
 class SequenceState:
     """What one slot's document costs outside the device plan: llama-server's RAM prompt cache
     keeps a sequence's whole state (`llama_state_seq_get_size`), and a context checkpoint the
-    part of it that cannot be rolled back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)."""
+    part of it that cannot be rolled back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): the recurrent
+    row and the sliding-window cells — and, with MTP, the draft context's KV whole (a plain KV
+    cache ignores PARTIAL_ONLY), so a checkpoint grows with its position."""
 
     kv_per_token: int  #: main KV and the MTP context's KV, bytes per cached token
     fixed: int         #: the recurrent state of one sequence (one row, f32)
-    checkpoint: int    #: one checkpoint: that row plus the sliding-window cells of one sequence
+    checkpoint: int    #: one checkpoint's fixed part: that row plus the sliding-window cells
+    #: one checkpoint's part that grows with its position: the MTP context's KV per token
+    checkpoint_per_token: int = 0
+
+    def checkpoint_at(self, tokens: int) -> int:
+        """One checkpoint taken `tokens` into a sequence."""
+        return self.checkpoint + self.checkpoint_per_token * tokens
 
     def entry(self, tokens: int, checkpoints: int = 0) -> int:
-        """One sequence of `tokens` with its checkpoints, as the RAM cache stores it."""
-        return self.kv_per_token * tokens + self.fixed + checkpoints * self.checkpoint
+        """One sequence of `tokens` with its checkpoints, as the RAM cache stores it (the
+        checkpoints counted at the sequence's end: the newest are kept, near it)."""
+        return self.kv_per_token * tokens + self.fixed + checkpoints * self.checkpoint_at(tokens)
 
 
 def sequence_state(facts: ModelFacts, cfg: PlanConfig,
                    kv_sizes: dict[str, Any] | None = None) -> SequenceState:
     """The per-sequence sizes of a launch (`SequenceState`), from the same rows as `plan`."""
     per_token = kv_bytes(facts, facts.kv_layers, 1, 1, cfg.type_k, cfg.type_v, cfg, kv_sizes)
+    mtp = 0
     if cfg.spec == "mtp":
-        per_token += kv_bytes(facts, list(range(facts.n_layer, facts.n_layer_all)), 1, 1,
-                              cfg.type_k_draft, cfg.type_v_draft, cfg, kv_sizes)
+        mtp = kv_bytes(facts, list(range(facts.n_layer, facts.n_layer_all)), 1, 1,
+                       cfg.type_k_draft, cfg.type_v_draft, cfg, kv_sizes)
     row = len(facts.recurrent_layers) * (facts.recurrent_r_floats + facts.recurrent_s_floats) * 4
     swa = 0
     if facts.swa_layers:
@@ -452,7 +462,8 @@ def sequence_state(facts: ModelFacts, cfg: PlanConfig,
         swa = kv_bytes(facts, facts.swa_layers, cells, 1, cfg.type_k, cfg.type_v, cfg, kv_sizes)
         per_token -= kv_bytes(facts, facts.swa_layers, 1, 1, cfg.type_k, cfg.type_v, cfg,
                               kv_sizes)
-    return SequenceState(kv_per_token=per_token, fixed=row + swa, checkpoint=row + swa)
+    return SequenceState(kv_per_token=per_token + mtp, fixed=row + swa, checkpoint=row + swa,
+                         checkpoint_per_token=mtp)
 
 
 def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,

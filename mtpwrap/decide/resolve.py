@@ -349,10 +349,12 @@ def _with_documents(r: Resolved) -> Resolved:
     except ConfigError:
         return r
     slot_context = planner.kv_geometry(pc.n_ctx, pc.n_slots, pc.kv_unified)[1]
+    caps = inp.caps
     doc = documents.decide(
         facts, state, slot_context=slot_context, ubatch=launch.ubatch, batch=launch.batch,
         ram_total=inp.snapshot.ram_total if inp.snapshot is not None else None,
-        host_used=host + sum(c.host_bytes for c in r.companions))
+        host_used=host + sum(c.host_bytes for c in r.companions), slots=pc.n_slots,
+        has=None if caps is None else lambda f: caps.first_of(SPELLINGS[f]) is not None)
     why = dict(doc.why)
     launch = launch.replace(
         why={field: why[key] for field, key in (

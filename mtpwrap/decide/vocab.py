@@ -59,7 +59,9 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "api_key": ("--api-key",),
     "slot_save_path": ("--slot-save-path",),
     "ctx_checkpoints": ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
-    "checkpoint_min_step": ("-cms", "--checkpoint-min-step"),
+    # the fork at 0bc0a27 spells the spacing of checkpoints during a read its own way
+    "checkpoint_min_step": ("-cms", "--checkpoint-min-step", "-cpent",
+                            "--checkpoint-every-n-tokens"),
     "cache_reuse": ("--cache-reuse",),
     "cache_ram": ("-cram", "--cache-ram"),
     "embeddings": ("--embeddings", "--embedding"),
