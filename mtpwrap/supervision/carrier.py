@@ -2,8 +2,10 @@
 
 Saved before a planned restart when the next command can take them, checkpointed while the
 child is idle (with `persist.checkpoints`; after a crash the last checkpoint is carried like a
-planned save), restored after the new child's first token and before READY. Snapshot files
-that will not be restored are deleted at once.
+planned save), restored after the new child's first token and before READY. With
+checkpoints on, what was restored stays as the new child's first checkpoint (until it reads
+enough for one of its own), so a crash soon after a restart brings the documents back again.
+Snapshot files that will not be restored are deleted at once.
 """
 
 from __future__ import annotations
@@ -110,10 +112,17 @@ class SlotCarrier:
         if carried is None or self.store is None or spec is None:
             return
         try:
-            report = await restore_slots(child, self.store, carried, spec.launch)
+            report = await restore_slots(child, self.store, carried, spec.launch,
+                                         keep=self.checkpoints)
         except OSError as exc:
             log.warning("slots not restored: %s", exc)
             return
+        if kept := report.pop("kept", None):
+            # what was restored is the new child's state until it reads more: a crash before
+            # its first checkpoint brings it back again
+            self._drop_checkpoint()
+            self._checkpoint = Carried(carried.fingerprint,
+                                       [s for s in carried.snapshots if s.name in kept])
         self._set_report({**self.report, "restored": report})
 
     def _set_report(self, report: dict[str, Any]) -> None:

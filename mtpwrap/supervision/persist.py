@@ -268,10 +268,13 @@ async def save_slots(child: Any, store: SnapshotStore, launch: LaunchConfig | No
 
 
 async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
-                        launch: LaunchConfig | None) -> dict[str, Any]:
-    """Put carried snapshots into `child`; every file is deleted afterwards, restored or not."""
+                        launch: LaunchConfig | None, *, keep: bool = False) -> dict[str, Any]:
+    """Put carried snapshots into `child`; every file is deleted afterwards, restored or not
+    (`keep`: those restored are kept, named in the report's `kept`: they are the new child's
+    first checkpoint)."""
     t0 = time.perf_counter()
     report: dict[str, Any] = {"restored": 0, "tokens": 0, "skipped": None}
+    kept: list[str] = []
     try:
         why = incompatibility(carried.fingerprint, fingerprint(launch))
         if why is not None:
@@ -288,9 +291,14 @@ async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
                 continue
             report["restored"] += 1
             report["tokens"] += int(data.get("n_restored") or 0)
+            if keep:
+                kept.append(snap.name)
     finally:
         for snap in carried.snapshots:
-            store.remove(snap.name)
+            if snap.name not in kept:
+                store.remove(snap.name)
+        if kept:
+            report["kept"] = kept
         report["restore_s"] = round(time.perf_counter() - t0, 3)
     if report["restored"]:
         log.info("restored %d slot(s), %d tokens in %.3fs", report["restored"],
