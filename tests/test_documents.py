@@ -209,3 +209,22 @@ def test_decide_is_stated_for_every_value_it_sets(tmp_path: Path, ram_gib: int |
     assert (d.cache_ram_mib is None) == (ram_gib is None)
     assert d.entry_bytes == state.entry(65536, d.checkpoints or 0)
     model.unlink()
+
+
+def test_a_checkpoint_carries_the_mtp_kv_only_without_patch_0002(model_27b: Path) -> None:
+    """Upstream's checkpoint writes the MTP context's whole KV (a plain KV cache ignores
+    PARTIAL_ONLY), so it grows with its position; patch 0002 leaves it out (a restore cuts the
+    draft's KV back instead): the plan counts what the binary does."""
+    from mtpwrap.decide import gguf_facts, planner
+    from mtpwrap.decide.launch import plain
+    from mtpwrap.decide.resolve import plan_config
+
+    facts = gguf_facts.read_facts(model_27b)
+    cfg = plain(model_27b, context=262_144, why="t").replace(spec="mtp", spec_type="mtp", depth=3)
+    pc = plan_config(cfg, facts, backend="cpu")
+    assert pc.spec == "mtp"
+    upstream = planner.sequence_state(facts, pc)
+    patched = planner.sequence_state(facts, pc, draft_in_checkpoints=False)
+    assert patched.checkpoint_at(262_144) == patched.checkpoint == upstream.checkpoint
+    assert upstream.checkpoint_at(262_144) - upstream.checkpoint > 256 * MiB
+    assert patched.entry(262_144, 11) < upstream.entry(262_144, 11) - 11 * 256 * MiB

@@ -109,6 +109,8 @@ def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
         said = httpx.get(f"{up.base}/{page}", timeout=30).json()["documents"]
         assert said["min_step"] == REREAD and said["checkpoints"] >= 8, said
         assert "full-context document(s) of 32,768 tokens" in said["summary"], said
+        # this build's checkpoints leave the MTP context's KV out (patch 0002): none grows
+        assert "carries the MTP context's KV" not in said["why"]["checkpoints"], said
     assert up.log is not None and "documents    RAM cache" in up.log.read_text()
     argv = Path(f"/proc/{up.state()['child_pid']}/cmdline").read_text().split("\0")
 

@@ -334,6 +334,17 @@ def _within_trained_context(cfg: LaunchConfig, facts: ModelFacts | None) -> Laun
                                        f"context of {train:,} tokens per slot"})
 
 
+#: the patch whose checkpoints leave the MTP context's KV out (patches/llama.cpp)
+CHECKPOINTS_PATCH = "0002-slot-checkpoints"
+
+
+def _applied(inp: Inputs, patch: str) -> bool:
+    """Whether the binary's build applied `patch` (its manifest says; no manifest: no)."""
+    m = inp.manifest
+    return m is not None and any(r.get("name") == patch and r.get("status") == "applied"
+                                 for r in m.patches or [])
+
+
 def _with_documents(r: Resolved) -> Resolved:
     """r with its document cache decided (`documents.decide`) and the launch carrying it;
     r itself when the model's header was not read or its KV types cannot be sized."""
@@ -343,7 +354,8 @@ def _with_documents(r: Resolved) -> Resolved:
     backend = "cuda" if on_device(r.profile, inp.snapshot) else "cpu"
     try:
         pc = plan_config(launch, facts, backend=backend, caps=inp.caps)
-        state = planner.sequence_state(facts, pc, inp.kv_sizes)
+        state = planner.sequence_state(facts, pc, inp.kv_sizes,
+                                       draft_in_checkpoints=not _applied(inp, CHECKPOINTS_PATCH))
         host = (r.plan if r.plan is not None else
                 planner.plan(facts, pc, None, inp.kv_sizes)).host_total
     except ConfigError:

@@ -186,9 +186,11 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     companions = companions or {}
     if kind is ReloadKind.FORGET:
         ok, message = await sup.reload(None, settings.drain_s, carry=False)
+        sup.carrier.drop_all()  # also when no llama-server ran to be restarted
         removed = await asyncio.to_thread(store.clear) if store is not None else 0
         if not ok:
-            return ReloadResult(ReloadOutcome.FAILED, message, 1)
+            return ReloadResult(ReloadOutcome.FAILED, f"{message}; {removed} snapshot file(s) "
+                                "removed", 1)
         return ReloadResult(ReloadOutcome.OK, f"{message} cold: its slots and RAM prompt cache "
                             f"are empty, {removed} snapshot file(s) removed", 0)
     if kind is ReloadKind.RESTART:
