@@ -203,3 +203,42 @@ def test_keys_in_the_environment_take_plus_between_scopes() -> None:
                                                    "other-key-0123456789 name=ops"})
     k = find_key(SECRET, Access.from_config(ProxyConfig(api_keys=s.api_keys)).keys)
     assert k is not None and k.name == "app" and k.scopes == frozenset({"inference", "metrics"})
+
+
+def test_the_budgets_file_is_written_off_the_serving_loop(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that stalls holds up the budgets' writer thread, never the event loop: a save
+    inside the loop returns at once, the newest counts land once the disk answers, and close
+    writes the last ones before it returns."""
+    import threading
+    import time
+
+    path = tmp_path / "budgets.json"
+    k = parse_key(f"{SECRET} name=app tokens_per_day=1000", "f")
+    b = Budgets(path, Clock(1_800_000_000.0))
+    disk = threading.Event()
+    write = Budgets._write
+
+    def stalled(self: Budgets, rows: list) -> None:
+        disk.wait(30)
+        write(self, rows)
+
+    monkeypatch.setattr(Budgets, "_write", stalled)
+
+    async def serve() -> float:
+        b.settle(k, None, 10)
+        t0 = time.perf_counter()
+        for _ in range(50):
+            b.settle(k, None, 1)
+            b.save()
+        took = time.perf_counter() - t0
+        assert not path.exists()  # the disk has not answered yet
+        disk.set()
+        await until("the counts on disk",
+                    lambda: path.exists() and '"count": 60' in path.read_text(), 10)
+        return took
+
+    assert asyncio.run(serve()) < 0.5
+    b.settle(k, None, 5)  # after the loop: close writes it before returning
+    b.close()
+    assert '"count": 65' in path.read_text()

@@ -24,8 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mtpwrap.config.apikeys import ApiKey
+from mtpwrap.supervision.writer import LatestWriter
 
 log = logging.getLogger("mtpwrap.budgets")
 
@@ -74,6 +76,8 @@ class Budgets:
         #: key name -> tokens reserved by its requests in flight
         self.held: dict[str, int] = {}
         self._save: asyncio.TimerHandle | None = None
+        #: the file written by a thread of its own: the serving loop never waits for the disk
+        self._writer: LatestWriter[list[dict[str, Any]]] | None = None
         self._load()
 
     def _count(self, name: str, window: str, now: float) -> list[float]:
@@ -166,11 +170,23 @@ class Budgets:
         self._save = loop.call_later(SAVE_EVERY_S, self.save)
 
     def save(self) -> None:
+        """The counts to the file: handed to the writer thread inside the event loop, written
+        at once outside it."""
         self._save = None
         if self.path is None:
             return
-        rows = [{"key": k, "window": w, "start": c[0], "count": c[1]}
-                for (k, w), c in self.counts.items() if w != "minute"]
+        rows = self._rows()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            self._write(rows)
+            return
+        if self._writer is None:
+            self._writer = LatestWriter(self._write, name="mtpwrap-budgets")
+        self._writer.submit(rows)
+
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        assert self.path is not None
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -181,8 +197,17 @@ class Budgets:
             log.warning("budgets: cannot write %s (%s)", self.path, err)
 
     def close(self) -> None:
+        """The last counts written before it returns (blocks: at shutdown)."""
         if self._save is not None:
             self._save.cancel()
             self._save = None
-        with contextlib.suppress(Exception):
-            self.save()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self.path is not None:
+            with contextlib.suppress(Exception):
+                self._write(self._rows())
+
+    def _rows(self) -> list[dict[str, Any]]:
+        return [{"key": k, "window": w, "start": c[0], "count": c[1]}
+                for (k, w), c in self.counts.items() if w != "minute"]
