@@ -223,6 +223,9 @@ def test_warm_ahead_list_and_forget(up: Up, tmp_path: Path) -> None:
     assert [e["name"] for e in listed["warmed"]] == ["alpha-contract.txt", "bravo-contract.txt"]
     assert all(e["tokens"] > 6000 and len(e["sha256"]) == 64 for e in listed["warmed"])
     assert "clause 17" not in json.dumps(listed)
+    page = httpx.get(f"{up.base}/status.json", timeout=30).json()["warmed"]
+    assert [(w["name"], w["tokens"]) for w in page] == [
+        (e["name"], e["tokens"]) for e in listed["warmed"]]
     for n in ("Alpha", "Bravo"):  # the first question finds its document read
         read, tokens = up.ask(same(document(n), "Who delivers item 70?"))
         assert read <= bound(tokens), (n, read, tokens)
@@ -241,6 +244,7 @@ def test_warm_ahead_list_and_forget(up: Up, tmp_path: Path) -> None:
     directory = Path(up.state()["persist_dir"])
     assert not list(directory.iterdir())
     assert json.loads(run_cli("documents", "list", "--json", env=up.env).stdout)["warmed"] == []
+    assert httpx.get(f"{up.base}/status.json", timeout=30).json()["warmed"] == []
     read, tokens = up.ask(same(document("Alpha"), "Who delivers item 70?"))
     assert read >= tokens - 8, (read, tokens)  # forgotten: read again from the start
 

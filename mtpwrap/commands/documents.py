@@ -4,7 +4,8 @@ what was read and what the snapshots hold, and forget every document.
 `warm` sends each file as a message of its own (the layout docs/documents.md recommends) at the
 batch class (`X-Mtpwrap-Class: batch`: people's requests go first), with one token to answer:
 llama-server reads it, and keeps it in its slot, then in its RAM prompt cache. What was warmed is
-listed by name, hash and tokens in the state directory's `documents.json`, never its text.
+listed by name, hash and tokens in the state directory's `documents.json` (also on `/status`),
+never its text.
 `forget` restarts llama-server cold (nothing carried) and empties the snapshot directory: no
 document is left in llama-server's slots, its RAM cache or on disk. llama-server offers no way
 to drop one document from its RAM cache, so forgetting is for all of them.
@@ -13,7 +14,6 @@ to drop one document from its RAM cache, so forgetting is for all of them.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -21,32 +21,6 @@ from typing import Any
 import click
 
 from mtpwrap.config.options import shared_option
-
-#: the warmed documents' record, beside the instance's state file
-RECORD = "documents.json"
-
-
-def _record_path() -> Path:
-    from mtpwrap.supervision import instance
-
-    return instance.instance_path().with_name(RECORD)
-
-
-def _read_record() -> list[dict[str, Any]]:
-    try:
-        data = json.loads(_record_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
-
-
-def _write_record(entries: list[dict[str, Any]]) -> None:
-    path = _record_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
-    tmp.chmod(0o600)
-    tmp.replace(path)
 
 
 def _running() -> dict[str, Any]:
@@ -84,6 +58,7 @@ def warm(files: tuple[Path, ...], system: str | None, api_key: str | None,
 
     from mtpwrap import console
     from mtpwrap.errors import ConfigError, RuntimeFailure
+    from mtpwrap.supervision import instance
 
     texts = []
     for f in files:
@@ -98,7 +73,7 @@ def warm(files: tuple[Path, ...], system: str | None, api_key: str | None,
     headers = {"x-mtpwrap-class": "batch"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
-    entries = {e.get("sha256"): e for e in _read_record()}
+    entries = {e.get("sha256"): e for e in instance.read_warmed()}
     rows = []
     with httpx.Client(base_url=url, headers=headers, timeout=timeout_s,
                       trust_env=False) as client:
@@ -125,7 +100,7 @@ def warm(files: tuple[Path, ...], system: str | None, api_key: str | None,
                             "system": bool(system), "warmed_at": time.time()}
             rows.append([f.name, sha[:12], f"{tokens:,}",
                          "-" if read is None else f"{int(read):,}", f"{took:.1f}"])
-    _write_record(sorted(entries.values(), key=lambda e: e.get("warmed_at", 0)))
+    instance.write_warmed(sorted(entries.values(), key=lambda e: e.get("warmed_at", 0)))
     console.table("documents read", ["file", "sha256", "tokens", "read now", "seconds"], rows)
 
 
@@ -153,7 +128,7 @@ def list_(as_json: bool) -> None:
             except OSError:
                 continue
             snaps.append({"file": p.name, "bytes": st.st_size, "modified": st.st_mtime})
-    warmed = _read_record()
+    warmed = instance.read_warmed()
     if as_json:
         console.print_json({"warmed": warmed, "snapshot_dir": directory, "snapshots": snaps})
         return
@@ -176,7 +151,8 @@ def forget(timeout: float) -> None:
     snapshot carried) and the snapshot directory is emptied. Requests wait in the front's
     queue meanwhile. Exit 0 once the new llama-server is ready."""
     from mtpwrap.commands.reload import finish
+    from mtpwrap.supervision import instance
 
     _running()
     finish("forget", timeout)
-    _write_record([])
+    instance.write_warmed([])

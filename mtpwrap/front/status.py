@@ -12,6 +12,7 @@ allows exactly its own script and style.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import time
@@ -23,6 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from mtpwrap.front.gpu import GpuView
 from mtpwrap.front.ops import admin_asks, gpu_rows
 from mtpwrap.front.reads import Read
+from mtpwrap.supervision import instance
 
 if TYPE_CHECKING:
     from mtpwrap.front.app import Front
@@ -71,6 +73,8 @@ async function refresh() {
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
     $("documents").textContent = s.documents ? s.documents.summary : "-";
+    $("warmed").textContent = s.warmed.length ? s.warmed.map((w) => w.name + " (" +
+      w.tokens + " tokens)").join(", ") : "none";
     $("reads").textContent = s.reads.length ? s.reads.map((r) => "slot " + r.slot + ": " +
       r.done + (r.total === null ? "" : " of " + r.total) + " tokens" +
       (r.rate === null ? "" : ", " + Math.round(r.rate) + " tokens/s") +
@@ -109,6 +113,7 @@ _HTML = f"""<!doctype html>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
 <tr><th>documents</th><td id="documents"></td></tr>
 <tr><th>reading now</th><td id="reads"></td></tr>
+<tr><th>read in ahead</th><td id="warmed"></td></tr>
 <tr><th>llama-server runs</th><td id="command"></td></tr>
 </tbody></table>
 <h2>Companions</h2>
@@ -166,7 +171,10 @@ def make_pages(front: Front) -> tuple[Any, Any]:
         return HTMLResponse(_HTML, headers=_HEADERS)
 
     async def data(_request: Request) -> Response:
-        return JSONResponse(document(front, await front.gpu.view(), await front.reads.sample()),
-                            headers={"cache-control": "no-store"})
+        doc = document(front, await front.gpu.view(), await front.reads.sample())
+        # what `mtpwrap documents warm` read in (its record, read off the loop; never text)
+        doc["warmed"] = [{k: e.get(k) for k in ("name", "sha256", "tokens", "warmed_at")}
+                         for e in await asyncio.to_thread(instance.read_warmed)]
+        return JSONResponse(doc, headers={"cache-control": "no-store"})
 
     return page, data

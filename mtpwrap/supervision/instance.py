@@ -237,3 +237,26 @@ def request_reload(kind: str, timeout: float) -> dict[str, Any]:
         time.sleep(0.1)
     raise RuntimeFailure(f"the {kind} did not finish within {timeout:.0f}s; `mtpwrap status` "
                          "shows how it ends.", hint="Wait longer with --timeout.")
+
+
+#: the documents `mtpwrap documents warm` read in (name, hash, tokens: never the text), beside
+#: the state file; `/status` lists them too
+WARMED = "documents.json"
+
+
+def read_warmed() -> list[dict[str, Any]]:
+    """The warmed documents' record (empty when there is none or it is unreadable)."""
+    try:
+        data = json.loads(instance_path().with_name(WARMED).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [d for d in data if isinstance(d, dict)] if isinstance(data, list) else []
+
+
+def write_warmed(entries: list[dict[str, Any]]) -> None:
+    path = instance_path().with_name(WARMED)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+    tmp.chmod(0o600)
+    tmp.replace(path)
