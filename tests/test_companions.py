@@ -140,6 +140,9 @@ def test_a_gpu_companion_is_a_row_of_the_plan_and_changes_what_fits(
     profile = _with_companions(tmp_path, "4090-262k", [
         {"role": "embedding", "name": "embed", "model": str(emb), "device": "gpu",
          "context": 8192, "slots": 4, "pooling": "mean"}])
+    # the ubatch the plan chose alone, held: with more room it would choose a larger one
+    assert alone is not None and alone.launch.ubatch is not None
+    profile.write_text(profile.read_text() + f"ubatch: {alone.launch.ubatch}\n")
     # the recorded 4090's free memory holds the recipe alone, not beside this companion
     with pytest.raises(ConfigError, match=r"context 262,144 with KV tbq4_0/tbq4_0 and MTP "
                                           r"beside its companion embed \(embedding\) \d\.\d\d GiB "
