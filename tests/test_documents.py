@@ -133,12 +133,17 @@ def test_a_binary_without_the_checkpoint_step_is_planned_as_it_is(tmp_path: Path
     assert "--checkpoint-min-step" in w
 
 
-def test_plain_attention_needs_no_checkpoints(tmp_path: Path, model_27b: Path) -> None:
-    model = tiny_gguf.write_shape_only(tmp_path / "llama3-8b.gguf", "llama3-8b")
+def _shape(tmp_path: Path, name: str, context: int) -> tuple[Path, startup.Launch]:
+    """A shape-only `name` under a GPU profile of `context` tokens on the recorded 4090."""
+    model = tiny_gguf.write_shape_only(tmp_path / f"{name}.gguf", name)
     prof = tmp_path / "p.yaml"
-    prof.write_text("name: p\ndescription: d\nmodel: x\ncontext: 16384\n"
+    prof.write_text(f"name: p\ndescription: d\nmodel: x\ncontext: {context}\n"
                     "hardware: {requires_gpu: true}\n")
-    launch = _resolve(tmp_path, prof, model, recorded_fork(tmp_path, "fork-1c6e4ea"))
+    return model, _resolve(tmp_path, prof, model, recorded_fork(tmp_path, "fork-1c6e4ea"))
+
+
+def test_plain_attention_needs_no_checkpoints(tmp_path: Path) -> None:
+    model, launch = _shape(tmp_path, "llama3-8b", 16384)
     doc = launch.resolved.documents
     assert doc is not None and not doc.needs_checkpoints
     argv = _argv(launch)
@@ -149,11 +154,7 @@ def test_plain_attention_needs_no_checkpoints(tmp_path: Path, model_27b: Path) -
 
 
 def test_sliding_window_models_get_checkpoints_and_keep_kv_shifting(tmp_path: Path) -> None:
-    model = tiny_gguf.write_shape_only(tmp_path / "gemma3-12b.gguf", "gemma3-12b")
-    prof = tmp_path / "p.yaml"
-    prof.write_text("name: p\ndescription: d\nmodel: x\ncontext: 32768\n"
-                    "hardware: {requires_gpu: true}\n")
-    launch = _resolve(tmp_path, prof, model, recorded_fork(tmp_path, "fork-1c6e4ea"))
+    model, launch = _shape(tmp_path, "gemma3-12b", 32768)
     doc = launch.resolved.documents
     assert doc is not None and doc.needs_checkpoints and doc.cache_reuse is None
     assert "sliding-window" in dict(doc.why)["min_step"]
