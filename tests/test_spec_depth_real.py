@@ -123,7 +123,7 @@ def test_probe_tells_a_server_that_honours_n_max_from_one_that_ignores_it(
     """The probe's verdict on both kinds of server, with nothing compiled here: the patched
     build, and the same binary with the field taken out of each request (the real unpatched
     build beside it: benchmarks/spec_depth_unpatched.py)."""
-    assert [p["status"] for p in cpu_manifest["patches"]] == ["applied"]
+    assert [p["status"] for p in cpu_manifest["patches"]] == ["applied", "applied"]
     assert cpu_manifest["spec_depth"]["status"] == "honoured"
     honoured = spec_probe.probe(llama_server_bin, demo_model)
     assert honoured["status"] == "honoured", honoured

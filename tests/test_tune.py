@@ -14,6 +14,10 @@ from mtpwrap.decide import profiles
 from mtpwrap.errors import ConfigError
 from tests.helpers import cli_env, run_cli, without
 
+#: the document cache's flags (decide.documents): how prompts are kept between requests, which
+#: `up` adds and a speed sweep leaves to llama.cpp
+DOCUMENT_FLAGS = ("-cram", "-cms", "-ctxcp", "--cache-reuse", "-b")
+
 
 def _point(name: str, spec: str, depth: int, p_min: float | None, tps: float,
            accepted: int = 0, steps: int = 0, drafted: int = 0,
@@ -119,8 +123,9 @@ def test_tune_cli_sweeps_and_writes_override(tmp_path: Path,
     assert "--port" not in measured  # tune's server listened on its own socket, as up's does
     shown_args = run_cli("args", "--profile", "cpu-demo", "--json", env=env)
     assert shown_args.returncode == 0, shown_args.stderr
-    assert without(json.loads(shown_args.stdout)["argv"], "--host", "--port") == without(
-        measured, "--host")  # the socket's place differs, nothing else
+    # the socket's place differs, and the document cache (between requests, not a speed)
+    assert without(json.loads(shown_args.stdout)["argv"], "--host", "--port", *DOCUMENT_FLAGS) \
+        == without(measured, "--host", *DOCUMENT_FLAGS)
 
 
 def test_tune_rejects_bad_depths(tmp_path: Path) -> None:
@@ -154,5 +159,5 @@ def test_tune_per_class_writes_the_measured_policy(tmp_path: Path,
     assert "--port" not in measured  # the sweep's server listened on its own socket
     shown = run_cli("args", "--profile", "cpu-demo", "--json", env=env)
     assert shown.returncode == 0, shown.stderr
-    assert without(json.loads(shown.stdout)["argv"], "--host", "--port") == without(
-        measured, "--host")
+    assert without(json.loads(shown.stdout)["argv"], "--host", "--port", *DOCUMENT_FLAGS) \
+        == without(measured, "--host", *DOCUMENT_FLAGS)
