@@ -450,13 +450,16 @@ class Front:
     async def _prompt_totals(self) -> list[int]:
         """The prompt lengths of the requests forwarded to the chat model now, longest first,
         each counted once by llama-server's tokenizer (`Reads`: how long a read has left)."""
-        forwarded = [ex for ex in self._workers if ex.slot and ex.ticket is not None
-                     and ex.ticket.count_prompt is not None]
-        self._counted = {ex: self._counted.get(ex) for ex in forwarded}
+        forwarded = [ex for ex in list(self._workers) if ex.slot and ex.state is not Step.DONE
+                     and ex.ticket is not None and ex.ticket.count_prompt is not None]
+        # requests that ended are forgotten; a sample taken meanwhile shares the same counts
+        counted = self._counted = {ex: n for ex, n in self._counted.items()
+                                   if ex in self._workers}
         for ex in forwarded:
-            if self._counted[ex] is None and ex.ticket is not None and ex.ticket.count_prompt:
-                self._counted[ex] = await ex.ticket.count_prompt()
-        return sorted((n for n in self._counted.values() if n is not None), reverse=True)
+            if counted.get(ex) is None and ex.ticket is not None and ex.ticket.count_prompt:
+                counted[ex] = await ex.ticket.count_prompt()
+        return sorted((n for ex in forwarded if (n := counted.get(ex)) is not None),
+                      reverse=True)
 
     async def _count_prompt(self, label: str, doc: object) -> int | None:
         """The prompt of a request to the chat model as llama-server's tokenizer counts it."""

@@ -16,6 +16,7 @@ read.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,8 @@ import httpx
 
 from mtpwrap.supervision.state import SupervisorPort
 from mtpwrap.upstream import UpstreamClients
+
+log = logging.getLogger("mtpwrap.front")
 
 #: seconds one `GET /slots` may take (llama-server answers it between two batches)
 SLOTS_TIMEOUT_S = 5.0
@@ -83,7 +86,11 @@ class Reads:
             except (httpx.HTTPError, ValueError):
                 slots = None
         reading = self._reading(slots if isinstance(slots, list) else [], time.monotonic())
-        totals = await self.totals() if reading else []
+        try:
+            totals = await self.totals() if reading else []
+        except Exception as exc:  # a count that failed leaves the read's total unknown
+            log.warning("reads: the prompts in flight could not be counted (%r)", exc)
+            totals = []
         reads = []
         padded: list[int | None] = [*totals[:len(reading)]]
         padded += [None] * (len(reading) - len(padded))
