@@ -24,7 +24,7 @@ from typing import Any
 
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.planner import SequenceState
-from mtpwrap.decide.vocab import SPELLINGS
+from mtpwrap.decide.vocab import DOCUMENT_FLAGS, SPELLINGS
 from mtpwrap.units import GiB, MiB
 
 #: a new question re-reads at most about this many tokens of its document (the checkpoint
@@ -99,8 +99,7 @@ def decide(facts: ModelFacts, state: SequenceState, *, slot_context: int, ubatch
     why: dict[str, str] = {}
     warnings: list[str] = []
     has = has or (lambda _flag: True)
-    lacks = [_flag(f) for f in ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse",
-                                "cache_ram") if not has(f)]
+    lacks = [_flag(f) for f in DOCUMENT_FLAGS if not has(f)]
     needs = bool(facts.recurrent_layers or facts.swa_layers)
     kind = ("hybrid (recurrent layers)" if facts.recurrent_layers else
             "sliding-window attention" if facts.swa_layers else "plain attention")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpwrap.decide.endpoint import Endpoint, host_and_port
 from mtpwrap.decide.extra_args import check_exposure, check_extra
-from mtpwrap.decide.vocab import DEPTH_FLAGS, NGRAM_N_FLAGS, SPELLINGS
+from mtpwrap.decide.vocab import DEPTH_FLAGS, DOCUMENT_FLAGS, NGRAM_N_FLAGS, SPELLINGS
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -167,9 +167,6 @@ def plain(model: Path | str, *, context: int, slots: int = 1, cache: str = "f16"
 # --------------------------------------------------------------------------- rendering
 
 
-#: the document cache's flags (mtpwrap.decide.documents), in the order they are spelled
-_DOCUMENT_FLAGS = ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse", "cache_ram")
-
 #: what sizes the memory llama-fit-params reports: it must take all of these
 _MEMORY_FLAGS = frozenset({"model", "context", "gpu_layers", "slots", "batch", "ubatch",
                            "cache_k", "cache_v", "flash_attn"})
@@ -270,7 +267,7 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
     if cfg.alias is not None and serve:
         b.add("alias", cfg.alias, r("alias"))
     if serve:  # decided with the binary in view (decide.documents): it takes each one set
-        for name in _DOCUMENT_FLAGS:
+        for name in DOCUMENT_FLAGS:
             if (value := getattr(cfg, name)) is not None:
                 b.add(name, value, r(name))
     if serve and slot_save_path is not None:

@@ -69,6 +69,8 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "pooling": ("--pooling",),
     "alias": ("-a", "--alias"),
 }
+#: the document cache's flags (decide.documents decides them), in the order they are spelled
+DOCUMENT_FLAGS = ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse", "cache_ram")
 #: the draft depth's flag and the ngram lookup length's flag, per spec type.
 DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
     "mtp": ("--spec-draft-n-max",), "draft-mtp": ("--spec-draft-n-max",),
