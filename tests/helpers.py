@@ -87,6 +87,16 @@ def wait_for(what: str, ok: Callable[[], bool], timeout: float, every: float = 0
     return time.monotonic() - t0
 
 
+def audit_lines(directory: Path, ok: Callable[[list[dict[str, Any]]], bool],
+                timeout: float = 30) -> list[dict[str, Any]]:
+    """The audit trail's records under `directory` once `ok(records)` holds (a writer thread
+    writes them after the answer ends); TimeoutError when they never do."""
+    from mtpwrap.front.audit import read_records
+
+    wait_for("the audit lines", lambda: ok(list(read_records(directory))), timeout)
+    return list(read_records(directory))
+
+
 async def until(what: str, ok: Callable[[], bool], timeout: float, every: float = 0.01) -> float:
     """`wait_for` inside an event loop: seconds until `ok()` held, yielding to the loop between
     polls; TimeoutError naming `what` when it never did."""

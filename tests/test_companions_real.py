@@ -12,7 +12,6 @@ official `openai` client and plain HTTP.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -25,7 +24,7 @@ import pytest
 import yaml
 
 from mtpwrap.proc import free_loopback_port
-from tests.helpers import Instance, wait_for
+from tests.helpers import Instance, audit_lines, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -118,10 +117,12 @@ def test_chat_and_embeddings_side_by_side(with_embedding: Instance) -> None:
     assert [(c["name"], c["role"], c["state"]) for c in page["companions"]] == [
         ("legal-embed", "embedding", "ready")]
     audit_dir = Path(with_embedding.env["MTPWRAP_HOME"]) / "audit"
-    lines = [json.loads(line) for f in sorted(audit_dir.glob("audit-*.jsonl"))
-             for line in f.read_text().splitlines()]
-    assert sum(1 for r in lines if r["route"] == "/v1/embeddings"
-               and r["model"] == "legal-embed" and r["status"] == 200) == 2
+
+    def embeddings(lines: list[dict]) -> int:
+        return sum(1 for r in lines if r["route"] == "/v1/embeddings"
+                   and r["model"] == "legal-embed" and r["status"] == 200)
+
+    assert embeddings(audit_lines(audit_dir, lambda lines: embeddings(lines) >= 2)) == 2
 
 
 def test_a_companion_crash_leaves_chat_alone(with_embedding: Instance) -> None:

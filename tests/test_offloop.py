@@ -1,5 +1,6 @@
 """Nothing that can block runs on the serving event loop: a hung NVML (a stand-in library that
-stalls on demand), the state file, the socket probe. `docs/reliability.md` 33-34."""
+stalls on demand), the state file, the socket probe, the audit trail's writes (a sink that
+stalls on demand: a real disk cannot). `docs/reliability.md` 33-34, 42."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from mtpwrap import proc
 from mtpwrap.proc import free_loopback_port
@@ -148,3 +150,144 @@ def test_the_state_file_follows_the_state_written_off_the_loop(tmp_path: Path) -
     w2.submit({"a": 1})
     w2.close(timeout=10)
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+# --------------------------------------------------------------------------- the audit writer
+
+
+class _StalledSink:
+    """An audit sink whose writes wait on a gate: a disk or journald that stopped answering."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.records: list[dict] = []
+        self.waiting = threading.Event()
+
+    def write(self, record: dict) -> None:
+        self.waiting.set()
+        self.gate.wait(60)
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+def _trail(sink: object, queue_lines: int) -> object:
+    from mtpwrap.front.audit import Trail
+    from mtpwrap.front.budgets import Budgets
+    from mtpwrap.front.metrics import FrontMetrics
+
+    metrics = FrontMetrics(lambda: None, dict)  # type: ignore[arg-type,return-value]
+    return Trail(sink, metrics, Budgets(None), lambda: "m.gguf",  # type: ignore[arg-type]
+                 queue_lines=queue_lines)
+
+
+def _ticket(n: int) -> object:
+    from mtpwrap.front.audit import Ticket
+
+    t = Ticket(method="POST", route="/v1/chat/completions", client="127.0.0.1")
+    t.status, t.bytes_out = 200, n
+    return t
+
+
+def test_audit_lines_are_written_in_order_and_none_is_lost_silently(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The loop only queues a line; the writer thread writes them in order; a line that finds
+    the queue full goes whole to the service log and is counted, as is one left at close."""
+    from mtpwrap.front.audit import Trail
+
+    sink = _StalledSink()
+    trail = _trail(sink, queue_lines=3)
+    assert isinstance(trail, Trail)
+    t0 = time.monotonic()
+    with caplog.at_level("ERROR", logger="mtpwrap.audit"):
+        trail.end(_ticket(0))  # type: ignore[arg-type]
+        assert sink.waiting.wait(5)  # the writer holds it, in a write that does not return
+        for n in range(1, 6):
+            trail.end(_ticket(n))  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 0.5  # ending a request never waits for the sink
+    # one line in the (stalled) write, three queued, two found the queue full
+    unwritten = trail.metrics.audit_unwritten.labels("queue_full")._value.get()
+    assert unwritten == 2
+    kept = [r.getMessage() for r in caplog.records if "not written to the trail" in r.getMessage()]
+    assert len(kept) == 2 and all('"bytes_out":' in m for m in kept)
+    assert json.loads(kept[0].split("kept here: ", 1)[1])["bytes_out"] == 4
+    assert _queued(trail) == 4
+    sink.gate.set()
+    assert trail.flush(10)
+    assert [r["bytes_out"] for r in sink.records] == [0, 1, 2, 3]
+    trail.end(_ticket(9))  # type: ignore[arg-type]
+    trail.close()  # writes what is queued before it returns
+    assert [r["bytes_out"] for r in sink.records] == [0, 1, 2, 3, 9]
+
+
+def _queued(trail: object) -> float:
+    """The mtpwrap_audit_queue_lines gauge."""
+    gauge = trail.metrics.audit_queue  # type: ignore[attr-defined]
+    return float(gauge.collect()[0].samples[0].value)
+
+
+def test_a_shutdown_with_a_stalled_disk_keeps_the_unwritten_lines_in_the_log(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtpwrap.front import audit
+
+    monkeypatch.setattr(audit, "CLOSE_S", 0.3)
+    sink = _StalledSink()
+    trail = _trail(sink, queue_lines=100)
+    with caplog.at_level("ERROR", logger="mtpwrap.audit"):
+        trail.end(_ticket(0))  # type: ignore[attr-defined]
+        assert sink.waiting.wait(5)
+        for n in (1, 2):
+            trail.end(_ticket(n))  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        trail.close()  # type: ignore[attr-defined]
+        assert time.monotonic() - t0 < 3
+    kept = [json.loads(r.getMessage().split("kept here: ", 1)[1]) for r in caplog.records
+            if "(shutdown)" in r.getMessage()]
+    assert [r["bytes_out"] for r in kept] == [1, 2]  # the first was in the stalled write
+    sink.gate.set()
+
+
+@pytest.mark.integration
+def test_a_stalled_audit_disk_stops_neither_streams_nor_livez(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
+    """The real llama-server behind a front whose audit sink stalls: streams are served to
+    their end and /livez answers at once while every line waits; the lines come out in order
+    once the sink answers again."""
+    from mtpwrap.config.objects import ProxyConfig
+    from tests.fakes.front_harness import LlamaChild, serve_front
+
+    child = LlamaChild(llama_server_bin, demo_model, free_loopback_port(), "internal-key-0123",
+                       log_path=tmp_path / "llama.log").start(timeout=300)
+    sink = _StalledSink()
+    key = "client-key-0123456789"
+    try:
+        with serve_front(child.base_url, child.api_key, ProxyConfig(api_keys=(key,))) as (
+                srv, _sup), httpx.Client(base_url=srv.url, timeout=60, headers={
+                    "authorization": f"Bearer {key}"}) as c:
+            srv.front.trail.sink = sink
+            body = {"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "max_tokens": 12}
+            ended = []
+            for _ in range(3):
+                with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    assert r.status_code == 200
+                    events = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+                ended.append(events[-1])
+                assert sink.waiting.wait(10) and not sink.gate.is_set()
+                t0 = time.monotonic()
+                assert c.get("/livez").status_code == 200
+                assert time.monotonic() - t0 < 1.0
+            assert ended == ["data: [DONE]"] * 3
+            trail = srv.front.trail
+            wait_for("the three lines queued", lambda: trail.writer.pending == 3, 10)
+            queued = c.get("/metrics").text
+            assert "mtpwrap_audit_queue_lines 3.0" in queued, queued[:2000]
+            assert sink.records == []  # all of the above while no line could be written
+            sink.gate.set()
+            wait_for("the queued lines written", lambda: len(sink.records) == 4, 10)
+            assert [r["route"] for r in sink.records[:3]] == ["/v1/chat/completions"] * 3
+            assert all(r["completion_tokens"] for r in sink.records[:3])
+    finally:
+        sink.gate.set()
+        child.kill()

@@ -11,6 +11,18 @@ Sinks: a file per UTC day under `audit.dir` (`audit-YYYY-MM-DD.jsonl`, 0600 in a
 directory, one `write` per line so lines never interleave), files older than
 `audit.retention_days` deleted when the day turns and at start; or journald, each field as a
 structured field (`MTPWRAP_KEY=`, `MTPWRAP_TOKENS_IN=` …) for a SIEM via rsyslog; or off.
+
+The serving loop never writes a line itself: it queues the line (in the order the requests
+ended) for one writer thread (`supervision.writer.InOrderWriter`), so a slow or stalled disk or
+journald holds no stream, probe or watchdog ping. The queue holds `QUEUE_LINES` lines (a disk
+stalled for minutes at the front's highest rate). A line that finds it full is not lost and
+does not stop the serving: it goes whole to the service's own log (journald keeps it) and
+`mtpwrap_audit_unwritten_total{reason="queue_full"}` counts it, so the trail can be completed
+from the journal; blocking the loop instead would stop every client and the systemd watchdog,
+which would then kill the service with the whole queue in it. Close (the front's shutdown)
+writes what is queued, waiting up to `CLOSE_S`; a line still unwritten then goes to the log
+the same way (`reason="shutdown"`). A line the sink refuses (a full disk, journald gone) is
+counted with `reason="write_failed"` and the error logged once per run of failures.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from mtpwrap.front.access import route_label
 from mtpwrap.front.budgets import Budgets, Hold
 from mtpwrap.front.metrics import FrontMetrics
 from mtpwrap.front.usage import Tally
+from mtpwrap.supervision.writer import InOrderWriter
 
 log = logging.getLogger("mtpwrap.audit")
 
@@ -47,6 +60,11 @@ FRONT_PAGES = frozenset({"/metrics", "/healthz", "/status", "/status.json"})
 JOURNAL_SOCKET = "/run/systemd/journal/socket"
 #: how long the end of a cut request waits for llama-server to count its prompt
 COUNT_TIMEOUT_S = 5.0
+#: lines the writer's queue holds (about 40 MB at 400 bytes a line; at 100 requests a second, a
+#: disk stalled for a quarter of an hour)
+QUEUE_LINES = 100_000
+#: how long close waits for the queued lines to be written
+CLOSE_S = 10.0
 
 
 @dataclass(eq=False)
@@ -258,10 +276,14 @@ class Trail:
     and keeps the last refusals for the status page."""
 
     def __init__(self, sink: Sink, metrics: FrontMetrics, budgets: Budgets,
-                 model: Callable[[], str | None], clock: Callable[[], float] = time.time
-                 ) -> None:
+                 model: Callable[[], str | None], clock: Callable[[], float] = time.time,
+                 queue_lines: int = QUEUE_LINES) -> None:
         self.sink, self.metrics, self.budgets, self.model = sink, metrics, budgets, model
         self.clock = clock
+        #: the writer thread and its queue: the loop only queues a line
+        self.writer: InOrderWriter[dict[str, Any]] = InOrderWriter(
+            self._write, name="mtpwrap-audit", limit=queue_lines)
+        metrics.audit_queue.set_function(lambda: self.writer.pending)
         self.refusals: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
         self.lines = 0
         self._failed = False
@@ -294,15 +316,8 @@ class Trail:
 
     def end(self, t: Ticket) -> dict[str, Any]:
         record = t.record(t.model or self.model() or "-")
-        try:
-            self.sink.write(record)
-            self.lines += 1
-            self._failed = False
-        except OSError as err:
-            if not self._failed:  # once per run of failures, not once per request
-                log.error("audit: cannot write the audit trail (%s); requests are still "
-                          "served", err)
-            self._failed = True
+        if not self.writer.submit(record):
+            self._unwritten(record, "queue_full")
         status = record["status"]
         self.metrics.key_requests.labels(t.key, f"{status // 100}xx").inc()
         self.metrics.model_requests.labels(record["model"], f"{status // 100}xx").inc()
@@ -319,6 +334,25 @@ class Trail:
         if record["completion_tokens"]:
             self._recent.append((self.clock(), record["completion_tokens"]))
         return record
+
+    def _write(self, record: dict[str, Any]) -> None:
+        """The writer thread's: one line to the sink."""
+        try:
+            self.sink.write(record)
+            self.lines += 1
+            self._failed = False
+        except OSError as err:
+            self.metrics.audit_unwritten.labels("write_failed").inc()
+            if not self._failed:  # once per run of failures, not once per request
+                log.error("audit: cannot write the audit trail (%s); requests are still "
+                          "served", err)
+            self._failed = True
+
+    def _unwritten(self, record: dict[str, Any], reason: str) -> None:
+        """A line the writer could not take: whole into the service's log, and counted."""
+        self.metrics.audit_unwritten.labels(reason).inc()
+        log.error("audit: line not written to the trail (%s), kept here: %s", reason,
+                  json.dumps(record, ensure_ascii=False, separators=(",", ":")))
 
     def _add_today(self, record: dict[str, Any]) -> None:
         day = day_of(self.clock())
@@ -346,7 +380,15 @@ class Trail:
             self._recent.popleft()
         return sum(n for _t, n in self._recent) / window_s
 
+    def flush(self, timeout: float = CLOSE_S) -> bool:
+        """Wait until the queued lines are written; blocks (call it off the loop)."""
+        return self.writer.flush(timeout)
+
     def close(self) -> None:
+        """Write the queued lines (up to `CLOSE_S`; those left go to the log), then close the
+        sink and the budgets' writer. Blocks: the shutdown's last step."""
+        for record in self.writer.close(CLOSE_S):
+            self._unwritten(record, "shutdown")
         self.budgets.close()
         self.sink.close()
 

@@ -13,7 +13,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -315,6 +315,12 @@ class FrontMetrics:
                                       "answered them (the chat model's file, or a companion's "
                                       "name) and status class", ["model", "status"],
                                       registry=r)
+        self.audit_unwritten = Counter(
+            "mtpwrap_audit_unwritten", "Audit lines not written to the trail, by reason "
+            "(queue_full and shutdown: the line is in the service's log instead; write_failed: "
+            "the sink refused it)", ["reason"], registry=r)
+        self.audit_queue = Gauge("mtpwrap_audit_queue_lines", "Audit lines queued for the "
+                                 "writer thread and not yet written", registry=r)
         self.live = _LiveCollector(status, front_stats, companions, gpu)
         r.register(self.live)
         # Pre-create label sets that dashboards alert on, so they read 0 instead of absent.
@@ -324,6 +330,8 @@ class FrontMetrics:
             self.reloads.labels(outcome)
         for reason in ("client_disconnect", "slow_reader", "stall", "upstream_error"):
             self.cancelled.labels(reason)
+        for reason in ("queue_full", "shutdown", "write_failed"):
+            self.audit_unwritten.labels(reason)
 
     def set_backend(self, text: str | None) -> None:
         if text is None:

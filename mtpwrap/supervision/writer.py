@@ -1,9 +1,11 @@
 """Writes that must not block the event loop, done by a thread of their own: `LatestWriter`
-keeps only the newest value not yet written (a state file, where only the last state counts),
-and its `submit` never waits for the disk."""
+keeps only the newest value not yet written (a state file, where only the last state counts);
+`InOrderWriter` writes every value in order from a bounded queue (an audit trail). Neither's
+`submit` waits for the disk."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Callable
@@ -61,6 +63,73 @@ class LatestWriter(Generic[T]):
                 self._writing = True
             try:
                 self._write(value)  # type: ignore[arg-type]
+            except Exception:  # a failed write must not end the writer
+                log.exception("%s: write failed", self._thread.name)
+            finally:
+                with self._cond:
+                    self._writing = False
+                    self._cond.notify_all()
+
+
+class InOrderWriter(Generic[T]):
+    """`write(value)` in a daemon thread for every value submitted, in the order submitted (an
+    audit trail, where each line counts). The queue holds `limit` values: `submit` never waits
+    for the disk, and says False when the queue is full, the value not taken; what to do with
+    it then is the caller's to decide (nothing is dropped without the caller knowing)."""
+
+    def __init__(self, write: Callable[[T], None], *, name: str, limit: int) -> None:
+        self._write = write
+        self.limit = limit
+        self._cond = threading.Condition()
+        self._queue: collections.deque[T] = collections.deque()
+        self._writing = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        """Values submitted and not yet written (the one being written included)."""
+        with self._cond:
+            return len(self._queue) + (1 if self._writing else 0)
+
+    def submit(self, value: T) -> bool:
+        with self._cond:
+            if self._closed or len(self._queue) >= self.limit:
+                return False
+            self._queue.append(value)
+            self._cond.notify_all()
+            return True
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until what was submitted is written; blocks (call it off the loop): True when
+        it was within `timeout`."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
+
+    def close(self, timeout: float = 5.0) -> list[T]:
+        """Write what is queued, then stop; blocks (a shutdown's last step): the values still
+        unwritten when `timeout` ran out (none when the disk kept up), taken off the queue."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        with self._cond:
+            left = list(self._queue)
+            self._queue.clear()
+            return left
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                value = self._queue.popleft()
+                self._writing = True
+            try:
+                self._write(value)
             except Exception:  # a failed write must not end the writer
                 log.exception("%s: write failed", self._thread.name)
             finally:
