@@ -110,9 +110,7 @@ from mtpwrap.supervision import instance
 from mtpwrap.service import startup
 s = settings.load_settings({"profile": "cpu-demo", "model": sys.argv[1]})
 instance.read_instance()
-launch = startup.resolve_launch(s)
-startup.supervisor_config(s, launch)
-startup.proxy_config(s, launch)
+startup.load_runtime(s)
 print(time.process_time())
 """
 

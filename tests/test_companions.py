@@ -28,11 +28,11 @@ GiB = 2**30
 
 
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
-            free_gib: float | None = None) -> startup.Launch:
+            free_gib: float | None = None) -> startup.Runtime:
     """`up`'s launch on the recorded RTX 4090 (with less memory free when asked)."""
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib))}, env={})
-    return startup.resolve_launch(s)
+    return startup.load_runtime(s)
 
 
 def _validate(companions_: Any) -> profiles.Profile:

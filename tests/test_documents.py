@@ -21,7 +21,7 @@ GiB, MiB = 2**30, 2**20
 
 
 def _resolve(tmp_path: Path, profile: str | Path, model: Path, binary: Path, *,
-             gpu: str = "rtx4090", ram_gib: float | None = None) -> startup.Launch:
+             gpu: str = "rtx4090", ram_gib: float | None = None) -> startup.Runtime:
     snap = replay(tmp_path, None, gpu)
     if ram_gib is not None:
         record = json.loads(snap.read_text())
@@ -29,13 +29,13 @@ def _resolve(tmp_path: Path, profile: str | Path, model: Path, binary: Path, *,
         snap.write_text(json.dumps(record))
     s = settings.load_settings({"profile": str(profile), "model": str(model),
                                 "binary": str(binary), "hw_replay": str(snap)}, env={})
-    return startup.resolve_launch(s, None)
+    return startup.load_runtime(s, None)
 
 
-def _argv(launch: startup.Launch) -> list[str]:
+def _argv(launch: startup.Runtime) -> list[str]:
     from mtpwrap.decide.endpoint import Endpoint
 
-    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
+    spec = launch(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None
     return list(spec.argv)
 
@@ -133,7 +133,7 @@ def test_a_binary_without_the_checkpoint_step_is_planned_as_it_is(tmp_path: Path
     assert "--checkpoint-min-step" in w
 
 
-def _shape(tmp_path: Path, name: str, context: int) -> tuple[Path, startup.Launch]:
+def _shape(tmp_path: Path, name: str, context: int) -> tuple[Path, startup.Runtime]:
     """A shape-only `name` under a GPU profile of `context` tokens on the recorded 4090."""
     model = tiny_gguf.write_shape_only(tmp_path / f"{name}.gguf", name)
     prof = tmp_path / "p.yaml"

@@ -65,14 +65,13 @@ def _up(profile: str, model: Path, binary: Path, snap: Path) -> tuple[int, Any]:
                                 "hw_replay": str(snap)}, env={})
     try:
         # `args` shows the launch without the snapshot directory of a running service
-        launch = startup.resolve_launch(s, slot_save_path=None)
+        launch = startup.load_runtime(s, slot_save_path=None)
     except ConfigError as exc:
         return EXIT_CONFIG, str(exc)
-    if launch.deferred is not None:
-        launch.deferred()
+    launch = launch.with_plan()
     # the socket `up` would bind, or, for a binary without socket support, the port `args` shows
     where = launch.endpoint if launch.endpoint.socket else Endpoint(port=PORT)
-    spec = launch.factory(where, "internal-key", 0)
+    spec = launch(where, "internal-key", 0)
     assert spec is not None
     return 0, {"argv": spec.argv, "plan": launch.resolved.plan,
                "memory_plan": launch.info.memory_plan}

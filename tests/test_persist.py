@@ -13,14 +13,11 @@ import pytest
 
 from mtpwrap.config.objects import PersistConfig
 from mtpwrap.config.settings import load_settings
-from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.launch import LaunchConfig
 from mtpwrap.errors import ConfigError
-from mtpwrap.front.info import ServeInfo
 from mtpwrap.service import reload as reloading
 from mtpwrap.service import startup
 from mtpwrap.supervision import persist
-from mtpwrap.supervision.child import ChildCommand
 
 
 def store_at(directory: Path, max_mb: int = 0) -> persist.SnapshotStore:
@@ -144,13 +141,6 @@ def test_persist_settings_from_file_and_environment(tmp_path: Path) -> None:
         load_settings({}, env={}, config=cfg)
 
 
-def launch_with(argv_: list[str], proxy: dict | None = None) -> startup.Launch:
-    def factory(endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
-        return ChildCommand(argv=[*argv_, "--port", str(endpoint.port)])
-
-    return startup.Launch(factory=factory, info=ServeInfo(profile="p"), proxy=proxy or {})
-
-
 def test_the_snapshot_directory_flag_is_mtpwraps_alone(tmp_path: Path) -> None:
     from mtpwrap.decide import launch as launching
     from mtpwrap.decide.capabilities import Capabilities
@@ -169,14 +159,13 @@ def test_client_slot_actions_and_snapshots_do_not_mix(tmp_path: Path) -> None:
     cfg.write_text("proxy:\n  enable_paths: [slot-actions]\n")
     s = load_settings({}, env={}, config=cfg)
     with pytest.raises(ConfigError, match="slot-actions would let clients"):
-        startup.proxy_config(s, launch_with(["llama-server"]))
+        startup.proxy_config(s, {}, 1)
     off = load_settings({}, env={"MTPWRAP_PERSIST_ENABLED": "0"}, config=cfg)
-    assert "slot-actions" in startup.proxy_config(off, launch_with(["llama-server"])).enable_paths
+    assert "slot-actions" in startup.proxy_config(off, {}, 1).enable_paths
     # A profile cannot open it either.
     plain = load_settings({}, env={}, config=None)
     with pytest.raises(ConfigError, match="slot-actions"):
-        startup.proxy_config(plain, launch_with(["llama-server"],
-                                                proxy={"enable_paths": ["slot-actions"]}))
+        startup.proxy_config(plain, {"enable_paths": ["slot-actions"]}, 1)
 
 
 def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,

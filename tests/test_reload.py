@@ -12,7 +12,9 @@ import pytest
 
 from mtpwrap.config import settings
 from mtpwrap.decide import hardware
+from mtpwrap.front.info import ServeInfo
 from mtpwrap.service import reload as reloading
+from mtpwrap.service import startup
 from mtpwrap.supervision.state import State
 from tests.helpers import DATA, make
 
@@ -34,9 +36,12 @@ def test_a_reload_that_does_not_fit_is_refused_by_the_running_instance(
         await sup.start()
         assert await sup.wait_ready(10) is not None
         pid = sup.status().pid
+        runtime = startup.Runtime(settings=running, info=ServeInfo(),
+                                  supervisor=startup.supervisor_config(running),
+                                  front=startup.proxy_config(running, {}, 1))
         res = await reloading.apply_reload(reloading.ReloadKind.RELOAD, sup, None, inputs,
-                                           running, None)
-        assert res.outcome == "refused" and res.exit_code == 78 and res.launch is None
+                                           runtime, None)
+        assert res.outcome == "refused" and res.exit_code == 78 and res.runtime is None
         assert "llama-server left as it was" in res.message
         assert "but the device has 8.00 GiB" in res.message
         st = sup.status()

@@ -29,11 +29,11 @@ MiB = 2**20
 def resolve(tmp_path: Path, profile: str, model: Path, binary: Path,
             free_gib: float | None = None, plan: str | None = None,
             gpu: str = "rtx4090",
-            slot_save_path: Path | None | Literal["settings"] = "settings") -> startup.Launch:
+            slot_save_path: Path | None | Literal["settings"] = "settings") -> startup.Runtime:
     s = settings.load_settings({"profile": profile, "model": str(model), "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib, gpu)),
                                 "plan": plan}, env={})
-    return startup.resolve_launch(s, slot_save_path)
+    return startup.load_runtime(s, slot_save_path)
 
 
 @pytest.mark.parametrize("fork", FORKS)
@@ -50,7 +50,7 @@ def test_the_recipe_plans_and_fits_on_a_4090_with_an_uncalibrated_fork(
     assert rows["MTP compute"].bytes == 712 * MiB
     assert rows["MTP head output"].bytes > 900 * MiB  # the head model's own output matrix
     assert rows["margin"].bytes == 1024 * MiB and "--fit" in rows["margin"].note
-    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
+    spec = launch(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None
     argv = spec.argv
     assert argv[argv.index("-ctk") + 1] == argv[argv.index("-ctkd") + 1] == "tbq4_0"
@@ -140,10 +140,10 @@ def test_plan_on_a_4090_fits_and_argv_carries_the_profile(tmp_path: Path,
                                                          fork_binary: Path,
                                                          model_27b: Path) -> None:
     launch = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)
-    assert launch.deferred is None  # a GPU plan is made before anything starts
+    assert launch.with_plan() is launch  # a GPU plan is made before anything starts
     assert "GiB on the GPU at context 131,072" in launch.info.memory_plan
     assert launch.info.kv == "q8_0 / q8_0" and launch.info.speculation_type == "mtp"
-    spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
+    spec = launch(Endpoint(port=4321), "secret-key", 0)
     assert spec is not None
     assert spec.argv[spec.argv.index("--port") + 1] == "4321"
     assert spec.argv[spec.argv.index("--host") + 1] == "127.0.0.1"
@@ -154,8 +154,8 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         tmp_path: Path, fork_binary: Path, model_27b: Path) -> None:
     from mtpwrap.config.objects import default_snapshot_dir
 
-    def saves_in(launch: startup.Launch) -> str | None:
-        spec = launch.factory(Endpoint(port=4321), "secret-key", 0)
+    def saves_in(launch: startup.Runtime) -> str | None:
+        spec = launch(Endpoint(port=4321), "secret-key", 0)
         # the command names the launch it renders: snapshots are matched on its fields
         assert spec is not None and launch.resolved is not None
         assert spec.launch == launch.resolved.launch
@@ -163,7 +163,7 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
         argv = list(spec.argv)
         return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
 
-    def launch(slot_save_path: Path | None | Literal["settings"]) -> startup.Launch:
+    def launch(slot_save_path: Path | None | Literal["settings"]) -> startup.Runtime:
         return resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary,
                        slot_save_path=slot_save_path)
 
@@ -200,7 +200,7 @@ def test_a_gpu_launch_that_cannot_be_planned_is_refused_unless_told(tmp_path: Pa
     launch = resolve(tmp_path, str(prof), model_27b, odd_binary, plan="skip")
     assert launch.info.memory_plan == "skipped (--no-plan)"
     assert any("not checked against the GPU's free memory" in w for w in launch.warnings)
-    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
+    spec = launch(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None and spec.argv[spec.argv.index("-ctk"):][:2] == ["-ctk", "tbqp4_0"]
 
 
@@ -229,9 +229,11 @@ def test_a_plan_that_does_not_fit_names_the_contexts_that_do(tmp_path: Path,
 def test_cpu_profile_defers_the_plan(tmp_path: Path, fork_binary: Path) -> None:
     tiny = tiny_gguf.write_tiny_random(tmp_path / "tiny.gguf", arch="llama", mtp=False)
     launch = resolve(tmp_path, "cpu-demo", tiny, fork_binary)
-    assert launch.info.memory_plan is None and launch.deferred is not None
-    launch.deferred()
-    assert "GiB on the host at context 4,096" in launch.info.memory_plan
+    assert launch.info.memory_plan is None
+    planned = launch.with_plan()  # a new runtime: the one planned stays as it was
+    assert launch.info.memory_plan is None and planned.resolved is not None
+    assert "GiB on the host at context 4,096" in planned.info.memory_plan
+    assert planned.resolved.planned and planned.supervisor == launch.supervisor
 
 
 def test_multi_slot_plans_one_kv_stream_per_slot(tmp_path: Path) -> None:
@@ -261,19 +263,18 @@ def test_near_the_edge_steps_down_by_default_along_a_planned_ladder(tmp_path: Pa
     step-down on; each rung of the ladder plans fewer bytes than the one before."""
     roomy = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary, free_gib=80)
     assert roomy.info.near_edge is False
-    s = settings.load_settings({}, env={})
-    assert startup.supervisor_config(s, roomy).oom_step_down is False
+    assert roomy.supervisor.oom_step_down is False
     tight = resolve(tmp_path, "4090-128k-q8", model_27b, fork_binary)  # 23.5 GiB free
     assert tight.info.near_edge is True
-    assert startup.supervisor_config(s, tight).oom_step_down is True
+    assert tight.supervisor.oom_step_down is True
     off = settings.load_settings({}, env={"MTPWRAP_SUPERVISOR_OOM_STEP_DOWN": "false"})
-    assert startup.supervisor_config(off, tight).oom_step_down is False
+    assert startup.supervisor_config(off, near_edge=True).oom_step_down is False
 
     cost = tight.resolved.cost()
     assert cost is not None
     rungs = []
     step = 1
-    while (spec := tight.factory(Endpoint(port=4321), "k" * 20, step)) is not None:
+    while (spec := tight(Endpoint(port=4321), "k" * 20, step)) is not None:
         rungs.append(spec)
         step += 1
     assert rungs and rungs[-1].note.startswith(f"step-down {len(rungs)}: ")

@@ -69,10 +69,10 @@ def test_exit_on_failed_is_auto_unless_set(tmp_path: Path) -> None:
     # auto: exit when the supervisor gives up only where systemd's restart policy takes over
     from mtpwrap.config.objects import exit_on_failed
 
-    assert exit_on_failed(auto, under_systemd=True) is True
-    assert exit_on_failed(auto, under_systemd=False) is False
+    assert exit_on_failed(auto["exit_on_failed"], under_systemd=True) is True
+    assert exit_on_failed(auto["exit_on_failed"], under_systemd=False) is False
     told = load_settings({}, env={}, config=cfg).supervisor
-    assert exit_on_failed(told, under_systemd=False) is True
+    assert exit_on_failed(told["exit_on_failed"], under_systemd=False) is True
 
 
 def test_bad_env_and_flag_values_name_their_source(tmp_path: Path) -> None:

@@ -21,11 +21,11 @@ GiB, MiB = 2**30, 2**20
 
 
 def _resolve(tmp_path: Path, profile: str | Path, model: Path, binary: Path, *,
-             free_gib: float | None = None) -> startup.Launch:
+             free_gib: float | None = None) -> startup.Runtime:
     s = settings.load_settings({"profile": str(profile), "model": str(model),
                                 "binary": str(binary),
                                 "hw_replay": str(replay(tmp_path, free_gib))}, env={})
-    return startup.resolve_launch(s, None)
+    return startup.load_runtime(s, None)
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -70,7 +70,7 @@ def test_more_memory_gives_the_largest_ubatch_and_a_batch_as_large(tmp_path: Pat
     assert "2,048 is the largest offered" in r.launch.reason("ubatch")
     # llama.cpp caps the ubatch at the batch: the batch (and the checkpoint step) follow it
     assert r.documents is not None and r.documents.batch == 2048 == r.documents.min_step
-    spec = launch.factory(Endpoint(port=1), "k" * 20, 0)
+    spec = launch(Endpoint(port=1), "k" * 20, 0)
     assert spec is not None
     argv = list(spec.argv)
     assert _flag(argv, "-ub") == "2048" and _flag(argv, "-b") == "2048"

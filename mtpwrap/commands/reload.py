@@ -45,5 +45,5 @@ def command(timeout: float) -> None:
         raise RuntimeFailure(f"no mtpwrap instance is running (no live state file at "
                              f"{instance.instance_path()}).", hint="Start one with `mtpwrap up`.")
     assert data is not None
-    startup.prepare(reload.reread_settings(data.get("reload_inputs") or {}))
+    startup.load_runtime(reload.reread_settings(data.get("reload_inputs") or {}))
     finish("reload", timeout)

@@ -67,11 +67,10 @@ def supervisor_config(values: Mapping[str, Any], *, near_edge: bool,
     return SupervisorConfig(log_file=log_file, **kwargs)
 
 
-def exit_on_failed(values: Mapping[str, Any], *, under_systemd: bool) -> bool:
+def exit_on_failed(value: bool | str, *, under_systemd: bool) -> bool:
     """`supervisor.exit_on_failed`: `auto` exits when the supervisor gives up only under
     systemd, whose restart policy then decides; elsewhere the front stays up and says why.
     (The other `auto` of the section, oom_step_down, is decided in `supervisor_config`.)"""
-    value = values.get("exit_on_failed", "auto")
     return under_systemd if value == "auto" else bool(value)
 
 

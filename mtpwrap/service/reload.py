@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap.config.apikeys import key_table
-from mtpwrap.config.objects import ProxyConfig, SupervisorConfig
+from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
 from mtpwrap.service.keys import KeyWatch
-from mtpwrap.service.startup import CompanionRun, Launch, persist_config, prepare
+from mtpwrap.service.startup import CompanionRun, Runtime, load_runtime, persist_config
 from mtpwrap.supervision.persist import SnapshotStore
 from mtpwrap.supervision.state import State
 from mtpwrap.supervision.supervisor import LaunchFactory, Supervisor
@@ -84,9 +84,8 @@ class ReloadResult:
     outcome: ReloadOutcome
     message: str
     exit_code: int
-    launch: Launch | None = None
-    config: SupervisorConfig | None = None
-    settings: Settings | None = None
+    #: what the service runs on from now on (None: it keeps what it ran on)
+    runtime: Runtime | None = None
 
 
 def reload_inputs(settings: Settings) -> dict[str, Any]:
@@ -128,14 +127,14 @@ def _proxy_changes(running: ProxyConfig | None, new: ProxyConfig) -> list[str]:
             if f.name != "api_keys" and getattr(running, f.name) != getattr(new, f.name)]
 
 
-async def _swap_companions(companions: Mapping[str, Supervisor], launch: Launch | None,
+async def _swap_companions(companions: Mapping[str, Supervisor], runtime: Runtime | None,
                            drain_s: float, unchanged: frozenset[str] = frozenset()
                            ) -> tuple[list[str], list[str]]:
-    """Restart every ready companion (with its new launch when `launch` is given), together:
+    """Restart every ready companion (with its new command when `runtime` is given), together:
     (what failed, what else to say), one phrase each. A companion whose command is `unchanged`
-    is left running; one still starting takes a new launch at its start and is not restarted;
+    is left running; one still starting takes its new command at its start, unrestarted;
     one that has failed stays failed until mtpwrap restarts (the supervisor gave up on it)."""
-    factories = {c.name: c.factory for c in launch.companions} if launch is not None else {}
+    factories = {c.name: c for c in runtime.companions} if runtime is not None else {}
     notes: list[str] = []
     asked: list[str] = []
     for name, csup in companions.items():
@@ -145,7 +144,7 @@ async def _swap_companions(companions: Mapping[str, Supervisor], launch: Launch 
         elif state is State.FAILED:
             notes.append(f"companion {name} has failed and starts again only when mtpwrap "
                          "restarts")
-        elif state is not State.READY and launch is None:
+        elif state is not State.READY and runtime is None:
             notes.append(f"companion {name} is {state.value}: not restarted")
         else:
             asked.append(name)
@@ -174,16 +173,16 @@ def _companions_changed(running: Sequence[CompanionRun], new: Sequence[Companion
 
 
 async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore | None,
-                       inputs: dict[str, Any], settings: Settings,
+                       inputs: dict[str, Any], running: Runtime,
                        front_config: ProxyConfig | None,
                        companions: Mapping[str, Supervisor] | None = None,
-                       running: Launch | None = None, keys: KeyWatch | None = None
-                       ) -> ReloadResult:
-    """`restart`: the same command again. `reload`: re-read the settings and the profile,
-    check them like `up` does (a refusal changes nothing), swap the front's keys (`keys`), then
-    restart llama-server and the companions (`companions`, by name) whose command differs from
-    what `running` (the launch they run now) renders."""
-    companions = companions or {}
+                       keys: KeyWatch | None = None) -> ReloadResult:
+    """`restart`: the same command again. `reload`: re-read the settings and the profile and
+    derive a new runtime as `up` does (a refusal changes nothing), swap the front's keys
+    (`keys`), then restart llama-server and the companions (`companions`, by name) whose
+    command differs from what `running` (the runtime they run on now) renders. An answer with
+    a runtime: the service runs on it from now on."""
+    companions, settings = companions or {}, running.settings
     if kind is ReloadKind.FORGET:
         ok, message = await sup.reload(None, settings.drain_s, carry=False)
         sup.carrier.drop_all()  # also when no llama-server ran to be restarted
@@ -203,20 +202,19 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     try:
         new_settings = await asyncio.to_thread(reread_settings, inputs)
         # llama-server keeps the running store's directory (persist settings wait for a restart)
-        launch, cfg, new_front = await asyncio.to_thread(
-            prepare, new_settings, store.directory if store is not None else None)
+        runtime = await asyncio.to_thread(
+            load_runtime, new_settings, store.directory if store is not None else None)
     except MtpwrapError as exc:
         return ReloadResult(ReloadOutcome.REFUSED,
                             f"not reloaded, llama-server left as it was: {exc}", exc.exit_code)
-    if launch.socket != sup.socket:
+    if runtime.socket != sup.socket:
         # the socket (or loopback TCP) is the running service's; the front's pool is bound to it
         return ReloadResult(
             ReloadOutcome.REFUSED, "not reloaded, llama-server left as it was: the new binary "
-            f"listens on {launch.endpoint.describe()}, the running one on "
+            f"listens on {runtime.endpoint.describe()}, the running one on "
             f"{'unix socket ' + str(sup.socket) if sup.socket else 'loopback TCP'}; restart "
             "mtpwrap to change where llama-server listens.", EXIT_CONFIG)
-    if (change := _companions_changed(running.companions if running else (),
-                                      launch.companions)) is not None:
+    if (change := _companions_changed(running.companions, runtime.companions)) is not None:
         return ReloadResult(
             ReloadOutcome.REFUSED, f"not reloaded, llama-server left as it was: {change}; "
             "restart mtpwrap to add, remove or rename a companion or change its role, model or "
@@ -224,7 +222,7 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     notes = []
     if (new_settings.host, new_settings.port) != (settings.host, settings.port):
         notes.append("the listen address changes only when mtpwrap restarts")
-    if changed := _proxy_changes(front_config, new_front):
+    if changed := _proxy_changes(front_config, runtime.front):
         notes.append(f"proxy settings ({', '.join(changed)}) change only when mtpwrap "
                      "restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
@@ -232,24 +230,23 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     said = []
     if keys is not None:
         # before any restart: a revoked key is refused now, not once a model has loaded
-        swapped = keys.swap(key_table(new_front.api_keys, "proxy.api_keys"), "reload")
+        swapped = keys.swap(key_table(runtime.front.api_keys, "proxy.api_keys"), "reload")
         keys.follow(new_settings)
         said.append(f"API keys: {swapped}" if swapped else "API keys unchanged")
-    old_companions = {c.name: c.factory for c in running.companions} if running else {}
-    unchanged = frozenset(c.name for c in launch.companions if c.name in old_companions
-                          and same_command(old_companions[c.name], 0, c.factory))
+    old_companions = {c.name: c for c in running.companions}
+    unchanged = frozenset(c.name for c in runtime.companions if c.name in old_companions
+                          and same_command(old_companions[c.name], 0, c))
 
     async def chat() -> tuple[bool, str]:
-        if running is not None and same_command(running.factory, sup.status().step,
-                                                launch.factory):
+        if same_command(running, sup.status().step, runtime):
             return True, UNCHANGED
-        return await sup.reload(launch.factory, new_settings.drain_s)
+        return await sup.reload(runtime, new_settings.drain_s)
 
     (ok, message), (failed, more) = await asyncio.gather(
-        chat(), _swap_companions(companions, launch, new_settings.drain_s, unchanged))
+        chat(), _swap_companions(companions, runtime, new_settings.drain_s, unchanged))
     message = "; ".join([*said, message, *failed, *more, *notes])
     if not ok:
         return ReloadResult(ReloadOutcome.FAILED, message, 1)
-    # the chat model runs the new launch: the service adopts it even when a companion failed
+    # the chat model runs the new runtime: the service takes it even when a companion failed
     return ReloadResult(ReloadOutcome.FAILED if failed else ReloadOutcome.OK, message,
-                        1 if failed else 0, launch, cfg, new_settings)
+                        1 if failed else 0, runtime)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from mtpwrap.config.objects import ProxyConfig, exit_on_failed
+from mtpwrap.config.objects import SupervisorConfig, exit_on_failed
 from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.service.keys import KeyWatch
@@ -37,15 +37,7 @@ from mtpwrap.service.reload import (
     apply_reload,
     reload_inputs,
 )
-from mtpwrap.service.startup import (
-    Launch,
-    audit_config,
-    make_front,
-    open_snapshots,
-    proxy_config,
-    supervisor_config,
-    supervisor_values,
-)
+from mtpwrap.service.startup import Runtime, audit_config, make_front, open_snapshots
 from mtpwrap.supervision import instance
 from mtpwrap.supervision.state import State
 from mtpwrap.supervision.supervisor import Supervisor
@@ -97,29 +89,27 @@ def public_url(host: str, port: int) -> str:
 class Service:
     """One `up`: construct, then `await serve()` (0 after a clean stop, 1 after a failure)."""
 
-    def __init__(self, settings: Settings, launch: Launch, sock: socket.socket,
-                 notifier: Notifier | None = None, front_config: ProxyConfig | None = None,
-                 announce: Callable[[], None] | None = None) -> None:
-        self.settings, self.launch, self.sock = settings, launch, sock
+    def __init__(self, runtime: Runtime, sock: socket.socket, notifier: Notifier | None = None,
+                 announce: Callable[[Runtime], None] | None = None) -> None:
+        #: everything derived for this run; a reload derives a new one and `_use` swaps it in
+        self.runtime = runtime
+        self.sock = sock
         self.notifier = notifier or Notifier()
-        self.front_config = front_config or proxy_config(settings, launch)
         self.announce = announce
-        self.config = supervisor_config(settings, launch)
+        settings = runtime.settings
+        #: the listen address: the front's socket, kept until mtpwrap restarts
+        self.listen = (settings.host, settings.port)
         self.inputs = reload_inputs(settings)
         # the launch saves slots in this store's directory: both are the settings' persist.dir
         self.store = open_snapshots(settings)
-        self.sup = Supervisor(launch.factory, self.config, snapshots=self.store,
-                              socket=launch.socket)
+        self.sup = Supervisor(runtime, runtime.supervisor, snapshots=self.store,
+                              socket=runtime.socket)
         #: one supervisor per companion: its own child, log, backoff and wedge watch; its
         #: failures never touch the chat model's
-        self.companions = {
-            c.name: Supervisor(c.factory, dataclasses.replace(self.config,
-                                                              log_file=c.log_file()),
-                               socket=c.socket, name=c.name)
-            for c in launch.companions}
-        self.url = public_url(settings.host, settings.port)
-        self.exit_on_failed = exit_on_failed(supervisor_values(settings, launch),
-                                             under_systemd=self.notifier.enabled)
+        self.companions = {c.name: Supervisor(c, runtime.companion_config(c), socket=c.socket,
+                                              name=c.name)
+                           for c in runtime.companions}
+        self.url = public_url(*self.listen)
         self.reload_state = ReloadState()
         self.exit_code = 0
         # the flags the signal handlers set; the phases act on them
@@ -141,6 +131,19 @@ class Service:
         #: tasks started from a state listener, held here until they end
         self._background: set[asyncio.Task[None]] = set()
 
+    @property
+    def settings(self) -> Settings:
+        return self.runtime.settings
+
+    @property
+    def config(self) -> SupervisorConfig:
+        """The chat model's supervisor settings."""
+        return self.runtime.supervisor
+
+    @property
+    def exit_on_failed(self) -> bool:
+        return exit_on_failed(self.runtime.exit_on_failed, under_systemd=self.notifier.enabled)
+
     # --- the phases -----------------------------------------------------------------------
     async def serve(self) -> int:
         with self._signals():
@@ -161,13 +164,13 @@ class Service:
             c.add_listener(self._on_companion_state)
             await c.start()
         await sup.wait_spawned(1.0)  # the summary names llama-server's pid
+        self._use(self.runtime.with_plan())  # the plan left for later, while it loads
         if self.announce is not None:
-            self.announce()  # the summary, printed while llama-server loads
+            self.announce(self.runtime)  # the summary, printed while llama-server loads
         try:
             import uvicorn
 
-            front = make_front(sup, self.launch, self.front_config, audit_config(self.settings),
-                               self.companions)
+            front = make_front(sup, self.runtime, audit_config(self.settings), self.companions)
             server_config = front.server_config(timeout_graceful_shutdown=5)
             sup.busy = lambda: front.forwarding
             for name, c in self.companions.items():
@@ -315,13 +318,14 @@ class Service:
             self.record()
             self.notifier.status(f"{kind.value}ing llama-server")
             try:
-                res = await apply_reload(kind, self.sup, self.store, self.inputs,
-                                         self.settings, self.front_config, self.companions,
-                                         self.launch, self.keys)
+                front = self.front.config if self.front is not None else self.runtime.front
+                res = await apply_reload(kind, self.sup, self.store, self.inputs, self.runtime,
+                                         front, self.companions, self.keys)
             except Exception as exc:  # a reload must never take the service down
                 log.exception("%s failed", kind.value)
                 res = ReloadResult(ReloadOutcome.FAILED, f"{kind.value} failed: {exc}", 1)
-            self._adopt(res)
+            if res.runtime is not None:
+                self._use(res.runtime)
             self.reload_state.end(res)
             if self.front is not None:
                 self.front.metrics.reloads.labels(res.outcome.value).inc()
@@ -330,27 +334,29 @@ class Service:
             self.notifier.status(f"{kind.value} {res.outcome.value}: {res.message}"[:200])
             self.record()
 
-    def _adopt(self, res: ReloadResult) -> None:
-        """After a reload the new drain budgets count from now on; the listen address and the
-        front's settings but its keys (swapped already) stay until mtpwrap restarts (the
-        message says so)."""
-        if res.launch is None or res.config is None or res.settings is None:
-            return
-        self.launch = res.launch
-        self.settings = dataclasses.replace(res.settings, host=self.settings.host,
-                                            port=self.settings.port)
-        self.sup.config = res.config
-        self._base.update(drain_s=self.settings.drain_s, stop_grace_s=res.config.stop_grace_s,
-                          profile=self.launch.info.profile, model=self.launch.info.model,
-                          binary=self.launch.info.binary)
+    def _use(self, runtime: Runtime) -> None:
+        """Swap in `runtime` whole: the supervisors take its settings (restart policy, log
+        file, budgets) and the chat model its command (a changed one is running already), the
+        state file and the front its facts. The listen address and the front's settings but
+        its keys (swapped already) stay until mtpwrap restarts (a reload's answer says so). A
+        companion takes a new command only through its own restart, which brings the previous
+        one back when the new one does not start."""
+        host, port = self.listen
+        self.runtime = dataclasses.replace(runtime, settings=dataclasses.replace(
+            runtime.settings, host=host, port=port))
+        self.sup.configure(runtime.supervisor, self.runtime)
+        for c in runtime.companions:
+            if (csup := self.companions.get(c.name)) is not None:
+                csup.configure(runtime.companion_config(c))
+        self._base = self._base_record()
         if self.front is not None:
-            self.front.info = self.launch.info
+            self.front.info = runtime.info
 
     # --- the state file and sd_notify -----------------------------------------------------
     def _base_record(self) -> dict[str, Any]:
-        info, store = self.launch.info, self.store
-        return {"pid": os.getpid(), "url": self.url, "host": self.settings.host,
-                "port": self.settings.port, "profile": info.profile, "model": info.model,
+        info, store = self.runtime.info, self.store
+        return {"pid": os.getpid(), "url": self.url, "host": self.listen[0],
+                "port": self.listen[1], "profile": info.profile, "model": info.model,
                 "binary": info.binary, "log_file": str(self.config.log_file),
                 "drain_s": self.settings.drain_s, "stop_grace_s": self.config.stop_grace_s,
                 "reload_inputs": self.inputs,
@@ -370,13 +376,13 @@ class Service:
                 "reload": reload,
                 "persist": sup.carrier.report,
                 "companions": [{**run.to_dict(), **self.companions[run.name].status().to_dict()}
-                               for run in self.launch.companions]}
+                               for run in self.runtime.companions]}
         self._state_file.submit(copy.deepcopy(data))  # the thread reads its own copy
 
     async def _announce_ready(self) -> None:
         """READY=1 once the state file says ready: whoever systemd lets in next reads it."""
         await asyncio.to_thread(self._state_file.flush, 5.0)
-        self.notifier.ready(f"ready: {self.launch.info.profile} at {self.url}")
+        self.notifier.ready(f"ready: {self.runtime.info.profile} at {self.url}")
 
     def _on_companion_state(self, old: State, new: State, reason: str | None) -> None:
         self.record()
@@ -403,8 +409,7 @@ def _write_state(data: dict[str, Any]) -> None:
         instance.write_instance(data)
 
 
-async def serve(settings: Settings, launch: Launch, sock: socket.socket,
-                notifier: Notifier | None = None, front_config: ProxyConfig | None = None,
-                announce: Callable[[], None] | None = None) -> int:
+async def serve(runtime: Runtime, sock: socket.socket, notifier: Notifier | None = None,
+                announce: Callable[[Runtime], None] | None = None) -> int:
     """Run until SIGTERM/SIGINT. 0 after a clean stop, 1 after a runtime failure."""
-    return await Service(settings, launch, sock, notifier, front_config, announce).serve()
+    return await Service(runtime, sock, notifier, announce).serve()

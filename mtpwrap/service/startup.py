@@ -1,11 +1,11 @@
-"""What `up` decides before it starts anything: the launch (one resolve on this machine,
-binary and profile), the supervisor's, the front's and the snapshots' settings. Every check
-that can fail on bad input runs here, so a refusal starts nothing."""
+"""What `up` decides before it starts anything: the `Runtime` (one resolve on this machine,
+binary and profile; the supervisor's and the front's settings) and the snapshots' settings.
+Every check that can fail on bad input runs here, so a refusal starts nothing."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -35,67 +35,29 @@ if TYPE_CHECKING:
     from mtpwrap.front.app import Front
 
 
-@dataclass
-class ChildFactory:
-    """The supervisor's `LaunchFactory` for a resolved launch: each start's rung of the
-    step-down ladder (`Resolved.step_down`), rendered with that start's endpoint and key and
-    with the snapshot directory decided with the launch.
+@dataclass(frozen=True)
+class CompanionRun:
+    """What `up` decided for one companion: its name (the `model` clients send), role, model
+    file and slots, where it listens and its memory plan. Its supervisor calls it for each
+    start's command; a companion has no cheaper rung: after out-of-memory starts it backs off
+    and fails like any crash, without touching the chat model."""
 
-    `resolved` is replaced once at most: by the deferred plan (`Launch.deferred`), with the
-    planned launch, so that later step-downs are ordered by its plan."""
-
-    resolved: Resolved
-    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence off)
-    slot_save_path: Path | None
-    listen_why: str  #: why llama-server listens where it does (the endpoint's `why`)
-    #: the front serves llama-server's web UI (proxy.enable_paths lists webui)
-    webui: bool = False
-
-    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
-        r = self.resolved
-        rung = r.step_down(step)
-        if rung is None:
-            return None
-        spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.listen_why),
-                        api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
-                        webui=self.webui)
-        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung,
-                            decisions=tuple(d.line() for d in spec.decisions),
-                            secret_env=spec.secret_env)
-
-
-@dataclass
-class CompanionFactory:
-    """The `LaunchFactory` of one companion's supervisor: its launch rendered with each start's
-    endpoint and key. A companion has no cheaper rung: after out-of-memory starts it backs
-    off and fails like any crash, without touching the chat model."""
-
-    resolved: Resolved
     name: str
-    listen_why: str
+    role: str
+    model: str
+    slots: int
+    resolved: Resolved
+    endpoint: Endpoint
+    plan: str
+    n_vocab: int | None = None  #: its vocabulary's size, from its header
 
     def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         if step:
             return None
         c = self.resolved.companion(self.name)
         spec = self.resolved.render(cfg=c.launch, api_key=api_key,
-                                    endpoint=dataclasses.replace(endpoint, why=self.listen_why))
+                                    endpoint=dataclasses.replace(endpoint, why=self.endpoint.why))
         return ChildCommand(argv=spec.argv, env=spec.env, launch=c.launch)
-
-
-@dataclass(frozen=True)
-class CompanionRun:
-    """What `up` decided for one companion: its name (the `model` clients send), role, model
-    file and slots, the factory its supervisor calls, where it listens and its memory plan."""
-
-    name: str
-    role: str
-    model: str
-    slots: int
-    factory: CompanionFactory
-    endpoint: Endpoint
-    plan: str
-    n_vocab: int | None = None  #: its vocabulary's size, from its header
 
     @property
     def socket(self) -> Path | None:
@@ -109,66 +71,106 @@ class CompanionRun:
                 "plan": self.plan, "log_file": str(self.log_file())}
 
 
-@dataclass
-class Launch:
-    """Everything `up` decided before starting anything. The service's record: the deferred
-    plan, run once llama-server is starting, replaces `info` (and the factory's `resolved`)."""
+@dataclass(frozen=True)
+class Runtime:
+    """Everything derived for one run (`load_runtime`: settings + profile + hardware +
+    binary): the settings it came from, the resolved launch, the supervisor's and the front's
+    configuration, the companions. Called, it is the supervisor's `LaunchFactory`: each start's
+    rung of the step-down ladder (`Resolved.step_down`), rendered with that start's endpoint
+    and key and with the snapshot directory decided with it.
 
-    factory: LaunchFactory
+    Frozen: a reload derives a new one and the service swaps it whole; the memory plan made
+    once llama-server is starting (`with_plan`) is a new one too."""
+
+    settings: Settings
     info: ServeInfo  # static facts: summary, /healthz, state file
-    decisions: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    supervisor: dict[str, Any] = field(default_factory=dict)  # profile's supervisor settings
-    proxy: dict[str, Any] = field(default_factory=dict)  # profile's proxy settings
-    slots: int = 1  # llama-server's -np: the front forwards at most this many requests at once
-    #: work that only informs (the summary), run once llama-server is starting
-    deferred: Callable[[], None] | None = None
+    supervisor: SupervisorConfig
+    front: ProxyConfig
+    resolved: Resolved | None = None
+    #: mtpwrap's KV snapshot directory, llama-server's --slot-save-path (None: persistence off)
+    slot_save_path: Path | None = None
+    #: the front serves llama-server's web UI (proxy.enable_paths lists webui)
+    webui: bool = False
     #: where llama-server listens (its port, over TCP, is the supervisor's at each start)
     endpoint: Endpoint = field(default_factory=Endpoint)
     #: the embedding and rerank models served next to the chat model, each its own child
     companions: tuple[CompanionRun, ...] = ()
+    decisions: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    #: `supervisor.exit_on_failed` as set ("auto", or a boolean)
+    exit_on_failed: bool | str = "auto"
+    #: the chat model's command where it is no resolved launch (a stand-in llama-server)
+    command: LaunchFactory | None = None
 
-    @property
-    def resolved(self) -> Resolved | None:
-        """The resolved launch this one renders (None for a factory of another kind)."""
-        return self.factory.resolved if isinstance(self.factory, ChildFactory) else None
+    def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
+        if self.command is not None:
+            return self.command(endpoint, api_key, step)
+        r = self.resolved
+        assert r is not None
+        rung = r.step_down(step)
+        if rung is None:
+            return None
+        spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.endpoint.why),
+                        api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
+                        webui=self.webui)
+        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung,
+                            decisions=tuple(d.line() for d in spec.decisions),
+                            secret_env=spec.secret_env)
 
     @property
     def socket(self) -> Path | None:
         return Path(self.endpoint.socket) if self.endpoint.socket is not None else None
 
+    def companion_config(self, c: CompanionRun) -> SupervisorConfig:
+        """A companion's supervisor settings: the chat model's, with its own log file."""
+        return dataclasses.replace(self.supervisor, log_file=c.log_file())
 
-def resolve_launch(settings: Settings,
-                   slot_save_path: Path | None | Literal["settings"] = "settings") -> Launch:
-    """`up`'s launch: the one resolve (decide/resolve.py) on this machine, binary and profile,
-    and the factory the supervisor calls for each start (port, key, step-down rung).
+    def with_plan(self) -> Runtime:
+        """This runtime with its memory plan, where it was left for later: without a device
+        to fit into, the plan can refuse nothing and chooses nothing, so it is made once
+        llama-server is starting, for the summary only (and the step-down ladder's order)."""
+        r = self.resolved
+        if r is None or r.planned:
+            return self
+        try:
+            planned = resolve.ensure_plan(r)
+        except Exception as exc:  # informational only: never stop serving over it
+            return dataclasses.replace(
+                self, info=dataclasses.replace(self.info, memory_plan=f"not planned ({exc})"))
+        return dataclasses.replace(self, resolved=planned, info=dataclasses.replace(
+            self.info, memory_plan=planned.memory_text))
+
+
+def load_runtime(settings: Settings,
+                 slot_save_path: Path | None | Literal["settings"] = "settings") -> Runtime:
+    """Every check `up` makes before starting anything, and all it derives: the one resolve
+    (decide/resolve.py) on this machine, binary and profile, the supervisor's and the front's
+    settings. Raises ConfigError and starts nothing.
 
     slot_save_path: the KV snapshot directory llama-server saves slots in, decided here once:
     "settings" for the settings' own `persist.dir` (None when persistence is off) — the
     directory of the store a new service opens —, else the directory of the store a running
     service keeps across a reload (None: no store)."""
+    check_open_listen(settings)  # first: before a binary is even asked for its --help
     inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
                         replay=settings.hw_replay)
     skip = settings.plan == "skip"
     r = inputs.resolve_inputs(inp, plan=False if skip else None)
-    gpu = resolve.on_device(inp.profile, inp.snapshot)
     warnings = list(inp.warnings)
     if skip:
         r = dataclasses.replace(r, plan_text="skipped (--no-plan)")
-        if gpu:
+        if resolve.on_device(inp.profile, inp.snapshot):
             warnings.append("the memory plan is skipped (--no-plan): this GPU launch is not "
                             "checked against the GPU's free memory")
     cfg = r.launch
     pcfg = persist_config(settings)
     snapshots = pcfg.directory if pcfg is not None else None
-    saves_in = snapshots if isinstance(slot_save_path, str) else slot_save_path
     listen = upstream_endpoint(r)
     # spells every flag now, with the settings' own persist.dir: a bad one fails here
     webui_on = "webui" in [*inp.profile.proxy.get("enable_paths", []),
                            *settings.proxy.get("enable_paths", [])]
     first = r.render(endpoint=dataclasses.replace(listen, port=listen.port or 0),
                      api_key="x", slot_save_path=snapshots, webui=webui_on)
-    factory = ChildFactory(r, slot_save_path=saves_in, listen_why=listen.why, webui=webui_on)
     companions = []
     for c in r.companions:
         where = upstream_endpoint(r, c.name)
@@ -176,9 +178,8 @@ def resolve_launch(settings: Settings,
         r.render(cfg=c.launch, api_key="x",
                  endpoint=dataclasses.replace(where, port=where.port or 0))
         companions.append(CompanionRun(
-            name=c.name, role=c.role, model=c.launch.model, slots=c.launch.slots,
-            factory=CompanionFactory(r, c.name, where.why), endpoint=where, plan=c.plan_text,
-            n_vocab=c.n_vocab))
+            name=c.name, role=c.role, model=c.launch.model, slots=c.launch.slots, resolved=r,
+            endpoint=where, plan=c.plan_text, n_vocab=c.n_vocab))
 
     depth = _per_request_depth(inp.manifest)
     webui = (inp.manifest.webui or {}) if inp.manifest is not None else {}
@@ -195,26 +196,19 @@ def resolve_launch(settings: Settings,
         upstream=listen.transport, upstream_why=listen.why,
         lacks=inp.manifest.lacks() if inp.manifest is not None else (),
         documents=r.documents.to_dict() if r.documents is not None else None)
-    result = Launch(factory=factory, info=info,
-                    decisions=[d.line() for d in first.decisions],
-                    warnings=[*warnings, *first.warnings],
-                    supervisor=dict(inp.profile.supervisor), proxy=dict(inp.profile.proxy),
-                    slots=cfg.slots, endpoint=listen, companions=tuple(companions))
-    if not r.planned and not skip:
-        # Without a device to fit into, the plan can refuse nothing and chooses nothing; it is
-        # made after llama-server has started, for the summary only.
-        def plan_later() -> None:
-            text: str | None
-            try:
-                planned = resolve.ensure_plan(factory.resolved)
-            except Exception as exc:  # informational only: never stop serving over it
-                text = f"not planned ({exc})"
-            else:
-                factory.resolved, text = planned, planned.memory_text
-            result.info = dataclasses.replace(result.info, memory_plan=text)
-
-        result.deferred = plan_later
-    return result
+    values = {**settings.supervisor, **settings.layered("supervisor", inp.profile.supervisor)}
+    runtime = Runtime(
+        settings=settings, info=info,
+        supervisor=build_supervisor_config(values, near_edge=info.near_edge,
+                                           log_file=child_log_file()),
+        front=proxy_config(settings, inp.profile.proxy, cfg.slots), resolved=r,
+        slot_save_path=snapshots if isinstance(slot_save_path, str) else slot_save_path,
+        webui=webui_on, endpoint=listen, companions=tuple(companions),
+        decisions=tuple(d.line() for d in first.decisions),
+        warnings=(*warnings, *first.warnings),
+        exit_on_failed=values.get("exit_on_failed", "auto"))
+    audit_config(settings)
+    return runtime
 
 
 def upstream_endpoint(r: Resolved, companion: str | None = None) -> Endpoint:
@@ -236,33 +230,30 @@ def _per_request_depth(manifest: Manifest | None) -> tuple[str, str]:
     return str(probe.get("status") or "unknown"), str(probe.get("detail") or "")
 
 
-def supervisor_values(settings: Settings, launch: Launch) -> dict[str, Any]:
-    """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
-    else the default."""
-    return {**settings.supervisor, **settings.layered("supervisor", launch.supervisor)}
-
-
 def child_log_file() -> Path:
     """Where llama-server's whole output goes (rotated; `supervisor.log_*`)."""
     return paths.log_dir() / "llama-server.log"
 
 
-def supervisor_config(settings: Settings, launch: Launch) -> SupervisorConfig:
-    return build_supervisor_config(supervisor_values(settings, launch),
-                                   near_edge=launch.info.near_edge, log_file=child_log_file())
+def supervisor_config(settings: Settings, profile: Mapping[str, Any] | None = None, *,
+                      near_edge: bool = False) -> SupervisorConfig:
+    """The `supervisor.*` settings: flag, variable or config file, else the profile's section,
+    else the default."""
+    values = {**settings.supervisor, **settings.layered("supervisor", dict(profile or {}))}
+    return build_supervisor_config(values, near_edge=near_edge, log_file=child_log_file())
 
 
-def proxy_config(settings: Settings, launch: Launch) -> ProxyConfig:
+def proxy_config(settings: Settings, profile: Mapping[str, Any], slots: int) -> ProxyConfig:
     """The front's configuration, checked before anything starts (proxy.max_concurrency is
     refused where a file sets it: the front sends llama-server at most its slots)."""
-    paths_on = [*launch.proxy.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
+    paths_on = [*profile.get("enable_paths", []), *settings.proxy.get("enable_paths", [])]
     if "slot-actions" in paths_on and settings.persist["enabled"]:
         raise ConfigError(
             f"{settings.proxy_source}: proxy.enable_paths: slot-actions would let clients "
             "read and write files in the directory that holds mtpwrap's KV snapshots; remove "
             "slot-actions, or turn snapshots off with persist.enabled: false.")
-    mapping = {"listen_host": settings.host, **settings.layered("proxy", launch.proxy),
-               "api_keys": list(settings.api_keys), "max_concurrency": launch.slots}
+    mapping = {"listen_host": settings.host, **settings.layered("proxy", dict(profile)),
+               "api_keys": list(settings.api_keys), "max_concurrency": slots}
     return ProxyConfig.from_mapping(mapping, settings.proxy_source)
 
 
@@ -306,33 +297,18 @@ def audit_config(settings: Settings) -> AuditConfig:
     return cfg
 
 
-def make_front(supervisor: Supervisor, launch: Launch, config: ProxyConfig,
-               audit: AuditConfig | None = None,
+def make_front(supervisor: Supervisor, runtime: Runtime, audit: AuditConfig | None = None,
                companions: Mapping[str, Supervisor] | None = None) -> Front:
-    """The front for this launch; `companions`: each companion's supervisor, by name."""
+    """The front for this runtime; `companions`: each companion's supervisor, by name."""
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
     from mtpwrap.front.app import Front
     from mtpwrap.front.companions import CompanionInfo
 
     sups = companions or {}
-    return Front(supervisor, config, launch.info, audit,
+    return Front(supervisor, runtime.front, runtime.info, audit,
                  companions=[(CompanionInfo(c.name, c.role, c.model, c.slots, c.n_vocab),
                               sups[c.name])
-                             for c in launch.companions if c.name in sups])
-
-
-def prepare(settings: Settings,
-            slot_save_path: Path | None | Literal["settings"] = "settings"
-            ) -> tuple[Launch, SupervisorConfig, ProxyConfig]:
-    """Every check `up` makes before starting anything, for a new configuration: the launch
-    (slot_save_path as `resolve_launch` takes it), the supervisor's and the front's settings.
-    Raises ConfigError and starts nothing."""
-    check_open_listen(settings)  # first: before a binary is even asked for its --help
-    launch = resolve_launch(settings, slot_save_path)
-    cfg = supervisor_config(settings, launch)
-    front_config = proxy_config(settings, launch)
-    audit_config(settings)
-    return launch, cfg, front_config
+                             for c in runtime.companions if c.name in sups])
 
 
 # --------------------------------------------------------------------------- KV snapshots

@@ -11,7 +11,7 @@ from mtpwrap.config.settings import Settings
 from mtpwrap.errors import ConfigError
 from mtpwrap.front import loop as event_loop
 from mtpwrap.service.server import bind_public, public_url, serve
-from mtpwrap.service.startup import Launch, child_log_file, persist_config, prepare
+from mtpwrap.service.startup import Runtime, child_log_file, load_runtime, persist_config
 from mtpwrap.supervision import instance
 from mtpwrap.supervision.child import child_log
 
@@ -50,8 +50,8 @@ def configure_logging(level: str, child_log_file: Path | None = None) -> None:
                  child_log_file)
 
 
-def summary_lines(settings: Settings, launch: Launch) -> list[str]:
-    i = launch.info
+def summary_lines(runtime: Runtime) -> list[str]:
+    settings, i = runtime.settings, runtime.info
     keys = (f"{len(settings.api_keys)} API key(s) required" if settings.api_keys
             else "no API keys: open to anyone who can reach it")
     rows = [
@@ -69,9 +69,9 @@ def summary_lines(settings: Settings, launch: Launch) -> list[str]:
         ("audit", _audit_line(settings)),
     ]
     rows += [(c.role, f"{c.name}: {c.model}, {c.slots} slot(s), memory {c.plan}")
-             for c in launch.companions]
+             for c in runtime.companions]
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
-    out += [f"  warning: {w}" for w in launch.warnings]
+    out += [f"  warning: {w}" for w in runtime.warnings]
     return out
 
 
@@ -93,19 +93,16 @@ def run_up(settings: Settings) -> int:
                           hint="Stop it with `mtpwrap down`, or set MTPWRAP_STATE_DIR to run "
                                "another one beside it.")
     instance.reap_leftovers(previous)
-    launch, _, front_config = prepare(settings)
+    runtime = load_runtime(settings)
     sock = bind_public(settings.host, settings.port)
 
-    def announce() -> None:
+    def announce(runtime: Runtime) -> None:
         from mtpwrap import console
 
-        if launch.deferred is not None:
-            launch.deferred()
-        for line in summary_lines(settings, launch):
+        for line in summary_lines(runtime):
             console.out.print(line, markup=False)
 
     try:
-        return event_loop.run(serve(settings, launch, sock, front_config=front_config,
-                                    announce=announce))
+        return event_loop.run(serve(runtime, sock, announce=announce))
     finally:
         sock.close()

@@ -117,7 +117,7 @@ class ChildProcess:
         self.last_output = time.monotonic()
         self.saw_oom = False
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
-        self._file_logger = file_logger
+        self.file_logger = file_logger
         self._limiter = _RateLimiter(lines_per_s, burst=max(10, int(lines_per_s * 3)))
         self._log_file = log_file
         self._pump = asyncio.create_task(self._pump_output(), name=f"child-{self.pid}-output")
@@ -172,8 +172,8 @@ class ChildProcess:
         self.tail.append(line)
         if _OOM_PATTERNS.search(line):
             self.saw_oom = True
-        if self._file_logger is not None:
-            self._file_logger.info(line)
+        if self.file_logger is not None:
+            self.file_logger.info(line)
         if self._limiter.allow():
             if self._limiter.suppressed:
                 where = f"; see {self._log_file}" if self._log_file else ""

@@ -233,6 +233,21 @@ class Supervisor:
         self._wake.set()
         return await asyncio.shield(rl.done)
 
+    def configure(self, config: SupervisorConfig, factory: LaunchFactory | None = None) -> None:
+        """Run on `config` from now on, without a restart: the restart policy, the log file's
+        rotation, the watchdogs and the budgets; `factory`, when given, is the command the
+        child already runs (a new command is `reload`'s)."""
+        if factory is not None:
+            self._factory = factory
+        old, self.config = self.config, config
+        self._policy.config = config
+        rotation = (config.log_file, config.log_max_bytes, config.log_backups)
+        if rotation != (old.log_file, old.log_max_bytes, old.log_backups):
+            close_file_logger(self._file_logger)
+            self._file_logger = make_file_logger(*rotation)
+            if self._child is not None:
+                self._child.file_logger = self._file_logger
+
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.stop_grace_s if grace is None else grace
         self._shutdown = True
@@ -384,7 +399,7 @@ class Supervisor:
                 outcome = await self._watch(child)
         finally:
             if not self._stop_requested:
-                rc = await child.terminate(cfg.stop_grace_s)
+                rc = await child.terminate(self.config.stop_grace_s)
                 self._last_exit = describe_returncode(rc)
                 self._child, self._upstream = None, None
         if outcome.kind is Outcome.EXIT and child.saw_oom and not loaded:
@@ -466,13 +481,16 @@ class Supervisor:
                 await asyncio.wait_for(self._wake.wait(), cfg.poll_interval_s)
 
     async def _watch(self, child: ChildProcess) -> Ended:
-        """Watch a READY child until it exits or must be restarted."""
-        cfg = self.config
+        """Watch a READY child until it exits or must be restarted (on the settings of the
+        moment: `configure` may change them while it runs)."""
         health_failures = 0
         launch = self._spec.launch if self._spec is not None else None
-        wedge = WedgeWatch(cfg.wedge_s, cpu_compute=launch is not None and launch.gpu_layers == 0)
+        wedge = WedgeWatch(self.config.wedge_s,
+                           cpu_compute=launch is not None and launch.gpu_layers == 0)
         next_memory = time.monotonic()
         while True:
+            cfg = self.config
+            wedge.wedge_s = cfg.wedge_s
             if self._stop_requested:
                 return Ended(Outcome.STOP, "stop requested")
             self._wake.clear()

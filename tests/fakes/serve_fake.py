@@ -15,9 +15,8 @@ from mtpwrap.config import settings
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.front import loop as event_loop
 from mtpwrap.front.info import ServeInfo
-from mtpwrap.service import up
+from mtpwrap.service import startup, up
 from mtpwrap.service.server import bind_public, serve
-from mtpwrap.service.startup import Launch
 from mtpwrap.supervision.child import ChildCommand
 
 FAKE = Path(__file__).resolve().parent / "fake_llama_server.py"
@@ -31,11 +30,13 @@ def main() -> int:
                           str(endpoint.port)],
                          env={"LLAMA_API_KEY": api_key})
 
-    launch = Launch(factory=factory,
-                    info=ServeInfo(profile="fake", model="fake.gguf", binary=str(FAKE)))
+    runtime = startup.Runtime(
+        settings=s, info=ServeInfo(profile="fake", model="fake.gguf", binary=str(FAKE)),
+        supervisor=startup.supervisor_config(s), front=startup.proxy_config(s, {}, 1),
+        exit_on_failed=s.supervisor["exit_on_failed"], command=factory)
     up.configure_logging("info")
     sock = bind_public(s.host, s.port)
-    return event_loop.run(serve(s, launch, sock))
+    return event_loop.run(serve(runtime, sock))
 
 
 if __name__ == "__main__":
