@@ -189,6 +189,23 @@ def test_the_front_keeps_its_promises_under_upstream_faults(
 
 
 @pytest.mark.integration
+def test_the_front_keeps_its_promises_under_an_operators_faults(
+        tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
+    """One case of each kind of tests/fuzz/operator.py, fixed seed, on `mtpwrap up` with the
+    real llama-server: streams closed early on budgeted keys, a hung NVML, a reload and a
+    restart under load (the campaign draws more)."""
+    from tests.fuzz import operator
+
+    done, bad, kinds, log = operator.run_operator(tmp_path, llama_server_bin, demo_model,
+                                                  len(operator.KINDS), seed=11, seconds=600)
+    assert done == len(operator.KINDS)
+    assert kinds == {"budget": 2, "nvml": 1, "reload": 1, "restart": 1}
+    assert not bad, "\n".join(bad)
+    assert "Traceback" not in log
+    assert "reload ok: API keys" in log and "restart ok: llama-server restarted" in log
+
+
+@pytest.mark.integration
 @pytest.mark.slow
 def test_the_campaign_smoke(tmp_path: Path, llama_server_bin: Path, demo_model: Path,
                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,9 @@ One `mtpwrap up` with the demo profile, API keys and the real llama-server; then
 4. raw — mutated HTTP/1.1 requests over a socket, judged by two parsers (tests/fuzz/raw.py);
 5. faults — stateful scenarios through a fault-injecting relay between a front and a second
    real llama-server (tests/fuzz/faults.py): no 5xx but 502/504, those only under a fault,
-   every stream ended, the front recovered after each.
+   every stream ended, the front recovered after each; then an operator's faults on a `mtpwrap
+   up` of their own (tests/fuzz/operator.py): parallel streams closed early on keys with token
+   budgets, a hung NVML, a reload and a restart while streams run.
 
 After each phase: the front must be ready, its open file descriptors back to where they stood
 after the warm-up (± 2), its RSS grown by at most 16 MiB, llama-server generating nothing for
@@ -45,7 +47,7 @@ import psutil
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from tests.fuzz import cases, faults, oracle, raw, schema, seeds
+from tests.fuzz import cases, faults, operator, oracle, raw, schema, seeds
 from tests.helpers import wait_for
 
 KEY = "fuzz-key-0123456789abcdef"
@@ -358,12 +360,28 @@ def phase_raw(t: Target, n: int, seconds: float, seed: int) -> Phase_:
     return ph
 
 
+#: the share of the fault phase's time the operator's cases take (each takes 5-30 s)
+OPERATOR_SHARE = 0.3
+
+
 def phase_faults(binary: Path, model: Path, work: Path, n: int, seconds: float,
-                 seed: int) -> Phase_:
+                 seed: int, n_operator: int = 1_000) -> Phase_:
     ph = Phase_("faults")
     t0 = time.monotonic()
+    ops, bad, kinds, log = operator.run_operator(work / "operator", binary, model, n_operator,
+                                                 seed, seconds * OPERATOR_SHARE)
+    ph.tried += ops
+    for kind, count in kinds.items():
+        ph.outcomes[f"operator {kind}"] = count
+    for b in bad:
+        ph.fail(b.split(" [")[0], {"scenario": b}, len(b))
+    if (tracebacks := log.count("Traceback (most recent call last)")):
+        ph.fail(f"{tracebacks} traceback(s) in the operator instance's log", {}, 0)
     with faults.rig(binary, model, work) as r:
-        ph.tried, bad = faults.run_scenarios(r, n, seed, seconds)
+        relayed, bad = faults.run_scenarios(
+            r, n, seed, max(10.0, seconds - (time.monotonic() - t0)))
+        ph.tried += relayed
+        ph.outcomes["relay scenarios"] = relayed
         for b in bad:
             ph.fail(b.split(" [")[0], {"scenario": b}, len(b))
         busy, held = r.settled(0)
