@@ -94,3 +94,31 @@ def test_a_companion_whose_command_is_unchanged_is_left_running() -> None:
         kids, None, 5.0, frozenset({"same"})))  # type: ignore[arg-type]
     assert (kids["same"].asked, kids["new"].asked) == (0, 1)
     assert failed == [] and notes == ["companion same unchanged: not restarted"]
+
+
+def test_a_new_runtime_reaches_each_companions_supervisor(tmp_path: Path) -> None:
+    """The companions' supervisors run on the runtime the service holds: after a swap, on the
+    new one's settings (with each its own log file), not on the ones they started with."""
+    import socket
+
+    from mtpwrap.decide.endpoint import Endpoint
+    from mtpwrap.service import server
+
+    s = settings.load_settings({}, env={})
+    embed = startup.CompanionRun("embed", "embedding", "e.gguf", 1, None,  # type: ignore[arg-type]
+                                 Endpoint(), "")
+    old = startup.Runtime(settings=s, info=ServeInfo(), supervisor=startup.supervisor_config(s),
+                          front=startup.proxy_config(s, {}, 1), companions=(embed,))
+    sock = socket.socket()
+    try:
+        svc = server.Service(old, sock)
+        assert svc.companions["embed"].config.backoff_initial_s == 1.0
+        new = dataclasses.replace(old, supervisor=dataclasses.replace(
+            old.supervisor, backoff_initial_s=3.0, max_failures=2))
+        svc._use(new)
+        (c,) = svc.companions.values()
+        assert (c.config.backoff_initial_s, c.config.max_failures) == (3.0, 2)
+        assert c.config.log_file == embed.log_file() != svc.sup.config.log_file
+        assert svc.sup.config.backoff_initial_s == 3.0 and svc.runtime.supervisor is new.supervisor
+    finally:
+        sock.close()

@@ -294,3 +294,69 @@ def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeSer
     assert prompt_n(again) < 0.05 * full, again.get("timings") or again["usage"]
     # the restored snapshot stays as the new child's first one
     assert len({p.name.removesuffix(".ckpt") for p in s.snapshot_dir().iterdir()}) <= 1
+
+
+def test_a_reload_puts_the_whole_service_on_the_new_settings(
+        tmp_path: Path, isolated_home: Path, llama_server_bin: Path, demo_model: Path,
+        free_port: int) -> None:
+    """The service run in this process on the real llama-server: a reload that changes the
+    supervisor's settings and the drain budget, and not llama-server's command line, leaves
+    llama-server running and every part of the service on the new values; the restart policy
+    the next crash meets is the new one."""
+    import asyncio
+
+    from mtpwrap.config import settings
+    from mtpwrap.service import reload as reloading
+    from mtpwrap.service import server, startup
+    from mtpwrap.supervision import instance
+    from mtpwrap.supervision.state import State
+    from tests.helpers import until
+
+    cfg = tmp_path / "mtpwrap.yaml"
+
+    def write(drain_s: float, **supervisor: float) -> None:
+        cfg.write_text(yaml.safe_dump({
+            "profile": "cpu-demo", "model": str(demo_model), "binary": str(llama_server_bin),
+            "port": free_port, "drain_s": drain_s, "persist": {"enabled": False},
+            "supervisor": supervisor}))
+
+    write(20, backoff_initial_s=0.5, stop_grace_s=10, wedge_s=60, max_failures=5)
+    first = settings.load_settings({}, env={}, config=cfg)
+    svc = server.Service(startup.load_runtime(first), server.bind_public("127.0.0.1", free_port))
+    new = (2.5, 4.0, 30.0, 4)
+
+    def values(c: object) -> tuple[object, ...]:
+        return tuple(getattr(c, k) for k in ("backoff_initial_s", "stop_grace_s", "wedge_s",
+                                             "max_failures"))
+
+    async def scenario() -> None:
+        serving = asyncio.create_task(svc.serve())
+        assert await svc.sup.wait_ready(120) is not None, svc.sup.status().reason
+        pid = svc.sup.status().pid
+        assert pid is not None and values(svc.sup.config) == (0.5, 10.0, 60.0, 5)
+        write(7, backoff_initial_s=2.5, stop_grace_s=4, wedge_s=30, max_failures=4)
+        svc.handle_reload(reloading.ReloadKind.RELOAD)
+        await until("the reload's answer", lambda: svc.reload_state.result not in (
+            None, reloading.ReloadOutcome.RUNNING), 120)
+        assert svc.reload_state.result is reloading.ReloadOutcome.OK, svc.reload_state.message
+        assert reloading.UNCHANGED in str(svc.reload_state.message)
+        st = svc.sup.status()
+        assert st.pid == pid and st.restarts == 0 and st.state is State.READY
+        assert svc.runtime.settings.drain_s == 7
+        for c in (svc.config, svc.sup.config, svc.sup._policy.config, svc.runtime.supervisor):
+            assert values(c) == new
+        await until("the state file's new budgets", lambda: (
+            instance.read_instance() or {}).get("stop_grace_s") == 4, 10)
+        assert (instance.read_instance() or {})["drain_s"] == 7
+
+        # a crash now: the restart policy it meets is the new one
+        backoff: list[str | None] = []
+        svc.sup.add_listener(lambda old, state, why: backoff.append(why)
+                             if state is State.BACKOFF else None)
+        os.kill(pid, signal.SIGKILL)
+        await until("the crash's backoff", lambda: bool(backoff), 30)
+        assert str(backoff[0]).endswith("restarting in 2.5s"), backoff
+        svc.handle_exit(signal.SIGTERM)
+        assert await asyncio.wait_for(serving, 60) == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))
