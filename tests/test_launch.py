@@ -127,14 +127,14 @@ CASES = [(p, c, s) for p in sorted(SHIPPED) for c in CAPS for s in SNAPSHOT_NAME
 def spec_of(prof: profile_types.Profile, caps: Capabilities, snap: HardwareSnapshot | None, *,
             model: str | Path = MODEL, port: int | None = None, api_key: str | None = None,
             extra: list[str] | None = None, draft_model: str | Path | None = None,
-            binary: str | None = None) -> launch.RenderedLaunch:
+            binary: str | None = None) -> launch.ChildCommand:
     """choose() then render(): what `up` does for a profile before any plan."""
     cfg = choice.choose(prof, caps, snap, model=model, draft_model=draft_model)
     return launch.render(cfg, caps, binary=binary, port=port, api_key=api_key,
                          extra=extra or [])
 
 
-def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.RenderedLaunch:
+def build(profile: str, caps: str, snap: str | None, **kw: Any) -> launch.ChildCommand:
     return spec_of(SHIPPED[profile], CAPS[caps], SNAPS[snap] if snap else None, port=PORT,
                    binary=EXE, **kw)
 

@@ -43,7 +43,9 @@ def test_the_recipe_on_the_fork_keeps_ubatch_32_and_says_why(tmp_path: Path,
     why = r.launch.reason("ubatch")
     assert "the largest of 32…2048" in why and "64 would be" in why and "MiB short" in why
     assert 600 * MiB < r.plan.headroom < 650 * MiB  # 626 MiB beyond the 1 GiB margin
-    assert any(d.startswith("-ub 32: the largest of 32") for d in launch.decisions)
+    spec = launch(Endpoint(port=1), "k" * 20, 0)
+    assert spec is not None
+    assert any(d.line().startswith("-ub 32: the largest of 32") for d in spec.decisions)
     # the document cache is decided with the chosen ubatch: checkpoints every 1,024 tokens
     assert r.documents is not None and r.documents.min_step == 1024
     assert r.launch.batch == 1024 >= r.launch.ubatch

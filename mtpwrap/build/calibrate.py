@@ -155,7 +155,7 @@ def run_fit_params(fit_bin: Path, model: Path, args: list[str], timeout: float =
     return log
 
 
-def fit_params_launch(fit_bin: Path, cl: Any) -> launch.RenderedLaunch:
+def fit_params_launch(fit_bin: Path, cl: Any) -> launch.ChildCommand:
     """A launch as llama-fit-params takes it; what it lacks (and does not size memory) is left
     out and named in `dropped`."""
     return launch.render(cl, probe.probe(fit_bin), binary=fit_bin, serve=False)

@@ -45,7 +45,7 @@ def command(profile_name: str, model: str | None, binary: str | None, replay: st
     listen = upstream_endpoint(r)
     spec = r.render(endpoint=dataclasses.replace(listen, port=port) if listen.socket is None
                     else listen)
-    warnings = inp.warnings + spec.warnings
+    warnings = [*inp.warnings, *spec.warnings]
     assert inp.caps is not None
     companions = [(c, r.render(cfg=c.launch, endpoint=upstream_endpoint(r, c.name)))
                   for c in r.companions]

@@ -112,30 +112,39 @@ class LaunchConfig:
         return d
 
 
-@dataclass
-class RenderedLaunch:
-    """A LaunchConfig rendered for one binary, host and port."""
+@dataclass(frozen=True)
+class ChildCommand:
+    """What to run: a LaunchConfig rendered for one binary and endpoint (`render`), or any
+    other command a supervisor is given. `env` is added to mtpwrap's own environment (minus
+    systemd's variables)."""
 
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    decisions: list[Decision] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    profile: str | None = None
-    #: environment names whose values are secrets (shown as "***" by to_dict()).
+    env: Mapping[str, str] = field(default_factory=dict)
+    note: str = ""  #: e.g. "step-down 1: context 131072"; logged when the child starts
+    #: the launch `argv` renders (what KV snapshots depend on); None for other commands
+    launch: LaunchConfig | None = None
+    decisions: Sequence[Decision] = ()  #: why each flag is there
+    warnings: Sequence[str] = ()
+    #: names in `env` whose values are secrets (the internal key): never shown
     secret_env: frozenset[str] = frozenset()
     #: flags left out because this binary lacks them (render(serve=False) only)
-    dropped: list[str] = field(default_factory=list)
+    dropped: Sequence[str] = ()
+
+    def _env(self, reveal: bool = False) -> dict[str, str]:
+        return {k: v if reveal or k not in self.secret_env else "***"
+                for k, v in self.env.items()}
+
+    def shown(self) -> dict[str, Any]:
+        """The command as the state file, `status` and an admin's /healthz show it: argv,
+        the environment with its secrets as "***", the step-down note, the reasons."""
+        return {"argv": list(self.argv), "env": self._env(), "note": self.note or None,
+                "decisions": [d.line() for d in self.decisions]}
 
     def to_dict(self, *, reveal: bool = False) -> dict[str, Any]:
-        env = {k: (v if reveal or k not in self.secret_env else "***")
-               for k, v in self.env.items()}
-        return {
-            "profile": self.profile,
-            "argv": list(self.argv),
-            "env": env,
-            "decisions": [d.to_dict() for d in self.decisions],
-            "warnings": list(self.warnings),
-        }
+        return {"profile": self.launch.profile if self.launch else None,
+                "argv": list(self.argv), "env": self._env(reveal),
+                "decisions": [d.to_dict() for d in self.decisions],
+                "warnings": list(self.warnings)}
 
 
 def spell(caps: Capabilities, logical: str, why_needed: str,
@@ -199,7 +208,7 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
            host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
            extra: Sequence[str] = (), serve: bool = True,
            slot_save_path: Path | str | None = None,
-           endpoint: Endpoint | None = None, webui: bool = False) -> RenderedLaunch:
+           endpoint: Endpoint | None = None, webui: bool = False) -> ChildCommand:
     """The argv and environment of `cfg` for this binary; the one place flags are spelled.
     serve=False: for llama-fit-params, which serves nothing: no serving flags, and a flag it
     lacks that does not size memory (e.g. --spec-type on the fork's) is left out and named in
@@ -306,7 +315,8 @@ def render(cfg: LaunchConfig, caps: Capabilities, *, binary: Path | str | None =
 
     exe = str(binary or caps.binary or "llama-server")
     warnings = list(cfg.warnings) + exposure + ([cfg.note] if cfg.note else [])
-    return RenderedLaunch(argv=[exe, *b.args], env=env, decisions=b.decisions, warnings=warnings,
-                          profile=cfg.profile, secret_env=frozenset(secret), dropped=b.dropped)
+    return ChildCommand(argv=[exe, *b.args], env=env, note=cfg.note or "", launch=cfg,
+                        decisions=b.decisions, warnings=warnings, secret_env=frozenset(secret),
+                        dropped=b.dropped)
 
 

@@ -24,7 +24,7 @@ from mtpwrap.decide.documents import DocumentPlan
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.decide.gguf_facts import ModelFacts
 from mtpwrap.decide.ladder import step_down
-from mtpwrap.decide.launch import LaunchConfig, RenderedLaunch, render
+from mtpwrap.decide.launch import ChildCommand, LaunchConfig, render
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig
 from mtpwrap.decide.vocab import ROPE_FLAGS, SPELLINGS
 from mtpwrap.errors import ConfigError, MissingToolError
@@ -141,7 +141,7 @@ class Resolved:
     def render(self, *, host: str = "127.0.0.1", port: int | None = None,
                api_key: str | None = None, cfg: LaunchConfig | None = None,
                slot_save_path: Path | str | None = None,
-               endpoint: Endpoint | None = None, webui: bool = False) -> RenderedLaunch:
+               endpoint: Endpoint | None = None, webui: bool = False) -> ChildCommand:
         caps = self.inputs.caps
         if caps is None:
             raise MissingToolError("no llama-server to spell the command line for.",

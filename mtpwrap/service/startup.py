@@ -54,10 +54,9 @@ class CompanionRun:
     def __call__(self, endpoint: Endpoint, api_key: str, step: int) -> ChildCommand | None:
         if step:
             return None
-        c = self.resolved.companion(self.name)
-        spec = self.resolved.render(cfg=c.launch, api_key=api_key,
+        return self.resolved.render(cfg=self.resolved.companion(self.name).launch,
+                                    api_key=api_key,
                                     endpoint=dataclasses.replace(endpoint, why=self.endpoint.why))
-        return ChildCommand(argv=spec.argv, env=spec.env, launch=c.launch)
 
     @property
     def socket(self) -> Path | None:
@@ -95,7 +94,6 @@ class Runtime:
     endpoint: Endpoint = field(default_factory=Endpoint)
     #: the embedding and rerank models served next to the chat model, each its own child
     companions: tuple[CompanionRun, ...] = ()
-    decisions: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
     #: `supervisor.exit_on_failed` as set ("auto", or a boolean)
     exit_on_failed: bool | str = "auto"
@@ -110,12 +108,9 @@ class Runtime:
         rung = r.step_down(step)
         if rung is None:
             return None
-        spec = r.render(endpoint=dataclasses.replace(endpoint, why=self.endpoint.why),
+        return r.render(endpoint=dataclasses.replace(endpoint, why=self.endpoint.why),
                         api_key=api_key, cfg=rung, slot_save_path=self.slot_save_path,
                         webui=self.webui)
-        return ChildCommand(argv=spec.argv, env=spec.env, note=rung.note or "", launch=rung,
-                            decisions=tuple(d.line() for d in spec.decisions),
-                            secret_env=spec.secret_env)
 
     @property
     def socket(self) -> Path | None:
@@ -204,7 +199,6 @@ def load_runtime(settings: Settings,
         front=proxy_config(settings, inp.profile.proxy, cfg.slots), resolved=r,
         slot_save_path=snapshots if isinstance(slot_save_path, str) else slot_save_path,
         webui=webui_on, endpoint=listen, companions=tuple(companions),
-        decisions=tuple(d.line() for d in first.decisions),
         warnings=(*warnings, *first.warnings),
         exit_on_failed=values.get("exit_on_failed", "auto"))
     audit_config(settings)

@@ -15,14 +15,12 @@ import logging.handlers
 import re
 import signal
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtpwrap import promtext, upstream
 from mtpwrap.build.smoke import judge_completion
-from mtpwrap.decide.launch import LaunchConfig
+from mtpwrap.decide.launch import ChildCommand
 from mtpwrap.pids import identify, signal_group
 from mtpwrap.proc import child_env, start_async, stop_async
 
@@ -53,28 +51,6 @@ def line_level(line: str) -> int:
     if re.match(r"\s*warn(ing)?\b", line, re.IGNORECASE):
         return logging.WARNING
     return logging.INFO
-
-
-@dataclass(frozen=True)
-class ChildCommand:
-    """What to run. `env` is added to mtpwrap's own environment (minus systemd's variables)."""
-
-    argv: Sequence[str]
-    env: Mapping[str, str] = field(default_factory=dict)
-    note: str = ""  # e.g. "step-down 1: context 131072"; logged when the child starts
-    #: the launch `argv` renders (what KV snapshots depend on); None for other commands
-    launch: LaunchConfig | None = None
-    #: why each flag is there (`Decision.line`), for the running command's report
-    decisions: tuple[str, ...] = ()
-    #: names in `env` whose values are secrets (the internal key): never shown
-    secret_env: frozenset[str] = frozenset()
-
-    def shown(self) -> dict[str, Any]:
-        """The command as the state file, `status` and an admin's /healthz show it: argv,
-        the environment with its secrets as "***", the step-down note, the reasons."""
-        return {"argv": list(self.argv),
-                "env": {k: "***" if k in self.secret_env else v for k, v in self.env.items()},
-                "note": self.note or None, "decisions": list(self.decisions)}
 
 
 class _RateLimiter:
