@@ -427,38 +427,55 @@ def test_a_body_trickled_below_the_minimum_rate_gets_408(fake: FakeUpstream) -> 
         assert _status(answer) == 200, answer[:300]
 
 
+def _half_closed_exchange(url: str, request: bytes) -> tuple[bytes, bool]:
+    """Send `request`, shut down the sending side (SHUT_WR) and read until the front closes."""
+    s = _connect(url)
+    s.sendall(request)
+    s.shutdown(socket.SHUT_WR)
+    try:
+        return _read_all(s, 5)
+    finally:
+        s.close()
+
+
 def test_a_client_that_half_closes_after_its_request_gets_the_answer() -> None:
-    """shutdown(SHUT_WR) after a complete request: the answer still comes, then the close (a
-    full close is told apart by the reset that answers the interim 100: see
-    test_proxy_faults.py::test_disconnect_before_first_token_cancels_upstream)."""
+    """shutdown(SHUT_WR) after a complete request: the answer comes, then the close, and
+    nothing the client did not ask for (no interim `100 Continue`) — for HTTP/1.1 and 1.0, a
+    plain answer that is slow to come and a stream, one request or two pipelined."""
     slow = FakeUpstream(mode="slow_json", interval=0.3).start()
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    post = (b"POST /v1/chat/completions HTTP/1.%d\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            + KEY.encode() + b"\r\nContent-Length: %d\r\nContent-Type: application/json\r\n"
+            b"\r\n%s")
     try:
         with serve_front(slow.base_url, slow.api_key, _cfg()) as (srv, _):
-            s = _connect(srv.url)
-            body = b'{"messages": [{"role": "user", "content": "hi"}]}'
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n"
-                      b"Content-Type: application/json\r\n\r\n%s" % (len(body), body))
-            s.shutdown(socket.SHUT_WR)
-            data, closed = _read_all(s, 5)
-            s.close()
-            # the interim answer that tells a half-close from a close comes first
-            interim = b"HTTP/1.1 100 Continue\r\n\r\n"
-            assert data.startswith(interim), data[:100]
-            data = data.removeprefix(interim)
-            assert _status(data) == 200 and data.endswith(b'{"ok": true}') and closed, data
+            for version in (1, 0):
+                data, closed = _half_closed_exchange(srv.url, post % (version, len(body), body))
+                assert b"100 Continue" not in data, data[:200]
+                assert _status(data) == 200 and data.endswith(b'{"ok": true}') and closed, data
+                assert data.count(b"HTTP/1.1 ") == 1, data
+            # two pipelined: both answered, in order, then the close
+            data, closed = _half_closed_exchange(
+                srv.url, post % (1, len(body), body) + post % (1, len(body), body))
+            assert b"100 Continue" not in data and closed, data[:200]
+            assert data.count(b"HTTP/1.1 200 OK") == 2 and data.endswith(b'{"ok": true}'), data
+            assert len(slow.seen) == 4
             # half a request and then EOF: closed without an answer, nothing forwarded
-            seen = len(slow.seen)
-            s = _connect(srv.url)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                      b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 99\r\n"
-                      b"\r\n{")
-            s.shutdown(socket.SHUT_WR)
-            data, closed = _read_all(s, 5)
-            s.close()
-            assert closed and b"200 OK" not in data and len(slow.seen) == seen
+            data, closed = _half_closed_exchange(
+                srv.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 99\r\n\r\n{")
+            assert closed and data == b"" and len(slow.seen) == 4
     finally:
         slow.stop()
+    streams = FakeUpstream(mode="sse", events=5, interval=0.1).start()
+    try:
+        with serve_front(streams.base_url, streams.api_key, _cfg()) as (srv, _):
+            chat = b'{"messages": [], "stream": true}'
+            data, closed = _half_closed_exchange(srv.url, post % (1, len(chat), chat))
+            assert b"100 Continue" not in data and closed, data[:200]
+            assert _status(data) == 200 and b"data: [DONE]" in data, data
+    finally:
+        streams.stop()
 
 
 def test_a_bad_request_pipelined_behind_one_in_progress_closes_cleanly(
