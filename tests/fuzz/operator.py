@@ -355,3 +355,37 @@ def run_operator(work: Path, binary: Path, model: Path, n: int, seed: int,
     finally:
         log = o.close()
     return done, bad, kinds, log
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.fuzz.operator [--cases N] [--seed N] [--out DIR]`: the operator's cases
+    alone, on the build's llama-server and the demo model."""
+    import argparse
+    import sys
+
+    from mtpwrap.build.manifest import load_manifest
+    from mtpwrap.models import known
+
+    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.operator", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=900)
+    ap.add_argument("--out", type=Path, default=REPO / "build" / "fuzz-operator")
+    a = ap.parse_args(argv)
+    manifest = load_manifest()
+    binary = Path(os.environ.get("MTPWRAP_BINARY") or (
+        manifest.binary("llama-server") if manifest else "llama-server"))
+    t0 = time.monotonic()
+    done, bad, kinds, log = run_operator(a.out, binary, known.ensure_demo_model(), a.cases,
+                                         a.seed, a.seconds)
+    print(f"{done} cases in {time.monotonic() - t0:.1f} s ({kinds}); load "
+          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"{log.count('Traceback (most recent call last)')} traceback(s) in the log")
+    print("\n".join(bad) or "no broken promise")
+    sys.stdout.flush()
+    return 1 if bad or "Traceback" in log else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
