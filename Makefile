@@ -69,7 +69,8 @@ test: install system-deps lint unit model build
 
 # The front's fuzz campaign (tests/fuzz/campaign.py): seeds, generated bodies, raw HTTP/1.1,
 # upstream faults and an operator's faults on the real llama-server in FUZZ_SECONDS (a random
-# seed, printed; FUZZ_SEED to repeat one). Every new failure class is shrunk and kept in tests/fuzz/seeds/.
+# seed, printed; FUZZ_SEED to repeat one). Every new failure class is shrunk and kept in
+# tests/fuzz/seeds/.
 FUZZ_SECONDS ?= 840
 fuzz: build model
 	$(BIN)/python -m tests.fuzz.campaign --seconds $(FUZZ_SECONDS) --save-found \
