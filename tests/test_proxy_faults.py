@@ -12,6 +12,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from mtpwrap.config.objects import ProxyConfig
@@ -409,3 +411,86 @@ def test_the_chunk_gap_histogram_reads_like_prometheus_clients_own():
 
     assert samples(ours) == samples(theirs)
     assert any('le="0.0005"' in s and s.endswith(" 2.0") for s in samples(ours))
+
+
+# ------------------------------------------- every path through the relay ends once, recorded
+
+
+def _recorded(url: str) -> dict[str, float]:
+    """mtpwrap_requests_total of the chat route, by status."""
+    text = HTTP.get(url + "/metrics", headers=AUTH).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "mtpwrap_requests_total" and s.labels.get("route") == CHAT:
+                out[s.labels["status"]] = out.get(s.labels["status"], 0.0) + s.value
+    return out
+
+
+#: (the fake's mode, whether the client asks for a stream, after how many reads it closes)
+_CASES = [(mode, stream, None)
+          for mode in ("sse", "truncate", "reset", "json", "late_error", "stall_after",
+                       "stall_before_headers", "close_without_response")
+          for stream in (True, False)] + [("endless", True, n) for n in (1, 2, 3)]
+
+
+# a failure is shown as found: shrinking would replay whole runs of live requests
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.generate])
+@given(st.data())
+def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_client_saw(
+        data: st.DataObject) -> None:
+    """Faults of llama-server (a cut, a reset, a stall before and after the head, an error
+    after the front's keep-alive head, a close without an answer) and of the client (gone
+    mid-stream), every one of them in orders drawn anew, on one front: each request is
+    recorded exactly once, with the status its client saw (the code of the error event that
+    ended its stream, 499 for a client that left, a 5xx for a body left cut)."""
+    fake = FakeUpstream(events=3, interval=0.02, cut_after=1).start()
+    try:
+        config = cfg(keepalive_s=0.2, stream_stall_s=0.8, prefill_stall_s=0.8)
+        with serve_front(fake.base_url, fake.api_key, config) as (srv, _):
+            order = data.draw(st.permutations(_CASES), label="order")
+            made = len(order)
+            for mode, stream, close_after in order:
+                fake.mode = mode
+                fake.interval = 0.5 if mode == "late_error" else 0.02
+                before = _recorded(srv.url)
+                got, cut = b"", False
+                with HTTP.stream("POST", srv.url + CHAT, headers=AUTH, timeout=10,
+                                 json={"stream": stream, "messages": []}) as r:
+                    try:
+                        for i, chunk in enumerate(r.iter_raw(), 1):
+                            got += chunk
+                            if close_after is not None and i >= close_after:
+                                break
+                    except httpx.RemoteProtocolError:
+                        cut = True
+                    status = r.status_code
+                    sse = r.headers.get("content-type", "").startswith("text/event-stream")
+                events = sse_events(got) if sse and close_after is None else []
+                last = json.loads(events[-1]) if events and events[-1] != "[DONE]" else {}
+                if close_after is not None:
+                    saw = {499}
+                elif isinstance(last.get("error"), dict):
+                    saw = {last["error"]["code"]}
+                elif cut:
+                    saw = {502, 504}
+                else:
+                    saw = {status}
+
+                def recorded(before: dict[str, float] = before) -> bool:
+                    return sum(_recorded(srv.url).values()) > sum(before.values())
+
+                wait_for(f"{mode}: the request recorded", recorded, 10, every=0.05)
+                after = _recorded(srv.url)
+                assert sum(after.values()) == sum(before.values()) + 1, (mode, before, after)
+                grew = {int(k) for k, v in after.items() if v != before.get(k, 0.0)}
+                assert len(grew) == 1 and grew <= saw, (mode, stream, close_after, grew, saw)
+            # none recorded twice: a late second record of the last one would show here
+            fake.mode = "json"
+            assert post(srv.url, {"messages": []}).status_code == 200
+            wait_for("the last request recorded",
+                     lambda: sum(_recorded(srv.url).values()) == made + 1, 10, every=0.05)
+            assert sum(_recorded(srv.url).values()) == made + 1
+    finally:
+        fake.stop()

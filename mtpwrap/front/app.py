@@ -57,7 +57,7 @@ from mtpwrap.front.bodies import (
 from mtpwrap.front.budgets import Budgets, OverBudget
 from mtpwrap.front.companions import Companion, CompanionInfo, Routes, UnknownModel
 from mtpwrap.front.depth_policy import DepthDecision
-from mtpwrap.front.exchange import Exchange, Step
+from mtpwrap.front.exchange import Event, Exchange, Step
 from mtpwrap.front.gpu import GpuGauge
 from mtpwrap.front.guard import AccessGuard, refuse_budget
 from mtpwrap.front.info import ServeInfo
@@ -214,8 +214,7 @@ class Front:
         log.warning("drain budget (%gs) spent with %d request(s) still in flight; stopping "
                     "them", timeout, self.inflight)
         for ex, worker in list(self._workers.items()):
-            if not worker.done():
-                ex.cancel_reason = "shutdown"
+            if not worker.done() and ex.state is not Step.DONE and ex.end(Event.SHUTDOWN):
                 worker.cancel()
         await self.admission.wait_idle(3.0)
 
@@ -422,13 +421,13 @@ class Front:
         try:
             await worker
         except asyncio.CancelledError:
-            if ex.cancel_reason is None or not worker.cancelled():
+            if ex.ending is None or not worker.cancelled():
                 raise  # the server is cancelling us; not ours to swallow
         finally:
             watch.cancel()
             self._workers.pop(ex, None)
-        if worker.cancelled() and ex.cancel_reason is not None:
-            await relay.finish_cancelled(ex, send)
+        if ex.ending is not None:  # found by the watch or the drain, which stopped the worker
+            await relay.conclude(ex, send, ex.ending.event, ex.ending.action)
 
     async def _reserve(self, ticket: audit.Ticket, send: Send, label: str, doc: object,
                        body: bytes, t0: float, scope: Scope) -> bool:
@@ -478,9 +477,9 @@ class Front:
             if ex.ticket is not None:
                 ex.ticket.queued_s = time.perf_counter() - t
         except Refusal as r:
+            ex.on(Event.REFUSED)
             await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry,
                                      reason=r.reason, retry_after_s=r.retry_after_s)
-            ex.to(Step.DONE)
             return
         if not ex.slot:
             await relay.exchange(ex, scope, send, body, path, upstream)

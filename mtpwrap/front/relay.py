@@ -45,7 +45,15 @@ import time
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.front import depth_policy
 from mtpwrap.front.depth_policy import DepthPolicy
-from mtpwrap.front.exchange import UPSTREAM_OWES, Exchange, Step
+from mtpwrap.front.exchange import (
+    EVENT_STATUS,
+    EVENT_STREAM,
+    UPSTREAM_OWES,
+    Action,
+    Event,
+    Exchange,
+    IllegalStep,
+)
 from mtpwrap.front.metrics import FrontMetrics
 from mtpwrap.front.reads import Reads
 from mtpwrap.front.replies import (
@@ -199,53 +207,34 @@ class Relay:
     async def exchange(self, ex: Exchange, scope: Scope, send: Send, body: bytes, path: str,
                        upstream: Upstream) -> None:
         loop = asyncio.get_running_loop()
-        ex.to(Step.WAITING)
+        ex.on(Event.SENT)
         ex.last_progress = loop.time()
         if ex.ticket is not None:  # from here on a prompt may be computed: it is charged
             ex.ticket.tally.sent = True
         try:
             resp = await self._send_upstream(ex, scope, body, upstream, path)
         except UpstreamError as err:
-            await self._upstream_failed(ex, send, err)
+            await self._failed(ex, send, err)
             return
         try:
             await self._relay(ex, resp, send, loop)
         except UpstreamError as err:
-            await self._upstream_failed(ex, send, err)
+            await self._failed(ex, send, err)
         finally:
             await resp.aclose()
 
     # ------------------------------------------------------------------ relaying
 
-    async def _server_error(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
-        """llama-server's 500, counted by class; one the request caused goes out as a 400."""
+    async def _upstream_error(self, resp: WireResponse) -> tuple[int, str, bytes]:
+        """llama-server's answer read as an error: the status to end with, its message, its
+        body. A 500 is counted by class, and one the request caused is a 400."""
         raw = await resp.read()
-        klass, client = upstream_500_class(_error_message(raw))
+        message = _error_message(raw)
+        if resp.status != 500:
+            return (resp.status if resp.status >= 400 else 502), message, raw
+        klass, client = upstream_500_class(message)
         self.metrics.upstream_errors.labels("status_500", klass).inc()
-        status = 400 if client else 500
-        if ex.state is Step.KEPT_ALIVE:
-            await self._end_with_error(ex, send, status, _error_message(raw)
-                                       or "The model server failed on this request.")
-            return
-        if client:
-            raw = _as_client_error(raw)
-        headers = [(k, v) for k, v in self._response_headers(ex, resp, False)
-                   if k != b"content-length"]
-        headers.append((b"content-length", str(len(raw)).encode()))
-        if client:
-            headers.append((b"x-mtpwrap-status-was", b"500"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        ex.to(Step.DONE)
-        await send({"type": "http.response.body", "body": raw})
-        self.replies.record(ex.label, status, ex.t0)
-
-    async def _error_as_event(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
-        """Headers already went out as an event stream: the child's answer, whatever its shape,
-        ends the stream as one error event with its status (502 for one that was no error),
-        and that status is what the request is recorded with."""
-        raw = await resp.read()
-        await self._end_with_error(ex, send, resp.status if resp.status >= 400 else 502,
-                                   _error_message(raw))
+        return (400 if client else 500), message, raw
 
     def _response_headers(self, ex: Exchange, resp: WireResponse,
                           sse: bool) -> list[tuple[bytes, bytes]]:
@@ -264,26 +253,38 @@ class Relay:
         if ex.ticket is not None:
             ex.ticket.tally.status = resp.status
         sse = resp.header(b"content-type").startswith(b"text/event-stream")
-        async with ex.send_lock:
-            if resp.status == 500 and not sse:
-                await self._server_error(ex, resp, send)
-                return
-            if ex.state is Step.KEPT_ALIVE:
-                if resp.status != 200 or not sse:
-                    await self._error_as_event(ex, resp, send)
-                    return
-            else:
+        event = (Event.HEAD_500 if resp.status == 500 and not sse
+                 else Event.HEAD_STREAM if resp.status == 200 and sse else Event.HEAD_BODY)
+        async with ex.send_lock:  # no keep-alive comment under the head
+            action = ex.on(event)
+            if action is Action.SEND_HEAD:
                 await send({"type": "http.response.start", "status": resp.status,
                             "headers": self._response_headers(ex, resp, sse)})
-            ex.event_stream = sse
-            ex.to(Step.RELAYING)
+        if action is Action.ANSWER:
+            await self._answer_whole(ex, resp, send)
+            return
+        if action is Action.ERROR_EVENT:
+            status, message, _ = await self._upstream_error(resp)
+            await self.conclude(ex, send, event, action, message, status)
+            return
         await self._body(ex, resp, send, loop)
-        ex.to(Step.DONE)
-        if ex.ticket is not None:
-            ex.ticket.tally.ended = True
-        await send({"type": "http.response.body", "body": b""})
-        self.replies.record(ex.label, resp.status, ex.t0)
-        self._observe_depth(ex)
+        await self.conclude(ex, send, Event.BODY_END, ex.on(Event.BODY_END))
+
+    async def _answer_whole(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
+        """llama-server's 500, counted by class; one the request caused goes out as a 400
+        with llama-server's own message (`X-Mtpwrap-Status-Was: 500`)."""
+        status, _, raw = await self._upstream_error(resp)
+        client = status == 400
+        if client:
+            raw = _as_client_error(raw)
+        headers = [(k, v) for k, v in self._response_headers(ex, resp, False)
+                   if k != b"content-length"]
+        headers.append((b"content-length", str(len(raw)).encode()))
+        if client:
+            headers.append((b"x-mtpwrap-status-was", b"500"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": raw})
+        self.replies.record(ex.label, status, ex.t0)
 
     async def _body(self, ex: Exchange, resp: WireResponse, send: Send,
                     loop: asyncio.AbstractEventLoop) -> None:
@@ -297,7 +298,8 @@ class Relay:
         lock = ex.send_lock
         feed = ex.ticket.tally.feed if ex.ticket is not None else None
         gaps: list[float] = []
-        gap = gaps.append if ex.event_stream else None
+        streaming = ex.state in EVENT_STREAM
+        gap = gaps.append if streaming else None
         last = 0.0
         try:
             async for chunk in resp.chunks():
@@ -306,7 +308,7 @@ class Relay:
                     gap(now - last)
                 elif not ex.first_chunk:
                     ex.first_chunk = True
-                    if ex.event_stream:
+                    if streaming:
                         ttft = time.perf_counter() - ex.t0
                         self.metrics.ttft.labels(ex.label).observe(ttft)
                         if ex.ticket is not None:
@@ -338,109 +340,99 @@ class Relay:
         if counts is not None:
             self.depth.observe(ex.depth, *counts)
 
-    # ------------------------------------------------------------------ ending badly
+    # ------------------------------------------------------------------ ending
 
-    async def _upstream_failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
+    async def _failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
         if not isinstance(err, ConnectFailed):  # a failed connect is counted where it happens
             self.metrics.upstream_errors.labels(err.kind, "").inc()
         message = ("The model server closed the connection before finishing the response "
                    f"({err.kind}: {err}).")
-        if ex.state is Step.WAITING:
-            await self.replies.error(send, 502, message, ex.label, ex.t0,
-                                     reason="upstream_error")
-            ex.to(Step.DONE)
-            return
-        self.metrics.cancelled.labels("upstream_error").inc()
-        await self._end_with_error(ex, send, 502, message)
+        await self.conclude(ex, send, Event.UPSTREAM_FAILED, ex.on(Event.UPSTREAM_FAILED),
+                            message)
 
-    async def _end_with_error(self, ex: Exchange, send: Send, status: int, message: str) -> None:
-        """End a started response so that no client can take it for a complete one."""
-        ex.to(Step.DONE)
-        self.replies.record(ex.label, status, ex.t0, ex.cancel_reason or "upstream_error")
-        if ex.event_stream:
-            event = b"data: " + json.dumps(
-                {"error": {"code": status, "message": message,
-                           "type": error_kind(status)}}).encode()
-            prefix = b"" if ex.at_boundary else b"\n\n"
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    send({"type": "http.response.body", "body": prefix + event + b"\n\n"}), 1.0)
-                await asyncio.wait_for(send({"type": "http.response.body", "body": b""}), 1.0)
-            return
-        # A plain body cut in the middle: leave the response incomplete so the client's HTTP
-        # layer reports it (uvicorn closes the connection without the final chunk).
+    def _message(self, ex: Exchange, event: Event) -> str:
+        if event is Event.SHUTDOWN:
+            return ("The server is shutting down and its drain time ran out; the request "
+                    "was stopped before it finished. Retry it.")
+        if event is Event.STALL:
+            budget = (self.config.stream_stall_s if ex.first_chunk
+                      else self.config.prefill_stall_s)
+            return f"The model made no progress for {budget:g} s; the request was stopped."
+        return "The model server failed on this request."
 
-    async def finish_cancelled(self, ex: Exchange, send: Send) -> None:
-        """Answer (or end) a request whose worker was cancelled for `ex.cancel_reason`."""
-        reason = ex.cancel_reason or "client_disconnect"
-        if reason == "client_disconnect" and ex.stream_ended:
-            # The client had the whole stream and went before llama-server's closing chunk
-            # came (the official clients close at `[DONE]`): an answer given, not one cut short.
-            ex.to(Step.DONE)
-            if ex.ticket is not None:
-                ex.ticket.tally.ended = True
-            self.replies.record(ex.label, ex.status, ex.t0)
-            self._observe_depth(ex)
-            return
-        self.metrics.cancelled.labels(reason).inc()
-        if reason in ("client_disconnect", "slow_reader"):
-            # nginx's "client closed request"; for a slow reader, returning with the response
-            # incomplete makes uvicorn close the connection.
-            self.replies.record(ex.label, 499, ex.t0, reason)
-            ex.to(Step.DONE)
-            return
-        if reason == "shutdown":
-            message = ("The server is shutting down and its drain time ran out; the request "
-                       "was stopped before it finished. Retry it.")
-            if not ex.head_sent:
-                await self.replies.error(send, 503, message, ex.label, ex.t0, retry=True,
-                                         close=True, reason="shutdown")
-                ex.to(Step.DONE)
-            else:
-                await self._end_with_error(ex, send, 503, message)
-            return
-        # stall
-        budget = self.config.stream_stall_s if ex.first_chunk else self.config.prefill_stall_s
-        message = f"The model made no progress for {budget:g} s; the request was stopped."
-        if ex.stream and ex.generation is not None:
+    async def conclude(self, ex: Exchange, send: Send, event: Event, action: Action,
+                       message: str | None = None, status: int | None = None) -> None:
+        """Carry out the action that ends an exchange (`mtpwrap.front.exchange.TABLE`): the one
+        place an ending is written and the request recorded, with the status the client saw."""
+        if status is None:
+            status = EVENT_STATUS.get(event, ex.status)
+        reason = event.value if event in EVENT_STATUS else None
+        # cut short: stopped by the watch or the drain, or broken once its answer had begun (a
+        # failed link before any head is an error answer, counted in upstream_errors)
+        if reason is not None and not (event is Event.UPSTREAM_FAILED and action is Action.REPLY):
+            self.metrics.cancelled.labels(reason).inc()
+        if event is Event.STALL and ex.stream and ex.generation is not None:
             try:
-                self.supervisor.report_stall(
-                    ex.generation, f"no progress on {ex.label} for {budget:g} s")
+                self.supervisor.report_stall(ex.generation, message or self._message(ex, event))
             except Exception as err:
                 log.warning("could not report a stall: %s", err)
-        if not ex.head_sent:
-            await self.replies.error(send, 504, message, ex.label, ex.t0, reason="stall")
-            ex.to(Step.DONE)
-            return
-        await self._end_with_error(ex, send, 504, message)
+        if action in (Action.FINISH, Action.TAKEN):
+            if ex.ticket is not None:
+                ex.ticket.tally.ended = True
+            if action is Action.FINISH:
+                await send({"type": "http.response.body", "body": b""})
+            self.replies.record(ex.label, status, ex.t0)
+            self._observe_depth(ex)
+        elif action is Action.REPLY:
+            await self.replies.error(send, status, message or self._message(ex, event),
+                                     ex.label, ex.t0, retry=event is Event.SHUTDOWN,
+                                     close=event is Event.SHUTDOWN, reason=reason)
+        elif action is Action.ERROR_EVENT:
+            # the headers went out as an event stream: no client can take this for a
+            # complete answer (no `[DONE]`)
+            self.replies.record(ex.label, status, ex.t0, reason or "upstream_error")
+            body = b"data: " + json.dumps(
+                {"error": {"code": status, "message": message or self._message(ex, event),
+                           "type": error_kind(status)}}).encode() + b"\n\n"
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(send({"type": "http.response.body", "more_body": True,
+                                             "body": (b"" if ex.at_boundary else b"\n\n")
+                                             + body}), 1.0)
+                await asyncio.wait_for(send({"type": "http.response.body", "body": b""}), 1.0)
+        elif action is Action.CUT:
+            # the client is gone, or its body is left incomplete: uvicorn closes the connection
+            # without the final chunk, so the client's HTTP layer reports it cut
+            self.replies.record(ex.label, status, ex.t0, reason)
+        else:
+            raise IllegalStep(f"exchange {ex.label}: {action.value} does not end it")
 
     # ------------------------------------------------------------------ watching
 
+    def _end(self, ex: Exchange, worker: asyncio.Task[None], event: Event) -> None:
+        if ex.end(event):
+            worker.cancel()  # closes its connection to llama-server: a cancel there
+
     async def watch(self, ex: Exchange, receive: Receive, send: Send,
                     worker: asyncio.Task[None]) -> None:
-        """Watch the client for a disconnect, and the child for progress, while the worker runs.
-
-        Cancelling the worker closes its upstream response, which closes the connection to the
-        child: that is how llama-server learns that the client is gone.
-        """
+        """Watch the client for a disconnect, and the child for progress, while the worker
+        runs; what it finds is an event (`Exchange.end`), carried out once the worker has
+        stopped (its cancel closes its upstream response: llama-server learns the client is
+        gone)."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         while not worker.done():
             try:
                 msg = await asyncio.wait_for(receive(), self.tick)
                 if msg["type"] == "http.disconnect":
-                    if ex.state is Step.DONE:
-                        return  # uvicorn says "disconnect" once the response is complete
-                    ex.cancel_reason = "client_disconnect"
-                    worker.cancel()
+                    self._end(ex, worker, Event.STREAM_TAKEN if ex.stream_ended
+                              else Event.CLIENT_GONE)
                     return
                 continue
             except asyncio.TimeoutError:
                 pass
             if ex.in_send:
                 if loop.time() - ex.sending_since >= cfg.write_timeout_s:
-                    ex.cancel_reason = "slow_reader"
-                    worker.cancel()
+                    self._end(ex, worker, Event.SLOW_READER)
                     return
                 continue
             if ex.state not in UPSTREAM_OWES:
@@ -452,8 +444,7 @@ class Relay:
                 ex.last_progress = loop.time()  # still reading the prompt: not a stall
                 continue
             if idle >= budget:
-                ex.cancel_reason = "stall"
-                worker.cancel()
+                self._end(ex, worker, Event.STALL)
                 return
             quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
             if ex.stream and quiet >= cfg.keepalive_s and ex.at_boundary:
@@ -462,13 +453,12 @@ class Relay:
 
     async def _keepalive(self, ex: Exchange, send: Send) -> None:
         async with ex.send_lock:
-            if not ex.at_boundary or ex.in_send or ex.state is Step.DONE:
+            if not ex.at_boundary or ex.in_send or ex.state not in UPSTREAM_OWES:
                 return
-            if ex.state is Step.WAITING:
-                ex.event_stream = True
-                ex.to(Step.KEPT_ALIVE)
+            action = ex.on(Event.QUIET)
+            if action is Action.OPEN_STREAM:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": list(_SSE_HEADERS)})
-            elif not ex.event_stream:
-                return
-            await send({"type": "http.response.body", "body": _KEEPALIVE, "more_body": True})
+            if action in (Action.OPEN_STREAM, Action.COMMENT):
+                await send({"type": "http.response.body", "body": _KEEPALIVE,
+                            "more_body": True})

@@ -189,6 +189,20 @@ class FakeUpstream:
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             await w.drain()
             return True
+        if seen.path == "/slots":
+            # no slot reading a prompt: a request that waits is not being read
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 2\r\n\r\n[]")
+            await w.drain()
+            return True
+        if seen.path in ("/apply-template", "/tokenize"):
+            # llama-server's tokenizer, asked by the front to charge a cut request's prompt
+            body = (b'{"prompt": "fake prompt"}' if seen.path == "/apply-template"
+                    else b'{"tokens": [1, 2, 3]}')
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            await w.drain()
+            return True
         if mode == "close_without_response":
             w.close()
             return False
@@ -237,11 +251,15 @@ class FakeUpstream:
                 return False
             if mode != "endless" and i >= self.events:
                 break
+            if seen.closed_at is not None:  # the front let go: a cancel, as llama-server takes it
+                return False
             w.write(self._chunk(self._event(i)))
             await w.drain()
             i += 1
             if mode != "endless" and self.interval:
                 await asyncio.sleep(self.interval)  # the fake's pace between events
+            else:
+                await asyncio.sleep(0)  # drain() does not yield while the reader keeps up
         w.write(self._chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await w.drain()
         return True
