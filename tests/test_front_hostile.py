@@ -465,6 +465,8 @@ def test_a_client_that_half_closes_after_its_request_gets_the_answer() -> None:
                 srv.url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 99\r\n\r\n{")
             assert closed and data == b"" and len(slow.seen) == 4
+            # none of them is left open on the front's side
+            wait_for("the connections closed", lambda: srv.connections == 0, 5, every=0.02)
     finally:
         slow.stop()
     streams = FakeUpstream(mode="sse", events=5, interval=0.1).start()

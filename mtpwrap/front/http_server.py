@@ -439,7 +439,9 @@ class FrontHttpProtocol(asyncio.Protocol):
         if self.loop.time() < self._body_deadline:  # bytes came and moved it on
             self._arm_body_timer()
             return
-        if self.scope is not None:  # for the application's audit line
+        if self.scope is not None and self._answered == self._requests:
+            # the request being answered is this one (not one pipelined before it): for the
+            # application's audit line
             self.scope["mtpwrap.refused"] = (408, "body_timeout")
         self._mid_request = self._body_open = False  # a slow sender is not lingered for
         if self._written > self._written_at_head:  # its answer has begun: only a close is left
