@@ -1,6 +1,6 @@
 """Nothing that can block runs on the serving event loop: a hung NVML (a stand-in library that
 stalls on demand), the state file, the socket probe, the audit trail's writes (a sink that
-stalls on demand: a real disk cannot). `docs/reliability.md` 33-34, 42."""
+stalls on demand: a real disk cannot). `docs/reliability.md` 33-34, 43."""
 
 from __future__ import annotations
 

@@ -147,10 +147,11 @@ def test_disconnect_mid_stream_cancels_upstream_within_a_second(fake):
 
 
 def test_disconnect_before_first_token_cancels_upstream(fake):
-    """A close looks like a half-close until something is sent: the stream's first bytes (its
-    early head, after `keepalive_s` without a token) meet the reset that tells them apart."""
+    """A close looks like a half-close until something is sent: the front opens the stream at
+    once (its head and a keep-alive comment, long before `keepalive_s`), and a client that
+    closed for good answers them with the reset that tells the two apart."""
     fake.mode = "stall_before_headers"
-    with serve_front(fake.base_url, fake.api_key, cfg(keepalive_s=0.3)) as (srv, _):
+    with serve_front(fake.base_url, fake.api_key, cfg(keepalive_s=15.0)) as (srv, _):
         s = socket.create_connection(("127.0.0.1", srv.port))
         body = json.dumps({"stream": True, "messages": []}).encode()
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"

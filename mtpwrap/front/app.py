@@ -416,7 +416,7 @@ class Front:
                       ticket=ticket)
         worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path,
                                                 admission, relay))
-        watch = asyncio.create_task(relay.watch(ex, receive, send, worker))
+        watch = asyncio.create_task(relay.watch(ex, scope, receive, send, worker))
         self._workers[ex] = worker
         try:
             await worker

@@ -70,6 +70,9 @@ _BAD_REQUEST = ("The request is not valid HTTP/1.1 (for example, Content-Length 
 
 #: the connection whose bytes are being handed on: a task started while they are (the
 #: application's, for the request they complete) keeps it in its context
+#: set in a request's scope when its client shut down its sending side before the answer
+PEER_EOF = "mtpwrap.peer_eof"
+
 _connection: contextvars.ContextVar[FrontHttpProtocol | None] = contextvars.ContextVar(
     "mtpwrap_connection", default=None)
 
@@ -254,6 +257,10 @@ class FrontHttpProtocol(asyncio.Protocol):
         if self.lingering or self._mid_request or self._answered >= self._requests:
             return None
         self.half_closed = True
+        if self.scope is not None:
+            # a stream owed may open now (its head and a keep-alive comment are what the client
+            # asked for): a peer that closed for good answers them with a reset
+            self.scope[PEER_EOF] = True
         return True
 
     def wrote(self) -> None:

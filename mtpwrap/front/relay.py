@@ -54,6 +54,7 @@ from mtpwrap.front.exchange import (
     Exchange,
     IllegalStep,
 )
+from mtpwrap.front.http_server import PEER_EOF
 from mtpwrap.front.metrics import FrontMetrics
 from mtpwrap.front.reads import Reads
 from mtpwrap.front.replies import (
@@ -162,7 +163,8 @@ class Relay:
         self.replies = replies
         self.wire = wire
         self.depth = depth
-        self.tick = max(0.05, min(1.0, config.keepalive_s / 2, config.stream_stall_s / 4,
+        # how often the watch looks (a client's shut side is acted on within one look)
+        self.tick = max(0.05, min(0.25, config.keepalive_s / 2, config.stream_stall_s / 4,
                                   config.write_timeout_s / 4))
         #: the prompts llama-server is reading (the chat model's): a long read that advances
         #: is progress, so `prefill_stall_s` cuts a read that stopped, not one that is long
@@ -412,7 +414,7 @@ class Relay:
         if ex.end(event):
             worker.cancel()  # closes its connection to llama-server: a cancel there
 
-    async def watch(self, ex: Exchange, receive: Receive, send: Send,
+    async def watch(self, ex: Exchange, scope: Scope, receive: Receive, send: Send,
                     worker: asyncio.Task[None]) -> None:
         """Watch the client for a disconnect, and the child for progress, while the worker
         runs; what it finds is an event (`Exchange.end`), carried out once the worker has
@@ -447,7 +449,11 @@ class Relay:
                 self._end(ex, worker, Event.STALL)
                 return
             quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
-            if ex.stream and quiet >= cfg.keepalive_s and ex.at_boundary:
+            # a client that shut its side may have gone for good: a keep-alive comment now
+            # (opening its stream if need be) is answered with a reset if it has, and the
+            # connection sees that
+            if ex.stream and ex.at_boundary and (quiet >= cfg.keepalive_s
+                                                 or scope.pop(PEER_EOF, False)):
                 ex.last_keepalive = loop.time()
                 await self._keepalive(ex, send)
 
