@@ -430,7 +430,8 @@ def _recorded(url: str) -> dict[str, float]:
 
 #: (the fake's mode, whether the client asks for a stream, after how many reads it closes)
 _CASES = [(mode, stream, None)
-          for mode in ("sse", "truncate", "reset", "json", "late_error", "stall_after",
+          for mode in ("sse", "truncate", "reset", "json", "late_error", "cut_error",
+                       "stall_after",
                        "stall_before_headers", "close_without_response")
           for stream in (True, False)] + [("endless", True, n) for n in (1, 2, 3)]
 
@@ -442,10 +443,11 @@ _CASES = [(mode, stream, None)
 def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_client_saw(
         data: st.DataObject) -> None:
     """Faults of llama-server (a cut, a reset, a stall before and after the head, an error
-    after the front's keep-alive head, a close without an answer) and of the client (gone
-    mid-stream), every one of them in orders drawn anew, on one front: each request is
-    recorded exactly once, with the status its client saw (the code of the error event that
-    ended its stream, 499 for a client that left, a 5xx for a body left cut)."""
+    after the front's keep-alive head, an error whose body is cut, a close without an
+    answer) and of the client (gone mid-stream), every one of them in orders drawn anew, on
+    one front: each request is recorded exactly once, with the status its client saw (the
+    code of the error event that ended its stream, 499 for a client that left, a 5xx for a
+    body left cut)."""
     fake = FakeUpstream(events=3, interval=0.02, cut_after=1).start()
     try:
         config = cfg(keepalive_s=0.2, stream_stall_s=0.8, prefill_stall_s=0.8)
@@ -454,7 +456,7 @@ def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_cli
             made = len(order)
             for mode, stream, close_after in order:
                 fake.mode = mode
-                fake.interval = 0.5 if mode == "late_error" else 0.02
+                fake.interval = 0.5 if mode in ("late_error", "cut_error") else 0.02
                 before = _recorded(srv.url)
                 got, cut = b"", False
                 with HTTP.stream("POST", srv.url + CHAT, headers=AUTH, timeout=10,

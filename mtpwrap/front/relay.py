@@ -227,10 +227,16 @@ class Relay:
 
     # ------------------------------------------------------------------ relaying
 
-    async def _upstream_error(self, resp: WireResponse) -> tuple[int, str, bytes]:
+    async def _upstream_error(self, resp: WireResponse) -> tuple[int, str, bytes | None]:
         """llama-server's answer read as an error: the status to end with, its message, its
-        body. A 500 is counted by class, and one the request caused is a 400."""
-        raw = await resp.read()
+        body (None where the link broke before its end: a 502). A 500 is counted by class,
+        and one the request caused is a 400."""
+        try:
+            raw = await resp.read()
+        except UpstreamError as err:  # the exchange has ended already: this is its message
+            self.metrics.upstream_errors.labels(err.kind, "").inc()
+            return 502, ("The model server closed the connection before finishing the "
+                         f"response ({err.kind}: {err})."), None
         message = _error_message(raw)
         if resp.status != 500:
             return (resp.status if resp.status >= 400 else 502), message, raw
@@ -275,7 +281,11 @@ class Relay:
     async def _answer_whole(self, ex: Exchange, resp: WireResponse, send: Send) -> None:
         """llama-server's 500, counted by class; one the request caused goes out as a 400
         with llama-server's own message (`X-Mtpwrap-Status-Was: 500`)."""
-        status, _, raw = await self._upstream_error(resp)
+        status, message, raw = await self._upstream_error(resp)
+        if raw is None:
+            await self.replies.error(send, status, message, ex.label, ex.t0,
+                                     reason="upstream_error")
+            return
         client = status == 400
         if client:
             raw = _as_client_error(raw)

@@ -223,6 +223,13 @@ class FakeUpstream:
                     % (status, ctype.encode(), len(body), body))
             await w.drain()
             return True
+        if mode == "cut_error":
+            await asyncio.sleep(self.interval)  # the front may have sent its event-stream head
+            w.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: 200\r\n\r\n{\"error\": {\"mess")
+            await w.drain()
+            w.close()  # the fault: the error's body cut short
+            return False
         if mode == "slow_json":
             await asyncio.sleep(self.interval)  # the fault: a slow answer
             body = b'{"ok": true}'
