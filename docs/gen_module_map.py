@@ -1,8 +1,8 @@
-"""Rewrite the module map in docs/architecture.md from each module's docstring.
+"""Rewrite the module map in docs/reference/modules.md from each module's docstring.
 
     python docs/gen_module_map.py
 
-The map sits between the two `module map` comment lines of docs/architecture.md; each row is the
+The map sits between the two `module map` comment lines of docs/reference/modules.md; each row is the
 first sentence of the module's docstring, so a module says what it holds where it is defined.
 """
 
@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PAGE = REPO / "docs" / "architecture.md"
+PAGE = REPO / "docs" / "reference" / "modules.md"
 BEGIN, END = "<!-- module map: begin -->", "<!-- module map: end -->"
 # Bottom layer first, as in the layer diagram.
-ORDER = ["config", "proc", "errors", "paths", "console", "hashing", "units", "decide", "models",
-         "build", "run", "service", "serve", "bench", "bundle", "doctor", "commands", "cli"]
+ORDER = ["config", "proc", "console", "errors", "paths", "hashing", "units", "upstream", "promtext",
+         "pids", "decide", "models", "build", "supervision", "front", "service", "bench", "bundle",
+         "doctor", "commands", "cli"]
 
 
 def first_sentence(path: Path) -> str:
