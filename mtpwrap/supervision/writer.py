@@ -16,70 +16,11 @@ log = logging.getLogger("mtpwrap.writer")
 T = TypeVar("T")
 
 
-class LatestWriter(Generic[T]):
-    """`write(value)` in a daemon thread, for the newest value submitted; values submitted while
-    a write runs replace each other, so a burst of state changes costs at most two writes."""
+class _Writer(Generic[T]):
+    """`write(value)` in a daemon thread for each value the queue holds, in order."""
 
     def __init__(self, write: Callable[[T], None], *, name: str) -> None:
         self._write = write
-        self._cond = threading.Condition()
-        self._value: T | None = None
-        self._has = False
-        self._writing = False
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, value: T) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._value, self._has = value, True
-            self._cond.notify_all()
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until what was submitted is written; blocks (call it off the loop): True when
-        it was within `timeout`."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._has and not self._writing, timeout)
-
-    def close(self, timeout: float = 5.0) -> bool:
-        """Write what is pending, then stop; blocks (call it off the loop): True when the
-        thread finished within `timeout`."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._has and not self._closed:
-                    self._cond.wait()
-                if not self._has:
-                    return
-                value, self._value, self._has = self._value, None, False
-                self._writing = True
-            try:
-                self._write(value)  # type: ignore[arg-type]
-            except Exception:  # a failed write must not end the writer
-                log.exception("%s: write failed", self._thread.name)
-            finally:
-                with self._cond:
-                    self._writing = False
-                    self._cond.notify_all()
-
-
-class InOrderWriter(Generic[T]):
-    """`write(value)` in a daemon thread for every value submitted, in the order submitted (an
-    audit trail, where each line counts). The queue holds `limit` values: `submit` never waits
-    for the disk, and says False when the queue is full, the value not taken; what to do with
-    it then is the caller's to decide (nothing is dropped without the caller knowing)."""
-
-    def __init__(self, write: Callable[[T], None], *, name: str, limit: int) -> None:
-        self._write = write
-        self.limit = limit
         self._cond = threading.Condition()
         self._queue: collections.deque[T] = collections.deque()
         self._writing = False
@@ -87,37 +28,18 @@ class InOrderWriter(Generic[T]):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    @property
-    def pending(self) -> int:
-        """Values submitted and not yet written (the one being written included)."""
-        with self._cond:
-            return len(self._queue) + (1 if self._writing else 0)
-
-    def submit(self, value: T) -> bool:
-        with self._cond:
-            if self._closed or len(self._queue) >= self.limit:
-                return False
-            self._queue.append(value)
-            self._cond.notify_all()
-            return True
-
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until what was submitted is written; blocks (call it off the loop): True when
         it was within `timeout`."""
         with self._cond:
             return self._cond.wait_for(lambda: not self._queue and not self._writing, timeout)
 
-    def close(self, timeout: float = 5.0) -> list[T]:
-        """Write what is queued, then stop; blocks (a shutdown's last step): the values still
-        unwritten when `timeout` ran out (none when the disk kept up), taken off the queue."""
+    def _stop(self, timeout: float) -> None:
+        """Write what is queued, then stop, waiting up to `timeout` for the thread."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout)
-        with self._cond:
-            left = list(self._queue)
-            self._queue.clear()
-            return left
 
     def _run(self) -> None:
         while True:
@@ -136,3 +58,56 @@ class InOrderWriter(Generic[T]):
                 with self._cond:
                     self._writing = False
                     self._cond.notify_all()
+
+
+class LatestWriter(_Writer[T]):
+    """`write(value)` in a daemon thread, for the newest value submitted; values submitted while
+    a write runs replace each other, so a burst of state changes costs at most two writes."""
+
+    def submit(self, value: T) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._queue.clear()
+            self._queue.append(value)
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Write what is pending, then stop; blocks (call it off the loop): True when the
+        thread finished within `timeout`."""
+        self._stop(timeout)
+        return not self._thread.is_alive()
+
+
+class InOrderWriter(_Writer[T]):
+    """`write(value)` in a daemon thread for every value submitted, in the order submitted (an
+    audit trail, where each line counts). The queue holds `limit` values: `submit` never waits
+    for the disk, and says False when the queue is full, the value not taken; what to do with
+    it then is the caller's to decide (nothing is dropped without the caller knowing)."""
+
+    def __init__(self, write: Callable[[T], None], *, name: str, limit: int) -> None:
+        self.limit = limit
+        super().__init__(write, name=name)
+
+    @property
+    def pending(self) -> int:
+        """Values submitted and not yet written (the one being written included)."""
+        with self._cond:
+            return len(self._queue) + (1 if self._writing else 0)
+
+    def submit(self, value: T) -> bool:
+        with self._cond:
+            if self._closed or len(self._queue) >= self.limit:
+                return False
+            self._queue.append(value)
+            self._cond.notify_all()
+            return True
+
+    def close(self, timeout: float = 5.0) -> list[T]:
+        """Write what is queued, then stop; blocks (a shutdown's last step): the values still
+        unwritten when `timeout` ran out (none when the disk kept up), taken off the queue."""
+        self._stop(timeout)
+        with self._cond:
+            left = list(self._queue)
+            self._queue.clear()
+            return left
