@@ -2,8 +2,8 @@
 
     python docs/gen_module_map.py
 
-The map sits between the two `module map` comment lines of docs/reference/modules.md; each row is the
-first sentence of the module's docstring, so a module says what it holds where it is defined.
+The map sits between the two `module map` comment lines of docs/reference/modules.md; each row is
+the first sentence of the module's docstring, so a module says what it holds where it is defined.
 """
 
 from __future__ import annotations
