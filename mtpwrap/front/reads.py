@@ -53,7 +53,7 @@ class Read:
 class _Sample:
     task: int
     read: int  #: n_prompt_tokens_processed
-    at: float
+    at: float  #: when this count was first seen: the read last advanced no later
     rate: float | None
 
 
@@ -128,12 +128,15 @@ class Reads:
             out.append((slot, in_slot, cached, rate))
         return out
 
-    async def advancing(self) -> bool:
-        """Whether a read advanced since the previous sample (a read seen for the first time
-        counts: nothing says it stopped)."""
-        before = dict(self._last)
+    async def advanced_ago(self) -> float | None:
+        """Seconds since a read last advanced, as this sample or any earlier one saw it (None:
+        no read). The status page's and the queue's samples count too: a read that moved
+        between two of theirs moved. A read seen for the first time counts as advancing now:
+        nothing says it stopped."""
         await self.sample()
-        return any(before.get(slot) is not s for slot, s in self._last.items())
+        if not self._last:
+            return None
+        return time.monotonic() - max(s.at for s in self._last.values())
 
     def retry_after(self) -> int | None:
         """Seconds until the first read in progress ends, from the last sample (None: no read

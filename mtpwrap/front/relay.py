@@ -451,10 +451,12 @@ class Relay:
                 continue
             idle = loop.time() - ex.last_progress
             budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
-            if idle >= budget and not ex.first_chunk and self.reads is not None \
-                    and await self.reads.advancing():
-                ex.last_progress = loop.time()  # still reading the prompt: not a stall
-                continue
+            if idle >= budget and not ex.first_chunk and self.reads is not None:
+                ago = await self.reads.advanced_ago()
+                if ago is not None and ago < budget:
+                    # still reading the prompt: not a stall; the budget runs from its last step
+                    ex.last_progress = loop.time() - ago
+                    continue
             if idle >= budget:
                 self._end(ex, worker, Event.STALL)
                 return
