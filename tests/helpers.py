@@ -151,6 +151,22 @@ class Instance:
     def wait_ready(self, timeout: float = 120) -> None:
         wait_ready(self.base, self.proc, self.output, timeout)
 
+    def ready(self) -> bool:
+        """Whether `/readyz` answers 200 now."""
+        try:
+            return httpx.get(self.base + "/readyz", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def processing(self, key: str) -> float:
+        """Requests llama-server is working on, from its own `/metrics` through the front."""
+        text = httpx.get(self.base + "/metrics", headers={"authorization": f"Bearer {key}"},
+                         timeout=30).text
+        for line in text.splitlines():
+            if line.startswith("mtpwrap_backend_requests_processing "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def output(self) -> str:
         if self.proc.poll() is None:
             self.proc.kill()

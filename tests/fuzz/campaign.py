@@ -141,18 +141,10 @@ class Target:
         self.pid = self.inst.proc.pid
 
     def ready(self) -> bool:
-        try:
-            return httpx.get(self.base + "/readyz", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self.inst.ready()
 
     def processing(self) -> float:
-        """Requests llama-server is working on, from its own /metrics (through the front)."""
-        text = self.client.get("/metrics").text
-        for line in text.splitlines():
-            if line.startswith("mtpwrap_backend_requests_processing"):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return self.inst.processing(KEY)
 
     def usage(self) -> tuple[int, int]:
         """The front's open fds (its idle connections to llama-server included: the pool closes

@@ -153,15 +153,10 @@ class Ops:
         self.added = 0
 
     def ready(self) -> bool:
-        try:
-            return httpx.get(self.base + "/readyz", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return self.inst.ready()
 
     def processing(self) -> float:
-        m = re.search(r"^mtpwrap_backend_requests_processing (\S+)$",
-                      self.admin.get("/metrics").text, re.M)
-        return float(m.group(1)) if m else 0.0
+        return self.inst.processing(ADMIN)
 
     def key_tokens(self, name: str) -> float:
         text = self.admin.get("/metrics").text
