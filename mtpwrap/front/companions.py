@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mtpwrap.supervision.state import State, SupervisorPort
+from mtpwrap.supervision.state import SupervisorPort
 
 if TYPE_CHECKING:
     from mtpwrap.front.admission import Admission
@@ -50,10 +50,6 @@ class Companion:
     @property
     def name(self) -> str:
         return self.info.name
-
-    @property
-    def ready(self) -> bool:
-        return self.supervisor.status().state is State.READY
 
     def health(self) -> dict[str, object]:
         """Its row on /healthz, /status.json and the state file."""

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 
 from mtpwrap.front import audit
 from mtpwrap.front.gpu import GpuView
-from mtpwrap.supervision.state import State
+from mtpwrap.supervision.state import State, SupervisorStatus
 
 if TYPE_CHECKING:
     from mtpwrap.front.app import Front
@@ -34,13 +34,7 @@ async def livez(_request: Request) -> Response:
 
 
 def readiness(front: Front) -> tuple[bool, dict[str, Any]]:
-    st = front.supervisor.status()
-    state = st.state
-    if front.draining or front.leaving:
-        return False, {"status": "draining", "reason": "mtpwrap is shutting down"}
-    if state is not State.READY or st.upstream is None:
-        return False, {"status": state.value, "reason": st.reason or f"child is {state.value}"}
-    return True, {"status": "ready", "generation": st.upstream.generation}
+    return _readiness(front, front.supervisor.status())
 
 
 def companion_readiness(front: Front, name: str) -> tuple[bool, dict[str, Any]] | None:
@@ -48,14 +42,20 @@ def companion_readiness(front: Front, name: str) -> tuple[bool, dict[str, Any]] 
     c = front.routes.get(name)
     if c is None:
         return None
+    return _readiness(front, c.supervisor.status(), {"model": name})
+
+
+def _readiness(front: Front, st: SupervisorStatus, named: dict[str, str] | None = None
+               ) -> tuple[bool, dict[str, Any]]:
+    """Ready: the child READY and the front not draining; `named`: the companion's name, in the
+    answer after its status."""
+    named = named or {}
     if front.draining or front.leaving:
-        return False, {"status": "draining", "reason": "mtpwrap is shutting down",
-                       "model": name}
-    st = c.supervisor.status()
+        return False, {"status": "draining", "reason": "mtpwrap is shutting down", **named}
     if st.state is not State.READY or st.upstream is None:
-        return False, {"status": st.state.value, "model": name,
+        return False, {"status": st.state.value, **named,
                        "reason": st.reason or f"child is {st.state.value}"}
-    return True, {"status": "ready", "model": name, "generation": st.upstream.generation}
+    return True, {"status": "ready", **named, "generation": st.upstream.generation}
 
 
 def make_readyz(front: Front) -> Callable[[Request], Awaitable[Response]]:
