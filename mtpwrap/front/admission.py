@@ -126,8 +126,9 @@ class PriorityGate:
             w.future.set_result(None)
 
 
-def _ready(st: SupervisorStatus) -> bool:
-    return st.state is State.READY and st.upstream is not None
+def _ready(st: SupervisorStatus) -> Upstream | None:
+    """The child's address when it is READY; None otherwise."""
+    return st.upstream if st.state is State.READY else None
 
 
 class Admission:
@@ -197,18 +198,16 @@ class Admission:
         cfg = self.config
         st = self.supervisor.status()
         if not slot:
-            if _ready(st):
-                assert st.upstream is not None
-                return st.upstream
+            if (up := _ready(st)) is not None:
+                return up
             up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
             if up is None:
                 self.metrics.shed.labels("not_ready").inc()
                 raise Refusal(503, "not_ready", "The model is not ready; retry later.")
             return up
-        if not self.gate.locked() and _ready(st):
+        if not self.gate.locked() and (up := _ready(st)) is not None:
             await self.gate.acquire(klass)  # uncontended: returns without suspending
-            assert st.upstream is not None
-            return self._took(st.upstream)
+            return self._took(up)
         if self.queued >= cfg.queue_size:
             raise self._shed(st)
         self.queued += 1
@@ -241,10 +240,8 @@ class Admission:
                 self.metrics.shed.labels("queue_timeout").inc()
                 raise await self._busy() from None
             # The child may have restarted while we waited for a slot: ask again.
-            st = self.supervisor.status()
-            if _ready(st):
-                assert st.upstream is not None
-                return st.upstream
+            if (ready := _ready(self.supervisor.status())) is not None:
+                return ready
             # A restart (planned or not) began meanwhile: wait for the next child in the
             # queue rather than send this request to the one that is going away.
             self.gate.release()

@@ -481,13 +481,11 @@ class Front:
             await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry,
                                      reason=r.reason, retry_after_s=r.retry_after_s)
             return
-        if not ex.slot:
-            await relay.exchange(ex, scope, send, body, path, upstream)
-            return
         try:
             await relay.exchange(ex, scope, send, body, path, upstream)
         finally:
-            admission.done()
+            if ex.slot:
+                admission.done()
 
     async def _models(self, send: Send, route: Verdict, t0: float) -> None:
         """/v1/models (and llama-server's /models) with companions: the chat model's list and
