@@ -190,16 +190,19 @@ class ChildProcess:
         one embedding of an embedding companion (`serves` "embeddings"), one score of a
         reranker ("reranking"); (True, "") when the model really answers."""
         if serves is None:
-            ok, why, _ = await self.generate("Hello", 1, timeout)
-            return ok, why
-        path, body, field_ = (("/v1/embeddings", {"input": "Hello"}, "data")
-                              if serves == "embeddings" else
-                              ("/v1/rerank", {"query": "Hello", "documents": ["Hello"]},
-                               "results"))
+            path, body, field_ = "/completion", {"prompt": "Hello", "n_predict": 1,
+                                                 "cache_prompt": False, "temperature": 0.0}, ""
+        elif serves == "embeddings":
+            path, body, field_ = "/v1/embeddings", {"input": "Hello"}, "data"
+        else:
+            path, body, field_ = "/v1/rerank", {"query": "Hello", "documents": ["Hello"]}, "results"
         try:
             r = await self._http.post(path, json=body, timeout=timeout)
         except self._httpx.HTTPError as exc:
             return False, f"{type(exc).__name__}: {exc}"
+        if serves is None:
+            ok, why, _ = judge_completion(r)
+            return ok, why
         if r.status_code != 200:
             return False, f"HTTP {r.status_code}: {r.text[:200]}"
         try:
@@ -210,17 +213,6 @@ class ChildProcess:
                 or not data[field_]:
             return False, f"the answer had no {field_}"
         return True, ""
-
-    async def generate(self, prompt: str, n_predict: int, timeout: float
-                       ) -> tuple[bool, str, int]:
-        """Ask for up to n_predict tokens: (answered, why not, tokens predicted)."""
-        body = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": False,
-                "temperature": 0.0}
-        try:
-            r = await self._http.post("/completion", json=body, timeout=timeout)
-        except self._httpx.HTTPError as exc:
-            return False, f"{type(exc).__name__}: {exc}", 0
-        return judge_completion(r)
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, float] | None:
         """`llamacpp:*` samples from /metrics; None when the endpoint is off or silent."""
