@@ -214,7 +214,7 @@ def test_audit_lines_are_written_in_order_and_none_is_lost_silently(
     assert json.loads(kept[0].split("kept here: ", 1)[1])["bytes_out"] == 4
     assert _queued(trail) == 4
     sink.gate.set()
-    assert trail.flush(10)
+    assert trail.writer.flush(10)
     assert [r["bytes_out"] for r in sink.records] == [0, 1, 2, 3]
     trail.end(_ticket(9))  # type: ignore[arg-type]
     trail.close()  # writes what is queued before it returns

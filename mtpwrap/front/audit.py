@@ -380,10 +380,6 @@ class Trail:
             self._recent.popleft()
         return sum(n for _t, n in self._recent) / window_s
 
-    def flush(self, timeout: float = CLOSE_S) -> bool:
-        """Wait until the queued lines are written; blocks (call it off the loop)."""
-        return self.writer.flush(timeout)
-
     def close(self) -> None:
         """Write the queued lines (up to `CLOSE_S`; those left go to the log), then close the
         sink and the budgets' writer. Blocks: the shutdown's last step."""
