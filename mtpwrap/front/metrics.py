@@ -48,10 +48,6 @@ class GapSeries:
         self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-
     def observe_many(self, values: list[float]) -> None:
         """A request's values at once (its inter-chunk gaps, when it ends)."""
         counts, bounds, where = self.counts, self.bounds, bisect.bisect_left
@@ -134,39 +130,31 @@ class _LiveCollector:
         for s in State:
             g.add_metric([s.value], 1.0 if st.state is s else 0.0)
         yield g
-        c = CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start")
-        c.add_metric([], float(st.restarts))
-        yield c
-        c = CounterMetricFamily("mtpwrap_supervisor_illegal_transitions",
-                                "State changes the transition table does not allow, refused "
-                                "(each one a bug, with an error line in the log)")
-        c.add_metric([], float(st.illegal_transitions))
-        yield c
-        g = GaugeMetricFamily("mtpwrap_step_down", "Step-down rung of the running launch after "
-                              "out-of-memory starts (0: the configured launch)")
-        g.add_metric([], float(st.step))
-        yield g
+        yield CounterMetricFamily("mtpwrap_supervisor_restarts", "Child restarts since start",
+                                  value=float(st.restarts))
+        yield CounterMetricFamily("mtpwrap_supervisor_illegal_transitions",
+                                  "State changes the transition table does not allow, refused "
+                                  "(each one a bug, with an error line in the log)",
+                                  value=float(st.illegal_transitions))
+        yield GaugeMetricFamily("mtpwrap_step_down", "Step-down rung of the running launch after "
+                                "out-of-memory starts (0: the configured launch)",
+                                value=float(st.step))
         up = st.upstream
-        g = GaugeMetricFamily("mtpwrap_child_generation", "Generation of the running child")
-        g.add_metric([], float(up.generation) if up is not None else 0.0)
-        yield g
+        yield GaugeMetricFamily("mtpwrap_child_generation", "Generation of the running child",
+                                value=float(up.generation) if up is not None else 0.0)
         for name, value in self._front_stats().items():
-            g = GaugeMetricFamily(f"mtpwrap_{name}", name.replace("_", " "))
-            g.add_metric([], value)
-            yield g
+            yield GaugeMetricFamily(f"mtpwrap_{name}", name.replace("_", " "), value=value)
 
         yield from _companion_families(self._companions())
-        g = GaugeMetricFamily("mtpwrap_backend_up", "1 when the child's /metrics page was read")
-        g.add_metric([], self.backend_up)
-        yield g
+        yield GaugeMetricFamily("mtpwrap_backend_up", "1 when the child's /metrics page was read",
+                                value=self.backend_up)
         yield from self.backend_families
         yield from _derived(self.backend_families)
         gpu = self._gpu()
-        g = GaugeMetricFamily("mtpwrap_gpu_reading_fresh", "1 when the GPU gauges below were "
-                              "read from NVML within the cache's age; 0 when NVML has not "
-                              "answered in time or is unavailable (the gauges are left out)")
-        g.add_metric([], 1.0 if gpu.state == "fresh" else 0.0)
-        yield g
+        yield GaugeMetricFamily("mtpwrap_gpu_reading_fresh", "1 when the GPU gauges below were "
+                                "read from NVML within the cache's age; 0 when NVML has not "
+                                "answered in time or is unavailable (the gauges are left out)",
+                                value=1.0 if gpu.state == "fresh" else 0.0)
         if gpu.state == "fresh":
             yield from _gpu_families(gpu.readings)
 
@@ -193,10 +181,9 @@ def _derived(families: list[Metric]) -> Iterator[Metric]:
     drafts = total("spec_decode_num_drafts_total")
     ratio = acceptance.rate(drafted or 0, accepted)
     if ratio is not None:
-        g = GaugeMetricFamily("mtpwrap_spec_acceptance_ratio",
-                              "Accepted draft tokens / drafted tokens (llama.cpp's acceptance)")
-        g.add_metric([], ratio)
-        yield g
+        yield GaugeMetricFamily("mtpwrap_spec_acceptance_ratio",
+                                "Accepted draft tokens / drafted tokens (llama.cpp's acceptance)",
+                                value=ratio)
     per_pos = (_sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos_total")
                or _sample_values(families, p + "spec_decode_num_accepted_tokens_per_pos"))
     if per_pos and drafts:
@@ -211,10 +198,9 @@ def _derived(families: list[Metric]) -> Iterator[Metric]:
     tokens = total("tokens_predicted_total")
     seconds = total("tokens_predicted_seconds_total")
     if tokens is not None and seconds:
-        g = GaugeMetricFamily("mtpwrap_decode_tokens_per_second",
-                              "Generated tokens / generation seconds since the child started")
-        g.add_metric([], tokens / seconds)
-        yield g
+        yield GaugeMetricFamily("mtpwrap_decode_tokens_per_second",
+                                "Generated tokens / generation seconds since the child started",
+                                value=tokens / seconds)
 
 
 #: (metric, help, reading, scale): the GPU gauges, each from one field of GpuReading
