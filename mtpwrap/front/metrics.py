@@ -216,27 +216,20 @@ _GPU_GAUGES: tuple[tuple[str, str, Callable[[GpuReading], float | None], float],
 
 
 def _gpu_families(samples: Sequence[GpuReading]) -> Iterator[Metric]:
-    if not samples:
-        return
+    """The GPU gauges; a family no GPU has a reading for is left out."""
     for name, doc, read, scale in _GPU_GAUGES:
         g = GaugeMetricFamily(name, doc, labels=["gpu"])
-        any_value = False
         for s in samples:
-            v = read(s)
-            if v is None:
-                continue
-            g.add_metric([str(s.index)], float(v) * scale)
-            any_value = True
-        if any_value:
+            if (v := read(s)) is not None:
+                g.add_metric([str(s.index)], float(v) * scale)
+        if g.samples:
             yield g
     g = GaugeMetricFamily("mtpwrap_gpu_throttle", "1 for each active throttle reason",
                           labels=["gpu", "reason"])
-    any_value = False
     for s in samples:
         for r in s.throttle_reasons:
             g.add_metric([str(s.index), r], 1.0)
-            any_value = True
-    if any_value:
+    if g.samples:
         yield g
 
 
