@@ -165,13 +165,11 @@ class SnapshotStore:
         its size in bytes (0 when it is gone)."""
         try:
             os.chmod(self.path(name), 0o600)
-            size = self.path(name).stat().st_size
         except OSError:
             return 0
         with contextlib.suppress(OSError):
             os.chmod(self.path(name + SIDECAR), 0o600)
-            size += self.path(name + SIDECAR).stat().st_size
-        return size
+        return self.size(name)
 
     def size(self, name: str) -> int:
         """A snapshot's bytes with its sidecar's."""
