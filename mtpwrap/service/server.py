@@ -241,10 +241,8 @@ class Service:
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._tasks["front"], 10)
-        aclose = getattr(front, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        with contextlib.suppress(Exception):
+            await front.aclose()
         self._tasks["service"].cancel()
         for t in self._waits:
             t.cancel()
