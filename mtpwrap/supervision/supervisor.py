@@ -128,7 +128,7 @@ class Supervisor:
         self._ready_since: float | None = None
         self._last_exit: str | None = None
         self._policy = RestartPolicy(self.config)
-        self._stall_report: tuple[int, str] | None = None
+        self._stall_report: str | None = None  # why the front reports a stalled stream
         self._stop_grace = self.config.stop_grace_s
         self._file_logger = make_file_logger(self.config.log_file, self.config.log_max_bytes,
                                              self.config.log_backups)
@@ -202,7 +202,7 @@ class Supervisor:
             return
         self.log.warning("front reports a stalled stream on child generation %d: %s",
                     generation, reason)
-        self._stall_report = (generation, reason)
+        self._stall_report = reason
         self._wake.set()
 
     def begin_drain(self) -> None:
@@ -511,8 +511,7 @@ class Supervisor:
                 return await self._planned(child, kind, f"{kind.value}ing llama-server",
                                            rl.drain_s, rl.factory, carry=rl.carry)
 
-            if self._stall_report is not None:
-                _gen, why = self._stall_report
+            if (why := self._stall_report) is not None:
                 self._stall_report = None
                 if await WedgeWatch.confirm(child, cfg.monitor_interval_s):
                     return Ended(Outcome.WEDGE, f"llama-server stopped producing tokens ({why})")
