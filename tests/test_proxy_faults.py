@@ -332,37 +332,46 @@ def test_long_prefill_has_its_own_budget_and_keeps_the_client_alive(fake):
         assert len(sup.stalls) == 1
 
 
-def test_a_read_that_advances_slower_than_the_status_page_polls_is_not_cut(fake):
-    """The prefill budget runs from the read's last step however many samplers look between
-    steps: the status page polled every 0.1 s while each step of the read takes 0.6 s (a
-    loaded machine's batch) does not make a 1 s budget cut it; once it stops, it is cut about
-    one budget after its last step."""
-    fake.mode, fake.slot_read = "stall_before_headers", 512
+@pytest.mark.parametrize("phase", ["read", "answer"])
+def test_a_slot_that_steps_slower_than_the_status_page_polls_is_not_cut(fake, phase):
+    """The prefill budget runs from llama-server's last step on the slot however many samplers
+    look between steps: with the status page polled every 0.1 s and one step every 0.6 s (a
+    loaded machine's batch), a 1 s budget cuts neither a streamed request's read of its prompt
+    nor an unstreamed request's answer being generated; once the steps stop, the request is cut
+    about one budget after the last."""
+    stream = phase == "read"
+    fake.mode, fake.slot_read, fake.slot_decoded = "stall_before_headers", 512, 0 if stream else 1
     with serve_front(fake.base_url, fake.api_key,
                      cfg(stream_stall_s=0.5, prefill_stall_s=1.0, keepalive_s=0.3)) as (srv, _):
         polling = True
 
         def poll() -> None:
             while polling:
-                HTTP.get(srv.url + "/status.json", headers=AUTH)
+                page = HTTP.get(srv.url + "/status.json", headers=AUTH)
+                assert page.status_code == 200, page.text
+                assert bool(page.json()["reads"]) == stream, page.text  # a read, or an answer
                 time.sleep(0.1)
 
         with cf.ThreadPoolExecutor(2) as pool:
             poller = pool.submit(poll)
-            answer = pool.submit(post, srv.url, {"stream": True, "messages": []})
+            answer = pool.submit(post, srv.url, {"stream": stream, "messages": []})
             try:
-                for _ in range(6):  # the read's pace: one 512-token step every 0.6 s
+                for _ in range(6):  # one step every 0.6 s: 512 tokens read, or 4 generated
                     time.sleep(0.6)
-                    assert not answer.done(), "a read that advances was cut"
-                    fake.slot_read += 512
+                    assert not answer.done(), f"a slot that steps was cut ({phase})"
+                    if stream:
+                        fake.slot_read += 512
+                    else:
+                        fake.slot_decoded += 4
                 last_step = time.monotonic()
                 r = answer.result(30)
                 after = time.monotonic() - last_step
             finally:
                 polling = False
             poller.result(10)
-        assert json.loads(sse_events(r.content)[-1])["error"]["code"] == 504
-        assert 0.9 < after < 2.5, after
+        code = json.loads(sse_events(r.content)[-1])["error"]["code"] if stream else r.status_code
+        assert code == 504, r.text
+        assert 0.9 < after < 1.8, after  # one budget (1 s) and a look or two of the watch
 
 
 # --------------------------------------------------------------------------- 6: drain

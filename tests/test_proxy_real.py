@@ -320,6 +320,24 @@ def test_disconnect_before_first_token_closes_the_upstream_request(llama, front)
     assert took < 1.0, f"the front kept the child's connection open for {took:.1f} s"
 
 
+def test_an_unstreamed_answer_longer_than_the_prefill_budget_is_not_cut(llama):
+    """An answer not streamed sends nothing until it is whole: while llama-server generates it,
+    its `/slots` count of generated tokens is the progress, so a 1 s `prefill_stall_s` does not
+    cut a generation of several seconds."""
+    cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=120, prefill_stall_s=1.0)
+    with serve_front(llama.base_url, llama.api_key, cfg, pid=llama.proc.pid) as (srv, sup):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
+                               timeout=120)
+        t = time.monotonic()
+        r = client.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=600, temperature=0, extra_body={"ignore_eos": True})
+        took = time.monotonic() - t
+        assert r.usage is not None and r.usage.completion_tokens == 600
+        assert took > 2.5, f"the answer took {took:.1f} s: not longer than the budget, a longer one"
+        assert not sup.stalls
+
+
 # --------------------------------------------------------------------------- 1: child dies
 
 

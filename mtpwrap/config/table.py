@@ -214,8 +214,9 @@ PROXY: dict[str, Key] = {
                                  positive=True),
     "stream_stall_s": _seconds(60.0, "A stream that sends nothing this long is cut.",
                                positive=True),
-    "prefill_stall_s": _seconds(600.0, "Longest wait for the first token with no progress: "
-                                "llama-server's read of a long prompt counts as progress.",
+    "prefill_stall_s": _seconds(600.0, "Longest wait for the first byte of the answer with "
+                                "no progress: llama-server's read of a long prompt, and its "
+                                "generation of an answer not streamed, count as progress.",
                                 positive=True),
     "keepalive_s": _seconds(15.0, "Seconds between keep-alive comments on a quiet stream.",
                             positive=True),

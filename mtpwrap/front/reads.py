@@ -11,7 +11,8 @@ starts to wait in the queue, when its wait ends, and when the status page asks.
 
 A person queued behind a long document is told from this how long: the 503 of a queue timeout
 says how far the read is and carries `Retry-After` from its own progress; `/status` shows each
-read.
+read. The relay's stall check asks it when llama-server last took a step on a slot (a token of a
+prompt read or of an answer generated), whichever sample saw it, the status page's included.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Read:
 class _Sample:
     task: int
     read: int  #: n_prompt_tokens_processed
-    at: float  #: when this count was first seen: the read last advanced no later
+    at: float
     rate: float | None
 
 
@@ -70,6 +71,8 @@ class Reads:
         self.clients = clients
         self.totals = totals
         self._last: dict[int, _Sample] = {}
+        #: per working slot: (task, tokens read + generated, when that count was first seen)
+        self._steps: dict[int, tuple[int, int, float]] = {}
         #: the reads of the last sample
         self.reads: list[Read] = []
 
@@ -110,12 +113,20 @@ class Reads:
         for s in slots:
             try:
                 slot = int(s["id"])
-                if not s.get("is_processing") or int(s["next_token"][0]["n_decoded"]) > 0:
+                if not s.get("is_processing"):
                     self._last.pop(slot, None)
-                    continue  # idle, or answering: the read is over
+                    self._steps.pop(slot, None)
+                    continue  # idle
                 task = int(s["id_task"])
-                in_slot = int(s["n_prompt_tokens"])
+                decoded = int(s["next_token"][0]["n_decoded"])
                 read = int(s["n_prompt_tokens_processed"])
+                step = self._steps.get(slot)
+                if step is None or step[:2] != (task, read + decoded):
+                    self._steps[slot] = (task, read + decoded, now)
+                if decoded > 0:
+                    self._last.pop(slot, None)
+                    continue  # answering: the read is over
+                in_slot = int(s["n_prompt_tokens"])
                 cached = int(s["n_prompt_tokens_cache"])
             except (KeyError, IndexError, TypeError, ValueError):
                 continue
@@ -129,14 +140,15 @@ class Reads:
         return out
 
     async def advanced_ago(self) -> float | None:
-        """Seconds since a read last advanced, as this sample or any earlier one saw it (None:
-        no read). The status page's and the queue's samples count too: a read that moved
-        between two of theirs moved. A read seen for the first time counts as advancing now:
+        """Seconds since llama-server last made a step on a working slot, a token of a prompt
+        read or of an answer generated, as this sample or any earlier one saw it (None: no slot
+        working). The status page's and the queue's samples count too: a step taken between
+        two of theirs was taken. A slot seen working for the first time counts as a step now:
         nothing says it stopped."""
         await self.sample()
-        if not self._last:
+        if not self._steps:
             return None
-        return time.monotonic() - max(s.at for s in self._last.values())
+        return time.monotonic() - max(at for _, _, at in self._steps.values())
 
     def retry_after(self) -> int | None:
         """Seconds until the first read in progress ends, from the last sample (None: no read

@@ -22,11 +22,12 @@ over the socket and over TCP, tests/test_upstream_reuse.py).
 Faults. A request is never retried once its body may have reached the child (a generation is not
 idempotent); only a refused connect is retried, once. If the child dies or the loopback link
 breaks mid-stream, or a stream makes no progress within its budget (`prefill_stall_s` before the
-first chunk — while llama-server's read of the prompt advances, that is progress — and
-`stream_stall_s` after), the client gets a terminal SSE event
-`data: {"error": {...}}` and the stream ends without `[DONE]`; a stall is reported to the
-supervisor. A client that goes away, before or after the first token, cancels the upstream
-request at once (the connection to the child is closed, which llama-server treats as a cancel).
+first chunk — a step of llama-server's on the slot, a token of the prompt read or, for an answer
+not streamed, of the answer generated, is progress — and `stream_stall_s` after), the client
+gets a terminal SSE event `data: {"error": {...}}` and the stream ends without `[DONE]`; a stall
+is reported to the supervisor. A client that goes away, before or after the first token, cancels
+the upstream request at once (the connection to the child is closed, which llama-server treats
+as a cancel).
 A client that does not read gets `write_timeout_s` per write, bounded by uvicorn's write buffer.
 While a streamed request waits for its first token, `: keep-alive` SSE comments go out every
 `keepalive_s` (the 200 event-stream headers are sent early for that; a later upstream error then
@@ -166,8 +167,8 @@ class Relay:
         # how often the watch looks (a client's shut side is acted on within one look)
         self.tick = max(0.05, min(0.25, config.keepalive_s / 2, config.stream_stall_s / 4,
                                   config.write_timeout_s / 4))
-        #: the prompts llama-server is reading (the chat model's): a long read that advances
-        #: is progress, so `prefill_stall_s` cuts a read that stopped, not one that is long
+        #: the chat model's slots: a step on one (a token read or generated) is progress, so
+        #: `prefill_stall_s` cuts a read or an unstreamed answer that stopped, not a long one
         self.reads: Reads | None = None
 
     # ------------------------------------------------------------------ sending
@@ -449,14 +450,17 @@ class Relay:
                 continue
             if ex.state not in UPSTREAM_OWES:
                 continue
+            if loop.time() - ex.last_progress >= cfg.prefill_stall_s and not ex.first_chunk \
+                    and self.reads is not None:
+                ago = await self.reads.advanced_ago()
+                if worker.done() or ex.first_chunk or ex.state not in UPSTREAM_OWES:
+                    continue  # the answer began (or ended) while the slots were asked
+                if ago is not None and ago < cfg.prefill_stall_s:
+                    # still reading the prompt: not a stall; the budget runs from its last step
+                    ex.last_progress = max(ex.last_progress, loop.time() - ago)
+                    continue
             idle = loop.time() - ex.last_progress
             budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
-            if idle >= budget and not ex.first_chunk and self.reads is not None:
-                ago = await self.reads.advanced_ago()
-                if ago is not None and ago < budget:
-                    # still reading the prompt: not a stall; the budget runs from its last step
-                    ex.last_progress = loop.time() - ago
-                    continue
             if idle >= budget:
                 self._end(ex, worker, Event.STALL)
                 return

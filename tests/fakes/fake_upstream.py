@@ -43,8 +43,10 @@ class FakeUpstream:
     chunk_bytes: int = 200
     #: mode "late_error": after `interval` seconds, this status, content type and body
     late_error: tuple[int, str, bytes] = (400, "application/json", b'{"error": "boom"}')
-    #: the tokens of a prompt slot 0 has read so far, as `/slots` says (None: no slot reading)
+    #: the tokens of a prompt slot 0 has read so far and of its answer generated, as `/slots`
+    #: says (`slot_read` None: no slot working)
     slot_read: int | None = None
+    slot_decoded: int = 0
     api_key: str = "internal-key-0123456789"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
@@ -192,13 +194,14 @@ class FakeUpstream:
             await w.drain()
             return True
         if seen.path == "/slots":
-            # llama-server's metrics form: slot 0 reading `slot_read` tokens, or no slot
-            # reading (a request that waits is not being read)
+            # llama-server's metrics form: slot 0 working (`slot_read` tokens of its prompt
+            # read, `slot_decoded` of its answer generated), or no slot working (a request that
+            # waits is not being read)
             read = self.slot_read
             slots = [] if read is None else [{
                 "id": 0, "id_task": 7, "is_processing": True, "n_prompt_tokens": read,
                 "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": 0,
-                "next_token": [{"n_decoded": 0}]}]
+                "next_token": [{"n_decoded": self.slot_decoded}]}]
             body = json.dumps(slots).encode()
             w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
