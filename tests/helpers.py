@@ -161,7 +161,7 @@ class Instance:
     def processing(self, key: str) -> float:
         """Requests llama-server is working on, from its own `/metrics` through the front."""
         text = httpx.get(self.base + "/metrics", headers={"authorization": f"Bearer {key}"},
-                         timeout=30).text
+                         timeout=120).text
         for line in text.splitlines():
             if line.startswith("mtpwrap_backend_requests_processing "):
                 return float(line.rsplit(" ", 1)[1])

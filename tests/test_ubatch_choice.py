@@ -122,6 +122,8 @@ def test_plan_prints_the_ubatch_and_its_reason(tmp_path: Path, model_27b: Path) 
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr
     assert "ubatch: 32: the largest of 32…2048 whose compute buffers" in r.stdout
-    d = json.loads(run_cli(*args, "--json").stdout)
+    r = run_cli(*args, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
     assert d["ubatch"]["value"] == 32 and "64 would be" in d["ubatch"]["why"]
     assert d["config"]["ubatch"] == 32
