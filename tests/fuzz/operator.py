@@ -27,6 +27,7 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import threading
 import time
@@ -140,6 +141,9 @@ class Ops:
         self.budgets = budgets
         self.stall = work / "nvml-stall"
         self.home = work / "home"
+        # an empty home: an earlier run's audit lines and budget spend under the same key names
+        # would be taken for this run's
+        shutil.rmtree(self.home, ignore_errors=True)
         self.log = work / "up.log"
         pythonpath = str(STALLING_NVML) + os.pathsep + cli_env()["PYTHONPATH"]
         self.inst = Instance(self.home, free_loopback_port(), binary, model, log=self.log,
