@@ -456,7 +456,7 @@ class Relay:
                 if worker.done() or ex.first_chunk or ex.state not in UPSTREAM_OWES:
                     continue  # the answer began (or ended) while the slots were asked
                 if ago is not None and ago < cfg.prefill_stall_s:
-                    # still reading the prompt: not a stall; the budget runs from its last step
+                    # the slot still steps (a read or an answer): the budget runs from its last
                     ex.last_progress = max(ex.last_progress, loop.time() - ago)
                     continue
             idle = loop.time() - ex.last_progress
