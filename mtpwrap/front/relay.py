@@ -235,9 +235,7 @@ class Relay:
         try:
             raw = await resp.read()
         except UpstreamError as err:  # the exchange has ended already: this is its message
-            self.metrics.upstream_errors.labels(err.kind, "").inc()
-            return 502, ("The model server closed the connection before finishing the "
-                         f"response ({err.kind}: {err})."), None
+            return 502, self._broken(err), None
         message = _error_message(raw)
         if resp.status != 500:
             return (resp.status if resp.status >= 400 else 502), message, raw
@@ -355,22 +353,28 @@ class Relay:
 
     # ------------------------------------------------------------------ ending
 
-    async def _failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
+    def _broken(self, err: UpstreamError) -> str:
+        """A broken link to llama-server, counted; the message that ends its request."""
         if not isinstance(err, ConnectFailed):  # a failed connect is counted where it happens
             self.metrics.upstream_errors.labels(err.kind, "").inc()
-        message = ("The model server closed the connection before finishing the response "
-                   f"({err.kind}: {err}).")
+        return ("The model server closed the connection before finishing the response "
+                f"({err.kind}: {err}).")
+
+    async def _failed(self, ex: Exchange, send: Send, err: UpstreamError) -> None:
         await self.conclude(ex, send, Event.UPSTREAM_FAILED, ex.on(Event.UPSTREAM_FAILED),
-                            message)
+                            self._broken(err))
+
+    def _stall_budget(self, ex: Exchange) -> float:
+        """Seconds without progress that stop `ex`: before its first chunk, after it."""
+        return self.config.stream_stall_s if ex.first_chunk else self.config.prefill_stall_s
 
     def _message(self, ex: Exchange, event: Event) -> str:
         if event is Event.SHUTDOWN:
             return ("The server is shutting down and its drain time ran out; the request "
                     "was stopped before it finished. Retry it.")
         if event is Event.STALL:
-            budget = (self.config.stream_stall_s if ex.first_chunk
-                      else self.config.prefill_stall_s)
-            return f"The model made no progress for {budget:g} s; the request was stopped."
+            return (f"The model made no progress for {self._stall_budget(ex):g} s; the request "
+                    "was stopped.")
         return "The model server failed on this request."
 
     async def conclude(self, ex: Exchange, send: Send, event: Event, action: Action,
@@ -459,9 +463,7 @@ class Relay:
                     # the slot still steps (a read or an answer): the budget runs from its last
                     ex.last_progress = max(ex.last_progress, loop.time() - ago)
                     continue
-            idle = loop.time() - ex.last_progress
-            budget = cfg.stream_stall_s if ex.first_chunk else cfg.prefill_stall_s
-            if idle >= budget:
+            if loop.time() - ex.last_progress >= self._stall_budget(ex):
                 self._end(ex, worker, Event.STALL)
                 return
             quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
