@@ -134,3 +134,46 @@ def test_whatever_happens_a_request_ends_once_and_writes_in_order(events: list[E
             event_stream = e is E.HEAD_STREAM
         heads += a in HEADS
     assert heads <= 1, actions
+
+
+def test_event_boundaries_and_sends() -> None:
+    e = Exchange(label="chat", stream=True, t0=0.0)
+    assert e.at_boundary and not e.in_send
+    e.last_chunk = b'data: {"a"'
+    assert not e.at_boundary
+    e.last_chunk = b'data: {"a": 1}\r\n\r\n'
+    assert e.at_boundary
+    e.sending_since = 12.5
+    assert e.in_send
+
+
+@pytest.mark.parametrize("message, klass, client", [
+    ("Failed to parse messages: Missing tool call type: {}", "request_shape", True),
+    # the request's own JSON quoted back: its keys are not llama-server's words (make fuzz)
+    ('Failed to parse messages: Missing tool call type: {"chat_template_kwargs":null}',
+     "request_shape", True),
+    ("[json.exception.type_error.302] type must be string, but is number", "json_type", True),
+    ("Unknown model architecture: {}", "other", False),
+    ("Error rendering the chat template: {}", "template", False),
+])
+def test_a_500_is_classed_by_llama_servers_own_words(message: str, klass: str,
+                                                     client: bool) -> None:
+    from mtpwrap.front.relay import upstream_500_class
+
+    assert upstream_500_class(message) == (klass, client)
+
+
+@pytest.mark.parametrize("head, last, sending, ended", [
+    (E.HEAD_STREAM, b'data: {"choices":[]}\n\ndata: [DONE]\n\n', 0.0, True),
+    (E.HEAD_STREAM, b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n", 0.0, True),
+    # still being written: the client has not had it
+    (E.HEAD_STREAM, b"data: [DONE]\n\n", 12.5, False),
+    (E.HEAD_STREAM, b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', 0.0, False),
+    # a plain body is never a stream's end
+    (E.HEAD_BODY, b'{"content": "data: [DONE]"}', 0.0, False),
+])
+def test_a_stream_has_ended_once_its_last_event_was_sent_whole(
+        head: Event, last: bytes, sending: float, ended: bool) -> None:
+    e, _ = run(E.SENT, head)
+    e.last_chunk, e.sending_since = last, sending
+    assert e.stream_ended is ended
