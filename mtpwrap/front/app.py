@@ -214,8 +214,8 @@ class Front:
         log.warning("drain budget (%gs) spent with %d request(s) still in flight; stopping "
                     "them", timeout, self.inflight)
         for ex, worker in list(self._workers.items()):
-            if not worker.done() and ex.state is not Step.DONE and ex.end(Event.SHUTDOWN):
-                worker.cancel()
+            if not worker.done() and ex.state is not Step.DONE:  # not one that just ended
+                ex.stop(Event.SHUTDOWN, worker)
         await self.admission.wait_idle(3.0)
 
     def server_config(self, **kwargs: Any) -> uvicorn.Config:

@@ -19,7 +19,7 @@ pair the table does not hold raises `IllegalStep`.
 
 Every ending is an event that leads to DONE, so a request ends once: the action that goes with
 it is the one write (or none) and the one record of the request, with the status the client saw
-(`ending_status`). An ending the watch or the drain finds (a disconnect, a slow reader, a
+(`EVENT_STATUS`). An ending the watch or the drain finds (a disconnect, a slow reader, a
 stall, a shutdown) moves the exchange to DONE at once and is kept in `Exchange.ending`; the
 worker is then cancelled (that closes the connection to llama-server, which it takes for a
 cancel) and the request's handler carries the action out.
@@ -201,6 +201,12 @@ class Exchange:
             return False
         self.ending = Ending(event, self.on(event))
         return True
+
+    def stop(self, event: Event, worker: asyncio.Task[None]) -> None:
+        """`end`, and cancel the worker where that ended the exchange (the cancel closes its
+        connection to llama-server, which takes it for a cancel)."""
+        if self.end(event):
+            worker.cancel()
 
     @property
     def at_boundary(self) -> bool:

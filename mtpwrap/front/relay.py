@@ -425,10 +425,6 @@ class Relay:
 
     # ------------------------------------------------------------------ watching
 
-    def _end(self, ex: Exchange, worker: asyncio.Task[None], event: Event) -> None:
-        if ex.end(event):
-            worker.cancel()  # closes its connection to llama-server: a cancel there
-
     async def watch(self, ex: Exchange, scope: Scope, receive: Receive, send: Send,
                     worker: asyncio.Task[None]) -> None:
         """Watch the client for a disconnect, and the child for progress, while the worker
@@ -441,15 +437,15 @@ class Relay:
             try:
                 msg = await asyncio.wait_for(receive(), self.tick)
                 if msg["type"] == "http.disconnect":
-                    self._end(ex, worker, Event.STREAM_TAKEN if ex.stream_ended
-                              else Event.CLIENT_GONE)
+                    ex.stop(Event.STREAM_TAKEN if ex.stream_ended else Event.CLIENT_GONE,
+                            worker)
                     return
                 continue
             except asyncio.TimeoutError:
                 pass
             if ex.in_send:
                 if loop.time() - ex.sending_since >= cfg.write_timeout_s:
-                    self._end(ex, worker, Event.SLOW_READER)
+                    ex.stop(Event.SLOW_READER, worker)
                     return
                 continue
             if ex.state not in UPSTREAM_OWES:
@@ -464,7 +460,7 @@ class Relay:
                     ex.last_progress = max(ex.last_progress, loop.time() - ago)
                     continue
             if loop.time() - ex.last_progress >= self._stall_budget(ex):
-                self._end(ex, worker, Event.STALL)
+                ex.stop(Event.STALL, worker)
                 return
             quiet = loop.time() - max(ex.last_progress, ex.last_keepalive)
             # a client that shut its side may have gone for good: a keep-alive comment now
