@@ -126,11 +126,6 @@ class PriorityGate:
             w.future.set_result(None)
 
 
-def _ready(st: SupervisorStatus) -> Upstream | None:
-    """The child's address when it is READY; None otherwise."""
-    return st.upstream if st.state is State.READY else None
-
-
 class Admission:
     """The front's counters and its forwarding gate (touched only from the event loop)."""
 
@@ -198,14 +193,14 @@ class Admission:
         cfg = self.config
         st = self.supervisor.status()
         if not slot:
-            if (up := _ready(st)) is not None:
+            if (up := st.ready_upstream) is not None:
                 return up
             up = await self.supervisor.wait_ready(cfg.queue_timeout_s)
             if up is None:
                 self.metrics.shed.labels("not_ready").inc()
                 raise Refusal(503, "not_ready", "The model is not ready; retry later.")
             return up
-        if not self.gate.locked() and (up := _ready(st)) is not None:
+        if not self.gate.locked() and (up := st.ready_upstream) is not None:
             await self.gate.acquire(klass)  # uncontended: returns without suspending
             return self._took(up)
         if self.queued >= cfg.queue_size:
@@ -240,7 +235,7 @@ class Admission:
                 self.metrics.shed.labels("queue_timeout").inc()
                 raise await self._busy() from None
             # The child may have restarted while we waited for a slot: ask again.
-            if (ready := _ready(self.supervisor.status())) is not None:
+            if (ready := self.supervisor.status().ready_upstream) is not None:
                 return ready
             # A restart (planned or not) began meanwhile: wait for the next child in the
             # queue rather than send this request to the one that is going away.

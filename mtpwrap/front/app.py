@@ -71,7 +71,7 @@ from mtpwrap.front.replies import (
     Send,
     declares_body,
 )
-from mtpwrap.supervision.state import State, SupervisorPort, Upstream
+from mtpwrap.supervision.state import SupervisorPort, Upstream
 from mtpwrap.upstream import UpstreamClients
 
 if TYPE_CHECKING:
@@ -504,8 +504,8 @@ class Front:
             return
         for c in self.routes.companions:
             st = c.supervisor.status()
-            theirs = await self._ask_models(st.upstream, route.upstream_path) \
-                if st.state is State.READY and st.upstream is not None else None
+            theirs = await self._ask_models(up_, route.upstream_path) \
+                if (up_ := st.ready_upstream) is not None else None
             entries = [dict(e, role=c.info.role) for e in _listed(theirs, "data")]
             if not isinstance(listing.get("data"), list):
                 listing["data"] = []

@@ -52,10 +52,10 @@ def _readiness(front: Front, st: SupervisorStatus, named: dict[str, str] | None 
     named = named or {}
     if front.draining or front.leaving:
         return False, {"status": "draining", "reason": "mtpwrap is shutting down", **named}
-    if st.state is not State.READY or st.upstream is None:
+    if (up := st.ready_upstream) is None:
         return False, {"status": st.state.value, **named,
                        "reason": st.reason or f"child is {st.state.value}"}
-    return True, {"status": "ready", **named, "generation": st.upstream.generation}
+    return True, {"status": "ready", **named, "generation": up.generation}
 
 
 def make_readyz(front: Front) -> Callable[[Request], Awaitable[Response]]:

@@ -130,6 +130,11 @@ class SupervisorStatus:
     #: the command the current child runs (`ChildCommand.shown`: secrets left out)
     command: dict[str, Any] | None = None
 
+    @property
+    def ready_upstream(self) -> Upstream | None:
+        """The child's address when it is READY; None otherwise."""
+        return self.upstream if self.state is State.READY else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe; the internal API key is left out on purpose (this goes to files)."""
         return {
