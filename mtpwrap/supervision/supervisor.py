@@ -388,6 +388,7 @@ class Supervisor:
             return Ended(Outcome.EXIT, f"cannot start {spec.argv[0]}: {exc}")
         self._child = child
         self._upstream = Upstream(base_url, key, gen, endpoint.socket)
+        self._stall_report = None  # one about the previous child is not about this one
         self._spawned.set()
         self.log.info("llama-server started: pid %d, %s (generation %d)", child.pid,
                  endpoint.describe(), gen)
