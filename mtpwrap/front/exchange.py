@@ -137,6 +137,12 @@ UPSTREAM_OWES = frozenset({_S.WAITING, _S.KEPT_ALIVE, _S.STREAMING, _S.RELAYING}
 #: The client's answer is an event stream: comments and error events can be written.
 EVENT_STREAM = frozenset({_S.KEPT_ALIVE, _S.STREAMING})
 
+#: what the connection layer (`mtpwrap.front.http_server`) marks in a request's scope: its
+#: client shut down its sending side before the answer (True) ...
+PEER_EOF = "mtpwrap.peer_eof"
+#: ... or its body missed its deadline: (status, reason) for the guard to answer with
+REFUSED = "mtpwrap.refused"
+
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 #: the last event of a complete stream, OpenAI's and Anthropic's
 STREAM_ENDS = (b"data: [DONE]", b"event: message_stop")

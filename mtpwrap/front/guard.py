@@ -15,6 +15,7 @@ from mtpwrap.front import audit
 from mtpwrap.front.access import Access, Denial
 from mtpwrap.front.audit import UNAUDITED, Ticket, Trail
 from mtpwrap.front.budgets import OverBudget
+from mtpwrap.front.exchange import REFUSED
 from mtpwrap.front.replies import (
     ANSWERED_BY,
     BY_FRONT,
@@ -66,7 +67,7 @@ class AccessGuard:
                                verdict, t0, path)
         finally:
             audit.current.reset(token)
-            if (refused := scope.get("mtpwrap.refused")) is not None:  # the connection's
+            if (refused := scope.get(REFUSED)) is not None:  # the connection's
                 ticket.status, ticket.reason = refused
             elif not ticket.status:
                 ticket.status, ticket.reason = 499, ticket.reason or "client_disconnect"

@@ -50,6 +50,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from mtpwrap.front.exchange import PEER_EOF, REFUSED
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -70,9 +72,6 @@ _BAD_REQUEST = ("The request is not valid HTTP/1.1 (for example, Content-Length 
 
 #: the connection whose bytes are being handed on: a task started while they are (the
 #: application's, for the request they complete) keeps it in its context
-#: set in a request's scope when its client shut down its sending side before the answer
-PEER_EOF = "mtpwrap.peer_eof"
-
 _connection: contextvars.ContextVar[FrontHttpProtocol | None] = contextvars.ContextVar(
     "mtpwrap_connection", default=None)
 
@@ -449,7 +448,7 @@ class FrontHttpProtocol(asyncio.Protocol):
         if self.scope is not None and self._answered == self._requests:
             # the request being answered is this one (not one pipelined before it): for the
             # application's audit line
-            self.scope["mtpwrap.refused"] = (408, "body_timeout")
+            self.scope[REFUSED] = (408, "body_timeout")
         self._mid_request = self._body_open = False  # a slow sender is not lingered for
         if self._written > self._written_at_head:  # its answer has begun: only a close is left
             raw.close()

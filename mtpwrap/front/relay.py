@@ -49,13 +49,13 @@ from mtpwrap.front.depth_policy import DepthPolicy
 from mtpwrap.front.exchange import (
     EVENT_STATUS,
     EVENT_STREAM,
+    PEER_EOF,
     UPSTREAM_OWES,
     Action,
     Event,
     Exchange,
     IllegalStep,
 )
-from mtpwrap.front.http_server import PEER_EOF
 from mtpwrap.front.metrics import FrontMetrics
 from mtpwrap.front.reads import Reads
 from mtpwrap.front.replies import (
