@@ -16,10 +16,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "reference" / "modules.md"
 BEGIN, END = "<!-- module map: begin -->", "<!-- module map: end -->"
-# Bottom layer first, as in the layer diagram.
-ORDER = ["config", "proc", "console", "errors", "paths", "hashing", "units", "upstream", "promtext",
-         "pids", "decide", "models", "build", "supervision", "front", "service", "bench", "bundle",
-         "doctor", "commands", "cli"]
+
+
+def layer_order() -> list[str]:
+    """The packages and modules bottom layer first, as `make lint`'s layers contract lists them
+    (pyproject.toml, top layer first; `a | b` is one layer)."""
+    text = (REPO / "pyproject.toml").read_text()
+    block = re.search(r'type = "layers".*?layers = \[(.*?)\]', text, re.S)
+    if block is None:
+        raise SystemExit("pyproject.toml: no layers contract under [tool.importlinter]")
+    layers = re.findall(r'"([^"]+)"', block.group(1))
+    return [name.strip() for layer in reversed(layers) for name in layer.split("|")]
 
 
 def first_sentence(path: Path) -> str:
@@ -34,7 +41,8 @@ def render() -> str:
     entries = {p.stem: p for p in pkg.iterdir()
                if not p.name.startswith(("_", ".")) and (p.is_dir() or p.suffix == ".py")}
     out: list[str] = []
-    for name in [*[n for n in ORDER if n in entries], *sorted(set(entries) - set(ORDER))]:
+    order = layer_order()
+    for name in [*[n for n in order if n in entries], *sorted(set(entries) - set(order))]:
         path = entries[name]
         if path.is_file():
             if out and out[-1].startswith("|"):
