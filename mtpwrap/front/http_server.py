@@ -201,8 +201,7 @@ class FrontHttpProtocol(asyncio.Protocol):
         self._body_open = False  # a head was read and its body has not all arrived
         self._body_deadline = 0.0
         self._body_timer: asyncio.TimerHandle | None = None
-        self._written = 0  # writes so far (an answer begun since a request's head?)
-        self._written_at_head = 0
+        self._wrote_since_head = False  # an answer has begun since the last request's head
         self._requests = 0  # complete requests read
         self._answered = 0  # requests whose application call has ended
         self.scope: Scope | None = None  # the scope of the request being answered
@@ -264,7 +263,7 @@ class FrontHttpProtocol(asyncio.Protocol):
 
     def wrote(self) -> None:
         """Something was written: on a half-closed connection, read the socket's error soon."""
-        self._written += 1
+        self._wrote_since_head = True
         if self.half_closed and self._probe_timer is None:
             self._probe_step = 0
             self._probe_timer = self.loop.call_later(_PROBES[0], self._probe)
@@ -413,18 +412,17 @@ class FrontHttpProtocol(asyncio.Protocol):
             self._refusal = (431, "header_size", self._size_message())
             raise _Refused
         version = self.parser.get_http_version()
-        hosts = self._hosts
         if version not in ("1.0", "1.1"):
             self._refusal = (400, "bad_request", "The request is not HTTP/1.0 or HTTP/1.1.")
             raise _Refused
-        if hosts > 1 or (hosts == 0 and version == "1.1"):
+        if self._hosts > 1 or (self._hosts == 0 and version == "1.1"):
             self._refusal = (400, "bad_request", "An HTTP/1.1 request has exactly one Host "
-                             f"header (RFC 9112 §3.2); this one has {hosts}.")
+                             f"header (RFC 9112 §3.2); this one has {self._hosts}.")
             raise _Refused
         self._in_head = False
         self._disarm_head_timer()
         self._body_open = True
-        self._written_at_head = self._written
+        self._wrote_since_head = False
         self._body_deadline = self.loop.time() + self.limits.body_timeout_s
         self._arm_body_timer()
 
@@ -450,14 +448,14 @@ class FrontHttpProtocol(asyncio.Protocol):
             # application's audit line
             self.scope[REFUSED] = (408, "body_timeout")
         self._mid_request = self._body_open = False  # a slow sender is not lingered for
-        if self._written > self._written_at_head:  # its answer has begun: only a close is left
+        if self._wrote_since_head:  # its answer has begun: only a close is left
             raw.close()
-        else:
+            self._lose_inner()  # the application sees a disconnect, not a half body
+        else:  # the answer, then the same disconnect
             self._refuse(408, "body_timeout",
                          f"The request body did not arrive in time: "
                          f"{self.limits.body_timeout_s:g} s after the head plus 1 s per "
                          f"{self.limits.body_min_rate} bytes.")
-        self._lose_inner()  # the application sees a disconnect, not a half body
 
     def on_body(self, body: bytes) -> None:
         self._body_deadline += len(body) / self.limits.body_min_rate
