@@ -108,15 +108,20 @@ async def until(what: str, ok: Callable[[], bool], timeout: float, every: float 
     return time.monotonic() - t0
 
 
+def is_ready(base: str, timeout: float = 10) -> bool:
+    """Whether `base`/readyz answers 200 now."""
+    try:
+        return httpx.get(f"{base}/readyz", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def wait_ready(base: str, process: Any, output: Any, timeout: float = 120) -> None:
     """Poll `base`/readyz until it answers 200; fail with `output()` if `process` (a Popen)
     exits first or the time runs out."""
     def ready() -> bool:
         assert process.poll() is None, output()
-        try:
-            return httpx.get(f"{base}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return is_ready(base, timeout=2)
 
     try:
         wait_for("mtpwrap ready", ready, timeout)
@@ -153,16 +158,14 @@ class Instance:
 
     def ready(self) -> bool:
         """Whether `/readyz` answers 200 now."""
-        try:
-            return httpx.get(self.base + "/readyz", timeout=10).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return is_ready(self.base)
 
     def processing(self, key: str) -> float:
         """Requests llama-server is working on, from its own `/metrics` through the front."""
-        text = httpx.get(self.base + "/metrics", headers={"authorization": f"Bearer {key}"},
-                         timeout=120).text
-        for line in text.splitlines():
+        r = httpx.get(self.base + "/metrics", headers={"authorization": f"Bearer {key}"},
+                      timeout=120)
+        r.raise_for_status()  # a refused or failed page says nothing of llama-server
+        for line in r.text.splitlines():
             if line.startswith("mtpwrap_backend_requests_processing "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0

@@ -170,7 +170,7 @@ def test_seed_replays(target: campaign.Target, seed: seeds.Seed) -> None:
         assert 200 <= r.status_code < 300, (r.status_code, r.text[:300])
     if seed.needle:
         assert seed.needle in r.text, r.text[:300]
-    assert target.ready(), "the front or llama-server is not ready after the seed"
+    assert target.inst.ready(), "the front or llama-server is not ready after the seed"
 
 
 @pytest.mark.integration

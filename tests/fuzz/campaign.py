@@ -140,12 +140,6 @@ class Target:
                                    headers={"authorization": f"Bearer {KEY}"})
         self.pid = self.inst.proc.pid
 
-    def ready(self) -> bool:
-        return self.inst.ready()
-
-    def processing(self) -> float:
-        return self.inst.processing(KEY)
-
     def usage(self) -> tuple[int, int]:
         """The front's open fds (its idle connections to llama-server included: the pool closes
         them within its expiry) and its RSS."""
@@ -241,7 +235,7 @@ def phase_seeds(t: Target) -> Phase_:
         ph.count(str(status))
         if bad is not None:
             ph.fail(bad, {"seed": s.name}, 0)
-        if not t.ready():
+        if not t.inst.ready():
             ph.fail(f"seed {s.name} left the front or llama-server not ready", {"seed": s.name},
                     0)
             t.inst.wait_ready(120)
@@ -394,11 +388,11 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
     with contextlib.suppress(TimeoutError):
         wait_for("fds back", lambda: t.usage()[0] <= start[0] + 2, 15, every=0.25)
     fds, rss = t.usage()
-    busy = t.processing()
+    busy = t.inst.processing(KEY)
     ph.leaks = {"fds": [start[0], fds], "rss_mib": [round(start[1] / 2**20, 1),
                                                     round(rss / 2**20, 1)],
                 "upstream_connections": t.upstream(), "llama_server_processing": busy,
-                "ready": t.ready()}
+                "ready": t.inst.ready()}
     if fds > start[0] + 2:
         ph.fail(f"{fds - start[0]} file descriptors more than after the warm-up", {}, 0)
     if rss > start[1] + 16 * 2**20:

@@ -156,12 +156,6 @@ class Ops:
                                   headers={"authorization": f"Bearer {ADMIN}"})
         self.added = 0
 
-    def ready(self) -> bool:
-        return self.inst.ready()
-
-    def processing(self) -> float:
-        return self.inst.processing(ADMIN)
-
     def key_tokens(self, name: str) -> float:
         text = self.admin.get("/metrics").text
         return sum(float(m.group(1)) for m in re.finditer(
@@ -310,7 +304,7 @@ def case_reload(o: Ops, rng: random.Random, restart: bool) -> list[str]:
         if not fine:
             bad.append(f"a stream ended {g.status} {g.ended} across a {what} {where}")
     try:
-        wait_for(f"ready after the {what}", o.ready, 120)
+        wait_for(f"ready after the {what}", o.inst.ready, 120)
     except TimeoutError:
         return [*bad, f"not ready 120 s after a {what}"]
     if not restart:
@@ -347,8 +341,8 @@ def run_operator(work: Path, binary: Path, model: Path, n: int, seed: int,
                 found = case_reload(o, rng, restart=kind == "restart")
             bad += [f"{kind}: {b}" for b in found]
             with contextlib.suppress(TimeoutError):
-                wait_for("llama-server idle", lambda: o.processing() == 0, 30, every=0.2)
-            if o.processing():
+                wait_for("llama-server idle", lambda: o.inst.processing(ADMIN) == 0, 30, every=0.2)
+            if o.inst.processing(ADMIN):
                 bad.append(f"{kind}: llama-server still generating after the case")
             done += 1
     finally:
