@@ -169,15 +169,21 @@ class FakeUpstream:
     def _chunk(data: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(data), data)
 
+    @staticmethod
+    async def _whole(w: asyncio.StreamWriter, status: bytes, ctype: bytes, body: bytes,
+                     extra: bytes = b"") -> bool:
+        """One whole answer with its Content-Length; True: the connection may go on."""
+        w.write(b"HTTP/1.1 %s\r\nContent-Type: %s\r\n%sContent-Length: %d\r\n\r\n%s"
+                % (status, ctype, extra, len(body), body))
+        await w.drain()
+        return True
+
     async def _respond(self, w: asyncio.StreamWriter, seen: Seen) -> bool:
         mode = self.mode
         if seen.headers.get("authorization") != f"Bearer {self.api_key}":
             body = (b'{"error":{"code":401,"message":"Invalid API Key",'
                     b'"type":"authentication_error"}}')
-            w.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"401 Unauthorized", b"application/json", body)
         if seen.path == "/metrics":
             # llama-server's exposition format, as its --metrics flag serves it
             body = (b"# HELP llamacpp:tokens_predicted_total Number of generation tokens.\n"
@@ -189,10 +195,7 @@ class FakeUpstream:
                     b"# HELP llamacpp:requests_processing Requests processing.\n"
                     b"# TYPE llamacpp:requests_processing gauge\n"
                     b"llamacpp:requests_processing 0\n")
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"200 OK", b"text/plain; version=0.0.4", body)
         if seen.path == "/slots":
             # llama-server's metrics form: slot 0 working (`slot_read` tokens of its prompt
             # read, `slot_decoded` of its answer generated), or no slot working (a request that
@@ -203,18 +206,12 @@ class FakeUpstream:
                 "n_prompt_tokens_processed": read, "n_prompt_tokens_cache": 0,
                 "next_token": [{"n_decoded": self.slot_decoded}]}]
             body = json.dumps(slots).encode()
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"200 OK", b"application/json", body)
         if seen.path in ("/apply-template", "/tokenize"):
             # llama-server's tokenizer, asked by the front to charge a cut request's prompt
             body = (b'{"prompt": "fake prompt"}' if seen.path == "/apply-template"
                     else b'{"tokens": [1, 2, 3]}')
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"200 OK", b"application/json", body)
         if mode == "close_without_response":
             w.close()
             return False
@@ -223,18 +220,12 @@ class FakeUpstream:
             return False
         if mode == "json":
             body = json.dumps({"ok": True, "path": seen.path}).encode()
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Access-Control-Allow-Origin: *\r\nContent-Length: %d\r\n\r\n%s"
-                    % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"200 OK", b"application/json", body,
+                                     b"Access-Control-Allow-Origin: *\r\n")
         if mode == "late_error":
             await asyncio.sleep(self.interval)  # the front has sent its event-stream head
             status, ctype, body = self.late_error
-            w.write(b"HTTP/1.1 %d Fault\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-                    % (status, ctype.encode(), len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"%d Fault" % status, ctype.encode(), body)
         if mode == "cut_error":
             await asyncio.sleep(self.interval)  # the front may have sent its event-stream head
             w.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json"
@@ -245,10 +236,7 @@ class FakeUpstream:
         if mode == "slow_json":
             await asyncio.sleep(self.interval)  # the fault: a slow answer
             body = b'{"ok": true}'
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            await w.drain()
-            return True
+            return await self._whole(w, b"200 OK", b"application/json", body)
         w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                 b"Cache-Control: no-cache\r\nAccess-Control-Allow-Origin: *\r\n"
                 b"Transfer-Encoding: chunked\r\n\r\n")
