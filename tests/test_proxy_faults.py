@@ -535,7 +535,7 @@ def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_cli
             fake.mode = "json"
             assert post(srv.url, {"messages": []}).status_code == 200
             wait_for("the last request recorded",
-                     lambda: sum(_recorded(srv.url).values()) == made + 1, 10, every=0.05)
+                     lambda: sum(_recorded(srv.url).values()) >= made + 1, 10, every=0.05)
             assert sum(_recorded(srv.url).values()) == made + 1
     finally:
         fake.stop()

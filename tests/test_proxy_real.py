@@ -18,6 +18,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -75,9 +76,9 @@ def llama_spec(server_bin, model, tmp_path_factory):
     child.kill()
 
 
-def _front_over(child: LlamaChild):
-    cfg = ProxyConfig(api_keys=(KEY,), enable_paths=("slots",), stream_stall_s=120,
-                      prefill_stall_s=300)
+def _front_over(child: LlamaChild, **proxy: Any):
+    cfg = ProxyConfig(**{"api_keys": (KEY,), "enable_paths": ("slots",), "stream_stall_s": 120,
+                         "prefill_stall_s": 300, **proxy})
     info = ServeInfo(profile="cpu-demo", model="SmolLM2-135M-Instruct.Q4_1.gguf", context=8192,
                      binary="/opt/llama/bin/llama-server", commit="0c1e570")
     return serve_front(child.base_url, child.api_key, cfg, info=info, pid=child.proc.pid)
@@ -324,8 +325,7 @@ def test_an_unstreamed_answer_longer_than_the_prefill_budget_is_not_cut(llama):
     """An answer not streamed sends nothing until it is whole: while llama-server generates it,
     its `/slots` count of generated tokens is the progress, so a 1 s `prefill_stall_s` does not
     cut a generation of several seconds."""
-    cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=120, prefill_stall_s=1.0)
-    with serve_front(llama.base_url, llama.api_key, cfg, pid=llama.proc.pid) as (srv, sup):
+    with _front_over(llama, prefill_stall_s=1.0) as (srv, sup):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0,
                                timeout=120)
         t = time.monotonic()
