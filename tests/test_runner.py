@@ -90,9 +90,10 @@ def sse(base: str, n: int, out: list[str]) -> None:
             out.append(f"transport error {type(exc).__name__}")
 
 
-@pytest.mark.parametrize("served", [("crash_after_chunks=3,counter={tmp}/n,fault_starts=1",
-                                     {})], indirect=True)
-def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served) -> None:
+@pytest.mark.parametrize("served", [("crash_after_chunks=3,counter={tmp}/n,fault_starts=1,"
+                                      "later_hold={tmp}/go", {})], indirect=True)
+def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served,
+                                                               tmp_path: Path) -> None:
     served.wait_ready()
     got: list[str] = []
     sse(served.base, 20, got)
@@ -101,8 +102,11 @@ def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served) -
     assert len(data) >= 3
     assert "[DONE]" not in got[-1]  # never a truncated stream that looks complete
     assert "error" in got[-1]  # a terminal error event (or a transport error) ends it
+    # the new child is held loading until the test lets it go: "until it answers" is pinned
+    wait_for("the new child started", lambda: (tmp_path / "n").read_text() == "2", 20)
     r = served.readyz()
     assert r is not None and r.status_code == 503  # until the new child answers
+    (tmp_path / "go").touch()
     served.wait_ready()
     r = httpx.post(f"{served.base}/v1/chat/completions", timeout=10,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})

@@ -30,6 +30,8 @@ Faults come from `--fault KEY=VALUE` (repeatable) or `FAKE_LLAMA_FAULTS="KEY=VAL
   token_delay_s=S      delay between streamed tokens (default 0.01)
   counter=PATH         count starts in PATH; with fault_starts=K the faults above apply only
                        to the first K starts (a crash that goes away after a restart)
+  later_hold=PATH      with fault_starts=K: each start after the first K loads until PATH
+                       exists (a test pins "the restart is still loading" as long as it needs)
 
 Run: `python tests/fakes/fake_llama_server.py --host 127.0.0.1 --port 8080`.
 """
@@ -277,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(counter, "w") as fh:
             fh.write(str(starts))
         if starts > int(faults.get("fault_starts", 1 << 30)):
+            hold = faults.get("later_hold")
             faults = {k: v for k, v in faults.items() if k in ("counter", "token_delay_s")}
+            if hold:
+                faults["hold_until"] = hold
 
     st = State(faults)
     log(f"main: fake llama-server pid {os.getpid()} starting")
@@ -324,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     load_s = st.num("load_s", 0.0)
     progress_s = st.num("progress_s", 0.2)
     t0 = time.monotonic()
+    hold = st.faults.get("hold_until")
+    while hold and not os.path.exists(hold) and not stop.is_set():
+        time.sleep(0.05)  # held by the test, not a pace
     while time.monotonic() - t0 < load_s and not stop.is_set():
         if not faults.get("silent_load"):
             pct = int(100 * (time.monotonic() - t0) / load_s)
