@@ -539,3 +539,24 @@ def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_cli
             assert sum(_recorded(srv.url).values()) == made + 1
     finally:
         fake.stop()
+
+
+def test_a_prompt_is_counted_once_however_often_it_is_sampled(fake):
+    """The status page, the queue and the stall check each ask how long the prompt in the slot
+    is: llama-server's tokenizer is asked once per request, and a count that failed is
+    remembered, not asked again at every sample (each ask tokenizes up to the whole context)."""
+    fake.mode, fake.slot_read, fake.tokenizer_fails = "stall_before_headers", 512, True
+    with serve_front(fake.base_url, fake.api_key,
+                     cfg(prefill_stall_s=2.0, keepalive_s=0.3)) as (srv, _), \
+            cf.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, srv.url, {"stream": True, "messages": [
+            {"role": "user", "content": "a long document"}]})
+        wait_for("the request forwarded",
+                 lambda: any(s.path == "/v1/chat/completions" for s in fake.seen), 10)
+        for _ in range(5):
+            assert HTTP.get(srv.url + "/status.json", headers=AUTH).status_code == 200
+        r = answer.result(30)  # cut by the stall budget: the audit charges its prompt too
+    assert json.loads(sse_events(r.content)[-1])["error"]["code"] == 504
+    asks = [s.path for s in fake.seen if s.path in ("/apply-template", "/tokenize")]
+    assert asks == ["/apply-template"], asks
+

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -122,7 +122,6 @@ class Front:
         #: the prompts llama-server is reading (the status page, a queue timeout's 503)
         self.reads = Reads(supervisor, self.clients, self._prompt_totals)
         self.admission.reads = self.reads
-        self._counted: dict[Exchange, int | None] = {}
         self.wire = relay_wire(config)
         self.depth = depth_policy.for_launch(self.info, self.metrics.registry)
         self.relay = Relay(supervisor, config, self.metrics, self.replies, self.wire,
@@ -434,7 +433,7 @@ class Front:
         """Reserve what the request may cost against its key's token budgets (False: refused,
         the 429 sent), and say how to count its prompt if its answer is cut."""
         ticket.prompt_estimate = usage.reservation(label, None, len(body), 0, None)
-        ticket.count_prompt = lambda: self._count_prompt(label, doc)
+        ticket.count_prompt = _once(lambda: self._count_prompt(label, doc))
         if ticket.api_key is None:
             return True
         hold = self.budgets.reserve(ticket.api_key, usage.reservation(
@@ -449,16 +448,11 @@ class Front:
     async def _prompt_totals(self) -> list[int]:
         """The prompt lengths of the requests forwarded to the chat model now, longest first,
         each counted once by llama-server's tokenizer (`Reads`: how long a read has left)."""
-        forwarded = [ex for ex in list(self._workers) if ex.slot and ex.state is not Step.DONE
-                     and ex.ticket is not None and ex.ticket.count_prompt is not None]
-        # requests that ended are forgotten; a sample taken meanwhile shares the same counts
-        counted = self._counted = {ex: n for ex, n in self._counted.items()
-                                   if ex in self._workers}
-        for ex in forwarded:
-            if counted.get(ex) is None and ex.ticket is not None and ex.ticket.count_prompt:
-                counted[ex] = await ex.ticket.count_prompt()
-        return sorted((n for ex in forwarded if (n := counted.get(ex)) is not None),
-                      reverse=True)
+        forwarded = [ex.ticket.count_prompt for ex in list(self._workers)
+                     if ex.slot and ex.state is not Step.DONE and ex.ticket is not None
+                     and ex.ticket.count_prompt is not None]
+        counted = [await count() for count in forwarded]
+        return sorted((n for n in counted if n is not None), reverse=True)
 
     async def _count_prompt(self, label: str, doc: object) -> int | None:
         """The prompt of a request to the chat model as llama-server's tokenizer counts it."""
@@ -555,3 +549,19 @@ def _listed(answer: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The entries of a model list's `key` that are objects; [] for anything else."""
     items = (answer or {}).get(key)
     return [e for e in items if isinstance(e, dict)] if isinstance(items, list) else []
+
+
+def _once(count: Callable[[], Awaitable[int | None]]) -> Callable[[], Awaitable[int | None]]:
+    """A prompt counted once per request: the first call asks llama-server's tokenizer, every
+    later or concurrent call (the queue, the stall check, the status page, the audit after a
+    cut) awaits that one answer, a failure (None) included. A caller that gives up (a timeout)
+    leaves the count running for the others."""
+    task: asyncio.Task[int | None] | None = None
+
+    def call() -> Awaitable[int | None]:
+        nonlocal task
+        if task is None:
+            task = asyncio.ensure_future(count())
+        return asyncio.shield(task)
+
+    return call

@@ -47,6 +47,8 @@ class FakeUpstream:
     #: says (`slot_read` None: no slot working)
     slot_read: int | None = None
     slot_decoded: int = 0
+    #: llama-server's tokenizer (`/apply-template`, `/tokenize`) answers 500
+    tokenizer_fails: bool = False
     api_key: str = "internal-key-0123456789"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
@@ -207,6 +209,9 @@ class FakeUpstream:
                 "next_token": [{"n_decoded": self.slot_decoded}]}]
             body = json.dumps(slots).encode()
             return await self._whole(w, b"200 OK", b"application/json", body)
+        if seen.path in ("/apply-template", "/tokenize") and self.tokenizer_fails:
+            return await self._whole(w, b"500 Internal Server Error", b"application/json",
+                                     b'{"error": {"code": 500, "message": "tokenizer"}}')
         if seen.path in ("/apply-template", "/tokenize"):
             # llama-server's tokenizer, asked by the front to charge a cut request's prompt
             body = (b'{"prompt": "fake prompt"}' if seen.path == "/apply-template"
