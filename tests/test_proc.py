@@ -97,19 +97,21 @@ def test_stop_kills_a_leader_that_ignores_sigterm(caplog: pytest.LogCaptureFixtu
 
 @pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
 def test_stop_async_is_the_same_policy(kind: str) -> None:
-    async def scenario(ignore: bool) -> tuple[int | None, int, float]:
+    async def scenario(ignore: bool, grace: float) -> tuple[int | None, int, float]:
         env = {**os.environ, "IGNORE": "1" if ignore else "0"}
         child = await proc.start_async([sys.executable, "-c", LEADER], env=env)
         assert child.stdout is not None
         grandchild = int(await child.stdout.readline())
         t0 = time.monotonic()
-        rc = await proc.stop_async(child, 0.5)
+        rc = await proc.stop_async(child, grace)
         return rc, grandchild, time.monotonic() - t0
 
-    rc, grandchild, took = event_loop.run(scenario(ignore=True), kind=kind)
+    rc, grandchild, took = event_loop.run(scenario(ignore=True, grace=0.5), kind=kind)
     assert rc == -signal.SIGKILL and 0.5 <= took < 3.0 and gone(grandchild)
-    rc, grandchild, took = event_loop.run(scenario(ignore=False), kind=kind)
-    assert rc == 0 and took < 0.5 and gone(grandchild)
+    # a leader that takes SIGTERM is waited for, not killed, and not kept for the whole grace
+    # (as `stop` above: a loaded machine may take more than a moment for its exit)
+    rc, grandchild, took = event_loop.run(scenario(ignore=False, grace=5.0), kind=kind)
+    assert rc == 0 and took < 3.0 and gone(grandchild)
 
 
 @pytest.mark.parametrize("kind", ["asyncio", "uvloop"])

@@ -59,6 +59,18 @@ class Served:
     def state(self) -> dict:
         return json.loads((self.home / "state" / "instance.json").read_text())
 
+    def state_once(self, state: str, timeout: float = 10) -> dict:
+        """The state file once it says `state`: a thread writes it after the state changes,
+        so /readyz may say so first."""
+        def says() -> bool:
+            try:
+                return self.state()["state"] == state
+            except (FileNotFoundError, ValueError):
+                return False
+
+        wait_for(f"the state file saying {state}", says, timeout)
+        return self.state()
+
     def output(self) -> str:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -111,14 +123,14 @@ def test_crash_mid_stream_ends_in_an_error_event_then_recovers(served: Served,
     r = httpx.post(f"{served.base}/v1/chat/completions", timeout=10,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert served.state()["restarts"] == 1
+    assert served.state_once("ready")["restarts"] == 1
 
 
-@pytest.mark.parametrize("served", [("token_delay_s=0.1", {"MTPWRAP_DRAIN_S": "10"})],
-                         indirect=True)
-def test_sigterm_drains_in_flight_streams_then_stops(served: Served) -> None:
+@pytest.mark.parametrize("served", [("token_delay_s=0.02,stream_hold={tmp}/go",
+                                      {"MTPWRAP_DRAIN_S": "30"})], indirect=True)
+def test_sigterm_drains_in_flight_streams_then_stops(served: Served, tmp_path: Path) -> None:
     served.wait_ready()
-    st = served.state()
+    st = served.state_once("ready")
     child = st["child_pid"]
     # The file names mtpwrap and its child by identity: this boot, their start times.
     from mtpwrap import pids
@@ -140,6 +152,9 @@ def test_sigterm_drains_in_flight_streams_then_stops(served: Served) -> None:
     late = httpx.post(f"{served.base}/v1/chat/completions", timeout=5,
                       json={"messages": [], "max_tokens": 2})
     assert late.status_code == 503 and "retry-after" in late.headers
+    # the stream is held after its first token until now: it was in flight all along
+    assert t.is_alive() and got[-1] != "data: [DONE]"
+    (tmp_path / "go").touch()
     t.join(20)
     assert got[0] == "status 200" and got[-1] == "data: [DONE]"  # finished whole
     assert served.proc.wait(20) == 0
@@ -158,7 +173,7 @@ def test_crash_loop_shows_failed_with_reason_on_readyz(served: Served) -> None:
     r = served.readyz()
     assert r is not None and r.status_code == 503
     assert "exit 3" in r.text
-    assert served.state()["state"] == "failed"
+    served.state_once("failed")
     assert served.proc.poll() is None  # mtpwrap stays up to report it
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -221,7 +236,7 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     served.wait_ready()
-    st0 = served.state()
+    st0 = served.state_once("ready")
     # On a busy machine the first recycle can come before this read; then the pid proves nothing
     first_child = st0["child_pid"] if st0["restarts"] == 0 else None
     statuses: list[int] = []
@@ -243,10 +258,11 @@ def test_memory_growth_recycles_with_no_failed_requests(served: Served) -> None:
     assert "recycling llama-server: memory" in served.output()
 
 
-@pytest.mark.parametrize("served", [("load_s=3,progress_s=0.2", {
+@pytest.mark.parametrize("served", [("load_s=3,progress_s=0.2,hold_until={tmp}/go", {
     "MTPWRAP_SUPERVISOR_LOAD_STALL_S": "1"})], indirect=True)
-def test_slow_load_is_live_but_not_ready(served: Served) -> None:
-    """Loading takes three times the stall budget, with progress: live, not ready, no restart."""
+def test_slow_load_is_live_but_not_ready(served: Served, tmp_path: Path) -> None:
+    """Loading takes three times the stall budget, with progress: live, not ready, no restart.
+    (The load goes on until the test has seen it not ready, however late the front listens.)"""
     seen_loading = False
 
     def ready() -> bool:
@@ -262,9 +278,10 @@ def test_slow_load_is_live_but_not_ready(served: Served) -> None:
             return True
         assert r is not None and r.status_code == 503
         seen_loading = True
+        (tmp_path / "go").touch()
         return False
 
-    wait_for("ready after the slow load", ready, 10, every=0.05)
+    wait_for("ready after the slow load", ready, 30, every=0.05)
     assert seen_loading
     assert served.state()["restarts"] == 0
 

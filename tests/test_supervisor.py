@@ -65,11 +65,15 @@ async def chat(base_url: str, key: str, stream: bool = False, n: int = 4) -> htt
 
 
 def test_ready_means_an_answer_and_the_child_is_fenced(tmp_path: Path) -> None:
+    loaded = tmp_path / "loaded"
+
     async def scenario() -> None:
-        sup, events = make({"load_s": 1.0}, tmp_path)
+        # the child loads until the test lets it: "still loading" cannot be left meanwhile
+        sup, events = make({"load_s": 1.0, "hold_until": loaded}, tmp_path)
         await sup.start()
         await until("the child loading", logged(tmp_path, "loading model tensors"), 10)
         assert sup.status().state is State.STARTING  # /health is 503 while loading
+        loaded.touch()
         up = await sup.wait_ready(10)
         assert up is not None and up.generation == 1
         assert up.base_url.startswith("http://127.0.0.1:")
@@ -336,8 +340,12 @@ asyncio.run(main())
 
 
 def test_drain_keeps_the_child_serving_until_stop(tmp_path: Path) -> None:
+    go = tmp_path / "go"
+
     async def scenario() -> None:
-        sup, events = make({"token_delay_s": 0.05}, tmp_path)
+        # the stream stops after its first token until the test lets it go: it is in flight
+        # when the drain begins, however slowly the test gets there
+        sup, events = make({"token_delay_s": 0.05, "stream_hold": go}, tmp_path)
         await sup.start()
         up = await sup.wait_ready(10)
         assert up is not None
@@ -346,6 +354,8 @@ def test_drain_keeps_the_child_serving_until_stop(tmp_path: Path) -> None:
         sup.begin_drain()
         assert sup.status().state is State.DRAINING
         assert await sup.wait_ready(5) is None  # at once: no new work for this instance
+        assert not inflight.done()
+        go.touch()
         r = await inflight
         assert r.status_code == 200 and "[DONE]" in r.text  # the stream finished whole
         await sup.stop(3)
@@ -492,11 +502,15 @@ def test_a_reload_whose_child_does_not_start_goes_back(tmp_path: Path) -> None:
 
 
 def test_a_reload_pending_at_stop_is_answered(tmp_path: Path) -> None:
+    loaded = tmp_path / "loaded"
+
     async def scenario() -> None:
-        sup, _ = make({"load_s": 0.5}, tmp_path)
+        # the child loads until the test lets it: "not ready yet" is pinned
+        sup, _ = make({"hold_until": loaded}, tmp_path)
         await sup.start()
         ok, message = await sup.reload(fake_factory(None), drain_s=5)
         assert ok and "applies to its next start" in message  # not ready yet: nothing to swap
+        loaded.touch()
         assert await sup.wait_ready(10) is not None
         pending = asyncio.create_task(sup.reload(None, drain_s=5))
         await asyncio.sleep(0)  # one yield: the task files its reload (no await comes before)

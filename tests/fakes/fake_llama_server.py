@@ -16,6 +16,8 @@ Faults come from `--fault KEY=VALUE` (repeatable) or `FAKE_LLAMA_FAULTS="KEY=VAL
   load_s=S             take S seconds to load (default 0), printing a progress line every
                        progress_s (default 0.2) unless silent_load=1
   silent_load=1        print nothing while loading (a load that looks stuck)
+  hold_until=PATH      go on loading (with load_s's progress lines) until PATH exists, and
+                       for load_s at least (a test pins "still loading" as long as it needs)
   oom=1                print a CUDA out-of-memory message while loading and exit 1
   crash_after_chunks=N SIGKILL itself after N streamed chunks
   wedge_after_chunks=N stop producing tokens after N streamed chunks; /health stays 200 and
@@ -28,10 +30,12 @@ Faults come from `--fault KEY=VALUE` (repeatable) or `FAKE_LLAMA_FAULTS="KEY=VAL
   rss_mb=M             allocate M MiB at start
   grow_mb_per_s=M      keep allocating M MiB per second while serving
   token_delay_s=S      delay between streamed tokens (default 0.01)
+  stream_hold=PATH     a streamed answer stops after its first chunk until PATH exists (a
+                       test pins "the stream is still open" as long as it needs)
   counter=PATH         count starts in PATH; with fault_starts=K the faults above apply only
                        to the first K starts (a crash that goes away after a restart)
   later_hold=PATH      with fault_starts=K: each start after the first K loads until PATH
-                       exists (a test pins "the restart is still loading" as long as it needs)
+                       exists (hold_until=PATH for the restarts, not the first K starts)
 
 Run: `python tests/fakes/fake_llama_server.py --host 127.0.0.1 --port 8080`.
 """
@@ -229,7 +233,10 @@ class Handler(BaseHTTPRequestHandler):
         crash_at = int(st.num("crash_after_chunks", -1))
         wedge_at = int(st.num("wedge_after_chunks", -1))
         delay = st.num("token_delay_s", 0.01)
+        hold = st.faults.get("stream_hold")
         for i, tok in enumerate(self._tokens(n)):
+            while i == 1 and hold and not os.path.exists(hold):
+                time.sleep(0.02)  # held by the test, not a pace
             if i == crash_at:
                 log("srv  fault: crashing (SIGKILL self)")
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -328,15 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     load_s = st.num("load_s", 0.0)
     progress_s = st.num("progress_s", 0.2)
-    t0 = time.monotonic()
     hold = st.faults.get("hold_until")
-    while hold and not os.path.exists(hold) and not stop.is_set():
-        time.sleep(0.05)  # held by the test, not a pace
-    while time.monotonic() - t0 < load_s and not stop.is_set():
+    t0 = time.monotonic()
+    while not stop.is_set():
+        took = time.monotonic() - t0
+        if took >= load_s and not (hold and not os.path.exists(hold)):
+            break
         if not faults.get("silent_load"):
-            pct = int(100 * (time.monotonic() - t0) / load_s)
+            pct = min(99, int(100 * took / load_s)) if load_s else 0
             log(f"load_tensors: loading model tensors ... {pct}%")
-        time.sleep(min(progress_s, load_s))  # the fake's load pace
+        time.sleep(min(progress_s, load_s) if took < load_s else progress_s)  # the load's pace
     st.loaded = True
     log("main: model loaded")
     oom_after = st.num("oom_after_s", 0.0)
