@@ -202,7 +202,10 @@ class LlamaChild:
         from mtpwrap.decide import launch
         from mtpwrap.proc import start_server
 
-        cfg = launch.plain(self.model, context=4096, slots=2, threads=2, why="test upstream")
+        # One thread: ggml's threads wait for each other at every op, so two threads on a
+        # 2-core machine shared with the suite made a step of the demo model take seconds
+        # (600 tokens: over 120 s with two, 44 s with one, same load)
+        cfg = launch.plain(self.model, context=4096, slots=2, threads=1, why="test upstream")
         argv = launch.render(cfg, probe(self.binary), binary=self.binary,
                              endpoint=self.endpoint, extra=self.extra).argv
         # the key travels in the environment, not argv
