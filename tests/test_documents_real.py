@@ -110,7 +110,7 @@ def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
         said = httpx.get(f"{up.base}/{page}", timeout=30).json()["documents"]
         assert said["min_step"] == REREAD and said["checkpoints"] >= 8, said
         assert "full-context document(s) of 32,768 tokens" in said["summary"], said
-        # this build's checkpoints leave the MTP context's KV out (patch 0002): none grows
+        # this build's checkpoints leave the MTP context's KV out (patch 0003): none grows
         assert "carries the MTP context's KV" not in said["why"]["checkpoints"], said
     assert up.log is not None and "documents    RAM cache" in up.log.read_text()
     argv = Path(f"/proc/{up.state()['child_pid']}/cmdline").read_text().split("\0")
@@ -119,7 +119,10 @@ def test_a_new_question_reads_the_question_not_the_document(up: Up) -> None:
         (i,) = [argv.index(s) for s in spellings if s in argv]
         return argv[i + 1]
 
-    assert value("-cms", "--checkpoint-min-step") == "1024"
+    # a checkpoint every 1,024 tokens of a read (patch 0002's flag); upstream's minimum spacing
+    # keeps its default and its meaning
+    assert value("-cpent", "--checkpoint-every-n-tokens") == "1024"
+    assert "-cms" not in argv and "--checkpoint-min-step" not in argv
     assert value("--cache-reuse") == "0"
     assert value("-ctxcp", "--ctx-checkpoints") == str(said["checkpoints"])
     assert int(value("-cram", "--cache-ram")) > 1024

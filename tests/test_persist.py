@@ -72,6 +72,25 @@ def test_eviction_removes_the_oldest_until_the_bound_holds(tmp_path: Path) -> No
     assert store.evict() == []
 
 
+def test_a_sidecar_goes_with_its_slot_file(tmp_path: Path) -> None:
+    """llama-server (patch 0004) writes a slot's checkpoints beside its file, through a .tmp
+    file it renames: mtpwrap makes it 0600, counts it in the bound and removes it, and what a
+    write cut short left, with the slot file."""
+    store = store_at(tmp_path, max_mb=1)
+    store.directory.mkdir(exist_ok=True)
+    old = write(store, 0, 2**19)
+    store.path(old + persist.SIDECAR).write_bytes(b"LLCKPT" + b"\0" * (2**19 - 6))
+    store.path(old + persist.SIDECAR_TMP).write_bytes(b"LLCKPT")
+    past = time.time() - 100
+    os.utime(store.path(old), (past, past))
+    assert store.secure(old) == 2**20 and mode(store.path(old + persist.SIDECAR)) == 0o600
+    new = write(store, 1, 100)
+    assert store.evict() == [old]  # the slot file and its sidecar were over the bound together
+    assert sorted(p.name for p in tmp_path.iterdir()) == [new]
+    store.path(new + persist.SIDECAR_TMP).write_bytes(b"cut short")
+    store.remove(new)
+    assert list(tmp_path.iterdir()) == []
+
 def test_directory_problems_and_the_doctor_check(tmp_path: Path) -> None:
     from mtpwrap import doctor
 

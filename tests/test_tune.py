@@ -16,7 +16,7 @@ from tests.helpers import cli_env, run_cli, without
 
 #: the document cache's flags (decide.documents): how prompts are kept between requests, which
 #: `up` adds and a speed sweep leaves to llama.cpp
-DOCUMENT_FLAGS = ("-cram", "-cms", "-ctxcp", "--cache-reuse", "-b")
+DOCUMENT_FLAGS = ("-cram", "-cpent", "-ctxcp", "--cache-reuse", "-b")
 
 
 def _point(name: str, spec: str, depth: int, p_min: float | None, tps: float,

@@ -79,7 +79,7 @@ class LaunchConfig:
     fit: str | None = None  #: llama.cpp's --fit on|off; None: its default
     #: how documents stay warm (mtpwrap.decide.documents); None: llama.cpp's default
     ctx_checkpoints: int | None = None
-    checkpoint_min_step: int | None = None
+    checkpoint_every: int | None = None  #: --checkpoint-every-n-tokens
     cache_reuse: int | None = None
     cache_ram: int | None = None  #: MiB of host RAM for llama-server's prompt cache
     #: a companion: serve embeddings (--embeddings) or reranking (--reranking) only

@@ -59,9 +59,12 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "api_key": ("--api-key",),
     "slot_save_path": ("--slot-save-path",),
     "ctx_checkpoints": ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
-    # the fork at 0bc0a27 spells the spacing of checkpoints during a read its own way
-    "checkpoint_min_step": ("-cms", "--checkpoint-min-step", "-cpent",
-                            "--checkpoint-every-n-tokens"),
+    # a checkpoint every n tokens while a prompt is read: the fork at 0bc0a27's flag, which
+    # patch 0002 adds to the upstream pin under the same spelling
+    "checkpoint_every": ("-cpent", "--checkpoint-every-n-tokens"),
+    # upstream's minimum spacing between checkpoints (a user message's start); the plan leaves
+    # it to llama.cpp
+    "checkpoint_min_step": ("-cms", "--checkpoint-min-step"),
     "cache_reuse": ("--cache-reuse",),
     "cache_ram": ("-cram", "--cache-ram"),
     "embeddings": ("--embeddings", "--embedding"),
@@ -70,7 +73,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "alias": ("-a", "--alias"),
 }
 #: the document cache's flags (decide.documents decides them), in the order they are spelled
-DOCUMENT_FLAGS = ("ctx_checkpoints", "checkpoint_min_step", "cache_reuse", "cache_ram")
+DOCUMENT_FLAGS = ("ctx_checkpoints", "checkpoint_every", "cache_reuse", "cache_ram")
 #: the draft depth's flag and the ngram lookup length's flag, per spec type.
 DEPTH_FLAGS: dict[str, tuple[str, ...]] = {
     "mtp": ("--spec-draft-n-max",), "draft-mtp": ("--spec-draft-n-max",),

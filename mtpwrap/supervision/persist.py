@@ -39,9 +39,13 @@ log = logging.getLogger("mtpwrap.persist")
 
 PREFIX = "mtpwrap-slot"
 SUFFIX = ".bin"
-#: llama-server (patch 0002) writes a slot's context checkpoints and draft context beside its
-#: file, under the file's name with this suffix: the two are kept and removed together
+#: llama-server (patch 0004) writes a slot's context checkpoints and draft context beside its
+#: file, under the file's name with this suffix (through SIDECAR + ".tmp", renamed): the two are
+#: kept and removed together. The sidecar names the slot file's tokens; llama-server uses it only
+#: beside the slot file it was written with, and removes an older one before it saves a slot.
 SIDECAR = ".ckpt"
+#: what a sidecar write cut short leaves
+SIDECAR_TMP = SIDECAR + ".tmp"
 #: idle seconds before a checkpoint is taken
 CHECKPOINT_IDLE_S = 3.0
 #: share of the free disk the snapshots may take when persist.max_mb is 0 (auto)
@@ -180,7 +184,8 @@ class SnapshotStore:
         return total
 
     def remove(self, name: str) -> None:
-        for p in (self.path(name), self.path(name + SIDECAR)):
+        """A snapshot's slot file, its sidecar and what a sidecar write cut short left."""
+        for p in (self.path(name), self.path(name + SIDECAR), self.path(name + SIDECAR_TMP)):
             with contextlib.suppress(OSError):
                 p.unlink()
 

@@ -46,6 +46,11 @@ def derive(upstream: str) -> str:
             # the fork's own MTP implementation, next to upstream's draft-mtp
             out.append(line.replace(",draft-mtp,", ",draft-mtp,mtp,", 1))
             continue
+        if line.strip() == "disable (default: -1)" and out[-1].startswith("-cpent,"):
+            # --checkpoint-every-n-tokens: the fork's own flag (patch 0002 adds it to the
+            # upstream build, off), on by default there as at 0bc0a27
+            out.append(line.replace("(default: -1)", "(default: 8192)"))
+            continue
         if line.startswith("-lm,   --load-mode"):
             # the recipe's --mlock: gone upstream, still accepted (deprecated) by the fork
             head = "--mlock".ljust(40)
