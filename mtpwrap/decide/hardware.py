@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +40,6 @@ THROTTLE_REASONS: dict[int, str] = {
 NVML_ERROR_DRIVER_NOT_LOADED = 9
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_CLOCK_MEM = 2
-
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,7 @@ class HardwareSnapshot:
     cpu_logical: int | None = None
     ram_total: int | None = None  # bytes
     ram_available: int | None = None  # bytes
+    ram_read_at: int | None = None  #: when the RAM figures were read (Unix time; None: not said)
     #: why there is no GPU information (no driver, no GPU, NVML error); None when NVML answered.
     error: str | None = None
     driver_version: str | None = None
@@ -114,48 +115,26 @@ class HardwareSnapshot:
         return bool(self.gpus)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpus": [g.to_dict() for g in self.gpus],
-            "cpu_physical": self.cpu_physical,
-            "cpu_logical": self.cpu_logical,
-            "ram_total": self.ram_total,
-            "ram_available": self.ram_available,
-            "error": self.error,
-            "driver_version": self.driver_version,
-            "cuda_driver_version": self.cuda_driver_version,
-            "source": self.source,
-        }
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
+                "gpus": [g.to_dict() for g in self.gpus]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HardwareSnapshot:
-        return cls(
-            gpus=tuple(GpuInfo.from_dict(g) for g in data.get("gpus") or ()),
-            cpu_physical=data.get("cpu_physical"),
-            cpu_logical=data.get("cpu_logical"),
-            ram_total=data.get("ram_total"),
-            ram_available=data.get("ram_available"),
-            error=data.get("error"),
-            driver_version=data.get("driver_version"),
-            cuda_driver_version=data.get("cuda_driver_version"),
-            source=data.get("source", "dict"),
-        )
+        plain = {k: data[k] for k in cls.__dataclass_fields__ if k in data and k != "gpus"}
+        return cls(**{"source": "dict", **plain},
+                   gpus=tuple(GpuInfo.from_dict(g) for g in data.get("gpus") or ()))
 
 
 # --------------------------------------------------------------------------- helpers
 
 
 def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
+    return (None if value is None else value.decode("utf-8", "replace")
+            if isinstance(value, bytes) else str(value))
 
 
 def _cuda_version_text(value: int | None) -> str | None:
-    if value is None or value <= 0:
-        return None
-    return f"{value // 1000}.{(value % 1000) // 10}"
+    return None if value is None or value <= 0 else f"{value // 1000}.{(value % 1000) // 10}"
 
 
 def _load_nvml() -> tuple[Any | None, str | None]:
@@ -207,8 +186,8 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def host_info(psutil_module: Any | None = None, *,
               use_psutil: bool = True) -> dict[str, int | None]:
-    """CPU cores and RAM. Without psutil, logical cores and RAM come from the OS; physical
-    cores stay unknown."""
+    """CPU cores and RAM (and when it was read). Without psutil, logical cores and RAM come
+    from the OS; physical cores stay unknown."""
     ps = psutil_module
     if ps is None and use_psutil:
         try:
@@ -217,40 +196,28 @@ def host_info(psutil_module: Any | None = None, *,
             ps = psutil
         except ImportError:
             ps = None
+    now = int(time.time())
     if ps is not None:
         vm = ps.virtual_memory()
-        return {
-            "cpu_physical": ps.cpu_count(logical=False),
-            "cpu_logical": ps.cpu_count(logical=True),
-            "ram_total": int(vm.total),
-            "ram_available": int(vm.available),
-        }
-    info: dict[str, int | None] = {
-        "cpu_physical": None,
-        "cpu_logical": os.cpu_count(),
-        "ram_total": None,
-        "ram_available": None,
-    }
-    try:
+        return {"cpu_physical": ps.cpu_count(logical=False),
+                "cpu_logical": ps.cpu_count(logical=True), "ram_total": int(vm.total),
+                "ram_available": int(vm.available), "ram_read_at": now}
+    info: dict[str, int | None] = {"cpu_physical": None, "cpu_logical": os.cpu_count(),
+                                   "ram_total": None, "ram_available": None, "ram_read_at": now}
+    meminfo = {"MemTotal": "ram_total", "MemAvailable": "ram_available"}
+    with contextlib.suppress(OSError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key == "MemTotal":
-                info["ram_total"] = int(rest.split()[0]) * 1024
-            elif key == "MemAvailable":
-                info["ram_available"] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
+            if key in meminfo:
+                info[meminfo[key]] = int(rest.split()[0]) * 1024
     return info
 
 
 # --------------------------------------------------------------------------- snapshot
 
 
-def snapshot(
-    nvml: Any | None = None,
-    *,
-    host: Mapping[str, int | None] | None = None,
-) -> HardwareSnapshot:
+def snapshot(nvml: Any | None = None, *,
+             host: Mapping[str, int | None] | None = None) -> HardwareSnapshot:
     """Take a hardware snapshot. Never raises for a missing driver or GPU: `error` says why."""
     source = "nvml"
     if nvml is None:
@@ -262,7 +229,8 @@ def snapshot(
         # a recording carries the host it was made on; never mix in this machine's figures
         recorded = getattr(nvml, "recorded_host", None)
         host = recorded if recorded is not None else host_info()
-    base = {k: host.get(k) for k in ("cpu_physical", "cpu_logical", "ram_total", "ram_available")}
+    base = {k: host.get(k) for k in ("cpu_physical", "cpu_logical", "ram_total", "ram_available",
+                                     "ram_read_at")}
     if nvml is None:
         return HardwareSnapshot(error=load_error, source="none", **base)  # type: ignore[arg-type]
 
@@ -276,16 +244,12 @@ def snapshot(
         cuda = _cuda_version_text(_query(nvml, err, "nvmlSystemGetCudaDriverVersion"))
         count = _query(nvml, err, "nvmlDeviceGetCount")
         if count is None:
-            return HardwareSnapshot(
-                error="NVML could not count the GPUs", driver_version=driver,
-                cuda_driver_version=cuda, source=source, **base,  # type: ignore[arg-type]
-            )
+            return HardwareSnapshot(error="NVML could not count the GPUs", driver_version=driver,
+                                    cuda_driver_version=cuda, source=source, **base)  # type: ignore[arg-type]
         gpus = tuple(_gpu_info(nvml, err, i, driver, cuda) for i in range(int(count)))
         error = None if gpus else "the NVIDIA driver is loaded but reports no GPU"
-        return HardwareSnapshot(
-            gpus=gpus, error=error, driver_version=driver, cuda_driver_version=cuda,
-            source=source, **base,
-        )
+        return HardwareSnapshot(gpus=gpus, error=error, driver_version=driver,
+                                cuda_driver_version=cuda, source=source, **base)
     finally:
         _query(nvml, err, "nvmlShutdown")
 
@@ -483,7 +447,6 @@ def record(nvml: Any | None = None, *, note: str = "") -> dict[str, Any]:
 def load_snapshot(path: str | Path) -> HardwareSnapshot:
     """A snapshot from a file: an NVML recording (replayed) or a saved `to_dict()`."""
     import json
-
 
     p = Path(path)
     try:

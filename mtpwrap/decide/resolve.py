@@ -335,7 +335,7 @@ def _within_trained_context(cfg: LaunchConfig, facts: ModelFacts | None) -> Laun
 
 
 #: the patch whose checkpoints leave the MTP context's KV out (patches/llama.cpp)
-CHECKPOINTS_PATCH = "0002-slot-checkpoints"
+CHECKPOINTS_PATCH = "0003-draft-context-checkpoint-size"
 
 
 def _applied(inp: Inputs, patch: str) -> bool:
@@ -361,21 +361,21 @@ def _with_documents(r: Resolved) -> Resolved:
     except ConfigError:
         return r
     slot_context = planner.kv_geometry(pc.n_ctx, pc.n_slots, pc.kv_unified)[1]
-    caps = inp.caps
+    caps, asked = inp.caps, documents.asked_cache_ram(launch.extra_args)
     doc = documents.decide(
         facts, state, slot_context=slot_context, ubatch=launch.ubatch, batch=launch.batch,
-        ram_total=inp.snapshot.ram_total if inp.snapshot is not None else None,
-        host_used=host + sum(c.host_bytes for c in r.companions), slots=pc.n_slots,
+        ram=inp.snapshot, host_used=host + sum(c.host_bytes for c in r.companions),
+        slots=pc.n_slots, asked=asked,
         has=None if caps is None else lambda f: caps.first_of(SPELLINGS[f]) is not None)
     why = dict(doc.why)
     launch = launch.replace(
         why={field: why[key] for field, key in (
-            ("ctx_checkpoints", "checkpoints"), ("checkpoint_min_step", "min_step"),
+            ("ctx_checkpoints", "checkpoints"), ("checkpoint_every", "min_step"),
             ("batch", "batch"), ("cache_reuse", "cache_reuse"), ("cache_ram", "cache_ram"))
             if key in why},
-        ctx_checkpoints=doc.checkpoints, checkpoint_min_step=doc.min_step,
+        ctx_checkpoints=doc.checkpoints, checkpoint_every=doc.min_step,
         batch=doc.batch if doc.batch is not None else launch.batch,
-        cache_reuse=doc.cache_reuse, cache_ram=doc.cache_ram_mib,
+        cache_reuse=doc.cache_reuse, cache_ram=doc.cache_ram_mib if asked is None else None,
         warnings=launch.warnings + doc.warnings)
     return dataclasses.replace(r, launch=launch, documents=doc)
 

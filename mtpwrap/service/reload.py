@@ -203,7 +203,7 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         new_settings = await asyncio.to_thread(reread_settings, inputs)
         # llama-server keeps the running store's directory (persist settings wait for a restart)
         runtime = await asyncio.to_thread(
-            load_runtime, new_settings, store.directory if store is not None else None)
+            load_runtime, new_settings, store.directory if store is not None else None, running)
     except MtpwrapError as exc:
         return ReloadResult(ReloadOutcome.REFUSED,
                             f"not reloaded, llama-server left as it was: {exc}", exc.exit_code)

@@ -137,7 +137,8 @@ class Runtime:
 
 
 def load_runtime(settings: Settings,
-                 slot_save_path: Path | None | Literal["settings"] = "settings") -> Runtime:
+                 slot_save_path: Path | None | Literal["settings"] = "settings",
+                 running: Runtime | None = None) -> Runtime:
     """Every check `up` makes before starting anything, and all it derives: the one resolve
     (decide/resolve.py) on this machine, binary and profile, the supervisor's and the front's
     settings. Raises ConfigError and starts nothing.
@@ -145,10 +146,15 @@ def load_runtime(settings: Settings,
     slot_save_path: the KV snapshot directory llama-server saves slots in, decided here once:
     "settings" for the settings' own `persist.dir` (None when persistence is off) — the
     directory of the store a new service opens —, else the directory of the store a running
-    service keeps across a reload (None: no store)."""
+    service keeps across a reload (None: no store). running: the runtime a reload replaces; the
+    RAM it read before it started its children (which hold some of it now) sizes the cache."""
     check_open_listen(settings)  # first: before a binary is even asked for its --help
     inp = inputs.gather(settings.profile, model=settings.model, binary=settings.binary,
                         replay=settings.hw_replay)
+    then = running.resolved.inputs.snapshot if running and running.resolved else None
+    if then is not None and inp.snapshot is not None and then.source == inp.snapshot.source:
+        inp = dataclasses.replace(inp, snapshot=dataclasses.replace(
+            inp.snapshot, ram_available=then.ram_available, ram_read_at=then.ram_read_at))
     skip = settings.plan == "skip"
     r = inputs.resolve_inputs(inp, plan=False if skip else None)
     warnings = list(inp.warnings)
