@@ -11,7 +11,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from mtpwrap.front import audit
+from mtpwrap.front import audit, usage
 from mtpwrap.front.audit import FileSink, JournalSink, Ticket, read_records
 from mtpwrap.front.usage import Tally, answer_counts, reservation
 
@@ -29,7 +29,7 @@ class Clock:
 
 def record(n: int) -> dict[str, object]:
     t = Ticket(method="POST", route="/v1/chat/completions", client="127.0.0.1", key="app")
-    t.status, t.by = 200, "llama-server"
+    t.status, t.by, t.tally.route = 200, "llama-server", t.route
     t.tally.sent, t.tally.status, t.tally.ended = True, 200, True
     t.tally.feed(b'{"usage":{"completion_tokens":%d,"prompt_tokens":7}}' % n)
     return t.record("demo")
@@ -88,24 +88,76 @@ def test_journald_gets_structured_fields() -> None:
     assert "MTPWRAP_REASON" not in fields  # None fields are left out
 
 
-def test_counts_come_from_the_answers_end_not_from_text_inside_it() -> None:
+def test_counts_are_read_from_the_answers_json_never_from_text_inside_it() -> None:
     # a stream without include_usage: llama-server's timings in its last event
     stream = (b'data: {"choices":[{"delta":{"content":"say \\"prompt_tokens\\": 999"}}]}\n\n'
               b'data: {"choices":[{"finish_reason":"length","delta":{}}],"timings":'
               b'{"cache_n":3,"prompt_n":9,"predicted_n":16,"draft_n":12,'
               b'"draft_n_accepted":10}}\n\ndata: [DONE]\n\n')
-    assert answer_counts(stream) == {"prompt_tokens": 12, "cached_tokens": 3,
-                                     "completion_tokens": 16, "drafted_tokens": 12,
-                                     "accepted_tokens": 10, "finish": "length"}
+    for size in (1, 2, 7, len(stream)):  # however the reads cut it
+        t = Tally(route="/v1/chat/completions", stream=True, sent=True, status=200, ended=True)
+        for i in range(0, len(stream), size):
+            t.feed(stream[i:i + size])
+        assert t.counts() == {"prompt_tokens": 12, "cached_tokens": 3, "completion_tokens": 16,
+                              "drafted_tokens": 12, "accepted_tokens": 10, "finish": "length",
+                              "from": "answer"}, size
     # usage wins where llama-server gave it; Anthropic's names too
     # (Anthropic's prompt is its input tokens and those read from the cache)
-    anthropic = (b'{"content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn",'
-                 b'"usage":{"cache_read_input_tokens":30,"input_tokens":21,"output_tokens":4}}')
-    counts = answer_counts(anthropic)
+    counts = answer_counts(json.loads(
+        '{"content":[{"type":"text","text":"hi"}],"stop_reason":"end_turn",'
+        '"usage":{"cache_read_input_tokens":30,"input_tokens":21,"output_tokens":4}}'))
     assert counts["prompt_tokens"] == 51 and counts["completion_tokens"] == 4
     assert counts["cached_tokens"] == 30
     assert counts["finish"] == "end_turn"
-    assert answer_counts(b'{"tokens":[1,2,3]}')["prompt_tokens"] is None
+    assert answer_counts({"tokens": [1, 2, 3]})["prompt_tokens"] is None
+    # a batch of native answers (a prompt per answer) is their sum
+    assert answer_counts([{"tokens_evaluated": 5, "tokens_predicted": 7},
+                          {"tokens_evaluated": 6, "tokens_predicted": 8}])[
+        "prompt_tokens"] == 11
+
+
+def test_a_whole_answer_is_parsed_wherever_its_counts_are() -> None:
+    # /completion with n_probs: llama-server puts its counts first and the probabilities,
+    # hundreds of KiB, after them
+    probs = [{"id": i, "token": "x", "logprob": -1.0, "top_logprobs": [
+        {"id": j, "token": "y", "logprob": -2.0} for j in range(20)]} for i in range(200)]
+    answer = json.dumps({"content": "text", "tokens_predicted": 200, "tokens_evaluated": 9,
+                         "timings": {"prompt_n": 9, "predicted_n": 200},
+                         "completion_probabilities": probs}).encode()
+    assert len(answer) > 64 * 1024
+    t = Tally(route="/completion", sent=True, status=200, ended=True)
+    for i in range(0, len(answer), 4096):
+        t.feed(answer[i:i + 4096])
+    assert (t.counts()["prompt_tokens"], t.counts()["completion_tokens"]) == (9, 200)
+    assert t.counts()["from"] == "answer"
+
+
+def test_a_200_that_does_not_say_its_counts_is_charged_its_reservation() -> None:
+    def whole(route: str, answer: bytes, reserved: int | None = 250) -> dict[str, object]:
+        t = Tally(route=route, sent=True, status=200, ended=True)
+        t.feed(answer)
+        return t.counts(200, estimate=50, reserved=reserved)
+
+    # response_fields left the counts out: the prompt's estimate and the rest as generation
+    c = whole("/completion", b'{"content":"forty tokens of text"}')
+    assert (c["prompt_tokens"], c["completion_tokens"], c["from"]) == (50, 200, "reserved")
+    # native /embedding and a TEI-style rerank say no counts: all of it is the prompt's
+    for route, answer in (("/embedding", b'[{"index":0,"embedding":[[0.1,0.2]]}]'),
+                          ("/v1/rerank", b'[{"index":1,"score":0.9},{"index":0,"score":0.1}]')):
+        c = whole(route, answer)
+        assert (c["prompt_tokens"], c["completion_tokens"], c["from"]) == (250, None,
+                                                                           "reserved"), route
+    # an answer past what the tally keeps is charged its reservation too
+    c = whole("/v1/chat/completions", b'{"usage":{"prompt_tokens":1}, "pad":"'
+              + b"x" * usage.ANSWER_BYTES + b'"}')
+    assert c["from"] == "reserved"
+    # without a key no reservation is taken: the prompt's estimate
+    c = whole("/completion", b'{"content":"x"}', reserved=None)
+    assert (c["prompt_tokens"], c["completion_tokens"], c["from"]) == (50, None, "estimate")
+    # a route that runs no model costs nothing, whatever its answer says
+    for route in ("/tokenize", "/v1/messages/count_tokens", "/v1/chat/completions/input_tokens"):
+        c = whole(route, b'{"input_tokens":41,"tokens":[1,2]}')
+        assert (c["prompt_tokens"], c["from"]) == (None, None), route
 
 
 def test_a_front_made_answer_has_no_token_counts_and_the_record_has_every_field() -> None:

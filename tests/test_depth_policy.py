@@ -175,12 +175,19 @@ def test_inject_keeps_every_other_byte() -> None:
                                                               "speculative.p_min": 0.5}
 
 
-def test_draft_counts_from_a_stream_tail() -> None:
-    tail = (b'data: {"choices":[],"timings":{"draft_n":7,"draft_n_accepted":3}}\n\n'
-            b'data: {"choices":[],"timings":{"predicted_n":9,"draft_n":12,'
-            b'"draft_n_accepted":5}}\n\ndata: [DONE]\n\n')
-    assert depth_policy.draft_counts(tail) == (12, 5)
-    assert depth_policy.draft_counts(b'{"content":"no timings"}') is None
+def test_draft_counts_from_a_stream_s_last_timings() -> None:
+    from mtpwrap.front.usage import Tally
+
+    tally = Tally(route="/v1/chat/completions", stream=True)
+    for piece in (b'data: {"choices":[],"timings":{"draft_n":7,"draft_n_accepted":3}}\n\nda',
+                  b'ta: {"choices":[],"timings":{"predicted_n":9,"draft_n":12,',
+                  b'"draft_n_accepted":5}}\n\ndata: [DONE]\n\n'):
+        tally.feed(piece)
+    said = tally.said()
+    assert (said["drafted_tokens"], said["accepted_tokens"]) == (12, 5)
+    plain = Tally(route="/completion")
+    plain.feed(b'{"content":"no timings"}')
+    assert plain.said()["drafted_tokens"] is None
 
 
 def _profile(spec: dict) -> dict:

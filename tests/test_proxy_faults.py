@@ -6,8 +6,10 @@ test_proxy_real.py where the real binary can show them (disconnect, crash mid-st
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -75,13 +77,16 @@ def post(url: str, body: dict, timeout: float = 30) -> httpx.Response:
 
 def test_requests_during_restart_wait_then_are_served_and_all_are_accounted(fake):
     fake.mode = "json"
-    with serve_front(fake.base_url, fake.api_key, cfg(queue_size=3, max_concurrency=4),
+    # the queue time is far longer than the test: the three wait until the child is ready,
+    # however slowly a loaded machine sends the five
+    with serve_front(fake.base_url, fake.api_key,
+                     cfg(queue_size=3, max_concurrency=4, queue_timeout_s=60.0),
                      state=State.STARTING) as (srv, sup):
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(post, srv.url, {"messages": []}) for _ in range(5)]
             # the child is "restarting"; 3 wait, 2 are refused at once
             wait_for("3 queued and 2 refused",
-                     lambda: srv.front.queued == 3 and sum(f.done() for f in futs) == 2, 10,
+                     lambda: srv.front.queued == 3 and sum(f.done() for f in futs) == 2, 30,
                      every=0.02)
             assert srv.front.queued == 3
             sup.set_state(State.READY, new_generation=True)
@@ -198,31 +203,38 @@ def test_refused_connect_is_retried_once(fake):
 
 
 def test_overload_is_shed_fast_and_accepted_requests_complete(fake):
+    # the two forwarded are held by the fake until the test has seen the queue full, then
+    # answer 1 s later each: the state below cannot be left while it is looked at
     fake.mode, fake.interval = "slow_json", 1.0
+    release = fake.hold = threading.Event()
     with serve_front(fake.base_url, fake.api_key,
-                     cfg(max_concurrency=2, queue_size=2)) as (srv, _):
-        def timed() -> tuple[int, float, str | None]:
+                     cfg(max_concurrency=2, queue_size=2, queue_timeout_s=60.0)) as (srv, _):
+        def timed() -> tuple[int, float, str | None, float]:
             t = time.monotonic()
             r = post(srv.url, {"messages": []})
-            return r.status_code, time.monotonic() - t, r.headers.get("retry-after")
+            end = time.monotonic()
+            return r.status_code, end - t, r.headers.get("retry-after"), end
 
         with cf.ThreadPoolExecutor(8) as pool:
             futs = [pool.submit(timed) for _ in range(8)]
 
             def shed_and_queued() -> bool:
                 shed = sum(1 for f in futs if f.done() and f.result()[0] == 429)
-                return shed == 4 and srv.front.queued == 2
+                return shed == 4 and srv.front.queued == 2 and srv.front.forwarding == 2
 
-            # two forwarded (1 s each), two queued, four shed
-            wait_for("4 shed and 2 queued", shed_and_queued, 5, every=0.02)
-            depth = metric(srv.url, "mtpwrap_queue_depth")
+            try:  # two forwarded (held), two queued, four shed
+                wait_for("4 shed, 2 queued and 2 forwarded", shed_and_queued, 30, every=0.02)
+                depth = metric(srv.url, "mtpwrap_queue_depth")
+            finally:
+                released = time.monotonic()
+                release.set()
             results = [f.result() for f in futs]
         shed = [r for r in results if r[0] == 429]
         ok = [r for r in results if r[0] == 200]
         assert len(shed) == 4 and len(ok) == 4
-        assert all(d < 0.5 and ra for _, d, ra in shed), results
-        # accepted ones: two served at once (~1 s), two after queueing (~2 s)
-        assert max(d for _, d, _ in ok) < 3.5
+        assert all(d < 0.5 and ra for _, d, ra, _ in shed), results
+        # accepted ones, once let go: two served at once (~1 s), two after queueing (~2 s)
+        assert max(end - released for _, _, _, end in ok) < 3.5
         assert depth == 2
         assert metric(srv.url, "mtpwrap_shed_total", reason="overload") == 4
         assert sum(1 for s in fake.seen if s.path == CHAT) == 4
@@ -246,6 +258,10 @@ def test_slow_reader_is_cut_and_upstream_cancelled(fake):
             # never read: the front's buffer fills, its write times out, the child is let go
             closed = fake.wait_closed(0, 15)
             assert closed is not None
+            # counted by the request's handler once its worker has stopped, which may be just
+            # after the fake saw the connection close
+            wait_for("the cut counted", lambda: counted(
+                srv.url, "mtpwrap_cancelled_total", reason="slow_reader") >= 1, 5)
             assert metric(srv.url, "mtpwrap_cancelled_total", reason="slow_reader") == 1
         finally:
             s.close()
@@ -378,16 +394,25 @@ def test_a_slot_that_steps_slower_than_the_status_page_polls_is_not_cut(fake, ph
 
 
 def test_drain_refuses_new_requests_and_waits_for_in_flight(fake):
-    fake.mode, fake.events, fake.interval = "sse", 20, 0.05
-    with serve_front(fake.base_url, fake.api_key, cfg()) as (srv, _):
+    # the stream is held by the fake after its first events until the test lets it go: it is
+    # in flight for as long as the checks below take
+    fake.mode, fake.events, fake.interval = "sse", 20, 0.01
+    release = fake.hold = threading.Event()
+    fake.hold_after = 3
+    with serve_front(fake.base_url, fake.api_key, cfg(stream_stall_s=60.0)) as (srv, _):
         with cf.ThreadPoolExecutor(2) as pool:
             inflight = pool.submit(post, srv.url, {"stream": True, "messages": []})
-            wait_for("the stream forwarded", lambda: srv.front.forwarding == 1, 5, every=0.02)
-            drained = pool.submit(srv.call, lambda: srv.front.drain(10))
-            wait_for("the drain begun", lambda: srv.front.draining, 5, every=0.02)
-            r = post(srv.url, {"messages": []})
-            assert r.status_code == 503 and r.headers["retry-after"]
-            assert httpx.get(srv.url + "/readyz").status_code == 503
+            try:
+                wait_for("the stream forwarded", lambda: srv.front.forwarding == 1, 10,
+                         every=0.02)
+                drained = pool.submit(srv.call, lambda: srv.front.drain(25))
+                wait_for("the drain begun", lambda: srv.front.draining, 10, every=0.02)
+                r = post(srv.url, {"messages": []})
+                assert r.status_code == 503 and r.headers["retry-after"]
+                assert httpx.get(srv.url + "/readyz").status_code == 503
+                assert not drained.done(), "the drain ended with a stream in flight"
+            finally:
+                release.set()
             done = inflight.result()
             drained.result()
         assert sse_events(done.content)[-1] == "[DONE]"
@@ -459,13 +484,20 @@ def test_the_chunk_gap_histogram_reads_like_prometheus_clients_own():
 # ------------------------------------------- every path through the relay ends once, recorded
 
 
+#: the routes drawn: generations, routes that take a slot and never stream, one that counts
+#: tokens and runs no model
+_ROUTES = (CHAT, "/completion", "/v1/embeddings", "/v1/rerank", "/v1/messages/count_tokens")
+#: the key the property's requests use: a token budget, so each reserves what it may cost
+_METERED = f"{KEY}-metered"
+
+
 def _recorded(url: str) -> dict[str, float]:
-    """mtpwrap_requests_total of the chat route, by status."""
+    """mtpwrap_requests_total of the drawn routes, by status."""
     text = HTTP.get(url + "/metrics", headers=AUTH).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name == "mtpwrap_requests_total" and s.labels.get("route") == CHAT:
+            if s.name == "mtpwrap_requests_total" and s.labels.get("route") in _ROUTES:
                 out[s.labels["status"]] = out.get(s.labels["status"], 0.0) + s.value
     return out
 
@@ -487,21 +519,31 @@ def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_cli
     """Faults of llama-server (a cut, a reset, a stall before and after the head, an error
     after the front's keep-alive head, an error whose body is cut, a close without an
     answer) and of the client (gone mid-stream), every one of them in orders drawn anew, on
-    one front: each request is recorded exactly once, with the status its client saw (the
-    code of the error event that ended its stream, 499 for a client that left, a 5xx for a
-    body left cut)."""
+    one front, each on a route drawn, its answer saying its counts or not: each request is
+    recorded exactly once, with the status its client saw (the code of the error event that
+    ended its stream, 499 for a client that left, a 5xx for a body left cut), and charged no
+    less than llama-server computed: its counts where its whole answer said them, else never
+    less than a prompt token and the token events its client got; nothing where llama-server
+    made no answer or the route runs no model."""
     fake = FakeUpstream(events=3, interval=0.02, cut_after=1).start()
     try:
-        config = cfg(keepalive_s=0.2, stream_stall_s=0.8, prefill_stall_s=0.8)
+        config = cfg(keepalive_s=0.2, stream_stall_s=0.8, prefill_stall_s=0.8,
+                     api_keys=(KEY, f"{_METERED} name=metered tokens_per_day=1000000000"))
         with serve_front(fake.base_url, fake.api_key, config) as (srv, _):
             order = data.draw(st.permutations(_CASES), label="order")
             made = len(order)
             for mode, stream, close_after in order:
+                route = data.draw(st.sampled_from(_ROUTES), label="route")
+                fake.usage = data.draw(st.sampled_from([None, {"prompt_tokens": 7,
+                                                               "completion_tokens": 3}]))
                 fake.mode = mode
                 fake.interval = 0.5 if mode in ("late_error", "cut_error") else 0.02
                 before = _recorded(srv.url)
+                ended = counted(srv.url, "mtpwrap_key_requests_total", key="metered")
+                spent = counted(srv.url, "mtpwrap_key_tokens_total", key="metered")
                 got, cut = b"", False
-                with HTTP.stream("POST", srv.url + CHAT, headers=AUTH, timeout=10,
+                with HTTP.stream("POST", srv.url + route, timeout=10,
+                                 headers={"authorization": f"Bearer {_METERED}"},
                                  json={"stream": stream, "messages": []}) as r:
                     try:
                         for i, chunk in enumerate(r.iter_raw(), 1):
@@ -531,6 +573,18 @@ def test_every_request_through_the_fault_relay_ends_once_with_the_status_the_cli
                 assert sum(after.values()) == sum(before.values()) + 1, (mode, before, after)
                 grew = {int(k) for k, v in after.items() if v != before.get(k, 0.0)}
                 assert len(grew) == 1 and grew <= saw, (mode, stream, close_after, grew, saw)
+                wait_for(f"{mode}: the request charged", lambda e=ended: counted(
+                    srv.url, "mtpwrap_key_requests_total", key="metered") > e, 10, every=0.05)
+                charged = counted(srv.url, "mtpwrap_key_tokens_total", key="metered") - spent
+                received = sum('"delta":{"content"' in e for e in sse_events(got))
+                case = (mode, stream, close_after, route, fake.usage, charged, received)
+                if route == "/v1/messages/count_tokens" or mode not in (
+                        "sse", "json", "truncate", "reset", "stall_after", "endless"):
+                    assert charged == 0, case
+                elif fake.usage and mode in ("sse", "json") and status == 200 and not cut:
+                    assert charged == 10, case
+                else:
+                    assert charged >= 1 + (received if route == CHAT else 0), case
             # none recorded twice: a late second record of the last one would show here
             fake.mode = "json"
             assert post(srv.url, {"messages": []}).status_code == 200
@@ -559,4 +613,50 @@ def test_a_prompt_is_counted_once_however_often_it_is_sampled(fake):
     assert json.loads(sse_events(r.content)[-1])["error"]["code"] == 504
     asks = [s.path for s in fake.seen if s.path in ("/apply-template", "/tokenize")]
     assert asks == ["/apply-template"], asks
+
+
+def test_a_keep_alive_comment_to_a_client_that_stopped_reading_is_cut_at_the_write_budget(
+        fake):
+    """A client that stopped reading once an answer filled its buffers: uvicorn's send of the
+    next write waits for room that never comes. The keep-alive comment written while
+    llama-server is quiet waits so too (the fault is that send, made to wait here); it has the
+    write budget as any write has, so the request is cut as a slow reader and llama-server is
+    let go, instead of the watch waiting on it for good with the send lock held."""
+    import asyncio
+
+    from mtpwrap.front.app import Front
+    from tests.fakes.front_harness import FrontServer, SupervisorDouble
+
+    fake.mode, fake.cut_after = "stall_after", 2  # two events, then quiet
+    commented = threading.Event()
+    sup = SupervisorDouble(fake.base_url, fake.api_key)
+
+    def make() -> Front:
+        front = Front(sup, cfg(keepalive_s=0.2, write_timeout_s=1.0, stream_stall_s=60,
+                               prefill_stall_s=60), None)
+        inner = front.app
+
+        async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+            async def full(message):  # type: ignore[no-untyped-def]
+                if message.get("body", b"").startswith(b": keep-alive"):
+                    commented.set()
+                    await asyncio.Event().wait()  # no room in the buffer, ever
+                await send(message)
+            await inner(scope, receive, full)
+
+        front.app = app  # type: ignore[assignment]
+        return front
+
+    srv = FrontServer(make, free_port(), sup).start()
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, srv.url, {"stream": True, "messages": []})
+            assert commented.wait(10), "no keep-alive comment was written"
+            assert fake.wait_closed(0, 10) is not None, "llama-server was never let go"
+            wait_for("the cut counted", lambda: counted(
+                srv.url, "mtpwrap_cancelled_total", reason="slow_reader") >= 1, 5)
+            with contextlib.suppress(httpx.HTTPError):
+                answer.result(10)
+    finally:
+        srv.stop()
 

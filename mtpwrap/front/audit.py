@@ -1,11 +1,11 @@
 """The audit trail: one JSON line per request, written when its answer ends or its client goes.
 
 A line says who asked (the key's name, never the key), from where, which route, what came of
-it (status, who answered, the finish or refusal reason), how many tokens (llama-server's own
-counts: prompt, cached, completion, drafted, accepted; for a request cut short, what was
-computed — `front.usage` — and `tokens_from` says which), how long it waited in
-the queue, its time to the first token and in all, and the bytes in and out. Never a prompt, an
-answer, a header or a key: the line is built from the fields below only.
+it (status, who answered, the finish or refusal reason), how many tokens it was charged
+(`front.usage`: llama-server's own counts — prompt, cached, completion, drafted, accepted —,
+what was computed of a request cut short, or its reservation; `tokens_from` says which), how
+long it waited in the queue, its time to the first token and in all, and the bytes in and out.
+Never a prompt, an answer, a header or a key: the line is built from the fields below only.
 
 Sinks: a file per UTC day under `audit.dir` (`audit-YYYY-MM-DD.jsonl`, 0600 in a 0700
 directory, one `write` per line so lines never interleave), files older than
@@ -49,7 +49,8 @@ from mtpwrap.config.objects import AuditConfig
 from mtpwrap.front.access import route_label
 from mtpwrap.front.budgets import Budgets, Hold
 from mtpwrap.front.metrics import FrontMetrics
-from mtpwrap.front.usage import Tally
+from mtpwrap.front.rereads import Block, Rereads
+from mtpwrap.front.usage import COUNTS, Tally
 from mtpwrap.supervision.writer import InOrderWriter
 
 log = logging.getLogger("mtpwrap.audit")
@@ -93,8 +94,11 @@ class Ticket:
     api_key: ApiKey | None = field(default=None, repr=False)
     #: the companion that answered (its name); None: the chat model
     model: str | None = None
-    #: the tokens reserved against the key's budgets when the request was admitted
+    #: the tokens reserved against its key's budgets when it was admitted
     hold: Hold | None = None
+    #: what it may cost, as reserved at admission (with a key or without): a 200 whose
+    #: answer does not say its counts pays this
+    reserved: int | None = None
     #: the reservation's estimate of the prompt (what a cut charges when llama-server cannot
     #: count it)
     prompt_estimate: int | None = None
@@ -102,29 +106,23 @@ class Ticket:
     count_prompt: Callable[[], Awaitable[int | None]] | None = field(default=None, repr=False)
     #: the prompt as llama-server counted it after a cut
     prompt_counted: int | None = None
+    #: a chat model request's prompt as block hashes, and the llama-server generation that
+    #: answered it (`front.rereads`: why it was read again)
+    blocks: tuple[Block, ...] = field(default=(), repr=False)
+    generation: int | None = None
 
     def record(self, model: str) -> dict[str, Any]:
-        counts = self.tally.counts(self.status)
-        if counts["prompt_tokens"] is None and counts["from"] == "cut":
-            if self.prompt_counted is not None:
-                counts["prompt_tokens"] = self.prompt_counted
-            elif self.prompt_estimate is not None:
-                counts["prompt_tokens"], counts["from"] = self.prompt_estimate, "estimate"
+        counts = self.tally.counts(self.status, self.prompt_counted, self.prompt_estimate,
+                                   self.reserved)
         return {
             "time": _iso(self.at), "id": self.id, "key": self.key, "class": self.klass,
             "client": self.client, "method": self.method, "route": self.route, "model": model,
             "status": self.status, "by": self.by, "stream": self.stream,
-            "prompt_tokens": counts.get("prompt_tokens"),
-            "cached_tokens": counts.get("cached_tokens"),
-            "completion_tokens": counts.get("completion_tokens"),
-            "drafted_tokens": counts.get("drafted_tokens"),
-            "accepted_tokens": counts.get("accepted_tokens"),
-            "queued_s": round(self.queued_s, 4),
+            **{name: counts[name] for name in COUNTS}, "queued_s": round(self.queued_s, 4),
             "ttft_s": None if self.ttft_s is None else round(self.ttft_s, 4),
             "total_s": round(time.perf_counter() - self.t0, 4),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-            "finish": counts.get("finish"), "reason": self.reason,
-            "tokens_from": counts.get("from"),
+            "finish": counts["finish"], "reason": self.reason, "tokens_from": counts["from"],
         }
 
 
@@ -285,6 +283,8 @@ class Trail:
             self._write, name="mtpwrap-audit", limit=queue_lines)
         metrics.audit_queue.set_function(lambda: self.writer.pending)
         self.refusals: collections.deque[dict[str, Any]] = collections.deque(maxlen=20)
+        #: the cause of each heavy re-read of a prompt (the front sets it)
+        self.rereads: Rereads | None = None
         self.lines = 0
         self._failed = False
         #: today's totals per key (UTC day), for the status page; seeded from today's file
@@ -316,6 +316,8 @@ class Trail:
 
     def end(self, t: Ticket) -> dict[str, Any]:
         record = t.record(t.model or self.model() or "-")
+        if self.rereads is not None:
+            record.update(self.rereads.explain(t.key, t.blocks, t.generation, record))
         if not self.writer.submit(record):
             self._unwritten(record, "queue_full")
         status = record["status"]
@@ -331,7 +333,7 @@ class Trail:
         if t.api_key is not None:
             self.budgets.settle(t.api_key, t.hold, tokens(record))
         self._add_today(record)
-        if record["completion_tokens"]:
+        if record["completion_tokens"] and record["tokens_from"] != "reserved":  # generated
             self._recent.append((self.clock(), record["completion_tokens"]))
         return record
 
@@ -358,15 +360,9 @@ class Trail:
         day = day_of(self.clock())
         if day != self._day:
             self._day, self._today = day, {}
-        if str(record.get("time", ""))[:10] != day:
-            return
-        row = self._today.setdefault(str(record.get("key") or "-"), dict.fromkeys(
-            ("requests", "refused", "prompt_tokens", "completion_tokens"), 0))
-        row["requests"] += 1
-        if record.get("by") == "front" and (record.get("status") or 0) >= 400:
-            row["refused"] += 1
-        for name in ("prompt_tokens", "completion_tokens"):
-            row[name] += record.get(name) or 0
+        if str(record.get("time", ""))[:10] == day:
+            _add(self._today.setdefault(str(record.get("key") or "-"), dict.fromkeys(
+                ("requests", "refused", "prompt_tokens", "completion_tokens"), 0)), record)
 
     def usage_today(self) -> list[dict[str, Any]]:
         if day_of(self.clock()) != self._day:
@@ -405,10 +401,13 @@ def summarize(records: Iterator[dict[str, Any]], by: str) -> list[dict[str, Any]
         group = str(r.get(field_) or "-")
         if by == "day":
             group = group[:10]
-        t = totals.setdefault(group, {by: group, **dict.fromkeys(SUMS, 0)})
-        t["requests"] += 1
-        if r.get("by") == "front" and (r.get("status") or 0) >= 400:
-            t["refused"] += 1
-        for name in SUMS[2:]:
-            t[name] += r.get(name) or 0
+        _add(totals.setdefault(group, {by: group, **dict.fromkeys(SUMS, 0)}), r)
     return [totals[k] for k in sorted(totals)]
+
+
+def _add(totals: dict[str, Any], record: dict[str, Any]) -> None:
+    """A record into its group's totals: a request, a refusal by the front, the sums kept."""
+    totals["requests"] += 1
+    totals["refused"] += record.get("by") == "front" and (record.get("status") or 0) >= 400
+    for name in totals.keys() & set(SUMS[2:]):
+        totals[name] += record.get(name) or 0

@@ -7,7 +7,7 @@ request past `rpm`, or any once the tokens are spent or spoken for), and once it
 it reserves what it may cost (`front.usage.reservation`), refused if the requests already in
 flight have spoken for the rest: so parallel requests cannot all pass before any is charged.
 When it ends, its reservation is let go and what llama-server computed for it is charged
-(`front.usage`: its own counts, or at a cut what was computed), whichever way it ended. The
+(`front.usage`: its counts, at a cut what was computed, else the reservation itself). The
 hour's and the day's counts are kept in
 `<audit.dir>/budgets.json` (written at most every 2 s while they change, and at the end), so a
 restart does not give a key its day again.

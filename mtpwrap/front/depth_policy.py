@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +45,6 @@ GENERATION_ROUTES = frozenset({
 })
 #: drafted tokens a class needs before its estimate is used
 MIN_DRAFTED = 16
-#: the response's last bytes, where llama-server puts its timings
-TAIL_BYTES = 8192
-_DRAFT_N = re.compile(rb'"draft_n"\s*:\s*(\d+)')
-_DRAFT_ACCEPTED = re.compile(rb'"draft_n_accepted"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True)
@@ -112,15 +107,6 @@ def inject(body: bytes, depth: int, p_min: float | None) -> bytes:
     rest = body[start:]
     empty = rest.strip() == b"}"
     return body[:start] + text + (b"" if empty else b",") + rest
-
-
-def draft_counts(tail: bytes) -> tuple[int, int] | None:
-    """(draft_n, draft_n_accepted) from the last timings in a response's tail, if any."""
-    drafted = _DRAFT_N.findall(tail)
-    accepted = _DRAFT_ACCEPTED.findall(tail)
-    if not drafted or not accepted:
-        return None
-    return int(drafted[-1]), int(accepted[-1])
 
 
 class DepthPolicy:

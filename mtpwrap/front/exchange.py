@@ -35,6 +35,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mtpwrap.front.usage import STREAMS
+
 if TYPE_CHECKING:
     from mtpwrap.front.audit import Ticket
     from mtpwrap.front.depth_policy import DepthDecision
@@ -108,6 +110,7 @@ TABLE: dict[tuple[Step, Event], tuple[Step, Action]] = {
     (_S.KEPT_ALIVE, _E.HEAD_STREAM): (_S.STREAMING, _A.RELAY),
     (_S.KEPT_ALIVE, _E.HEAD_BODY): (_S.DONE, _A.ERROR_EVENT),
     (_S.KEPT_ALIVE, _E.HEAD_500): (_S.DONE, _A.ERROR_EVENT),
+    (_S.KEPT_ALIVE, _E.SLOW_READER): (_S.DONE, _A.CUT),
     **{(_S.KEPT_ALIVE, e): (_S.DONE, a) for e, a in _ENDINGS_IN_STREAM.items()},
 
     (_S.STREAMING, _E.QUIET): (_S.STREAMING, _A.COMMENT),
@@ -165,7 +168,7 @@ class Exchange:
     """One forwarded request, shared by its worker (which relays) and its watch."""
 
     label: str
-    stream: bool
+    stream: bool                     # the client asked for a stream, on a route that streams
     t0: float
     slot: bool = True                # takes one of llama-server's slots (a forwarding permit)
     depth: DepthDecision | None = None  # the draft depth chosen for this request
@@ -189,6 +192,9 @@ class Exchange:
     #: held while a head or the front's own bytes (a keep-alive comment) are written; the
     #: relay takes it only when it is held (see `Relay._body`)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def __post_init__(self) -> None:  # a keep-alive head would make a route's JSON a 502
+        self.stream = self.stream and self.label in STREAMS
 
     def on(self, event: Event) -> Action:
         """The one way to change state: the table's step for `event`, or `IllegalStep`."""

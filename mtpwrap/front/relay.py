@@ -257,9 +257,9 @@ class Relay:
     async def _relay(self, ex: Exchange, resp: WireResponse, send: Send,
                      loop: asyncio.AbstractEventLoop) -> None:
         ex.status = resp.status
-        if ex.ticket is not None:
-            ex.ticket.tally.status = resp.status
         sse = resp.header(b"content-type").startswith(b"text/event-stream")
+        if ex.ticket is not None:
+            ex.ticket.tally.status, ex.ticket.tally.stream = resp.status, sse
         event = (Event.HEAD_500 if resp.status == 500 and not sse
                  else Event.HEAD_STREAM if resp.status == 200 and sse else Event.HEAD_BODY)
         async with ex.send_lock:  # no keep-alive comment under the head
@@ -342,14 +342,13 @@ class Relay:
                 self.metrics.itl.labels(ex.label).observe_many(gaps)
 
     def _observe_depth(self, ex: Exchange) -> None:
-        """What the drafts of a relayed answer came to (its timings end it: the audit ticket
-        keeps its last chunks), for the depth policy."""
-        if (self.depth is None or ex.depth is None or ex.status != 200 or ex.ticket is None
-                or not ex.ticket.tally.tail):
+        """What the drafts of a relayed answer came to (its timings: its tally keeps them)."""
+        if self.depth is None or ex.depth is None or ex.status != 200 or ex.ticket is None:
             return
-        counts = depth_policy.draft_counts(ex.ticket.tally.last_bytes(depth_policy.TAIL_BYTES))
-        if counts is not None:
-            self.depth.observe(ex.depth, *counts)
+        said = ex.ticket.tally.said()
+        drafted, accepted = said["drafted_tokens"], said["accepted_tokens"]
+        if drafted is not None and accepted is not None:
+            self.depth.observe(ex.depth, drafted, accepted)
 
     # ------------------------------------------------------------------ ending
 
@@ -469,7 +468,13 @@ class Relay:
             if ex.stream and ex.at_boundary and (quiet >= cfg.keepalive_s
                                                  or scope.pop(PEER_EOF, False)):
                 ex.last_keepalive = loop.time()
-                await self._keepalive(ex, send)
+                # the comment's write has the write budget too: for a client that stopped
+                # reading, uvicorn's send waits for room in its buffer, and holds the send lock
+                try:
+                    await asyncio.wait_for(self._keepalive(ex, send), cfg.write_timeout_s)
+                except asyncio.TimeoutError:
+                    ex.stop(Event.SLOW_READER, worker)
+                    return
 
     async def _keepalive(self, ex: Exchange, send: Send) -> None:
         async with ex.send_lock:

@@ -32,6 +32,10 @@ class Seen:
     closed_at: float | None = None   # when the peer closed this connection (time.monotonic)
 
 
+#: the modes that answer with an event stream (`hold` waits after its head)
+_STREAMS = frozenset({"sse", "truncate", "reset", "stall_after", "endless"})
+
+
 @dataclass
 class FakeUpstream:
     """Behaviour is chosen by `mode` (set by the test) for every request that follows."""
@@ -47,8 +51,16 @@ class FakeUpstream:
     #: says (`slot_read` None: no slot working)
     slot_read: int | None = None
     slot_decoded: int = 0
+    #: while an Event not yet set: every answer to a POST waits for it (the test pins "the
+    #: request is still in flight" as long as it needs, then sets it) — a stream after its head
+    #: and `hold_after` events, any other answer before its first byte
+    hold: threading.Event | None = None
+    hold_after: int = 0
     #: llama-server's tokenizer (`/apply-template`, `/tokenize`) answers 500
     tokenizer_fails: bool = False
+    #: llama-server's counts (`{"prompt_tokens": …, "completion_tokens": …}`), said by a whole
+    #: answer (mode "json") and by a stream's last event; None: answers say none
+    usage: dict[str, int] | None = None
     api_key: str = "internal-key-0123456789"
     seen: list[Seen] = field(default_factory=list)
     port: int = 0
@@ -158,6 +170,13 @@ class FakeUpstream:
             seen.closed_at = time.monotonic()
         return data
 
+    async def _held(self, seen: Seen) -> None:
+        """Wait while `hold` is an Event not yet set (a POST's answer); no longer once the
+        front let go."""
+        while self.hold is not None and not self.hold.is_set() and seen.method == "POST" \
+                and seen.closed_at is None:
+            await asyncio.sleep(0.01)  # a look at the test's event, not a pace
+
     def _event(self, i: int) -> bytes:
         payload = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
                    "model": "fake", "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
@@ -165,7 +184,8 @@ class FakeUpstream:
         pad = max(0, self.chunk_bytes - 120)
         if pad:
             payload["pad"] = "x" * pad
-        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+        # compact, as llama-server writes its events
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
     @staticmethod
     def _chunk(data: bytes) -> bytes:
@@ -217,6 +237,8 @@ class FakeUpstream:
             body = (b'{"prompt": "fake prompt"}' if seen.path == "/apply-template"
                     else b'{"tokens": [1, 2, 3]}')
             return await self._whole(w, b"200 OK", b"application/json", body)
+        if mode not in _STREAMS:
+            await self._held(seen)
         if mode == "close_without_response":
             w.close()
             return False
@@ -224,7 +246,8 @@ class FakeUpstream:
             await asyncio.sleep(3600)  # the fault: an upstream that never answers
             return False
         if mode == "json":
-            body = json.dumps({"ok": True, "path": seen.path}).encode()
+            answer: dict[str, Any] = {"ok": True, "path": seen.path}
+            body = json.dumps(answer | ({"usage": self.usage} if self.usage else {})).encode()
             return await self._whole(w, b"200 OK", b"application/json", body,
                                      b"Access-Control-Allow-Origin: *\r\n")
         if mode == "late_error":
@@ -263,6 +286,8 @@ class FakeUpstream:
                 return False
             if mode != "endless" and i >= self.events:
                 break
+            if i == self.hold_after:
+                await self._held(seen)
             if seen.closed_at is not None:  # the front let go: a cancel, as llama-server takes it
                 return False
             w.write(self._chunk(self._event(i)))
@@ -272,6 +297,9 @@ class FakeUpstream:
                 await asyncio.sleep(self.interval)  # the fake's pace between events
             else:
                 await asyncio.sleep(0)  # drain() does not yield while the reader keeps up
+        if self.usage:
+            w.write(self._chunk(b'data: {"choices":[],"usage":%s}\n\n'
+                                % json.dumps(self.usage).encode()))
         w.write(self._chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         await w.drain()
         return True
