@@ -16,8 +16,9 @@ _.per_position  # bench.stats.SpecStats
 _.checkpoint_bytes  # decide.documents.DocumentPlan (plan --json, /status)
 _.ram_budget  # decide.documents.DocumentPlan
 _.ctx_checkpoints  # decide.launch.LaunchConfig: render reads it by name (_DOCUMENT_FLAGS)
-_.checkpoint_min_step  # decide.launch.LaunchConfig, the same
+_.checkpoint_every  # decide.launch.LaunchConfig, the same
 _.per_position_conditional  # bench.stats.SpecStats
+_.n_decode  # bench.stats.Counters (report.json; added and subtracted by field)
 _.mean_draft_length  # bench.stats.SpecStats
 _.cuda_version  # build.manifest.Manifest
 _.version_output  # build.manifest.Manifest
@@ -27,11 +28,9 @@ _.bytes_by_type  # decide.gguf_facts.ModelFacts
 _.utilization_memory  # decide.hardware.GpuInfo and GpuReading
 _.throttle_reasons_mask  # decide.hardware.GpuReading
 _.finished_at  # service.reload.ReloadState
-_.api_key_file  # config.settings.Settings, filled from the settings table by name
 
 # --- called or read by a library
 _.mtime  # tarfile.TarInfo, read by tarfile when build.prebuilt writes the manifest member
-_.get_command  # click.Group (cli.LazyGroup)
 _.format_commands  # click.Group (cli.LazyGroup)
 _.format_options  # click.Command (config.options.SettingsCommand)
 _.on_body  # httptools parser callback (supervision.wire, front.http_server)

@@ -18,10 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "args": ("mtpwrap.commands.args", "Show the llama-server command line for a profile, and why."),
     "bench": ("mtpwrap.commands.bench",
               "Benchmark speed, acceptance, KV, documents; write a report."),
-    "build": (
-        "mtpwrap.commands.build",
-        "Build llama-server from the pinned source for this machine.",
-    ),
+    "build": ("mtpwrap.commands.build",
+              "Build llama-server from the pinned source for this machine."),
     "bundle": ("mtpwrap.commands.bundle",
                "Carry mtpwrap to a machine with no network: make, check, install a bundle."),
     "doctor": ("mtpwrap.commands.doctor", "Check driver, GPUs, toolchain, binary and model."),
@@ -51,10 +49,7 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         entry = COMMANDS.get(cmd_name)
-        if entry is None:
-            return None
-        module = importlib.import_module(entry[0])
-        return module.command
+        return None if entry is None else importlib.import_module(entry[0]).command
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Help text comes from the table, so listing commands imports none of them.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -65,3 +67,12 @@ def progress(**kwargs: Any) -> Any:
         transient=False,
         **kwargs,
     )
+
+
+@contextlib.contextmanager
+def steps(description: str, total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar of `total` steps, and the callback that names the next step and
+    advances the bar by one."""
+    with progress() as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda desc: bar.update(task, description=desc, advance=1)

@@ -44,14 +44,9 @@ def check_gpus(snap: Any | None = None) -> list[Check]:
     gpus = list(getattr(snap, "gpus", ()) or ())
     if not gpus:
         why = getattr(snap, "error", None) or "NVML found no NVIDIA GPU"
-        return [
-            Check(
-                "NVIDIA driver / GPUs",
-                WARNING,
-                f"no GPU: {why}; only CPU builds and the cpu-demo profile will run",
-                "install the NVIDIA driver (nvidia-smi must work) on a GPU machine",
-            )
-        ]
+        return [Check("NVIDIA driver / GPUs", WARNING,
+                      f"no GPU: {why}; only CPU builds and the cpu-demo profile will run",
+                      "install the NVIDIA driver (nvidia-smi must work) on a GPU machine")]
     checks = []
     driver = getattr(snap, "driver_version", None) or getattr(gpus[0], "driver_version", None)
     for i, g in enumerate(gpus):
@@ -59,33 +54,20 @@ def check_gpus(snap: Any | None = None) -> list[Check]:
         cc = getattr(g, "compute_capability", None)
         mem = f"{total / GiB:.1f} GiB" if total else "memory unknown"
         ccs = f"sm_{cc[0]}{cc[1]}" if cc else "compute capability unknown"
-        checks.append(
-            Check(
-                f"GPU {i}",
-                OK,
-                f"{getattr(g, 'name', '?')}, {mem}, {ccs}, driver {driver or 'unknown'}",
-            )
-        )
+        checks.append(Check(f"GPU {i}", OK, f"{getattr(g, 'name', '?')}, {mem}, {ccs}, "
+                                            f"driver {driver or 'unknown'}"))
     return checks
 
 
 def check_cuda() -> Check:
     tk = toolchain.cuda_toolkit()
     if tk.nvcc is None:
-        return Check(
-            "CUDA toolkit (nvcc)",
-            WARNING,
-            "nvcc not found; only CPU builds are possible",
-            "install the CUDA toolkit (NVIDIA cuda-toolkit package) and put nvcc on PATH",
-        )
+        return Check("CUDA toolkit (nvcc)", WARNING, "nvcc not found; only CPU builds are possible",
+                     "install the CUDA toolkit (NVIDIA cuda-toolkit package) and put nvcc on PATH")
     if not tk.cublas:
-        return Check(
-            "CUDA toolkit (nvcc)",
-            WARNING,
-            f"nvcc {tk.version} at {tk.nvcc}, but {tk.why_unusable()}, so CUDA builds cannot "
-            "link",
-            tk.how_to_fix(),
-        )
+        return Check("CUDA toolkit (nvcc)", WARNING,
+                     f"nvcc {tk.version} at {tk.nvcc}, but {tk.why_unusable()}, so CUDA builds "
+                     "cannot link", tk.how_to_fix())
     where = (f"cuBLAS from the {tk.cublas_wheel.name} {tk.cublas_wheel.version} wheel"
              if tk.cublas_wheel else f"cuBLAS at {tk.root}")
     driver = (f"links libcuda.so at {tk.driver_lib}" if tk.driver_lib else
@@ -103,24 +85,15 @@ def check_cmake() -> Check:
 def check_compiler() -> Check:
     v = toolchain.cxx_version()
     if v is None:
-        return Check(
-            "C++ compiler",
-            MISSING,
-            "no c++, g++ or clang++ on PATH",
-            "apt-get install build-essential",
-            hard=True,
-        )
+        return Check("C++ compiler", MISSING, "no c++, g++ or clang++ on PATH",
+                     "apt-get install build-essential", hard=True)
     return Check("C++ compiler", OK, v)
 
 
 def check_ccache() -> Check:
     if toolchain.ccache() is None:
-        return Check(
-            "ccache",
-            WARNING,
-            "not installed; rebuilds of a changed source start over",
-            "apt-get install ccache",
-        )
+        return Check("ccache", WARNING, "not installed; rebuilds of a changed source start over",
+                     "apt-get install ccache")
     return Check("ccache", OK, toolchain.ccache() or "")
 
 
@@ -129,34 +102,20 @@ def check_disk(min_free_gib: float = 20.0) -> Check:
     probe = where if where.exists() else Path.home()
     free = shutil.disk_usage(probe).free / GiB
     if free < 2:
-        return Check(
-            "free disk",
-            MISSING,
-            f"{free:.1f} GiB free at {probe}",
-            "free space: a build needs ~2 GiB, a 27B model ~17 GiB",
-            hard=True,
-        )
+        return Check("free disk", MISSING, f"{free:.1f} GiB free at {probe}",
+                     "free space: a build needs ~2 GiB, a 27B model ~17 GiB", hard=True)
     if free < min_free_gib:
-        return Check(
-            "free disk",
-            WARNING,
-            f"{free:.1f} GiB free at {probe} (a 27B model and a CUDA build need about 20 GiB)",
-            "free some space",
-        )
+        return Check("free disk", WARNING, f"{free:.1f} GiB free at {probe} (a 27B model and a "
+                     "CUDA build need about 20 GiB)", "free some space")
     return Check("free disk", OK, f"{free:.0f} GiB free at {probe}")
 
 
 def check_binary(snap: Any | None = None) -> Check:
     """The installed build: tried here, and compiled for every GPU present (`snap`: NVML)."""
-
     m = build_manifest.load_manifest()
     if m is None:
-        return Check(
-            "llama-server build",
-            MISSING,
-            f"no built binary under {paths.build_root()}",
-            "mtpwrap build   (or `mtpwrap build --cpu`)",
-        )
+        return Check("llama-server build", MISSING, f"no built binary under {paths.build_root()}",
+                     "mtpwrap build   (or `mtpwrap build --cpu`)")
     smoke = m.smoke or {}
     detail = (f"{m.variant}, {m.source.get('kind')} source, commit {m.commit}, "
               f"{m.binary('llama-server')}")
@@ -200,7 +159,6 @@ def check_upstream_link() -> Check:
 
 def check_cpu_isa() -> Check:
     """How the installed build's CPU backend was compiled, and why that one was kept."""
-
     m = build_manifest.load_manifest()
     if m is None:
         return Check("CPU configuration", WARNING, "no build yet", "mtpwrap build")
@@ -212,7 +170,6 @@ def check_cpu_isa() -> Check:
 
 def check_pin() -> Check:
     """The fork pin (the superproject's gitlink) against what vendor/ holds."""
-
     pinned, held = source.pin_status()
     if held.startswith("empty"):
         carried = source.carried_source()
@@ -233,29 +190,20 @@ def check_model(model: str | None) -> Check:
         try:
             p = models.resolve_model(model)
         except ConfigError as exc:
-            return Check(
-                "model file",
-                MISSING,
-                str(exc.message),
-                "check the path, or download the GGUF into " + str(paths.models_dir()),
-            )
+            return Check("model file", MISSING, str(exc.message),
+                         "check the path, or download the GGUF into " + str(paths.models_dir()))
         return Check("model file", OK, f"{p} ({p.stat().st_size / 1e9:.1f} GB)")
-    demo = models.demo_model_path()
+    demo = models.DEMO.path()
     if demo.is_file():
         return Check("model file", OK, f"demo model {demo}; pass --model for yours")
-    return Check(
-        "model file",
-        WARNING,
-        "no model given and the demo model is not fetched",
-        "mtpwrap models demo",
-    )
+    return Check("model file", WARNING, "no model given and the demo model is not fetched",
+                 "mtpwrap models demo")
 
 
 def check_snapshots(directory: Path | None = None) -> Check:
     """The KV snapshot directory holds the clients' prompts in another form: 0700, files 0600,
     owned by the service user. Default: the running instance's, else persist.dir's default."""
     import os
-
 
     if directory is None:
         data = instance.read_instance() or {}
@@ -277,18 +225,6 @@ def check_snapshots(directory: Path | None = None) -> Check:
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:
     if snap is None:
         snap = hardware.snapshot()
-    return [
-        *check_gpus(snap),
-        check_cuda(),
-        check_cmake(),
-        check_compiler(),
-        check_ccache(),
-        check_disk(),
-        check_pin(),
-        check_binary(snap),
-        *check_patches(),
-        check_upstream_link(),
-        check_cpu_isa(),
-        check_model(model),
-        check_snapshots(),
-    ]
+    return [*check_gpus(snap), check_cuda(), check_cmake(), check_compiler(), check_ccache(),
+            check_disk(), check_pin(), check_binary(snap), *check_patches(),
+            check_upstream_link(), check_cpu_isa(), check_model(model), check_snapshots()]

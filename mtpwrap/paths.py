@@ -34,23 +34,17 @@ def build_cache_dir() -> Path:
 
 def models_dir() -> Path:
     env = os.environ.get("MTPWRAP_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    return home() / "models"
+    return Path(env).expanduser() if env else home() / "models"
 
 
 def state_dir() -> Path:
     env = os.environ.get("MTPWRAP_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return home() / "state"
+    return Path(env).expanduser() if env else home() / "state"
 
 
 def log_dir() -> Path:
     env = os.environ.get("MTPWRAP_LOG_DIR")
-    if env:
-        return Path(env).expanduser()
-    return home() / "logs"
+    return Path(env).expanduser() if env else home() / "logs"
 
 
 def is_checkout() -> bool:

@@ -19,7 +19,7 @@ from mtpwrap.errors import ConfigError, IntegrityError
 @pytest.mark.integration
 def test_korean_corpus_is_pinned_and_korean() -> None:
     c = corpora.korean_corpus()
-    assert c.archive_sha256 == corpora.KONLPY_SHA256
+    assert c.archive_sha256 == corpora.KONLPY.sha256
     names = [d.name for d in c.documents]
     assert names[0] == "kolaw/constitution.txt" and len(names) == 11
     assert c.documents[0].text.startswith("대한민국헌법")
@@ -29,7 +29,7 @@ def test_korean_corpus_is_pinned_and_korean() -> None:
 
 
 def test_wrong_wheel_is_refused(tmp_path: Path) -> None:
-    (tmp_path / corpora.KONLPY_WHEEL).write_bytes(b"not the wheel")
+    (tmp_path / corpora.KONLPY.filename).write_bytes(b"not the wheel")
     with pytest.raises(IntegrityError, match="expected 0b7928"):
         corpora.korean_corpus(cache=tmp_path)
 
@@ -132,9 +132,9 @@ def test_readers_pick_the_state_documents_and_free_licences() -> None:
 
 @pytest.mark.integration
 def test_wheel_is_fetched_by_pip_into_an_empty_cache(tmp_path: Path) -> None:
-    wheel = corpora.konlpy_wheel(tmp_path)
-    assert wheel == tmp_path / corpora.KONLPY_WHEEL
-    assert hashing.sha256_file(wheel) == corpora.KONLPY_SHA256
+    wheel = corpora.KONLPY.fetch(tmp_path)
+    assert wheel == tmp_path / corpora.KONLPY.filename
+    assert hashing.sha256_file(wheel) == corpora.KONLPY.sha256
 
 
 # The three pinned wheels, fetched into the download cache, tokenized by the demo model's server.

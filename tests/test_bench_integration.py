@@ -139,7 +139,7 @@ def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: 
     cells = [c for c in results["cells"] if c["config"] == "draft" and c["lang"] == "ko"]
     assert draft["ko"]["drafted"] == sum(c["counters"]["drafted"] for c in cells)
     assert draft["ko"]["drafted"] == sum(c["timings"]["draft_n"] for c in cells)
-    assert results["provenance"]["corpora"]["ko"]["archive_sha256"] == corpora.KONLPY_SHA256
+    assert results["provenance"]["corpora"]["ko"]["archive_sha256"] == corpora.KONLPY.sha256
     # KV actually allocated: q8_0 is 34 bytes per 32 values, f16 2 bytes per value.
     kv = s["kv_bytes_per_value"]
     assert kv["kv-q8_0"]["k_type"] == "q8_0" and kv["baseline"]["k_type"] == "f16"

@@ -87,9 +87,6 @@ LICENSEDCODE = Wheel("licensedcode-data", "32.1.0", "licensedcode_data-32.1.0-py
                      "18f60bde6dbabbc0a925d45ed80089cdbb7168156a2a1c118737198f9b743b96")
 #: every corpus wheel the benchmark reads (what an offline bundle carries)
 WHEELS = (KONLPY, PRECEDENTS, CARD_LEGAL, LICENSEDCODE)
-KONLPY_VERSION = KONLPY.version
-KONLPY_WHEEL = KONLPY.filename
-KONLPY_SHA256 = KONLPY.sha256
 KOLAW = "konlpy/data/corpus/kolaw/constitution.txt"
 KOBILL_DIR = "konlpy/data/corpus/kobill/"
 
@@ -199,11 +196,6 @@ class CorpusTooSmall(ConfigError):
     """A domain's distinct documents hold fewer tokens than the prompt length asked."""
 
 
-def konlpy_wheel(cache: Path | None = None) -> Path:
-    """The verified konlpy wheel, downloaded with pip on first use."""
-    return KONLPY.fetch(cache)
-
-
 def _members(wheel: Path, prefixes: tuple[str, ...], suffix: str,
              read: Callable[[str, bytes], str | None]) -> Iterator[Document]:
     with zipfile.ZipFile(wheel) as zf:
@@ -238,7 +230,7 @@ def domain_corpus(domain: str, cache: Path | None = None) -> Corpus:
 
 
 def korean_corpus(cache: Path | None = None) -> Corpus:
-    wheel = konlpy_wheel(cache)
+    wheel = KONLPY.fetch(cache)
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     if KOLAW not in names:
@@ -248,8 +240,10 @@ def korean_corpus(cache: Path | None = None) -> Corpus:
     docs.sort(key=lambda d: (d.name != "kolaw/constitution.txt", d.name))
     if len(docs) < 2:
         raise IntegrityError(f"{wheel} holds no kobill texts; the wheel is not konlpy 0.6.0.")
-    return Corpus(lang="ko", source=f"konlpy=={KONLPY_VERSION} ({KONLPY_WHEEL})",
-                  documents=docs, archive_sha256=KONLPY_SHA256)
+    return Corpus(lang="ko", source=f"konlpy=={KONLPY.version} ({KONLPY.filename})",
+                  documents=docs, archive_sha256=KONLPY.sha256)
+
+
 def english_corpus(root: Path | None = None) -> Corpus:
     base = Path(os.environ.get("MTPWRAP_EN_CORPUS_DIR", "") or (root or ENGLISH_DIR))
     if not base.is_dir():
@@ -406,7 +400,6 @@ def _chunks(text: str, size: int, count: int, skip: int = 0) -> list[str]:
 def class_workload(per_class: int, skip: int = 0) -> dict[str, list[str]]:
     """Passages per request class (mtpwrap.decide.request_class): Korean statutes (ko-prose),
     English licences (en-prose), C++ of the pinned llama.cpp source (code)."""
-
     ko, en = load("ko"), load("en")
     tree = source.offline_source().path
     ko_text = "\n".join(d.text for d in ko.documents)

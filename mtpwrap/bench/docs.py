@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
-import json
 import os
 import time
 from collections.abc import Callable
@@ -211,16 +210,7 @@ def ask(client: runner.Client, messages: list[dict], max_tokens: int) -> Read:
     t0 = time.perf_counter()
     try:
         with client.http.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code >= 400:
-                r.read()
-                client._check(r, "/v1/chat/completions")
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in runner.events(r, lambda resp: client._check(resp, "/v1/chat/completions")):
                 if ttft is None and any((c.get("delta") or {}).get("content")
                                         or (c.get("delta") or {}).get("reasoning_content")
                                         for c in chunk.get("choices") or []):
@@ -287,12 +277,8 @@ def total_steps(plan: DocsPlan) -> int:
             + len(plan.ubatch))
 
 
-def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = None) -> dict:
+def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] = runner.quiet) -> dict:
     """Every step of the plan, then the ubatch cells; the raw results."""
-    def step(what: str) -> None:
-        if progress:
-            progress(what)
-
     results: dict = {"schema": SCHEMA, "kind": "bench-docs",
                      "started": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                      "plan": plan.to_dict(), "machine": embed.machine(), "steps": [],
@@ -302,7 +288,7 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
         if plan.url:
             target = docs_front.Target.running(plan.url, plan.api_key, plan.timeout_s)
         else:
-            step("starting mtpwrap up")
+            progress("starting mtpwrap up")
             own = stack.enter_context(docs_front.OwnFront(
                 plan.profile, plan.binary, plan.model, out / "up", plan.timeout_s,
                 plan.api_key))
@@ -312,12 +298,12 @@ def run(plan: DocsPlan, out: Path, *, progress: Callable[[str], None] | None = N
         results["front"] = target.health(required=False)
         results["provenance"] = docs_front.provenance(plan, results["front"])
         target.check_actions(plan.steps)
-        docs = _documents(plan, target, results, step)
+        docs = _documents(plan, target, results, progress)
         for name in plan.steps:
-            step(f"step {name}")
+            progress(f"step {name}")
             _step(plan, target, name, docs, results["steps"])
     if plan.ubatch:
-        _ubatch_cells(plan, results, docs["A"], out, step)
+        _ubatch_cells(plan, results, docs["A"], out, progress)
     results["provenance"]["binary_sha256_end"] = docs_front.digest(
         results["front"].get("binary"))
     with contextlib.suppress(OSError):

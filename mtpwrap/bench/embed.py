@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import itertools
-import json
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any, TypeVar
 import httpx
 
 from mtpwrap.bench import corpora, embed_report
-from mtpwrap.bench.runner import Client, run_together
+from mtpwrap.bench.runner import Client, events, quiet, run_together
 from mtpwrap.decide import hardware
 from mtpwrap.errors import ConfigError, RuntimeFailure
 
@@ -266,17 +265,8 @@ class Front:
         t0 = time.perf_counter()
         try:
             with self.client.http.stream("POST", "/v1/chat/completions", json=body) as r:
-                if r.status_code >= 400:
-                    r.read()
-                    _ok(r, self.where, "/v1/chat/completions")
-                for line in r.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        break
+                for chunk in events(r, lambda resp: _ok(resp, self.where, "/v1/chat/completions")):
                     now = time.perf_counter() - t0
-                    chunk = json.loads(payload)
                     for choice in chunk.get("choices") or []:
                         delta = choice.get("delta") or {}
                         if delta.get("content") or delta.get("reasoning_content"):
@@ -457,19 +447,15 @@ def steps(plan: EmbedPlan) -> int:
     return len(plan.corpora) + 1 + plan.rounds * (len(plan.corpora) * len(plan.concurrency) + 2)
 
 
-def run(plan: EmbedPlan, *, progress: Callable[[str], None] | None = None) -> dict:
+def run(plan: EmbedPlan, *, progress: Callable[[str], None] = quiet) -> dict:
     """Every round of the plan against the front at `plan.url`; the raw results."""
-    def step(what: str) -> None:
-        if progress:
-            progress(what)
-
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     results: dict = {"schema": SCHEMA, "kind": "bench-embed", "started": started,
                      "plan": plan.to_dict(), "machine": machine(), "corpora": {},
                      "embed": [], "chat": []}
     front = Front(plan.url, plan.api_key, plan.timeout_s)
     try:
-        _measure(plan, front, results, step)
+        _measure(plan, front, results, progress)
     except httpx.HTTPError as exc:
         raise RuntimeFailure(f"{front.where} did not answer ({type(exc).__name__}: {exc}); "
                              "is the front running at --url?") from exc

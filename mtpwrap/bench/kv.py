@@ -13,9 +13,7 @@ from collections.abc import Iterable
 
 from mtpwrap.decide import kv
 from mtpwrap.decide.gguf_facts import ModelFacts
-from mtpwrap.units import GiB
-
-MiB = 2**20
+from mtpwrap.units import GiB, MiB
 
 
 def applicable(facts: ModelFacts, offered: Iterable[str],

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mtpwrap import proc
 from mtpwrap.bench import corpora, kv
-from mtpwrap.bench.runner import BenchConfig, Client, launch_config
+from mtpwrap.bench.runner import BenchConfig, Client, launch_config, quiet
 from mtpwrap.decide import kv as kv_rule
 from mtpwrap.decide.gguf_facts import ModelFacts, read_facts
 from mtpwrap.errors import RuntimeFailure
@@ -133,7 +133,7 @@ def unmeasurable(plan: KvPlan, facts: ModelFacts, workdir: Path) -> dict[int, st
     return out
 
 
-def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
+def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress,
                   skip: dict[int, str] | None = None) -> dict[str, dict]:
     """Per corpus: a text file of whole documents that fills the largest window `chunks` times
     (llama-perplexity needs at least two windows), the speed prompts (token ids, exactly
@@ -146,8 +146,7 @@ def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
     client = Client.of(srv)
     try:
         for name in plan.corpora:
-            if progress:
-                progress(f"tokenizing {name}")
+            progress(f"tokenizing {name}")
             corp = corpora.load(name)
             entry: dict = {"lang": corp.lang, "provenance": corp.provenance(),
                            "cannot_fill": dict(skip or {}), "prompts": {}}
@@ -179,12 +178,11 @@ def prepare_texts(plan: KvPlan, workdir: Path, progress: Progress | None,
 
 
 def _quality(plan: KvPlan, facts: ModelFacts, types: list[dict], texts: dict[str, dict],
-             workdir: Path, results: dict, progress: Progress | None) -> None:
+             workdir: Path, results: dict, progress: Progress) -> None:
     for name, entry in texts.items():
         for depth in entry["depths"]:
             base = workdir / f"base-{name}-{depth}.kld"
-            if progress:
-                progress(f"{name} {depth}: f16 reference")
+            progress(f"{name} {depth}: f16 reference")
             ref = _ppl_run(plan, perplexity_argv(plan, "f16", depth=depth, base=base,
                                                  text=Path(entry["text"])),
                            workdir / f"ppl-{name}-{depth}-base.log", _env(plan.perplexity))
@@ -199,8 +197,7 @@ def _quality(plan: KvPlan, facts: ModelFacts, types: list[dict], texts: dict[str
                                                     {"error": "no f16 reference: "
                                                      + ref["error"]}))
                         continue
-                    if progress:
-                        progress(f"{name} {depth}: {row['kv']}")
+                    progress(f"{name} {depth}: {row['kv']}")
                     got = _ppl_run(plan, perplexity_argv(plan, row["kv"], depth=depth,
                                                          base=base, text=None),
                                    workdir / f"ppl-{name}-{depth}-{row['kv']}.log",
@@ -220,7 +217,7 @@ def _row(row: dict, name: str, entry: dict, depth: int, facts: ModelFacts, got: 
 
 
 def _speed(plan: KvPlan, types: list[dict], texts: dict[str, dict], workdir: Path,
-           results: dict, progress: Progress | None) -> None:
+           results: dict, progress: Progress) -> None:
     depths = sorted({d for e in texts.values() for d in e["prompts"]})
     if not depths:
         return
@@ -246,8 +243,7 @@ def _speed(plan: KvPlan, types: list[dict], texts: dict[str, dict], workdir: Pat
                 client.complete(warm[:64], 4)
             for name, entry in texts.items():
                 for depth, tokens in sorted(entry["prompts"].items()):
-                    if progress:
-                        progress(f"speed {t} {name} {depth}")
+                    progress(f"speed {t} {name} {depth}")
                     res = client.complete(tokens, plan.n_predict)
                     tm = res.timings
                     results["speed"].append({
@@ -267,7 +263,7 @@ def steps(plan: KvPlan, n_types: int) -> int:
             + (cells * n_types if plan.speed else 0))
 
 
-def run(plan: KvPlan, workdir: Path, *, progress: Progress | None = None) -> dict:
+def run(plan: KvPlan, workdir: Path, *, progress: Progress = quiet) -> dict:
     """Measure every admitted type of the plan; the raw results the report is made of."""
     from mtpwrap.bench.suite import build_provenance, hardware_snapshot, model_provenance
 

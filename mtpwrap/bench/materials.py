@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpwrap.bench.corpora import DOMAINS
 from mtpwrap.decide import kv
-from mtpwrap.decide.gguf_facts import ModelFacts, read_facts
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.vocab import SPELLINGS
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 
 def server_binary(explicit: str | Path | None) -> Path:
     """--binary, `MTPWRAP_BINARY`, or the installed build's llama-server."""
-
     binary, _caps, _manifest = find_server(explicit)
     assert binary is not None
     return binary
@@ -31,9 +31,14 @@ def model_path(explicit: str | None) -> Path:
         p = Path(explicit).expanduser()
         if p.is_file():
             return p
-
         return Path(models.resolve_model(explicit))
     return Path(models.ensure_demo_model())  # honours MTPWRAP_DEMO_MODEL (models.known)
+
+
+def report_dir(out_dir: Path | None, prefix: str) -> Path:
+    """--out, else ./bench-results/ and `prefix` with the time now."""
+    return out_dir or Path("bench-results") / (prefix + _dt.datetime.now().strftime(
+        "%Y%m%d-%H%M%S"))
 
 
 def int_list(value: str, what: str) -> list[int]:
@@ -58,7 +63,6 @@ def float_list(value: str, what: str) -> list[float]:
 
 def model_context(model: Path) -> int | None:
     """The training context from the GGUF header (contexts above it are clipped)."""
-
     try:
         return read_facts(Path(model)).n_ctx_train or None
     except ConfigError:
@@ -99,10 +103,6 @@ def kv_build(explicit: str | Path | None) -> KvBuild:
                        fa_all_quants=None if fa_all is None else str(fa_all).upper() == "ON")
     return KvBuild(server=Path(binary), perplexity=ppl,
                    offered=list(allowed) if allowed is not None else None, target=target)
-
-
-def model_facts(model: Path) -> ModelFacts:
-    return read_facts(Path(model))
 
 
 def check_kv_plan(plan: KvPlan) -> None:

@@ -75,9 +75,7 @@ def summarize(results: dict) -> dict:
         groups[(c["config"], c["lang"])].append(c)
     for (name, lang), cs in groups.items():
         cfg = configs[name]
-        total = stats.Counters()
-        for c in cs:
-            total = _add(total, stats.Counters(**c["counters"]))
+        total = sum((stats.Counters(**c["counters"]) for c in cs), stats.Counters())
         inferred_acc = sum(c["stream"]["inferred_accepted"] for c in cs)
         tokens = sum(c["generated_tokens"] for c in cs)
         speculative = any(c.get("spec") for c in cs)
@@ -106,17 +104,6 @@ def summarize(results: dict) -> dict:
             "rejection_by_class": classes, "timing_inference": timing_err,
             "kv_bytes_per_value": _kv_bpv(results), "quality": _quality(results, base_name),
             "reconciled": all(all(c["reconcile"].values()) for c in cells)}
-
-
-def _add(a: stats.Counters, b: stats.Counters) -> stats.Counters:
-    n = max(len(a.per_pos), len(b.per_pos))
-    pa = a.per_pos + [0.0] * (n - len(a.per_pos))
-    pb = b.per_pos + [0.0] * (n - len(b.per_pos))
-    return stats.Counters(a.prompt_tokens + b.prompt_tokens,
-                          a.predicted_tokens + b.predicted_tokens,
-                          a.predicted_seconds + b.predicted_seconds, a.n_decode + b.n_decode,
-                          a.drafted + b.drafted, a.accepted + b.accepted, a.steps + b.steps,
-                          [x + y for x, y in zip(pa, pb, strict=False)])
 
 
 def _kv_bpv(results: dict) -> dict:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from mtpwrap import upstream
-from mtpwrap.bench import stats, tokenclass
+from mtpwrap.bench import kv, stats, tokenclass
 from mtpwrap.build import trial
 from mtpwrap.build.probe import probe
 from mtpwrap.decide import profiles, resolve
@@ -92,7 +92,6 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
     """`base` with the cell's knobs and any other profile `keys` (model, context, slots,
     threads, ...) replaced; None values leave the profile's own. `drafter`: the draft model of
     a draft cell that names none (the target itself)."""
-
     changes = {**cfg.overrides(drafter), **{k: v for k, v in keys.items() if v is not None}}
     return profiles.with_overrides(base, changes, where=f"benchmark configuration {cfg.name!r}")
 
@@ -100,7 +99,6 @@ def cell_profile(cfg: BenchConfig, base: Profile, *, drafter: str | Path,
 def default_profile() -> Profile:
     """The profile a benchmark derives its cells from when none is named: the one `up` would
     choose on this machine."""
-
     return profiles.select_profile(load_snapshot(None))[0]
 
 
@@ -108,7 +106,6 @@ def resolve_profile(prof: Profile, *, binary: Path, model: Path,
                     caps: Capabilities | None = None) -> tuple[LaunchConfig, Capabilities]:
     """A profile's launch on this binary, resolved as `up` resolves it (no hardware check, no
     memory plan: a measurement, not a service)."""
-
     caps = caps or probe(binary)
     r = resolve.resolve(prof, snapshot=None, caps=caps, model=model, binary=binary, plan=False)
     return r.launch, caps
@@ -184,6 +181,25 @@ class StreamResult:
         return len(self.pieces)
 
 
+def quiet(what: str) -> None:
+    """The progress callback that shows nothing: a run's default."""
+
+
+def events(r: httpx.Response, check: Callable[[httpx.Response], object]) -> Iterator[dict]:
+    """The JSON chunks of a streamed answer, up to `data: [DONE]`; an answer with an error
+    status is read in full and handed to `check`, which raises."""
+    if r.status_code >= 400:
+        r.read()
+        check(r)
+    for line in r.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
 class Client:
     """A running llama-server or mtpwrap front end."""
 
@@ -247,16 +263,7 @@ class Client:
         timings: dict = {}
         t0 = time.perf_counter()
         with self.http.stream("POST", "/completion", json=body) as r:
-            if r.status_code >= 400:
-                r.read()
-                self._check(r, "/completion")
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload.strip() == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in events(r, lambda resp: self._check(resp, "/completion")):
                 now = time.perf_counter() - t0
                 content = chunk.get("content", "") or ""
                 toks = chunk.get("tokens") or []
@@ -393,21 +400,12 @@ def load_test(base_url: str, api_key: str | None, prompts: list[list[int]], conc
     }
 
 
-_KV_LINE = re.compile(
-    r"llama_kv_cache: size =\s*([\d.]+) MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)/(\d+) seqs"
-    r"\), K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB"
-)
-
-
 def parse_kv_log(text: str) -> dict | None:
-    """The KV allocation llama.cpp logged: `llama_kv_cache: size = … (N cells, L layers …)`."""
-    found = list(_KV_LINE.finditer(text))
-    if not found:
+    """The KV allocation llama.cpp logged: `llama_kv_cache: size = … (N cells, L layers …)`;
+    cells are per stream."""
+    caches = kv.parse_kv_caches(text)
+    if not caches:
         return None
     # The target model's cache is logged first; a draft model's (or MTP context's) follows.
-    m = found[0]
-    # "(cells, layers, n_seq_max/n_stream seqs)": cells are per stream.
-    return {"contexts_logged": len(found), "total_mib": float(m.group(1)),
-            "cells": int(m.group(2)), "layers": int(m.group(3)), "streams": int(m.group(5)),
-            "k_type": m.group(6), "k_mib": float(m.group(7)), "v_type": m.group(8),
-            "v_mib": float(m.group(9))}
+    first = {k: v for k, v in caches[0].items() if k != "part"}
+    return {"contexts_logged": len(caches), **first}

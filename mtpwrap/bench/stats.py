@@ -9,7 +9,9 @@ With k = 3 and α = 0.73 the first is 0.55 and the tokens per step 2.65. Report 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import operator
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 
 from mtpwrap import promtext
 
@@ -72,20 +74,20 @@ class Counters:
         return cls(f(M_PROMPT_TOKENS), f(M_PREDICTED), f(M_PREDICTED_S), f(M_DECODE),
                    f(M_DRAFTED), f(M_ACCEPTED), f(M_STEPS), per)
 
-    def __sub__(self, before: Counters) -> Counters:
-        n = max(len(self.per_pos), len(before.per_pos))
+    def _combine(self, other: Counters, op: Callable[[float, float], float]) -> Counters:
+        """`op` of each counter of the two; the shorter per-position list is padded with 0."""
+        n = max(len(self.per_pos), len(other.per_pos))
         a = self.per_pos + [0.0] * (n - len(self.per_pos))
-        b = before.per_pos + [0.0] * (n - len(before.per_pos))
-        return Counters(
-            self.prompt_tokens - before.prompt_tokens,
-            self.predicted_tokens - before.predicted_tokens,
-            self.predicted_seconds - before.predicted_seconds,
-            self.n_decode - before.n_decode,
-            self.drafted - before.drafted,
-            self.accepted - before.accepted,
-            self.steps - before.steps,
-            [x - y for x, y in zip(a, b, strict=False)],
-        )
+        b = other.per_pos + [0.0] * (n - len(other.per_pos))
+        totals = {f.name: op(getattr(self, f.name), getattr(other, f.name))
+                  for f in fields(self) if f.name != "per_pos"}
+        return Counters(**totals, per_pos=[op(x, y) for x, y in zip(a, b, strict=True)])
+
+    def __sub__(self, before: Counters) -> Counters:
+        return self._combine(before, operator.sub)
+
+    def __add__(self, other: Counters) -> Counters:
+        return self._combine(other, operator.add)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import platform
@@ -23,6 +24,7 @@ from mtpwrap.bench.runner import (
     launch_config,
     load_test,
     parse_kv_log,
+    quiet,
     rejection_points,
 )
 from mtpwrap.build import manifest as build_manifest
@@ -66,28 +68,23 @@ class SuitePlan:
 
 def hardware_snapshot() -> dict:
     snap: dict = {"platform": platform.platform(), "machine": platform.machine(),
-                  "python": platform.python_version(), "cpu_count": os.cpu_count()}
-    snap["cpu_model"] = hardware.cpu_model()
-    try:
+                  "python": platform.python_version(), "cpu_count": os.cpu_count(),
+                  "cpu_model": hardware.cpu_model()}
+    with contextlib.suppress(Exception):  # psutil missing is not worth failing a benchmark over
         import psutil
 
         snap["memory_bytes"] = psutil.virtual_memory().total
-    except Exception:  # psutil missing is not worth failing a benchmark over
-        pass
     try:
         snap["nvml"] = hardware.snapshot().to_dict()
     except Exception as exc:  # NVML missing or broken: the rest of the snapshot stands
         snap["nvml_error"] = f"{type(exc).__name__}: {exc}"
+    snap["gpus"] = []
     smi = shutil.which("nvidia-smi")
     if smi:
-        try:
+        with contextlib.suppress(proc.ProcError):
             out = proc.run([smi, "--query-gpu=name,memory.total,driver_version,compute_cap",
                             "--format=csv,noheader"], timeout=20)
             snap["gpus"] = [ln.strip() for ln in out.stdout.splitlines() if ln.strip()]
-        except proc.ProcError:
-            snap["gpus"] = []
-    else:
-        snap["gpus"] = []
     return snap
 
 
@@ -175,7 +172,7 @@ def _cell(cfg: BenchConfig, lang: str, ctx: int, prompt: corpora.Prompt, res: St
 
 
 def run(plan: SuitePlan, workdir: Path, *,
-        progress: Callable[[str, int], None] | None = None) -> dict:
+        progress: Callable[[str], None] = quiet) -> dict:
     """Run every cell of the plan and return the raw results (see report.py for the files)."""
     if not plan.configs:
         raise ConfigError("The benchmark plan has no configurations.")
@@ -245,7 +242,7 @@ def run(plan: SuitePlan, workdir: Path, *,
 
 def _run_config(plan: SuitePlan, cfg: BenchConfig, client: Client,
                 corp: dict[str, corpora.Corpus], results: dict,
-                progress: Callable[[str, int], None] | None) -> None:
+                progress: Callable[[str], None]) -> None:
     props = client.props()
     n_ctx = int((props.get("default_generation_settings") or {}).get("n_ctx") or 0)
     results["servers"][cfg.name] = {"base_url": client.base_url, "socket": client.socket,
@@ -257,8 +254,7 @@ def _run_config(plan: SuitePlan, cfg: BenchConfig, client: Client,
                                          "context": ctx, "skipped":
                                          f"server context {n_ctx} too small"})
                 continue
-            if progress:
-                progress(f"{cfg.name} {lang} {ctx}", 1)
+            progress(f"{cfg.name} {lang} {ctx}")
             try:
                 prompt = corpora.build_prompt(corp[lang], ctx, client.tokenize)
             except corpora.CorpusTooSmall as exc:
@@ -279,8 +275,7 @@ def _run_config(plan: SuitePlan, cfg: BenchConfig, client: Client,
     load_prompts = [corpora.build_prompt(corp[lang], plan.load_context,
                                          client.tokenize).tokens for lang in plan.langs]
     for n in plan.concurrency:
-        if progress:
-            progress(f"{cfg.name} load x{n}", 1)
+        progress(f"{cfg.name} load x{n}")
         rec = load_test(client.base_url, plan.api_key, load_prompts, n, plan.load_predict,
                         socket=client.socket)
         rec["config"] = cfg.name
@@ -303,7 +298,6 @@ def model_provenance(model: Path | None) -> dict | None:
 
 def kv_geometry(model: Path) -> dict | None:
     """KV heads and head sizes from the GGUF header, to turn logged KV MiB into bytes/value."""
-
     try:
         facts = read_facts(Path(model))
     except ConfigError:  # a file the reader cannot read: bytes/value is left out

@@ -23,6 +23,7 @@ from mtpwrap.bench.runner import (
     BenchConfig,
     Client,
     cell_profile,
+    quiet,
     resolve_profile,
     start_launch,
 )
@@ -88,14 +89,13 @@ def setting_profile(plan: TunePlan, cfg: BenchConfig) -> Profile:
 
 
 def run(plan: TunePlan, workdir: Path,
-        progress: Callable[[str], None] | None = None) -> dict:
+        progress: Callable[[str], None] = quiet) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     corp = [corpora.load(lang) for lang in plan.langs]
     caps: Capabilities | None = None
     points: list[dict] = []
     for cfg in plan.configs():
-        if progress:
-            progress(cfg.name)
+        progress(cfg.name)
         cl, caps = resolve_profile(setting_profile(plan, cfg), binary=plan.binary,
                                    model=plan.model, caps=caps)
         need = plan.context + plan.n_predict + 64
@@ -106,14 +106,13 @@ def run(plan: TunePlan, workdir: Path,
         srv = start_launch(cl, caps, binary=plan.binary, log_path=workdir / f"{cfg.name}.log",
                            what=f"llama-server for setting {cfg.name!r}")
         client = Client.of(srv)
-        stop = srv.stop
         try:
             prompts = [corpora.build_prompt(c, plan.context, client.tokenize).tokens
                        for c in corp]
             m = _measure(client, prompts, plan.n_predict)
         finally:
             client.close()
-            stop()
+            srv.stop()
         m["config"] = cfg.to_dict()
         m["argv"] = srv.argv
         points.append(m)
@@ -156,12 +155,11 @@ def analyse(points: list[dict]) -> dict:
 
 
 def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
-                  progress: Callable[[str], None] | None = None) -> dict:
+                  progress: Callable[[str], None] = quiet) -> dict:
     """Per request class (Korean statutes, English licences, code), decode tokens/s at each
     draft depth (0 = off) on ONE server: the profile at the deepest depth, each request asking
     for its own `speculative.n_max` (the patched build honours it; another is refused). The
     best depth per class becomes the profile's `spec.policy` with --write."""
-
     if plan.kind == "ngram":
         raise ConfigError("--per-class tunes draft or mtp speculation; n-gram drafting has no "
                           "depth a request can ask for beyond its match.")
@@ -185,8 +183,7 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
         for cls, prompts in work.items():
             table[cls] = {}
             for d in depths:
-                if progress:
-                    progress(f"{cls} depth {d}")
+                progress(f"{cls} depth {d}")
                 n = seconds = 0.0
                 for text in prompts:
                     timings = _complete(http, text, plan.n_predict, d)
@@ -220,7 +217,6 @@ def _complete(http: httpx.Client, text: str, n_predict: int, depth: int) -> dict
 def write_class_policy(result: dict, plan: TunePlan) -> Path:
     """Save the measured per-class depths as the profile's `spec.policy`, in the very profile
     the sweep served (so `up` runs the same command line), validated, written atomically."""
-
     prof = setting_profile(plan, BenchConfig(**result["config"]))
     data = profiles.to_yaml(prof)
     data["spec"]["policy"] = dict(result["policy"])
@@ -232,8 +228,7 @@ def write_class_policy(result: dict, plan: TunePlan) -> Path:
 def _write_profile(data: dict, name: str) -> Path:
     import yaml
 
-
-    path = override_path(name)
+    path = paths.user_config_dir() / "profiles" / f"{name}.yaml"
     profiles.validate(data, where=str(path), expected_name=name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".yaml.tmp")
@@ -242,15 +237,9 @@ def _write_profile(data: dict, name: str) -> Path:
     return path
 
 
-def override_path(profile: str) -> Path:
-    return paths.user_config_dir() / "profiles" / f"{profile}.yaml"
-
-
 def write_override(result: dict, plan: TunePlan) -> Path:
     """Save the best measured setting as a user profile override: the very profile it was
     measured with (validated), written atomically."""
-
-
     best = result["best"]
     c = best["config"] if "config" in best else next(
         p["config"] for p in result["raw"] if p["config"]["name"] == best["name"])

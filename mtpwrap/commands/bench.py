@@ -3,7 +3,6 @@ matrix."""
 
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 
 import click
@@ -112,14 +111,8 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
                            gap_s=None if gap_ms is None else gap_ms / 1000.0, binary=binary,
                            model=mpath, url=url, api_key=api_key, threads=threads,
                            profile=profile)
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = out_dir or Path("bench-results") / stamp
-    with console.progress() as bar:
-        task = bar.add_task("bench", total=suite.total_steps(plan))
-
-        def step(desc: str, n: int) -> None:
-            bar.update(task, description=desc, advance=n)
-
+    out = materials.report_dir(out_dir, "")
+    with console.steps("bench", suite.total_steps(plan)) as step:
         results = suite.run(plan, out, progress=step)
     files = report.write(results, out)
     s = results["summary"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 import shlex
 import sys
 from pathlib import Path
@@ -88,14 +87,8 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, profile: s
                          steps=docs.parse_steps(steps), ubatch=cells, max_tokens=max_tokens,
                          timeout_s=float(timeout_s),
                          command=shlex.join(["mtpwrap", *_without_key(sys.argv[1:])]))
-    out = out_dir or Path("bench-results") / ("docs-" + _dt.datetime.now().strftime(
-        "%Y%m%d-%H%M%S"))
-    with console.progress() as bar:
-        task = bar.add_task("bench docs", total=docs.total_steps(plan))
-
-        def step(desc: str) -> None:
-            bar.update(task, description=desc, advance=1)
-
+    out = materials.report_dir(out_dir, "docs-")
+    with console.steps("bench docs", docs.total_steps(plan)) as step:
         results = docs.run(plan, out, progress=step)
     files = docs_report.write(results, out)
     if as_json:

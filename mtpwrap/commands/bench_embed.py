@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 
 import click
@@ -69,14 +68,8 @@ def command(ctx: click.Context, url: str | None, api_key: str | None, corpus_nam
                            docs=docs, batch=batch, concurrency=conc, rounds=rounds,
                            chat_tokens=chat_tokens, embed_model=embed_model,
                            chat_model=chat_model, timeout_s=float(timeout_s))
-    out = out_dir or Path("bench-results") / ("embed-" + _dt.datetime.now().strftime(
-        "%Y%m%d-%H%M%S"))
-    with console.progress() as bar:
-        task = bar.add_task("bench embed", total=embed.steps(plan))
-
-        def step(desc: str) -> None:
-            bar.update(task, description=desc, advance=1)
-
+    out = materials.report_dir(out_dir, "embed-")
+    with console.steps("bench embed", embed.steps(plan)) as step:
         results = embed.run(plan, progress=step)
     files = embed_report.write(results, out)
     alone = embed.no_overlap(results)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 
 import click
@@ -93,6 +92,7 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
              n_predict: int, out_dir: Path | None) -> dict:
     from mtpwrap import console
     from mtpwrap.bench import kv_report, kv_run, materials
+    from mtpwrap.decide.gguf_facts import read_facts
     from mtpwrap.errors import ConfigError
 
     if not quality and not speed:
@@ -114,16 +114,9 @@ def _measure(model: str | None, binary_opt: str | None, types: str, corpus_names
                          threads=threads, speed=speed, quality=quality, n_predict=n_predict,
                          target=build.target)
     materials.check_kv_plan(plan)
-    out = out_dir or Path("bench-results") / ("kv-" + _dt.datetime.now().strftime(
-        "%Y%m%d-%H%M%S"))
-    with console.progress() as bar:
-        n_types = sum(1 for t in kv_run.admitted(plan, materials.model_facts(mpath))
-                      if t["applicable"])
-        task = bar.add_task("bench kv", total=kv_run.steps(plan, n_types))
-
-        def step(desc: str) -> None:
-            bar.update(task, description=desc, advance=1)
-
+    out = materials.report_dir(out_dir, "kv-")
+    n_types = sum(1 for t in kv_run.admitted(plan, read_facts(mpath)) if t["applicable"])
+    with console.steps("bench kv", kv_run.steps(plan, n_types)) as step:
         results = kv_run.run(plan, out, progress=step)
     files = kv_report.write(results, out)
     console.info(f"report: {files['md']}  (json: {files['json'].name}, plots: "

@@ -118,22 +118,12 @@ def command(
             console.info(f"installed the carried {installed.variant} build (commit "
                          f"{installed.commit}): {installed.binary('llama-server')}")
         return
-    with _reporter(log_objects) as rep:
+    with _Reporter(log_objects) as rep:
         try:
             manifest, reused, why = builder.build(
-                source_spec,
-                cpu=cpu,
-                cuda_arch=cuda_arch,
-                jobs=jobs,
-                progress=rep.progress,
-                force=force,
-                cpu_isa=cpu_isa,
-                allow_unpinned=allow_unpinned,
-                note=rep.note,
-                no_patches=no_patches,
-                skip_patches=skip_patches,
-                fa_all_quants=fa_all_quants,
-            )
+                source_spec, cpu=cpu, cuda_arch=cuda_arch, jobs=jobs, progress=rep.progress,
+                force=force, cpu_isa=cpu_isa, allow_unpinned=allow_unpinned, note=rep.note,
+                no_patches=no_patches, skip_patches=skip_patches, fa_all_quants=fa_all_quants)
         except BuildError as exc:
             rep.stop()
             for line in exc.tail:
@@ -283,10 +273,6 @@ class _Reporter:
             self.prog.update(self.task, completed=100, description=description)
         elif self.phase != description:
             self._line(description)
-
-
-def _reporter(objects: bool = False) -> _Reporter:
-    return _Reporter(objects)
 
 
 def _calibrate(variant: str) -> str:

@@ -77,12 +77,9 @@ def list_cmd(as_json: bool) -> None:
     if not rows:
         console.info(f"no models in {paths.models_dir()}; `mtpwrap models demo` fetches one.")
         return
-    console.table(
-        None,
-        ["name", "size (MB)", "role", "MTP", "path"],
-        [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["role"], r["mtp"], r["path"]]
-         for r in rows],
-    )
+    console.table(None, ["name", "size (MB)", "role", "MTP", "path"],
+                  [[r["name"], f"{int(str(r['bytes'])) / 1e6:.0f}", r["role"], r["mtp"],
+                    r["path"]] for r in rows])
 
 
 @command.command("inspect")

@@ -143,14 +143,11 @@ def command(model: str | None, profile: str | None, gpu: str | None, replay: str
     device = resolve.device_bytes(inp.profile, snap)
     desc = (snap.gpus[0].name or "GPU 0") if device is not None else "CPU (host memory)"
     if as_json:
-        d = p.to_dict()
-        d["device"] = desc
-        d["profile"] = inp.profile.name
-        d["measured"] = r.measured
-        d["measured_text"] = r.measured_text
-        d["documents"] = r.documents.to_dict() if r.documents is not None else None
-        d["ubatch"] = {"value": r.launch.ubatch, "why": _ubatch_why(r)}
-        console.print_json(d)
+        console.print_json({
+            **p.to_dict(), "device": desc, "profile": inp.profile.name, "measured": r.measured,
+            "measured_text": r.measured_text,
+            "documents": r.documents.to_dict() if r.documents is not None else None,
+            "ubatch": {"value": r.launch.ubatch, "why": _ubatch_why(r)}})
         return
     _print_plan(r, desc, device)
 
@@ -186,8 +183,7 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"llama.cpp's own figures: {r.measured_text}")
     if device is None:
         console.out.print(f"host memory needed: {_fmt(host_needed)} MiB")
-        console.out.print(f"ubatch: {_ubatch_why(r)}")
-        _print_documents(r)
+        _print_launch(r)
         return
     assert p.headroom is not None
     if r.measured:
@@ -211,8 +207,7 @@ def _print_plan(r: Any, desc: str, device: int | None) -> None:
         console.out.print(f"  {note}")
     for why in p.not_admitted.values():
         console.out.print(f"  not listed, {why}")
-    console.out.print(f"ubatch: {_ubatch_why(r)}")
-    _print_documents(r)
+    _print_launch(r)
 
 
 def _ubatch_why(r: Any) -> str:
@@ -223,10 +218,12 @@ def _ubatch_why(r: Any) -> str:
     return f"{ub:,}: {r.launch.reason('ubatch') or 'set'}"
 
 
-def _print_documents(r: Any) -> None:
-    """How documents stay warm under this launch (`decide.documents`), with each reason."""
+def _print_launch(r: Any) -> None:
+    """The launch's ubatch, then how documents stay warm under it (`decide.documents`), with
+    each reason."""
     from mtpwrap import console
 
+    console.out.print(f"ubatch: {_ubatch_why(r)}")
     if r.documents is None:
         return
     console.out.print(f"documents: {r.documents.summary()}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,17 +68,11 @@ def command(kind: str, depths: str, p_mins: str, context: int, n_predict: int, l
                          draft_model=Path(draft_model) if draft_model else None,
                          threads=threads)
     configs = plan.configs()  # validates before anything starts
-    out = out_dir or Path("bench-results") / ("tune-" + _dt.datetime.now().strftime(
-        "%Y%m%d-%H%M%S"))
+    out = materials.report_dir(out_dir, "tune-")
     if per_class:
         _per_class(plan, out, write_)
         return
-    with console.progress() as bar:
-        task = bar.add_task("tune", total=len(configs))
-
-        def step(desc: str) -> None:
-            bar.update(task, description=desc, advance=1)
-
+    with console.steps("tune", len(configs)) as step:
         result = tune.run(plan, out, progress=step)
     files = tune.write_report(result, out)
     rows = [[r["name"], f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else "–",
@@ -102,12 +95,8 @@ def _per_class(plan: TunePlan, out: Path, write_: bool) -> None:
 
     from mtpwrap import console
     from mtpwrap.bench import tune
-    with console.progress() as bar:
-        task = bar.add_task("tune per class", total=3 * len({0, *plan.depths}))
 
-        def step(desc: str) -> None:
-            bar.update(task, description=desc, advance=1)
-
+    with console.steps("tune per class", 3 * len({0, *plan.depths})) as step:
         result = tune.run_per_class(plan, out, progress=step)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune-per-class.json").write_text(json.dumps(result, indent=1))

@@ -126,7 +126,6 @@ def fitting_profiles(path: Path, snapshot: HardwareSnapshot | None, caps: Capabi
                      kv_sizes: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Each shipped (and user) profile with this model: fits or not, at which context and KV
     type, and how much memory, on `snapshot` — through `resolve`."""
-
     rows = []
     for p in profiles.list_profiles():
         row: dict[str, Any] = {"profile": p.name, "fits": False, "where": None,

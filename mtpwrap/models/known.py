@@ -147,10 +147,6 @@ def ensure(model: KnownModel) -> Path:
     return target
 
 
-def demo_model_path() -> Path:
-    return DEMO.path()
-
-
 def cached_demo_model() -> Path | None:
     return cached(DEMO)
 
