@@ -402,3 +402,16 @@ def recorded_fork(tmp_path: Path, name: str) -> Path:
                    + ";; *) exit 1;; esac\n")
     exe.chmod(0o755)
     return exe
+
+
+class Lines:
+    """An audit sink that keeps the records (the trail's writer thread appends)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass

@@ -30,7 +30,7 @@ from mtpwrap.front.info import ServeInfo
 from mtpwrap.proc import free_loopback_port as free_port
 from tests.fakes.fake_upstream import sse_events
 from tests.fakes.front_harness import LlamaChild, serve_front
-from tests.helpers import wait_for
+from tests.helpers import Lines, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -420,6 +420,41 @@ def test_healthz_for_people(llama, front):
     assert h["profile"] == "cpu-demo" and h["commit"] == "0c1e570"
     assert h["context"] == 8192 and h["restarts"] == 0 and h["child_pid"] == llama.proc.pid
     assert h["uptime_s"] >= 0 and isinstance(h["gpu"], list)
+
+
+def test_a_document_moved_between_messages_is_named_moved(llama):
+    """Open WebUI as installed puts the document into the last user message: at the second
+    question it sits in another message, llama-server reads it all again, and the audit line,
+    /metrics and the status page say why (`front/rereads.py`)."""
+    doc = "\n".join(f"Clause {i}: the supplier ships {i * 7} crates of part {i:03d} to depot "
+                    f"{i % 5} by week {i % 52}." for i in range(30))
+
+    def with_doc(question: str) -> dict[str, str]:
+        return {"role": "user", "content": f"<context>\n{doc}\n</context>\n{question}"}
+
+    chats = ([with_doc("Which depot gets part 007?")],
+             [{"role": "user", "content": "Which depot gets part 007?"},
+              {"role": "assistant", "content": "Depot 2."}, with_doc("And part 012?")])
+    with _front_over(llama, reread_threshold_tokens=300) as (srv, _sup):
+        lines = Lines()
+        srv.front.trail.sink = lines
+        for n, messages in enumerate(chats, 1):
+            r = HTTP.post(srv.url + "/v1/chat/completions", headers=front_headers(), json={
+                "messages": messages, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            wait_for("the audit line", lambda n=n: len(lines.records) >= n, 30)
+        first, second = lines.records
+        assert first["reread_cause"] == "cold"
+        # llama-server's own counts: the document was read again, not found in the cache
+        assert second["prompt_tokens"] == r.json()["usage"]["prompt_tokens"]
+        assert second["reread_tokens"] == second["prompt_tokens"] - second["cached_tokens"]
+        assert second["reread_tokens"] > 300 and second["reread_cause"] == "moved"
+        text = HTTP.get(srv.url + "/metrics", headers=front_headers()).text
+        assert f'mtpwrap_reread_tokens_total{{cause="moved"}} {second["reread_tokens"]}.0' \
+            in text
+        status = HTTP.get(srv.url + "/status.json", headers=front_headers()).json()
+        assert status["rereads"][0]["reread_cause"] == "moved"
+        assert "RAG_SYSTEM_CONTEXT=true" in status["rereads"][0]["fix"]
 
 
 def test_prompt_and_completion_never_logged(llama, front, caplog, tmp_path):

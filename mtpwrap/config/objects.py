@@ -166,6 +166,7 @@ class ProxyConfig:
     healthz_public: bool = _X["healthz_public"]
     backend_metrics_timeout_s: float = _X["backend_metrics_timeout_s"]
     cors_origins: tuple[str, ...] = _X["cors_origins"]
+    reread_threshold_tokens: int = _X["reread_threshold_tokens"]
     #: what errors name as the values' origin (a config file, "settings")
     source: InitVar[str] = "proxy config"
 

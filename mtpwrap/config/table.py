@@ -248,6 +248,10 @@ PROXY: dict[str, Key] = {
     "cors_origins": Key("list", (), "Browser origins allowed to call the API.",
                         check=_exact_origins,
                         expect="a list of strings, each an exact origin (never `*`)"),
+    "reread_threshold_tokens": _count(2048, "A request to the chat model that reads more than "
+                                      "this many tokens of its prompt again (not from the "
+                                      "cache) gets a cause in the audit line, /metrics and the "
+                                      "status page.", "tokens"),
 }
 
 #: one item of a profile's `companions:` list: an embedding or rerank model served by its own

@@ -38,7 +38,7 @@ from starlette.routing import Mount, Route
 
 from mtpwrap.config.apikeys import KeyTable
 from mtpwrap.config.objects import AuditConfig, ProxyConfig
-from mtpwrap.front import audit, depth_policy, ops, status, usage
+from mtpwrap.front import audit, depth_policy, ops, rereads, status, usage
 from mtpwrap.front.access import Access, classify
 from mtpwrap.front.access import Route as Verdict
 from mtpwrap.front.admission import Admission, Refusal, request_class
@@ -115,6 +115,8 @@ class Front:
                                else None, clock)
         self.trail = Trail(audit.open_sink(audit_config, clock) if audit_config else NoSink(),
                            self.metrics, self.budgets, lambda: self.info.model, clock)
+        self.trail.rereads = rereads.Rereads(config.reread_threshold_tokens,
+                                             self.metrics.reread_tokens)
         #: httpx clients for what is not relayed (the metrics scrape); the relay has its wire
         self.clients = UpstreamClients(
             timeout=httpx.Timeout(config.connect_timeout_s, read=None),
@@ -407,6 +409,8 @@ class Front:
         if ticket is not None:
             if target is not None:
                 ticket.model = target.name
+            elif route.slot:  # the chat model's prompt, hashed (front/rereads.py)
+                ticket.blocks = rereads.blocks(doc)
             ticket.stream = ticket.tally.stream = stream
             ticket.tally.route = label
             if not await self._reserve(ticket, send, label, doc, body, t0, scope):
@@ -425,6 +429,8 @@ class Front:
         finally:
             watch.cancel()
             self._workers.pop(ex, None)
+            if ticket is not None:
+                ticket.generation = ex.generation
         if ex.ending is not None:  # found by the watch or the drain, which stopped the worker
             await relay.conclude(ex, send, ex.ending.event, ex.ending.action)
 
@@ -434,10 +440,11 @@ class Front:
         the 429 sent), and say how to count its prompt if its answer is cut."""
         ticket.prompt_estimate = usage.reservation(label, None, len(body), 0, None)
         ticket.count_prompt = _once(lambda: self._count_prompt(label, doc))
+        ticket.reserved = usage.reservation(label, doc, len(body), self.config.max_predict,
+                                            self.info.context)
         if ticket.api_key is None:
             return True
-        hold = self.budgets.reserve(ticket.api_key, usage.reservation(
-            label, doc, len(body), self.config.max_predict, self.info.context))
+        hold = self.budgets.reserve(ticket.api_key, ticket.reserved)
         if isinstance(hold, OverBudget):
             await refuse_budget(self.replies, send, ticket.api_key, hold, label, t0,
                                 close=False, path=scope["path"])

@@ -298,6 +298,10 @@ class FrontMetrics:
             "mtpwrap_audit_unwritten", "Audit lines not written to the trail, by reason "
             "(queue_full and shutdown: the line is in the service's log instead; write_failed: "
             "the sink refused it)", ["reason"], registry=r)
+        self.reread_tokens = Counter(
+            "mtpwrap_reread_tokens", "Prompt tokens the chat model read again, of requests "
+            "that read more than proxy.reread_threshold_tokens, by cause (front/rereads.py)",
+            ["cause"], registry=r)
         self.audit_queue = Gauge("mtpwrap_audit_queue_lines", "Audit lines queued for the "
                                  "writer thread and not yet written", registry=r)
         self.live = _LiveCollector(status, front_stats, companions, gpu)

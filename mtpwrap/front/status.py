@@ -3,7 +3,8 @@ framework, refreshing itself every few seconds from `/status.json`) and `/status
 
 It shows the state, the model and profile, slots busy, the queue by class, tokens/s over the
 last minute, each companion (embedding, rerank) with its state, each key's usage today, the
-last refusals, and GPU memory and temperature (NVML).
+last refusals, the last prompts read again with their cause and its fix (front/rereads.py: no
+text), and GPU memory and temperature (NVML).
 Both need a key with the `metrics` or `admin` scope; a browser may give it as the password of
 HTTP Basic authentication (the page's 401 asks for it), so the page works without a plugin.
 The page's script writes text only (`textContent`), never markup, and a Content-Security-Policy
@@ -85,6 +86,8 @@ async function refresh() {
     fill("usage", s.usage_today, [["key"], ["requests", 1], ["refused", 1],
          ["prompt_tokens", 1], ["completion_tokens", 1]]);
     fill("refusals", s.refusals, [["time"], ["key"], ["route"], ["status", 1], ["reason"]]);
+    fill("rereads", s.rereads, [["time"], ["key"], ["reread_tokens", 1], ["reread_cause"],
+         ["fix"]]);
     fill("gpus", s.gpus.map((g) => ({name: g.index + ": " + (g.name || "GPU"),
          used: mib(g.memory_used_bytes), total: mib(g.memory_total_bytes),
          temp: g.temperature_c})), [["name"], ["used", 1], ["total", 1], ["temp", 1]]);
@@ -125,6 +128,9 @@ _HTML = f"""<!doctype html>
 <h2>Last refusals</h2>
 <table><thead><tr><th>time</th><th>key</th><th>route</th><th>status</th><th>reason</th></tr>
 </thead><tbody id="refusals"></tbody></table>
+<h2>Prompts read again</h2>
+<table><thead><tr><th>time</th><th>key</th><th>tokens</th><th>cause</th><th>fix</th></tr>
+</thead><tbody id="rereads"></tbody></table>
 <h2>GPUs</h2>
 <table><thead><tr><th>GPU</th><th>MiB used</th><th>MiB total</th><th>°C</th></tr></thead>
 <tbody id="gpus"></tbody></table>
@@ -158,6 +164,8 @@ def document(front: Front, gpu: GpuView, reads: list[Read]) -> dict[str, Any]:
         "tokens_per_s": round(trail.tokens_per_s(), 2),
         "usage_today": trail.usage_today(),
         "refusals": list(reversed(trail.refusals)),
+        # the last requests that read much of their prompt again, and why (no text)
+        "rereads": list(reversed(trail.rereads.recent)) if trail.rereads else [],
         "companions": [c.health() for c in front.routes.companions],
         "gpus": gpu_rows(gpu),
         "gpu_read": gpu.to_dict(),
