@@ -222,9 +222,18 @@ def test_leftover_grandchild_of_a_killed_instance_is_reaped(tmp_path: Path) -> N
         assert Path(f"/proc/{grandchild}").exists()  # an orphan, still running
         assert instance.reap_leftovers(data) == [grandchild]
         wait_for("the grandchild dead", lambda: dead(grandchild), 5, every=0.02)
-        # A live group whose leader is not the recorded one (our own) is never touched.
-        ours = {**data, "child_pgid": os.getpgid(0), "child_start": 1}
-        assert instance.reap_leftovers(ours) == []
+        # A live group whose leader is not the recorded one is never touched (a group of its
+        # own: the test's group may have lost its leader, and then nothing tells it from one
+        # left behind)
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                 start_new_session=True)
+        try:
+            assert instance.reap_leftovers({**data, "child_pgid": other.pid,
+                                            "child_start": 1}) == []
+            assert other.poll() is None
+        finally:
+            other.kill()
+            other.wait()
     finally:
         parent.kill()
 
