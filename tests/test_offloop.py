@@ -291,3 +291,34 @@ def test_a_stalled_audit_disk_stops_neither_streams_nor_livez(
     finally:
         sink.gate.set()
         child.kill()
+
+
+def test_todays_totals_are_read_by_the_writer_not_the_loop_and_counted_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The day's audit file may hold 100,000 lines: the trail reads it in its writer thread,
+    first, before any line of its own run is written, so the status page's totals hold the
+    earlier runs' lines once and this run's once."""
+    from mtpwrap.front import audit
+
+    sink = audit.FileSink(tmp_path, retention_days=2)
+    earlier = _trail(sink, queue_lines=10)
+    for n in range(3):
+        earlier.end(_ticket(n))  # type: ignore[attr-defined]
+    earlier.close()  # type: ignore[attr-defined]
+    readers: list[str] = []
+    read = audit.read_records
+
+    def reading(*args: object, **kwargs: object) -> object:
+        readers.append(threading.current_thread().name)
+        gate.wait(5)  # a large file: still being read when this run's first request ends
+        return read(*args, **kwargs)  # type: ignore[arg-type]
+
+    gate = threading.Event()
+    monkeypatch.setattr(audit, "read_records", reading)
+    trail = _trail(audit.FileSink(tmp_path, retention_days=2), queue_lines=10)
+    trail.end(_ticket(9))  # type: ignore[attr-defined]
+    gate.set()
+    assert trail.writer.flush(10)  # type: ignore[attr-defined]
+    assert readers == ["mtpwrap-audit"]  # never the thread that made the trail
+    assert trail.usage_today()[0]["requests"] == 4  # type: ignore[attr-defined]
+    trail.close()  # type: ignore[attr-defined]

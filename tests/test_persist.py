@@ -207,3 +207,41 @@ def test_reload_reads_the_same_flags_variables_and_file(tmp_path: Path,
     assert again.supervisor["wedge_s"] == 5.0
     assert again.proxy["cors_origins"] == ("https://a.example",)
     assert again.api_keys == ("secret-key-1",)
+
+
+def test_the_snapshot_files_are_touched_off_the_loop(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save and a restore stat, chmod, unlink and evict snapshot files, and read the model's
+    stamp: each in a thread, never on the event loop (a slow disk would hold every stream)."""
+    import asyncio
+    import threading
+
+    store = store_at(tmp_path / "snaps", max_mb=1)
+    store.directory.mkdir(mode=0o700, exist_ok=True)
+    on_loop: list[str] = []
+    for name in ("secure", "remove", "evict", "forget"):
+        real = getattr(store, name)
+
+        def watched(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                on_loop.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(store, name, watched)
+
+    class Child:
+        async def slot_action(self, slot: int, action: str, name: str) -> tuple[bool, dict]:
+            if action == "save":
+                store.path(name).write_bytes(b"kv" * 100)
+                return True, {"n_saved": 5000 + slot}
+            return True, {"n_restored": 5000 + slot}
+
+    async def scenario() -> dict[str, Any]:
+        carried = await persist.save_slots(Child(), store, None)
+        assert [s.tokens for s in carried.snapshots] == [5000]
+        return await persist.restore_slots(Child(), store, carried, None)
+
+    report = asyncio.run(scenario())
+    assert on_loop == []
+    assert report["skipped"] is not None  # an unknown launch fits nothing: files removed
+    assert list(store.directory.iterdir()) == []

@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -265,6 +266,9 @@ def read_records(directory: Path, since: str | None = None) -> Iterator[dict[str
 
 # --------------------------------------------------------------------------- the trail
 
+#: the writer's first job where the trail is a file: today's lines read (by identity)
+_SEED: dict[str, Any] = {}
+
 #: the front's pages that are not audited: probes carry no key and come every few seconds
 UNAUDITED = frozenset({"/livez", "/readyz"})
 
@@ -290,11 +294,13 @@ class Trail:
         #: today's totals per key (UTC day), for the status page; seeded from today's file
         self._day = day_of(clock())
         self._today: dict[str, dict[str, int]] = {}
+        self._today_lock = threading.Lock()  # the loop adds to them, the writer seeds them
         #: (end time, completion tokens) of the last minute's requests
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         if isinstance(sink, FileSink):
-            for record in read_records(sink.directory, since=self._day):
-                self._add_today(record)
+            # the writer's first job, off the loop (a day's file may hold 100,000 lines), and
+            # done before it writes any line of this run's: none is counted twice
+            self.writer.submit(_SEED)
 
     def begin(self, scope: dict[str, Any] | Any, path: str, key: ApiKey | None) -> Ticket:
         client = scope.get("client")
@@ -338,7 +344,11 @@ class Trail:
         return record
 
     def _write(self, record: dict[str, Any]) -> None:
-        """The writer thread's: one line to the sink."""
+        """The writer thread's: one line to the sink (or, first, today's lines read)."""
+        if record is _SEED and isinstance(self.sink, FileSink):
+            for line in read_records(self.sink.directory, since=self._day):
+                self._add_today(line)
+            return
         try:
             self.sink.write(record)
             self.lines += 1
@@ -356,18 +366,20 @@ class Trail:
         log.error("audit: line not written to the trail (%s), kept here: %s", reason,
                   json.dumps(record, ensure_ascii=False, separators=(",", ":")))
 
-    def _add_today(self, record: dict[str, Any]) -> None:
+    def _add_today(self, record: dict[str, Any] | None) -> None:
+        """A record into today's totals (None: none, a new day only)."""
         day = day_of(self.clock())
-        if day != self._day:
-            self._day, self._today = day, {}
-        if str(record.get("time", ""))[:10] == day:
-            _add(self._today.setdefault(str(record.get("key") or "-"), dict.fromkeys(
-                ("requests", "refused", "prompt_tokens", "completion_tokens"), 0)), record)
+        with self._today_lock:
+            if day != self._day:
+                self._day, self._today = day, {}
+            if record is not None and str(record.get("time", ""))[:10] == day:
+                _add(self._today.setdefault(str(record.get("key") or "-"), dict.fromkeys(
+                    ("requests", "refused", "prompt_tokens", "completion_tokens"), 0)), record)
 
     def usage_today(self) -> list[dict[str, Any]]:
-        if day_of(self.clock()) != self._day:
-            self._day, self._today = day_of(self.clock()), {}
-        return [{"key": k, **v} for k, v in sorted(self._today.items())]
+        self._add_today(None)
+        with self._today_lock:
+            return [{"key": k, **v} for k, v in sorted(self._today.items())]
 
     def tokens_per_s(self, window_s: float = 60.0) -> float:
         """Completion tokens of the requests that ended in the last `window_s`, per second."""
@@ -380,7 +392,8 @@ class Trail:
         """Write the queued lines (up to `CLOSE_S`; those left go to the log), then close the
         sink and the budgets' writer. Blocks: the shutdown's last step."""
         for record in self.writer.close(CLOSE_S):
-            self._unwritten(record, "shutdown")
+            if record is not _SEED:
+                self._unwritten(record, "shutdown")
         self.budgets.close()
         self.sink.close()
 

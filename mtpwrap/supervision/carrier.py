@@ -10,6 +10,7 @@ Snapshot files that will not be restored are deleted at once.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -147,5 +148,6 @@ class SlotCarrier:
     def _forget(self, carried: Carried | None) -> None:
         """Delete the files of snapshots that will not be restored."""
         if carried is not None and self.store is not None:
-            for snap in carried.snapshots:
-                self.store.remove(snap.name)
+            # an unlink may wait on a slow disk: never on the loop
+            asyncio.get_running_loop().run_in_executor(
+                None, self.store.forget, [snap.name for snap in carried.snapshots])

@@ -19,6 +19,7 @@ size is bounded (oldest first out), and a file is deleted once restored and on a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -183,6 +184,11 @@ class SnapshotStore:
                 total += p.stat().st_size
         return total
 
+    def forget(self, names: list[str]) -> None:
+        """`remove` each of `names`."""
+        for name in names:
+            self.remove(name)
+
     def remove(self, name: str) -> None:
         """A snapshot's slot file, its sidecar and what a sidecar write cut short left."""
         for p in (self.path(name), self.path(name + SIDECAR), self.path(name + SIDECAR_TMP)):
@@ -244,23 +250,25 @@ async def save_slots(child: Any, store: SnapshotStore, launch: LaunchConfig | No
     """Save every slot of `child` (launched as `launch`) holding at least `min_tokens`
     tokens."""
     t0 = time.perf_counter()
-    fp = fingerprint(launch)
+    # every file step (a stat, a chmod, an unlink, a model's stamp read) in a thread: a slow
+    # or hung disk never holds the loop, its streams and the watchdog
+    fp = await asyncio.to_thread(fingerprint, launch)
     kept: list[Snapshot] = []
     for slot in range(int(fp["slots"])):
         name = store.new_name(slot)
         ok, data = await child.slot_action(slot, "save", name)
         if not ok:
             log.warning("slot %d not saved: %s", slot, data.get("message"))
-            store.remove(name)
+            await asyncio.to_thread(store.remove, name)
             continue
-        size = store.secure(name)
+        size = await asyncio.to_thread(store.secure, name)
         tokens = int(data.get("n_saved") or 0)
         if tokens < max(1, store.config.min_tokens):
-            store.remove(name)
+            await asyncio.to_thread(store.remove, name)
             continue
         kept.append(Snapshot(slot, name, tokens, size))
     carried = Carried(fp, kept, time.perf_counter() - t0)
-    gone = set(store.evict())
+    gone = set(await asyncio.to_thread(store.evict))
     carried.snapshots = [s for s in kept if s.name not in gone]
     if carried.snapshots:
         mb = sum(s.size for s in carried.snapshots) / MiB
@@ -279,14 +287,14 @@ async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
     report: dict[str, Any] = {"restored": 0, "tokens": 0, "skipped": None}
     kept: list[str] = []
     try:
-        why = incompatibility(carried.fingerprint, fingerprint(launch))
+        why = incompatibility(carried.fingerprint, await asyncio.to_thread(fingerprint, launch))
         if why is not None:
             report["skipped"] = why
             if carried.snapshots:
                 log.info("not restoring %d slot snapshot(s): %s", len(carried.snapshots), why)
             return report
         for snap in carried.snapshots:
-            if not store.path(snap.name).exists():
+            if not await asyncio.to_thread(store.path(snap.name).exists):
                 continue  # evicted meanwhile
             ok, data = await child.slot_action(snap.slot, "restore", snap.name)
             if not ok:
@@ -297,9 +305,8 @@ async def restore_slots(child: Any, store: SnapshotStore, carried: Carried,
             if keep:
                 kept.append(snap.name)
     finally:
-        for snap in carried.snapshots:
-            if snap.name not in kept:
-                store.remove(snap.name)
+        await asyncio.to_thread(store.forget, [s.name for s in carried.snapshots
+                                                if s.name not in kept])
         if kept:
             report["kept"] = kept
         report["restore_s"] = round(time.perf_counter() - t0, 3)
