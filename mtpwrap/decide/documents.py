@@ -20,6 +20,7 @@ What llama-server does (docs/facts.md, "Documents asked many times"):
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -100,7 +101,8 @@ def asked_cache_ram(extra_args: Sequence[str]) -> int | None:
     asked = None
     for a, after in zip(extra_args, [*extra_args[1:], ""], strict=False):
         flag, eq, value = a.partition("=")
-        if flag in SPELLINGS["cache_ram"] and (v := value if eq else after).lstrip("-").isdigit():
+        if flag in SPELLINGS["cache_ram"] and re.fullmatch(r"-?[0-9]+", v := value if eq
+                                                            else after):
             asked = int(v)
     return asked
 

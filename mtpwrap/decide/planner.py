@@ -428,7 +428,7 @@ class SequenceState:
     """What one slot's document costs outside the device plan: llama-server's RAM prompt cache
     keeps a sequence's whole state (`llama_state_seq_get_size`), and a context checkpoint the
     part of it that cannot be rolled back (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY): the recurrent
-    row and the sliding-window cells — and, with MTP on a binary without patch 0002, the draft
+    row and the sliding-window cells — and, with MTP on a binary without patch 0003, the draft
     context's KV whole (a plain KV cache ignores PARTIAL_ONLY), so a checkpoint grows with its
     position."""
 
@@ -452,7 +452,7 @@ def sequence_state(facts: ModelFacts, cfg: PlanConfig, kv_sizes: dict[str, Any] 
                    *, draft_in_checkpoints: bool = True) -> SequenceState:
     """The per-sequence sizes of a launch (`SequenceState`), from the same rows as `plan`.
     `draft_in_checkpoints`: the binary's checkpoints hold the MTP context's KV (all but a
-    build with patch 0002, which leaves it out: a restore cuts it back instead)."""
+    build with patch 0003, which leaves it out: a restore cuts it back instead)."""
     per_token = kv_bytes(facts, facts.kv_layers, 1, 1, cfg.type_k, cfg.type_v, cfg, kv_sizes)
     mtp = 0
     if cfg.spec == "mtp":

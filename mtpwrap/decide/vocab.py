@@ -64,7 +64,6 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "checkpoint_every": ("-cpent", "--checkpoint-every-n-tokens"),
     # upstream's minimum spacing between checkpoints (a user message's start); the plan leaves
     # it to llama.cpp
-    "checkpoint_min_step": ("-cms", "--checkpoint-min-step"),
     "cache_reuse": ("--cache-reuse",),
     "cache_ram": ("-cram", "--cache-ram"),
     "embeddings": ("--embeddings", "--embedding"),

@@ -473,7 +473,8 @@ class Relay:
                 try:
                     await asyncio.wait_for(self._keepalive(ex, send), cfg.write_timeout_s)
                 except asyncio.TimeoutError:
-                    ex.stop(Event.SLOW_READER, worker)
+                    if ex.state in UPSTREAM_OWES:  # (the worker may have ended it meanwhile)
+                        ex.stop(Event.SLOW_READER, worker)
                     return
 
     async def _keepalive(self, ex: Exchange, send: Send) -> None:

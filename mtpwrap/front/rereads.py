@@ -2,9 +2,9 @@
 than `proxy.reread_threshold_tokens` of its prompt (llama-server's prompt tokens less its cached
 ones). It works from llama-server's counts and hashes of the key's earlier prompts, never
 their text: each message's text is cut in blocks ending at the first line end past
-`BLOCK_CHARS` (an edit early in a message moves no later cut), and only each block's 8-byte
-BLAKE2b digest and place (message, block) are kept, in memory, the last `ENTRIES` per key
-(keyless requests under `-`).
+`BLOCK_CHARS` (an edit early in a message moves no later cut, except in text without line
+ends, cut every 4 × `BLOCK_CHARS`), and only each block's 8-byte BLAKE2b digest and place
+(message, block) are kept, in memory, the last `ENTRIES` per key (keyless requests under `-`).
 
 Over the prompt's blocks in order: `evicted` when its start sat where it was, under the same
 llama-server child, and holds most of what was read again (llama-server had dropped it); else,

@@ -132,10 +132,11 @@ class Tally:
 
     def said(self) -> dict[str, Any]:
         """llama-server's counts as far as its answer says them (an answer past `ANSWER_BYTES`
-        is kept cut, which no JSON reader takes); a stream's from its first event (Anthropic's
+        is kept cut, and not parsed); a stream's from its first event (Anthropic's
         prompt) and its last ones, the later saying more."""
         read = dict.fromkeys((*COUNTS, "finish"))
-        for raw in [b"".join(self.kept)] if not self.stream else [
+        whole = [b"".join(self.kept)] if self.size <= ANSWER_BYTES else []  # past it: cut
+        for raw in whole if not self.stream else [
                 next((line[5:] for line in e.split(b"\n") if line.startswith(b"data:")), b"")
                 for e in (self.first, *self.last)]:
             with contextlib.suppress(ValueError, RecursionError):

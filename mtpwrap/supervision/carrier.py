@@ -61,8 +61,9 @@ class SlotCarrier:
         if self.store is None:
             return
         self._drop_checkpoint()  # the slots are saved afresh now
-        why = None if nxt is None else incompatibility(fingerprint(spec.launch),
-                                                       fingerprint(nxt.launch))
+        why = None if nxt is None else incompatibility(
+            *await asyncio.gather(asyncio.to_thread(fingerprint, spec.launch),
+                                  asyncio.to_thread(fingerprint, nxt.launch)))
         if why is not None:
             log.info("slots not saved: %s", why)
             self._set_report({"saved": None, "skipped": why})
