@@ -397,7 +397,10 @@ class Front:
                 self.metrics.refused.labels("body").inc()
                 await self.replies.error(send, 400, str(err), label, t0, reason="body")
                 return
-            stream = isinstance(doc, dict) and doc.get("stream") is True
+            # a stream asked of a route that never streams is its JSON (a keep-alive head
+            # before it would make the answer a 502)
+            stream = isinstance(doc, dict) and doc.get("stream") is True \
+                and label in usage.STREAMS
             if target is not None and target is not early:
                 admission, relay = target.admission, target.relay
                 if (r := admission.shed_early(route.slot)) is not None:

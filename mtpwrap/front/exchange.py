@@ -35,8 +35,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mtpwrap.front.usage import STREAMS
-
 if TYPE_CHECKING:
     from mtpwrap.front.audit import Ticket
     from mtpwrap.front.depth_policy import DepthDecision
@@ -192,9 +190,6 @@ class Exchange:
     #: held while a head or the front's own bytes (a keep-alive comment) are written; the
     #: relay takes it only when it is held (see `Relay._body`)
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def __post_init__(self) -> None:  # a keep-alive head would make a route's JSON a 502
-        self.stream = self.stream and self.label in STREAMS
 
     def on(self, event: Event) -> Action:
         """The one way to change state: the table's step for `event`, or `IllegalStep`."""
