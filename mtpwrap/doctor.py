@@ -20,7 +20,7 @@ from mtpwrap.decide.capabilities import Capabilities
 from mtpwrap.decide.endpoint import listen_on
 from mtpwrap.errors import ConfigError
 from mtpwrap.models import known as models
-from mtpwrap.supervision import instance, persist, sockets
+from mtpwrap.supervision import instance, sockets
 from mtpwrap.units import GiB
 
 OK, WARNING, MISSING = "ok", "warning", "missing"
@@ -201,9 +201,11 @@ def check_model(model: str | None) -> Check:
 
 
 def check_snapshots(directory: Path | None = None) -> Check:
-    """The KV snapshot directory holds the clients' prompts in another form: 0700, files 0600,
+    """The document store holds the clients' prompts in another form: 0700, files 0600,
     owned by the service user. Default: the running instance's, else persist.dir's default."""
     import os
+
+    from mtpwrap.front.store import directory_problems
 
     if directory is None:
         data = instance.read_instance() or {}
@@ -211,15 +213,15 @@ def check_snapshots(directory: Path | None = None) -> Check:
         configured = os.environ.get(env_name("persist.dir"))
         directory = Path(recorded or configured or default_snapshot_dir())
     if not directory.exists():
-        return Check("KV snapshots", OK, f"{directory} does not exist yet (created 0700 by "
+        return Check("document store", OK, f"{directory} does not exist yet (created 0700 by "
                      "`mtpwrap up`)")
-    problems = persist.directory_problems(directory)
+    problems = directory_problems(directory)
     if problems:
-        return Check("KV snapshots", WARNING, "; ".join(problems[:3]),
+        return Check("document store", WARNING, "; ".join(problems[:3]),
                      f"chmod 700 {directory} && chmod 600 {directory}/* (as the service user), "
                      "or remove it: `mtpwrap up` recreates it")
     n = len(list(directory.iterdir()))
-    return Check("KV snapshots", OK, f"{directory}: mode 0700, {n} file(s), all 0600")
+    return Check("document store", OK, f"{directory}: mode 0700, {n} file(s), all 0600")
 
 
 def run_checks(model: str | None = None, snap: Any | None = None) -> list[Check]:

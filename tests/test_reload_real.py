@@ -1,6 +1,6 @@
 """`mtpwrap reload` / `restart` on the real llama-server and the demo model: the swap behind
 the front, refusals that leave the running child alone, and long contexts carried across the
-restart in KV snapshots (`timings.prompt_n` of the next request says how much was recomputed).
+restart by the document store (`timings.prompt_n` of the next request says how much was recomputed).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class Served:
     def set_profile(self, **changes: object) -> None:
         # one thread, as the front tests' llama-server: two ggml threads on a 2-core machine
         # shared with the suite took 11-18 s for an 8-token answer (steps wait on each other)
-        data = {**yaml.safe_load(DEMO_PROFILE.read_text()), "threads": 1}
+        # and one slot: the document store serves a launch of one (front/store.py)
+        data = {**yaml.safe_load(DEMO_PROFILE.read_text()), "threads": 1, "slots": 1}
         data.update(changes)
         self.profile.write_text(yaml.safe_dump(data))
 
@@ -70,7 +71,7 @@ class Served:
         return json.loads((self.tmp / "home" / "state" / "instance.json").read_text())
 
     def snapshot_dir(self) -> Path:
-        return self.tmp / "home" / "kv-snapshots"
+        return self.tmp / "home" / "documents"
 
     def wait_ready(self, timeout: float = 120) -> None:
         wait_ready(self.base, self.proc, self.log.read_text, timeout)
@@ -141,14 +142,12 @@ def test_reload_carries_a_long_context_into_the_new_child(make_served: MakeServe
     st = s.state()
     assert st["child_pid"] != child and st["state"] == "ready"
     assert st["reload"]["result"] == "ok" and st["reload"]["generation"] == 1
-    assert st["persist"]["saved"]["tokens"] >= full
-    assert st["persist"]["restored"]["restored"] >= 1
-    # what was restored is kept as the new child's first snapshot, the rest deleted
-    assert len({p.name.removesuffix(".ckpt") for p in s.snapshot_dir().iterdir()}) <= 1
-
     again = s.complete(LONG + " Question: which item is due on day 3?")
     assert prompt_n(again) < 0.05 * full, again.get("timings") or again["usage"]
     health = httpx.get(f"{s.base}/healthz", timeout=10).json()
+    # kept once, after its first read, and restored into the new child before the question
+    assert (health["store"]["saved"], health["store"]["restored"]) == (1, 1), health["store"]
+    assert health["store"]["last_restore"]["tokens"] >= full
     assert health["reload"]["result"] == "ok"
     assert s.metric("mtpwrap_reloads_total", outcome="ok") == 1
     out = run_cli("status", env=s.env)
@@ -156,7 +155,8 @@ def test_reload_carries_a_long_context_into_the_new_child(make_served: MakeServe
 
     r = run_cli("down", env=s.env, timeout=60)
     assert r.returncode == 0 and s.proc.wait(30) == 0
-    assert list(s.snapshot_dir().iterdir()) == []
+    # the store outlives the service: the next `up` finds the document
+    assert len([p for p in s.snapshot_dir().iterdir() if p.suffix == ".json"]) == 1
 
 
 def test_reload_without_persistence_recomputes_the_prompt(make_served: MakeServed) -> None:
@@ -272,13 +272,12 @@ def test_reload_under_load_fails_no_request(make_served: MakeServed, llama_serve
     assert "-np 1" in line and "-c 2048" in line
 
 
-def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeServed) -> None:
-    s = make_served(persist={"checkpoints": True, "checkpoint_tokens": 1000},
-                    MTPWRAP_API_KEYS="client-key-0123")
+def test_a_document_kept_before_a_crash_is_restored_after_it(make_served: MakeServed) -> None:
+    s = make_served(MTPWRAP_API_KEYS="client-key-0123")
     s.wait_ready()
     full = prompt_n(s.complete(LONG))
-    wait_for("a checkpoint taken", lambda: bool((s.state().get("persist") or {}).get("checkpoint")),
-             60, every=0.2)
+    wait_for("the document kept", lambda: any(
+        p.suffix == ".json" for p in s.snapshot_dir().iterdir()), 60, every=0.2)
     files = list(s.snapshot_dir().iterdir())
     assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
     # No client reaches the snapshots: /slots needs the key and stays off even with it, and
@@ -296,11 +295,11 @@ def test_a_checkpoint_carries_a_long_context_across_a_crash(make_served: MakeSer
              lambda: s.state()["child_pid"] != child and s.state()["state"] == "ready", 70)
     st = s.state()
     assert st["last_exit"] == "signal 9 (SIGKILL)"
-    assert st["persist"]["restored"]["restored"] >= 1
     again = s.complete(LONG + " Question: which item is due on day 3?")
     assert prompt_n(again) < 0.05 * full, again.get("timings") or again["usage"]
-    # the restored snapshot stays as the new child's first one
-    assert len({p.name.removesuffix(".ckpt") for p in s.snapshot_dir().iterdir()}) <= 1
+    assert httpx.get(f"{s.base}/healthz", timeout=10, headers=s.auth).json()["store"][
+        "restored"] == 1
+    assert sorted(s.snapshot_dir().iterdir()) == sorted(files)  # kept once, not again
 
 
 def test_a_reload_puts_the_whole_service_on_the_new_settings(

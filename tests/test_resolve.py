@@ -16,7 +16,6 @@ from mtpwrap.decide import profiles
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import ConfigError
 from mtpwrap.service import startup
-from mtpwrap.supervision import persist
 from tests.helpers import DATA, recorded_fork, replay
 
 FORKS = ["fork-0bc0a27", "fork-1c6e4ea"]
@@ -156,10 +155,8 @@ def test_the_launch_saves_slots_in_the_directory_of_the_running_store(
 
     def saves_in(launch: startup.Runtime) -> str | None:
         spec = launch(Endpoint(port=4321), "secret-key", 0)
-        # the command names the launch it renders: snapshots are matched on its fields
         assert spec is not None and launch.resolved is not None
         assert spec.launch == launch.resolved.launch
-        assert persist.fingerprint(spec.launch)["slot_ctx"] == 131072 // spec.launch.slots
         argv = list(spec.argv)
         return argv[argv.index("--slot-save-path") + 1] if "--slot-save-path" in argv else None
 

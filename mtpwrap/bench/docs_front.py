@@ -207,7 +207,7 @@ class OwnFront:
         env = dict(os.environ)
         env.update({"MTPWRAP_STATE_DIR": str(folder / "state"),
                     "MTPWRAP_LOG_DIR": str(folder / "logs"),
-                    env_name("persist.dir"): str(folder / "kv-snapshots"),
+                    env_name("persist.dir"): str(folder / "documents"),
                     env_name("audit.dir"): str(folder / "audit")})
         self.argv = argv
         with self.log.open("w") as out:

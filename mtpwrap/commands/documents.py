@@ -1,14 +1,14 @@
 """`mtpwrap documents`: read documents into the running instance ahead of the questions, list
-what was read and what the snapshots hold, and forget every document.
+what was read and what the document store keeps, and forget documents.
 
 `warm` sends each file as a message of its own (the layout docs/documents.md recommends) at the
 batch class (`X-Mtpwrap-Class: batch`: people's requests go first), with one token to answer:
 llama-server reads it, and keeps it in its slot, then in its RAM prompt cache. What was warmed is
 listed by name, hash and tokens in the state directory's `documents.json` (also on `/status`),
 never its text.
-`forget` restarts llama-server cold (nothing carried) and empties the snapshot directory: no
-document is left in llama-server's slots, its RAM cache or on disk. llama-server offers no way
-to drop one document from its RAM cache, so forgetting is for all of them.
+`forget NAME` removes kept states from the store; `forget --all` restarts llama-server cold and
+empties the store: no document is left in llama-server's slots, its RAM cache or on disk.
+llama-server offers no way to drop one document from its RAM cache, so that is for all of them.
 """
 
 from __future__ import annotations
@@ -110,27 +110,32 @@ def _message(r: Any) -> str:
     return error_message(r.content) or r.text[:200]
 
 
+def _shelf(directory: str | None) -> Any:
+    """The document store of the running instance, else the configured one."""
+    import os
+
+    from mtpwrap.config.objects import PersistConfig
+    from mtpwrap.config.table import env_name
+    from mtpwrap.front.store import Shelf
+
+    return Shelf(PersistConfig(dir=directory or os.environ.get(env_name("persist.dir"))))
+
+
 @command.command("list")
 @shared_option("MTPWRAP_JSON")
 def list_(as_json: bool) -> None:
-    """What was warmed (name, hash, tokens) and what the snapshot directory holds (what a
-    restart or a crash of llama-server brings back). Never a document's text."""
+    """What was warmed (name, hash, tokens) and what the document store keeps (name, tokens,
+    size, last use: what a question after a restart, a crash or on another node finds). Never
+    a document's text."""
     from mtpwrap import console
-    from mtpwrap.supervision import instance, persist
+    from mtpwrap.supervision import instance
 
     data = instance.read_instance() or {}
-    directory = data.get("persist_dir")
-    snaps: list[dict[str, Any]] = []
-    if directory:
-        for p in sorted(Path(directory).glob(persist.PREFIX + "*")):
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            snaps.append({"file": p.name, "bytes": st.st_size, "modified": st.st_mtime})
+    shelf = _shelf(data.get("persist_dir"))
+    kept = [e.listing() for e in reversed(shelf.entries())]
     warmed = instance.read_warmed()
     if as_json:
-        console.print_json({"warmed": warmed, "snapshot_dir": directory, "snapshots": snaps})
+        console.print_json({"warmed": warmed, "store": str(shelf.directory), "kept": kept})
         return
     now = time.time()
     console.table("documents warmed (llama-server keeps them in its slots and RAM cache, oldest "
@@ -138,21 +143,41 @@ def list_(as_json: bool) -> None:
                   [[e.get("name"), str(e.get("sha256", ""))[:12], f"{e.get('tokens', 0):,}",
                     instance.human_duration(now - e.get("warmed_at", now)) + " ago"]
                    for e in warmed])
-    console.table(f"snapshots ({directory or 'off'}): what a restart or a crash brings back",
-                  ["file", "MiB", "written"],
-                  [[s["file"], f"{s['bytes'] / 2**20:.1f}",
-                    instance.human_duration(now - s["modified"]) + " ago"] for s in snaps])
+    console.table(f"document store ({shelf.directory}), most recently used first",
+                  ["name", "tokens", "MiB", "last use"],
+                  [[k["name"], f"{k['tokens']:,}", f"{k['bytes'] / 2**20:.1f}",
+                    instance.human_duration(now - k["last_use"]) + " ago"] for k in kept])
 
 
 @command.command("forget")
+@click.argument("names", nargs=-1)
+@click.option("--all", "everything", is_flag=True,
+              help="Every document: llama-server restarts cold and the store is emptied.")
 @shared_option("MTPWRAP_RELOAD_TIMEOUT")
-def forget(timeout: float) -> None:
-    """Forget every document: llama-server restarts cold (its slots and RAM cache empty, no
-    snapshot carried) and the snapshot directory is emptied. Requests wait in the front's
-    queue meanwhile. Exit 0 once the new llama-server is ready."""
+def forget(names: tuple[str, ...], everything: bool, timeout: float) -> None:
+    """Remove the kept states NAMES (from `documents list`) from the document store, or with
+    --all every document: llama-server restarts cold (its slots and RAM cache empty) and the
+    store is emptied; requests wait in the front's queue meanwhile, and it exits 0 once the new
+    llama-server is ready."""
+    from mtpwrap import console
     from mtpwrap.commands.reload import finish
+    from mtpwrap.errors import ConfigError
     from mtpwrap.supervision import instance
 
+    if everything == bool(names):
+        raise ConfigError("documents forget: name the kept states to remove (see `mtpwrap "
+                          "documents list`) or give --all, not both.")
+    if names:
+        shelf = _shelf((instance.read_instance() or {}).get("persist_dir"))
+        known = {e.name for e in shelf.entries()}
+        if missing := [n for n in names if n not in known]:
+            raise ConfigError(f"documents forget: {', '.join(missing)}: no such kept state in "
+                              f"{shelf.directory} (see `mtpwrap documents list`).")
+        shelf.forget(list(names))
+        console.info(f"removed {len(names)} kept state(s) from {shelf.directory}; a copy "
+                     "llama-server holds in its slot or RAM cache goes with its next restart "
+                     "(`documents forget --all`)")
+        return
     _running()
     finish("forget", timeout)
     instance.write_warmed([])

@@ -77,19 +77,18 @@ def exit_on_failed(value: bool | str, *, under_systemd: bool) -> bool:
 def default_snapshot_dir() -> Path:
     """On disk beside the models and builds (under systemd /var/lib/mtpwrap), not in the state
     directory, which systemd puts on a RAM-backed /run."""
-    return paths.home() / "kv-snapshots"
+    return paths.home() / "documents"
 
 
 @dataclass(frozen=True)
 class PersistConfig:
-    """The `persist.*` settings: KV snapshots carried across restarts."""
+    """The `persist.*` settings: the document store."""
 
     enabled: bool = _P["enabled"]
     dir: str | None = _P["dir"]
     min_tokens: int = _P["min_tokens"]
     max_mb: int = _P["max_mb"]  # 0: a share of the free disk, measured when the store opens
-    checkpoints: bool = _P["checkpoints"]
-    checkpoint_tokens: int = _P["checkpoint_tokens"]
+    retention_days: int = _P["retention_days"]
 
     @property
     def directory(self) -> Path:

@@ -33,7 +33,7 @@ EXAMPLE_VALUES: dict[str, tuple[str, bool]] = {
     "model": ("/var/lib/mtpwrap/models/Qwen3.6-27B-Q4_K_M-mtp.gguf", False),
     "binary": ("/opt/mtpwrap/build/cuda-sm89/bin/llama-server", False),
     "hw_replay": ("/etc/mtpwrap/hw-recording.json", False),
-    "persist.dir": ("/var/lib/mtpwrap/kv-snapshots", False),
+    "persist.dir": ("/var/lib/mtpwrap/documents", False),
 }
 #: sections the example leaves commented out (their defaults suit most)
 EXAMPLE_QUIET = ("proxy",)

@@ -137,26 +137,24 @@ SUPERVISOR: dict[str, Key] = {
                                               "limits take over."),
 }
 
-#: KV snapshots carried across restarts of llama-server (see mtpwrap.supervision.persist)
+#: the document store: every document llama-server read, kept on disk (mtpwrap.front.store)
 PERSIST: dict[str, Key] = {
-    "enabled": Key("bool", True, "Carry each slot's KV cache across planned restarts (reload, "
-                                 "restart, recycle); false: every restart recomputes the "
-                                 "prompts."),
-    "dir": Key("str", None, "Snapshot directory, 0700 with files 0600 (default: "
-                            "<MTPWRAP_HOME>/kv-snapshots; under systemd "
-                            "/var/lib/mtpwrap/kv-snapshots).", metavar="DIR"),
-    "min_tokens": Key("int", 2048, "Slots holding fewer tokens are not saved.", "tokens", _pos,
+    "enabled": Key("bool", True, "Keep the state of every document llama-server reads on disk "
+                                 "and restore it into the slot before a question on it (after "
+                                 "a restart, a reload, a crash, on another node); false: a "
+                                 "restart reads every document again."),
+    "dir": Key("str", None, "The document store, 0700 with files 0600; may be shared by several "
+                            "nodes (default: <MTPWRAP_HOME>/documents; under systemd "
+                            "/var/lib/mtpwrap/documents; a disk of its own is best).",
+               metavar="DIR"),
+    "min_tokens": Key("int", 4096, "Prompts shorter than this are not kept, and a state is "
+                                   "restored only when it saves this many tokens more than "
+                                   "llama-server holds.", "tokens", _pos,
                       "an integer number of tokens >= 1"),
-    "max_mb": Key("int", 0, "Bound on the snapshots' total size, oldest out first.", "MiB",
+    "max_mb": Key("int", 0, "Bound on the store's size, least recently used out first.", "MiB",
                   _nonneg, "an integer number of MiB >= 0 (0: a quarter of the free disk)"),
-    "checkpoints": Key("bool", True, "Also take snapshots while serving, so a crash of "
-                                     "llama-server restores the last one (documents stay warm "
-                                     "across a crash); false: only planned restarts carry "
-                                     "them."),
-    "checkpoint_tokens": Key("int", 2048, "A checkpoint is taken when llama-server has "
-                                          "prefilled this many tokens since the last one and "
-                                          "has been idle for a few seconds.", "tokens", _pos,
-                             "an integer number of tokens >= 1"),
+    "retention_days": Key("int", 30, "A state unused this long is removed.", "days", _pos,
+                          "an integer number of days >= 1"),
 }
 
 
@@ -306,6 +304,10 @@ REFUSED: dict[str, str] = {
     "proxy.api_keys_file": "this setting is api_key_file at the top of the file (flag "
                            "--api-key-file, MTPWRAP_API_KEY_FILE); move it there.",
     "proxy.listen_host": "the front listens on `host`; set host instead.",
+    "persist.checkpoints": "every document read is kept in the document store now; remove "
+                           "this key.",
+    "persist.checkpoint_tokens": "every document read is kept in the document store now; "
+                                 "remove this key (persist.min_tokens sets what is kept).",
     "proxy.max_concurrency": "the front sends llama-server at most as many requests as it has "
                              "slots; remove this key and set the profile's slots instead.",
 }

@@ -71,6 +71,7 @@ from mtpwrap.front.replies import (
     Send,
     declares_body,
 )
+from mtpwrap.front.store import TIMEOUT_S, Documents, Read
 from mtpwrap.supervision.state import SupervisorPort, Upstream
 from mtpwrap.upstream import UpstreamClients
 
@@ -93,8 +94,11 @@ class Front:
     def __init__(self, supervisor: SupervisorPort, config: ProxyConfig,
                  info: ServeInfo | None = None, audit_config: AuditConfig | None = None,
                  clock: Callable[[], float] = time.time,
-                 companions: Sequence[tuple[CompanionInfo, SupervisorPort]] = ()) -> None:
+                 companions: Sequence[tuple[CompanionInfo, SupervisorPort]] = (),
+                 documents: Documents | None = None) -> None:
         self.supervisor = supervisor
+        #: the document store (None: off); the chat model's one slot only
+        self.documents = documents if config.max_concurrency == 1 else None
         self.config = config
         #: the launch served; replaced (not changed) after a reload
         self.info = info if info is not None else ServeInfo()
@@ -136,7 +140,7 @@ class Front:
                                 self.metrics),
                       Relay(sup, config, self.metrics, self.replies, self.wire, None))
             for info, sup in companions))
-        self._warn_at_start(config)
+        self._warn_at_start(config, documents)
         status_page, status_data = status.make_pages(self)
         routes = [
             Route("/livez", ops.livez, methods=["GET", "HEAD"]),
@@ -166,7 +170,7 @@ class Front:
         old, self.access = self.access.keys, dataclasses.replace(self.access, keys=keys)
         return old
 
-    def _warn_at_start(self, config: ProxyConfig) -> None:
+    def _warn_at_start(self, config: ProxyConfig, documents: Documents | None) -> None:
         if not config.auth_enabled and not config.listen_is_loopback():
             log.warning("the front listens on %s without API keys: anyone who reaches this "
                         "address can use the model; set api_key_file or MTPWRAP_API_KEYS",
@@ -174,6 +178,9 @@ class Front:
         if self.depth is not None and self.depth.reason is not None and (
                 self.depth.table or self.depth.adapt.enabled):
             log.warning("per-class draft depth is unsupported: %s", self.depth.reason)
+        if self.documents is None and documents is not None:
+            log.warning("the document store is off: it serves a launch of one slot, and this "
+                        "one has %d (set the profile's slots to 1)", config.max_concurrency)
         if "webui" in self._enabled and self.info.webui is False:
             log.warning("proxy.enable_paths lists webui, but %s", self._no_webui())
 
@@ -421,7 +428,7 @@ class Front:
         ex = Exchange(label=label, stream=stream, t0=t0, slot=route.slot, depth=decision,
                       ticket=ticket)
         worker = asyncio.create_task(self._work(ex, scope, send, body, route.upstream_path,
-                                                admission, relay))
+                                                admission, relay, doc))
         watch = asyncio.create_task(relay.watch(ex, scope, receive, send, worker))
         self._workers[ex] = worker
         try:
@@ -473,7 +480,7 @@ class Front:
                                         doc, self.config.backend_metrics_timeout_s)
 
     async def _work(self, ex: Exchange, scope: Scope, send: Send, body: bytes,
-                    path: str, admission: Admission, relay: Relay) -> None:
+                    path: str, admission: Admission, relay: Relay, doc: object = None) -> None:
         try:
             t = time.perf_counter()
             upstream = await admission.admit(
@@ -485,11 +492,28 @@ class Front:
             await self.replies.error(send, r.status, r.message, ex.label, ex.t0, retry=r.retry,
                                      reason=r.reason, retry_after_s=r.retry_after_s)
             return
+        store = self.documents if relay is self.relay and ex.slot else None
+        read: Read | None = None
+        ask = usage.asker(self.clients.get(upstream), upstream.base_url, upstream.api_key,
+                          TIMEOUT_S)
         try:
+            if store is not None and store.wants(len(body)):
+                tokens = await usage.prompt_tokens(ask, ex.label, doc)
+                read = None if tokens is None else \
+                    await store.before(ask, upstream.generation, tokens)
+                if read is not None and read.restored and ex.ticket is not None:
+                    ex.ticket.restored = read.restored
             await relay.exchange(ex, scope, send, body, path, upstream)
         finally:
             if ex.slot:
-                admission.done()
+                try:  # the answer went out; the next request waits for the slot's save
+                    if store is not None and read is not None and ex.status == 200 \
+                            and ex.ending is None:
+                        saved = await store.after(ask, read)
+                        if ex.ticket is not None:
+                            ex.ticket.saved = saved
+                finally:
+                    admission.done()
 
     async def _models(self, send: Send, route: Verdict, t0: float) -> None:
         """/v1/models (and llama-server's /models) with companions: the chat model's list and

@@ -111,6 +111,10 @@ class Ticket:
     #: answered it (`front.rereads`: why it was read again)
     blocks: tuple[Block, ...] = field(default=(), repr=False)
     generation: int | None = None
+    #: what the document store restored into the slot before it, and kept of it after
+    #: (front/store.py: tokens, bytes, ms)
+    restored: dict[str, Any] | None = None
+    saved: dict[str, Any] | None = None
 
     def record(self, model: str) -> dict[str, Any]:
         counts = self.tally.counts(self.status, self.prompt_counted, self.prompt_estimate,
@@ -124,6 +128,7 @@ class Ticket:
             "total_s": round(time.perf_counter() - self.t0, 4),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "finish": counts["finish"], "reason": self.reason, "tokens_from": counts["from"],
+            "restored": self.restored, "saved": self.saved,
         }
 
 

@@ -129,6 +129,8 @@ def health_document(front: Front, gpu: GpuView) -> dict[str, Any]:
         "webui": info.webui,
         "build_lacks": list(info.lacks),
         "documents": info.documents,
+        # the document store: where, how full, how many full-context documents it holds
+        "store": front.documents.summary() if front.documents is not None else None,
         "reload": dict(front.reload) if front.reload is not None else None,
         "spec_policy": front.depth.snapshot() if front.depth is not None else None,
         "companions": [c.health() for c in front.routes.companions],

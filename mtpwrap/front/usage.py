@@ -205,6 +205,24 @@ def reservation(route: str, doc: object, body_bytes: int, max_predict: int,
 
 # --------------------------------------------------------------------------- a cut's prompt
 
+def asker(client: httpx.AsyncClient, base_url: str, api_key: str, timeout: float, *,
+          close: bool = False) -> Any:
+    """POST a JSON body to one of llama-server's paths: (status, the answer's object)."""
+    headers = {"authorization": f"Bearer {api_key}"}
+    if close:
+        headers["connection"] = "close"
+
+    async def ask(path: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        r = await client.post(base_url + path, content=json.dumps(body), headers=headers,
+                              timeout=timeout)
+        try:
+            return r.status_code, _obj(r.json())
+        except ValueError:
+            return r.status_code, {}
+
+    return ask
+
+
 async def count_prompt(client: httpx.AsyncClient, base_url: str, api_key: str, route: str,
                        doc: object, timeout: float) -> int | None:
     """The prompt's tokens as llama-server's tokenizer counts them, for a request cut before
@@ -213,36 +231,56 @@ async def count_prompt(client: httpx.AsyncClient, base_url: str, api_key: str, r
     if not isinstance(doc, Mapping):
         return None
     # rare (cuts only): each connection closed after its answer, none kept in the pool
-    headers = {"authorization": f"Bearer {api_key}", "connection": "close"}
-
-    async def ask(path: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        r = await client.post(base_url + path, content=json.dumps(body), headers=headers,
-                              timeout=timeout)
-        return _obj(r.json()) if r.status_code == 200 else {}
-
+    ask = asker(client, base_url, api_key, timeout, close=True)
     try:
         if route == "/v1/messages":
-            return _ints(await ask("/v1/messages/count_tokens", doc)).get("input_tokens")
-        if route in ("/v1/chat/completions", "/chat/completions"):
-            prompt = (await ask("/apply-template", doc)).get("prompt")
-            return await _tokenized(ask, prompt) if isinstance(prompt, str) else None
-        if route in ("/v1/completions", "/completions", "/completion"):
-            return await _tokenized(ask, doc.get("prompt"))
+            status, n = await ask("/v1/messages/count_tokens", doc)
+            return _ints(n).get("input_tokens") if status == 200 else None
+        prompt = await _prompt(ask, route, doc)
+        return await _tokenized(ask, prompt)
     except (httpx.HTTPError, ValueError):
         return None
+
+
+async def prompt_tokens(ask: Any, route: str, doc: object) -> list[int] | None:
+    """The tokens llama-server will read for a chat or completion request of one prompt (the
+    chat template applied); None for another route, a batch, or no answer."""
+    if not isinstance(doc, Mapping):
+        return None
+    try:
+        prompt = await _prompt(ask, route, doc)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return prompt
+        return await _tokens(ask, prompt) if isinstance(prompt, str) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def _prompt(ask: Any, route: str, doc: Mapping[str, Any]) -> object:
+    """The prompt of a chat request (its template applied) or of a completion request."""
+    if route in ("/v1/chat/completions", "/chat/completions"):
+        status, answer = await ask("/apply-template", doc)
+        return answer.get("prompt") if status == 200 else None
+    if route in ("/v1/completions", "/completions", "/completion"):
+        return doc.get("prompt")
     return None
+
+
+async def _tokens(ask: Any, prompt: str) -> list[int] | None:
+    status, answer = await ask("/tokenize", {"content": prompt, "add_special": True,
+                                             "parse_special": True})
+    tokens = answer.get("tokens") if status == 200 else None
+    return tokens if isinstance(tokens, list) else None
 
 
 async def _tokenized(ask: Any, prompt: object) -> int | None:
     """A prompt's tokens: a string tokenized, token ids counted, a batch of either summed."""
     if isinstance(prompt, str):
-        tokens = (await ask("/tokenize", {"content": prompt, "add_special": True,
-                                          "parse_special": True})).get("tokens")
-        return len(tokens) if isinstance(tokens, list) else None
+        tokens = await _tokens(ask, prompt)
+        return None if tokens is None else len(tokens)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     if isinstance(prompt, list) and prompt:
         parts = [await _tokenized(ask, p) for p in prompt]
         return None if any(p is None for p in parts) else sum(p or 0 for p in parts)
     return None
-

@@ -1,15 +1,15 @@
 """`mtpwrap reload` (SIGHUP), `mtpwrap restart` (SIGUSR2) and `mtpwrap documents forget`
 (SIGUSR1) of a running `up`.
 
-`restart`: the same command again. `forget`: the same command again without carrying the slots,
-and the snapshot directory emptied: no document is left in llama-server or on disk. `reload`:
-the settings and the profile are read again from what `up` was given (`reload_inputs`: the
+`restart`: the same command again. `forget`: the same command again (its slots and RAM cache
+start empty) and the document store emptied: no document is left in llama-server or on disk.
+`reload`: the settings and the profile are read again from what `up` was given (`reload_inputs`: the
 flags, the MTPWRAP_* variables that set a key, the config file) and checked as `up` checks them;
 a refusal changes nothing. Then the front's API keys (with their scopes, classes and budgets)
 are swapped in place (`keys.KeyWatch`), and the supervisor swaps llama-server for the new
 command only when the command (argv and environment) differs from the running one's — the same
-goes for each companion. The listen address, the front's other settings and the snapshots'
-change only when mtpwrap restarts.
+goes for each companion. The listen address, the front's other settings and the document
+store's change only when mtpwrap restarts.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.config.settings import Settings, load_settings
 from mtpwrap.decide.endpoint import Endpoint
 from mtpwrap.errors import EXIT_CONFIG, MtpwrapError
+from mtpwrap.front.store import Shelf
 from mtpwrap.service.keys import KeyWatch
 from mtpwrap.service.startup import CompanionRun, Runtime, load_runtime, persist_config
-from mtpwrap.supervision.persist import SnapshotStore
 from mtpwrap.supervision.state import State
 from mtpwrap.supervision.supervisor import LaunchFactory, Supervisor
 
@@ -172,7 +172,7 @@ def _companions_changed(running: Sequence[CompanionRun], new: Sequence[Companion
     return f"the companions would change from {show(now)} to {show(then)}"
 
 
-async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore | None,
+async def apply_reload(kind: ReloadKind, sup: Supervisor, store: Shelf | None,
                        inputs: dict[str, Any], running: Runtime,
                        front_config: ProxyConfig | None,
                        companions: Mapping[str, Supervisor] | None = None,
@@ -184,14 +184,13 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
     a runtime: the service runs on it from now on."""
     companions, settings = companions or {}, running.settings
     if kind is ReloadKind.FORGET:
-        ok, message = await sup.reload(None, settings.drain_s, carry=False)
-        sup.carrier.drop_all()  # also when no llama-server ran to be restarted
-        removed = await asyncio.to_thread(store.clear) if store is not None else 0
+        ok, message = await sup.reload(None, settings.drain_s)
+        removed = await asyncio.to_thread(store.forget) if store is not None else 0
         if not ok:
-            return ReloadResult(ReloadOutcome.FAILED, f"{message}; {removed} snapshot file(s) "
-                                "removed", 1)
+            return ReloadResult(ReloadOutcome.FAILED, f"{message}; {removed} kept document "
+                                "state(s) removed", 1)
         return ReloadResult(ReloadOutcome.OK, f"{message} cold: its slots and RAM prompt cache "
-                            f"are empty, {removed} snapshot file(s) removed", 0)
+                            f"are empty, {removed} kept document state(s) removed", 0)
     if kind is ReloadKind.RESTART:
         (ok, message), (failed, notes) = await asyncio.gather(
             sup.reload(None, settings.drain_s),
@@ -226,7 +225,8 @@ async def apply_reload(kind: ReloadKind, sup: Supervisor, store: SnapshotStore |
         notes.append(f"proxy settings ({', '.join(changed)}) change only when mtpwrap "
                      "restarts")
     if persist_config(new_settings) != (store.config if store is not None else None):
-        notes.append("persist settings change only when mtpwrap restarts")
+        notes.append("persist settings (the document store) change only when mtpwrap "
+                     "restarts")
     said = []
     if keys is not None:
         # before any restart: a revoked key is refused now, not once a model has loaded

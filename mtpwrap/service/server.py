@@ -37,7 +37,7 @@ from mtpwrap.service.reload import (
     apply_reload,
     reload_inputs,
 )
-from mtpwrap.service.startup import Runtime, audit_config, make_front, open_snapshots
+from mtpwrap.service.startup import Runtime, audit_config, make_front, open_store
 from mtpwrap.supervision import instance
 from mtpwrap.supervision.state import State
 from mtpwrap.supervision.supervisor import Supervisor
@@ -100,10 +100,9 @@ class Service:
         #: the listen address: the front's socket, kept until mtpwrap restarts
         self.listen = (settings.host, settings.port)
         self.inputs = reload_inputs(settings)
-        # the launch saves slots in this store's directory: both are the settings' persist.dir
-        self.store = open_snapshots(settings)
-        self.sup = Supervisor(runtime, runtime.supervisor, snapshots=self.store,
-                              socket=runtime.socket)
+        # llama-server saves slots in the store's directory: both are the settings' persist.dir
+        self.store, self.documents = open_store(settings, runtime.info)
+        self.sup = Supervisor(runtime, runtime.supervisor, socket=runtime.socket)
         #: one supervisor per companion: its own child, log, backoff and wedge watch; its
         #: failures never touch the chat model's
         self.companions = {c.name: Supervisor(c, runtime.companion_config(c), socket=c.socket,
@@ -157,7 +156,6 @@ class Service:
         a few hundred milliseconds that would otherwise add to the time to ready."""
         sup = self.sup
         sup.add_listener(self._on_state)
-        sup.carrier.on_report = self.record
         self.record()
         await sup.start()
         for c in self.companions.values():
@@ -170,7 +168,10 @@ class Service:
         try:
             import uvicorn
 
-            front = make_front(sup, self.runtime, audit_config(self.settings), self.companions)
+            front = make_front(sup, self.runtime, audit_config(self.settings), self.companions,
+                               self.documents)
+            if self.documents is not None:
+                await self.documents.launch(self.runtime.info)
             server_config = front.server_config(timeout_graceful_shutdown=5)
             sup.busy = lambda: front.forwarding
             for name, c in self.companions.items():
@@ -236,8 +237,6 @@ class Service:
         self._tasks["keys"].cancel()
         grace = 0.0 if self.force_exit.is_set() else sup.config.stop_grace_s
         await asyncio.gather(sup.stop(grace), *(c.stop(grace) for c in self.companions.values()))
-        if self.store is not None:
-            self.store.clear()  # a clean stop: the snapshots (the clients' prompts) go
         self._server.should_exit = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._tasks["front"], 10)
@@ -324,6 +323,8 @@ class Service:
                 res = ReloadResult(ReloadOutcome.FAILED, f"{kind.value} failed: {exc}", 1)
             if res.runtime is not None:
                 self._use(res.runtime)
+                if self.documents is not None:
+                    await self.documents.launch(res.runtime.info)
             self.reload_state.end(res)
             if self.front is not None:
                 self.front.metrics.reloads.labels(res.outcome.value).inc()
@@ -372,7 +373,7 @@ class Service:
         data = {**st.to_dict(), **sup.timeline(), **self._base, "child_pid": st.pid,
                 "child_pgid": st.pid, "child_start": st.pid_start, "updated_at": time.time(),
                 "reload": reload,
-                "persist": sup.carrier.report,
+                "persist": self.documents.summary() if self.documents is not None else None,
                 "companions": [{**run.to_dict(), **self.companions[run.name].status().to_dict()}
                                for run in self.runtime.companions]}
         self._state_file.submit(copy.deepcopy(data))  # the thread reads its own copy

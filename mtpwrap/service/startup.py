@@ -26,13 +26,13 @@ from mtpwrap.errors import ConfigError
 from mtpwrap.front.info import ServeInfo
 from mtpwrap.supervision import inputs, sockets
 from mtpwrap.supervision.child import ChildCommand
-from mtpwrap.supervision.persist import SnapshotStore
 from mtpwrap.supervision.supervisor import LaunchFactory, Supervisor
 
 if TYPE_CHECKING:
     from mtpwrap.build.manifest import Manifest
     from mtpwrap.decide.resolve import Resolved
     from mtpwrap.front.app import Front
+    from mtpwrap.front.store import Documents, Shelf
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,8 @@ def audit_config(settings: Settings) -> AuditConfig:
 
 
 def make_front(supervisor: Supervisor, runtime: Runtime, audit: AuditConfig | None = None,
-               companions: Mapping[str, Supervisor] | None = None) -> Front:
+               companions: Mapping[str, Supervisor] | None = None,
+               documents: Documents | None = None) -> Front:
     """The front for this runtime; `companions`: each companion's supervisor, by name."""
     # Imported here: the ASGI stack loads while llama-server does (see Service.startup).
     from mtpwrap.front.app import Front
@@ -308,7 +309,8 @@ def make_front(supervisor: Supervisor, runtime: Runtime, audit: AuditConfig | No
     return Front(supervisor, runtime.front, runtime.info, audit,
                  companions=[(CompanionInfo(c.name, c.role, c.model, c.slots, c.n_vocab),
                               sups[c.name])
-                             for c in runtime.companions if c.name in sups])
+                             for c in runtime.companions if c.name in sups],
+                 documents=documents)
 
 
 # --------------------------------------------------------------------------- KV snapshots
@@ -319,17 +321,20 @@ def persist_config(settings: Settings) -> PersistConfig | None:
     return cfg if cfg.enabled else None
 
 
-def open_snapshots(settings: Settings) -> SnapshotStore | None:
-    """The snapshot directory, created 0700 and emptied; None when persistence is off."""
+def open_store(settings: Settings, info: ServeInfo) -> tuple[Shelf | None, Documents | None]:
+    """The document store's directory, created 0700, and its decisions; (None, None) when
+    persistence is off."""
+    from mtpwrap.front.store import Documents, Shelf
+
     pcfg = persist_config(settings)
     if pcfg is None:
-        return None
-    store = SnapshotStore(pcfg)
+        return None, None
+    shelf = Shelf(pcfg)
     try:
-        store.open()
+        shelf.open()
     except OSError as exc:
-        raise ConfigError(f"persist.dir: cannot use {pcfg.directory} for KV snapshots "
+        raise ConfigError(f"persist.dir: cannot use {pcfg.directory} for the document store "
                           f"({exc.strerror}).",
                           hint="Point persist.dir at a directory the service user can create, "
                                "or set persist.enabled: false.") from exc
-    return store
+    return shelf, Documents(shelf)

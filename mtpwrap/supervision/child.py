@@ -229,28 +229,6 @@ class ChildProcess:
         return {s.name[len("llamacpp:"):]: s.value for s in page
                 if s.name.startswith("llamacpp:") and not s.labels}
 
-    async def slot_action(self, slot: int, action: str, filename: str | None = None,
-                          timeout: float = 600.0) -> tuple[bool, dict[str, Any]]:
-        """`POST /slots/{slot}?action=save|restore|erase`: (done, llama-server's answer, or
-        {"message": why not})."""
-        body = {"filename": filename} if filename is not None else {}
-        try:
-            r = await self._http.post(f"/slots/{slot}", params={"action": action}, json=body,
-                                      timeout=timeout)
-        except self._httpx.HTTPError as exc:
-            return False, {"message": f"{type(exc).__name__}: {exc}"}
-        try:
-            data = r.json()
-        except ValueError:
-            data = {}
-        if not isinstance(data, dict):
-            data = {}
-        if r.status_code != 200:
-            err = data.get("error")
-            msg = err.get("message") if isinstance(err, dict) else None
-            return False, {"message": f"HTTP {r.status_code}: {msg or r.text[:200]}"}
-        return True, data
-
     def _processes(self) -> list[Any]:
         """psutil handles of the child and everything it started ([] once it is gone)."""
         import psutil

@@ -14,9 +14,9 @@ many crashes in a window → on stop SIGTERM, bounded wait, SIGKILL of the proce
 
 Planned restarts (`reload`: a new command or the same one again; a memory recycle) take the
 same path: readiness drops so new requests wait in the front's queue, in-flight ones finish
-within a budget, the slots are saved (persist.py) when the next command can take them, the old
-child stops and the new one starts; the slots are restored after its first token and before
-READY. A new command that does not start is replaced by the previous one.
+within a budget, the old child stops and the new one starts (the documents it read are in the
+front's document store, front/store.py). A new command that does not start is replaced by the
+previous one.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ from mtpwrap.errors import MtpwrapError
 from mtpwrap.proc import describe_returncode, free_loopback_port
 from mtpwrap.supervision import sockets
 from mtpwrap.supervision.backoff import RestartPolicy
-from mtpwrap.supervision.carrier import SlotCarrier
 from mtpwrap.supervision.child import (
     ChildCommand,
     ChildProcess,
     close_file_logger,
     make_file_logger,
 )
-from mtpwrap.supervision.persist import SnapshotStore
 from mtpwrap.supervision.state import (
     SHUTDOWN_STATES,
     Ended,
@@ -83,8 +81,6 @@ class _Reload:
     done: asyncio.Future[tuple[bool, str]]
     phase: ReloadPhase = ReloadPhase.PENDING
     previous: LaunchFactory | None = None
-    #: carry the slots over (False: the new child starts cold, every snapshot dropped)
-    carry: bool = True
 
     def finish(self, ok: bool, message: str) -> None:
         if not self.done.done():
@@ -93,7 +89,7 @@ class _Reload:
 
 class Supervisor:
     def __init__(self, factory: LaunchFactory, config: SupervisorConfig | None = None,
-                 snapshots: SnapshotStore | None = None, socket: Path | None = None,
+                 socket: Path | None = None,
                  name: str | None = None) -> None:
         self._factory = factory
         #: its log lines' logger: `mtpwrap.supervisor`, `mtpwrap.supervisor.NAME` for a
@@ -101,8 +97,6 @@ class Supervisor:
         self.log = log if name is None else log.getChild(name)
         #: llama-server's UNIX socket (None: loopback TCP on a fresh port each start)
         self.socket = socket
-        #: KV slots carried across restarts (a no-op without `snapshots`)
-        self.carrier = SlotCarrier(snapshots)
         #: requests the front is forwarding now; a planned restart waits for 0 (None: ask the
         #: child's /metrics only)
         self.busy: Callable[[], int] | None = None
@@ -211,11 +205,9 @@ class Supervisor:
         if self._state not in (State.STOPPING, State.STOPPED):
             self._set_state(State.DRAINING, "shutting down")
 
-    async def reload(self, factory: LaunchFactory | None, drain_s: float, *,
-                     carry: bool = True) -> tuple[bool, str]:
+    async def reload(self, factory: LaunchFactory | None, drain_s: float) -> tuple[bool, str]:
         """Swap the child for one made by `factory` (None: the same command again): new
-        requests wait in the front's queue, in-flight ones finish (at most `drain_s`), slots are
-        saved (`carry` False: not saved, and every snapshot taken is dropped), the old child
+        requests wait in the front's queue, in-flight ones finish (at most `drain_s`), the old child
         stops and the new one starts. (True, what happened) once the new child is READY;
         (False, why) when it did not start and the previous command is back."""
         if self._shutdown:
@@ -228,7 +220,7 @@ class Supervisor:
             self._factory, self._policy.step = factory, 0
             return True, (f"llama-server is {self._state.value}; the new configuration "
                           "applies to its next start")
-        rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future(), carry=carry)
+        rl = _Reload(factory, drain_s, asyncio.get_running_loop().create_future())
         self._reload = rl
         self._wake.set()
         return await asyncio.shield(rl.done)
@@ -311,7 +303,6 @@ class Supervisor:
                     continue
                 if outcome.kind.planned:
                     continue  # planned: no failure, no delay
-                self.carrier.crashed()  # unplanned: the last checkpoint goes into the next
                 if rl is not None and rl.phase is ReloadPhase.STARTING and not self._was_ready:
                     # The new command did not come up: back to the one that worked.
                     self._reload = None
@@ -375,7 +366,6 @@ class Supervisor:
         self._generation += 1
         gen = self._generation
         self._spec, self._shown, self._was_ready = spec, spec.shown(), False
-        self.carrier.new_child()
         base_url = endpoint.base_url
         self._set_state(State.STARTING, f"starting llama-server (generation {gen})"
                         + (f", {spec.note}" if spec.note else ""))
@@ -451,7 +441,6 @@ class Supervisor:
                                                   cfg.probe_timeout_s)
                 if ok:
                     self._policy.loaded()
-                    await self.carrier.restore(child, self._spec)
                     self._was_ready = True
                     self._set_state(State.READY, None)
                     rl = self._reload
@@ -510,7 +499,7 @@ class Supervisor:
                 rl.phase = ReloadPhase.DRAINING
                 kind = Outcome.RELOAD if rl.factory is not None else Outcome.RESTART
                 return await self._planned(child, kind, f"{kind.value}ing llama-server",
-                                           rl.drain_s, rl.factory, carry=rl.carry)
+                                           rl.drain_s)
 
             if (why := self._stall_report) is not None:
                 self._stall_report = None
@@ -532,25 +521,21 @@ class Supervisor:
             if wedged is not None:
                 return Ended(Outcome.WEDGE, wedged)
 
-            if self.carrier.checkpoints and self._spec is not None:
-                await self.carrier.maybe_checkpoint(child, self._spec, self._forwarding())
-
             if cfg.rss_limit_bytes and time.monotonic() >= next_memory:
                 next_memory = time.monotonic() + cfg.memory_interval_s
                 used = child.memory_bytes()
                 if used > cfg.rss_limit_bytes:
                     return await self._planned(
                         child, Outcome.RECYCLE, f"recycling llama-server: memory {used // MiB} MiB "
-                        f"> limit {cfg.rss_limit_bytes // MiB} MiB", cfg.recycle_drain_s, None)
+                        f"> limit {cfg.rss_limit_bytes // MiB} MiB", cfg.recycle_drain_s)
 
     def _forwarding(self) -> int:
         return self.busy() if self.busy is not None else 0
 
-    async def _planned(self, child: ChildProcess, kind: Outcome, why: str, drain_s: float,
-                       factory: LaunchFactory | None, *, carry: bool = True) -> Ended:
-        """A planned restart: stop routing new work here (requests wait in the front's queue),
-        let in-flight requests finish (at most `drain_s`), then save the slots for the child
-        that `factory` (None: the current one) will start (`carry` False: drop them all)."""
+    async def _planned(self, child: ChildProcess, kind: Outcome, why: str,
+                       drain_s: float) -> Ended:
+        """A planned restart: stop routing new work here (requests wait in the front's queue)
+        and let in-flight requests finish (at most `drain_s`)."""
         self._set_state(State.STARTING, why)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_s
@@ -569,13 +554,6 @@ class Supervisor:
         if idle < 2 and not self._stop_requested:
             self.log.warning("%s: drain budget (%gs) spent with requests still running",
                         kind.value, drain_s)
-        if not carry:
-            self.carrier.drop_all()
-        elif (self.carrier.store is not None and self._spec is not None
-                and child.returncode is None and not self._stop_requested):
-            step = self._policy.step if factory is None else 0
-            nxt = (factory or self._factory)(Endpoint(port=0), "probe-key", step)
-            await self.carrier.save(child, self._spec, nxt)
         return Ended(kind, why)
 
 
