@@ -22,7 +22,10 @@ def _sha(p: Path) -> str:
 
 
 NAMES = ["0001-per-request-speculative", "0002-checkpoint-every-n-tokens",
-         "0003-draft-context-checkpoint-size", "0004-slot-checkpoint-sidecar"]
+         "0003-draft-context-checkpoint-size", "0004-slot-checkpoint-sidecar",
+         "0005-slot-checkpoint-sidecar-fork"]
+#: the patches for the pinned upstream source; 0005 is for the fork in the submodule
+UPSTREAM = NAMES[:4]
 
 
 def _diff(p: patchset.Patch) -> str:
@@ -36,20 +39,22 @@ def test_each_patch_has_a_header_and_touches_files() -> None:
     for p in patches:
         text = p.path.read_text()
         assert text.startswith(f"# mtpwrap patch {p.name[:4]}: ")
-        for part in ("Why:", "How to drop it:", "Upstream base:", "What it changes",
-                     "For:", "Without it:"):
+        for part in ("Why:", "How to drop it:", "What it changes", "For:", "Without it:",
+                     "Fork base:" if p.name not in UPSTREAM
+                     else "Upstream base:"):
             assert part in text, f"{p.name}: header lacks {part!r}"
     assert "tools/server/server-schema.cpp" in patches[0].files
     assert patches[1].files == ("common/arg.cpp", "common/common.h", "tools/server/README.md",
                                 "tools/server/server-context.cpp")
-    assert patches[2].files == patches[3].files == ("tools/server/server-context.cpp",)
+    assert patches[2].files == patches[3].files == patches[4].files == (
+        "tools/server/server-context.cpp",)
 
 
 def test_the_checkpoint_patches_are_shaped_for_upstream() -> None:
     """Periodic checkpoints behind a flag of their own (the fork's spelling), upstream's
     --checkpoint-min-step keeping its meaning; the sidecar's format versioned and named
     neutrally, bound to the slot file's tokens."""
-    _, every, draft, sidecar = patchset.available()
+    _, every, draft, sidecar, fork = patchset.available()
     added = "\n".join(ln for ln in _diff(every).splitlines() if ln.startswith("+"))
     assert '{"-cpent", "--checkpoint-every-n-tokens"}' in added
     assert '.set_env("LLAMA_ARG_CHECKPOINT_EVERY_NT")' in added
@@ -60,9 +65,9 @@ def test_the_checkpoint_patches_are_shaped_for_upstream() -> None:
         assert not any("checkpoint-min-step" in ln or "checkpoint_min_step =" in ln
                        for ln in removed), p.name
     assert "COMMON_CONTEXT_SEQ_RM_TYPE_PART" in _diff(draft)
-    code = _diff(sidecar)
-    assert "{'L', 'L', 'C', 'K', 'P', 'T'}" in code and "SLOT_SIDECAR_VERSION    = 1" in code
-    assert "slot_sidecar_hash" in code and "params_base.n_ctx_checkpoints" in code
+    for code in (_diff(sidecar), _diff(fork)):  # one format on both sources
+        assert "{'L', 'L', 'C', 'K', 'P', 'T'}" in code and "SLOT_SIDECAR_VERSION    = 1" in code
+        assert "slot_sidecar_hash" in code and "params_base.n_ctx_checkpoints" in code
     for p in patchset.available():
         assert "mtpwrap" not in _diff(p).lower() and "MTPW" not in _diff(p), p.name
 
@@ -70,7 +75,7 @@ def test_the_checkpoint_patches_are_shaped_for_upstream() -> None:
 @pytest.mark.integration
 def test_patch_set_applies_to_the_pinned_offline_source(offline_tree: Path,
                                                         tmp_path: Path) -> None:
-    applied, _ = patchset.select()
+    applied = [p for p in patchset.select()[0] if p.name in UPSTREAM]
     touched = {f: _sha(offline_tree / f) for p in applied for f in p.files}
     out = patchset.overlay(offline_tree, tmp_path / "patched", applied)
     schema = (out / "tools/server/server-schema.cpp").read_text()
@@ -108,12 +113,13 @@ def test_a_patch_that_does_not_apply_names_file_and_hunk(offline_tree: Path,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("left_out", NAMES)
+@pytest.mark.parametrize("left_out", UPSTREAM)
 def test_each_patch_can_be_left_out(left_out: str, offline_tree: Path, tmp_path: Path) -> None:
     """One purpose per patch: with any one opted out, the others still apply."""
     applied, out = patchset.select(skip=(left_out[:4],))
     assert [p.name for p in out] == [left_out] and len(applied) == len(NAMES) - 1
-    patchset.overlay(offline_tree, tmp_path / "patched", applied)
+    patchset.overlay(offline_tree, tmp_path / "patched",
+                     [p for p in applied if p.name in UPSTREAM])
 
 
 def test_opting_out() -> None:
@@ -136,7 +142,7 @@ def test_cache_key_holds_the_patches_content() -> None:
 
 
 def test_each_patch_says_which_sources_it_is_for() -> None:
-    speculative, every, draft, sidecar = patchset.available()
+    speculative, every, draft, sidecar, fork = patchset.available()
     assert "per-request draft depth unsupported" in speculative.without
     assert "lacks --checkpoint-every-n-tokens" in every.without
     assert "MTP context's whole KV" in draft.without
@@ -146,24 +152,28 @@ def test_each_patch_says_which_sources_it_is_for() -> None:
         assert patch.meant_for("offline", source.OFFLINE_COMMIT)
         assert not patch.meant_for("submodule", source.SUBMODULE_COMMIT)
         assert not patch.meant_for("offline", "1234567")  # another upstream commit
+    assert fork.sources == (f"submodule@{source.SUBMODULE_COMMIT[:7]}",)
+    assert fork.meant_for("submodule", source.SUBMODULE_COMMIT)
+    assert not fork.meant_for("offline", source.OFFLINE_COMMIT)
+    assert "re-reads the whole document" in fork.without
 
 
 def test_a_patch_not_for_the_source_is_recorded_not_tried() -> None:
     applied, records = patchset.for_source("submodule", source.SUBMODULE_COMMIT)
-    assert applied == [] and len(records) == len(NAMES)
+    assert [p.name for p in applied] == NAMES[4:] and len(records) == len(NAMES)
     rec = records[0]
-    assert {r["status"] for r in records} == {"not-for-source"}
+    assert [r["status"] for r in records] == ["not-for-source"] * 4 + ["applied"]
     assert rec["why"] == (f"written for offline@{source.OFFLINE_COMMIT}; this build's source is "
                           f"the submodule at {source.SUBMODULE_COMMIT[:12]}")
     assert rec["without"] and "policy is off" in rec["without"]
     applied, records = patchset.for_source("offline", source.OFFLINE_COMMIT)
-    assert [p.name for p in applied] == NAMES
-    assert [r["status"] for r in records] == ["applied"] * len(NAMES)
+    assert [p.name for p in applied] == UPSTREAM
+    assert [r["status"] for r in records] == ["applied"] * 4 + ["not-for-source"]
     assert [r["name"] for r in records] == NAMES
     # opting out still wins, and a PATH tree is built as it is
     assert [r["status"] for r in patchset.for_source("offline", source.OFFLINE_COMMIT,
                                                      skip=("0003",))[1]] == [
-        "applied", "applied", "opted-out", "applied"]
+        "applied", "applied", "opted-out", "applied", "not-for-source"]
     applied, records = patchset.for_source("path", None)
     assert applied == [] and records[0]["why"] == "a --source PATH tree is built as it is"
 
