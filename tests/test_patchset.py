@@ -23,8 +23,8 @@ def _sha(p: Path) -> str:
 
 NAMES = ["0001-per-request-speculative", "0002-checkpoint-every-n-tokens",
          "0003-draft-context-checkpoint-size", "0004-slot-checkpoint-sidecar",
-         "0005-slot-checkpoint-sidecar-fork"]
-#: the patches for the pinned upstream source; 0005 is for the fork in the submodule
+         "0005-slot-checkpoint-sidecar-fork", "0006-per-request-speculative-fork"]
+#: the patches for the pinned upstream source; 0005 and 0006 are for the fork in the submodule
 UPSTREAM = NAMES[:4]
 
 
@@ -54,7 +54,7 @@ def test_the_checkpoint_patches_are_shaped_for_upstream() -> None:
     """Periodic checkpoints behind a flag of their own (the fork's spelling), upstream's
     --checkpoint-min-step keeping its meaning; the sidecar's format versioned and named
     neutrally, bound to the slot file's tokens."""
-    _, every, draft, sidecar, fork = patchset.available()
+    _, every, draft, sidecar, fork, _ = patchset.available()
     added = "\n".join(ln for ln in _diff(every).splitlines() if ln.startswith("+"))
     assert '{"-cpent", "--checkpoint-every-n-tokens"}' in added
     assert '.set_env("LLAMA_ARG_CHECKPOINT_EVERY_NT")' in added
@@ -142,7 +142,7 @@ def test_cache_key_holds_the_patches_content() -> None:
 
 
 def test_each_patch_says_which_sources_it_is_for() -> None:
-    speculative, every, draft, sidecar, fork = patchset.available()
+    speculative, every, draft, sidecar, fork, fork_speculative = patchset.available()
     assert "per-request draft depth unsupported" in speculative.without
     assert "lacks --checkpoint-every-n-tokens" in every.without
     assert "MTP context's whole KV" in draft.without
@@ -152,28 +152,30 @@ def test_each_patch_says_which_sources_it_is_for() -> None:
         assert patch.meant_for("offline", source.OFFLINE_COMMIT)
         assert not patch.meant_for("submodule", source.SUBMODULE_COMMIT)
         assert not patch.meant_for("offline", "1234567")  # another upstream commit
-    assert fork.sources == (f"submodule@{source.SUBMODULE_COMMIT[:7]}",)
-    assert fork.meant_for("submodule", source.SUBMODULE_COMMIT)
-    assert not fork.meant_for("offline", source.OFFLINE_COMMIT)
+    for patch in (fork, fork_speculative):
+        assert patch.sources == (f"submodule@{source.SUBMODULE_COMMIT[:7]}",)
+        assert patch.meant_for("submodule", source.SUBMODULE_COMMIT)
+        assert not patch.meant_for("offline", source.OFFLINE_COMMIT)
     assert "re-reads the whole document" in fork.without
+    assert "per-request draft depth unsupported" in fork_speculative.without
 
 
 def test_a_patch_not_for_the_source_is_recorded_not_tried() -> None:
     applied, records = patchset.for_source("submodule", source.SUBMODULE_COMMIT)
     assert [p.name for p in applied] == NAMES[4:] and len(records) == len(NAMES)
     rec = records[0]
-    assert [r["status"] for r in records] == ["not-for-source"] * 4 + ["applied"]
+    assert [r["status"] for r in records] == ["not-for-source"] * 4 + ["applied"] * 2
     assert rec["why"] == (f"written for offline@{source.OFFLINE_COMMIT}; this build's source is "
                           f"the submodule at {source.SUBMODULE_COMMIT[:12]}")
     assert rec["without"] and "policy is off" in rec["without"]
     applied, records = patchset.for_source("offline", source.OFFLINE_COMMIT)
     assert [p.name for p in applied] == UPSTREAM
-    assert [r["status"] for r in records] == ["applied"] * 4 + ["not-for-source"]
+    assert [r["status"] for r in records] == ["applied"] * 4 + ["not-for-source"] * 2
     assert [r["name"] for r in records] == NAMES
     # opting out still wins, and a PATH tree is built as it is
     assert [r["status"] for r in patchset.for_source("offline", source.OFFLINE_COMMIT,
                                                      skip=("0003",))[1]] == [
-        "applied", "applied", "opted-out", "applied", "not-for-source"]
+        "applied", "applied", "opted-out", "applied", "not-for-source", "not-for-source"]
     applied, records = patchset.for_source("path", None)
     assert applied == [] and records[0]["why"] == "a --source PATH tree is built as it is"
 

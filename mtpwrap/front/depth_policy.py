@@ -17,10 +17,10 @@ acceptance.alpha_for_tokens_per_step solves that for α (drafts that stop early 
 underestimate). The estimate is an exponentially weighted average over drafted tokens.
 
 The state is a fixed set of per-class records, touched only from the event loop: no locks.
-Acting needs a llama-server that honours a request's own depth (the 0001 patch, found by
-build/spec_probe). Elsewhere — a binary the probe found `ignored` (the TurboQuant + MTP fork,
-whose server the patch does not apply to) or one never probed — every decision is
-`unsupported`, no body is changed, and /healthz says why (`unsupported_reason`).
+Acting needs a llama-server that honours a request's own depth (patch 0001 upstream, 0006 on
+the TurboQuant + MTP fork; found by build/spec_probe). Elsewhere — a binary the probe found
+`ignored` or one never probed — every decision is `unsupported`, no body is changed, and
+/healthz says why (`unsupported_reason`).
 """
 
 from __future__ import annotations
