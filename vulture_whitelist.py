@@ -67,4 +67,7 @@ _.initialized  # RecordedNvml's open-handle count: tests check every nvmlInit is
 _.cuda_library_dirs  # build.toolchain: benchmarks/gpu_check.sh calls it from `python -c`
 _.RECIPE_LENGTHS  # bench.corpora, with fill_lengths: the integration test behind
 _.fill_lengths  # docs/benchmarks.md's "every Korean domain fills 262K tokens"
-_.EXIT_OK  # errors: the exit-code table of the systemd contract names 0 too
+_.crashed  # build.smoke's SmokeResult: tests/test_build.py reads which tries crashed
+_.value_hint  # decide.capabilities: fields written to and read from the recorded JSON
+_.built_with
+_.help_sha256

@@ -1,15 +1,16 @@
-"""Warm restart: time to first token after `mtpwrap restart`, with and without KV snapshots.
+"""Warm restart: time to first token after `mtpwrap restart`, with and without the document store.
 
 Two instances of `mtpwrap up` run one after the other on the same binary and model, one with
 `persist.enabled: true`, one with `false`. For each prompt length: a prompt of that many tokens
 (prefilled once, not timed), `mtpwrap restart`, then the same prompt plus a question, streamed;
 the time from sending it to its first token and the prompt tokens llama-server processed
-(`timings.prompt_n`) are printed side by side, with the save and restore rates of the snapshot.
+(`timings.prompt_n`) are printed side by side, with the save and restore rates of the store.
 
     python benchmarks/warm_restart.py [--binary PATH] [--model PATH] [--lengths 400,800,1500]
 
-Defaults: the built CPU llama-server and the demo model (two slots of 2,048 tokens, so lengths
-stay below that). On a GPU pass a profile and model whose slots hold the lengths you ask for.
+Defaults: the built CPU llama-server and the demo model, on the cpu-demo profile with one slot
+(the store serves a launch of one; 4,096 tokens, so lengths stay below that). On a GPU pass a
+one-slot profile and a model whose context holds the lengths you ask for.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class Up:
     def __init__(self, home: Path, binary: str, model: str, profile: str, persist: bool) -> None:
         self.port = free_loopback_port()
         self.base = f"http://127.0.0.1:{self.port}"
+        if profile == "cpu-demo":  # one slot: the document store serves a launch of one
+            import yaml
+
+            demo = yaml.safe_load((REPO / "profiles" / "cpu-demo.yaml").read_text())
+            profile = str(home / "cpu-demo-1-slot.yaml")
+            Path(profile).write_text(yaml.safe_dump({**demo, "name": "cpu-demo-1-slot",
+                                                     "slots": 1}))
         cfg = home / "mtpwrap.yaml"
         cfg.write_text(json.dumps({
             "profile": profile, "model": model, "binary": binary, "port": self.port,
@@ -69,11 +77,14 @@ class Up:
             time.sleep(0.1)
         sys.exit("not ready in time")
 
-    def restart(self) -> dict:
+    def restart(self) -> None:
         r = proc.run([sys.executable, "-m", "mtpwrap", "restart"], env=self.env, timeout=900)
         if r.returncode != 0:
             sys.exit(f"restart failed: {r.stderr.strip()}")
-        return json.loads((self.home / "state" / "instance.json").read_text())
+
+    def store(self) -> dict:
+        """The document store's last save and restore, from /healthz."""
+        return httpx.get(self.base + "/healthz", timeout=30).json().get("store") or {}
 
     def first_token(self, prompt: str) -> tuple[float, int]:
         """Seconds to the first streamed token, and prompt tokens processed."""
@@ -107,16 +118,16 @@ def run(binary: str, model: str, profile: str, lengths: list[int], persist: bool
             for n in lengths:
                 prompt = text_of(n)
                 _, full = up.first_token(prompt)  # the prefill a restart would lose
-                state = up.restart()
+                up.restart()
                 ttft, processed = up.first_token(prompt + QUESTION)
-                rep = state.get("persist") or {}
-                saved = rep.get("saved") or {}
-                restored = rep.get("restored") or {}
+                rep = up.store()
+                saved = rep.get("last_save") or {}
+                restored = rep.get("last_restore") or {}
                 mb = (saved.get("bytes") or 0) / 2**20
                 out[n] = {"prompt": full, "ttft": ttft, "processed": processed,
-                          "save_mbs": mb / saved["save_s"] if saved.get("save_s") else None,
-                          "restore_mbs": (mb / restored["restore_s"]
-                                          if restored.get("restore_s") else None),
+                          "save_mbs": mb * 1000 / saved["ms"] if saved.get("ms") else None,
+                          "restore_mbs": (mb * 1000 / restored["ms"]
+                                          if restored.get("ms") else None),
                           "mb": mb}
         finally:
             up.close()
@@ -147,7 +158,7 @@ def main() -> None:
 
     print(f"binary {a.binary}\nmodel  {a.model}\n")
     print(f"{'prompt tok':>10} | {'TTFT cold s':>11} {'TTFT warm s':>11} {'speed-up':>8} | "
-          f"{'processed cold':>14} {'warm':>5} | {'snapshot MB':>11} {'save MB/s':>9} "
+          f"{'processed cold':>14} {'warm':>5} | {'state MB':>11} {'save MB/s':>9} "
           f"{'restore MB/s':>12}")
     for n in lengths:
         c, w = cold[n], warm[n]

@@ -6,7 +6,6 @@ Exit codes are part of the systemd contract: a configuration error must not be r
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_RUNTIME = 1
 #: bad input: a flag, a file, a profile key, a model path. systemd is told not to restart on it.
 EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h

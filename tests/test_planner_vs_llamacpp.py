@@ -20,7 +20,8 @@ from mtpwrap.build.calibrate import (
     measure_server,
 )
 from mtpwrap.decide.gguf_facts import read_facts
-from mtpwrap.decide.planner import BUILTIN_KV_TYPES, MemoryPlan, PlanConfig, plan
+from mtpwrap.decide import kv
+from mtpwrap.decide.planner import MemoryPlan, PlanConfig, plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("drop_gguf_files")]
 
@@ -107,7 +108,7 @@ def test_calibration_sizes_every_cache_type_the_binary_accepts(llama_server_bin:
     assert "f16" in types and "q4_0" in types
     sizes = kv_type_sizes(llama_server_bin, types=types)
     # upstream types measure exactly as the built-in table says (bytes per 256 values)
-    for t, (block, size) in BUILTIN_KV_TYPES.items():
+    for t, (block, size) in ((n, (k.block, k.bytes)) for n, k in kv.TABLE.items()):
         if t in sizes:
             assert sizes[t]["bytes"] * block == size * sizes[t]["block"], (t, sizes[t])
     assert set(sizes) >= {"f16", "q8_0", "q4_0"}

@@ -5,10 +5,9 @@ and the binary stated, each figure defined (`write`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from mtpwrap.bench import corpora
+from mtpwrap.bench import corpora, embed_report
 
 #: each step of the workflow, in the order they run, and what it asks
 STEP_WHAT = {
@@ -205,8 +204,4 @@ def markdown(results: dict) -> str:
 
 
 def write(results: dict, out: Path) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    files = {"json": out / "report.json", "md": out / "report.md"}
-    files["json"].write_text(json.dumps(results, indent=2, default=str) + "\n")
-    files["md"].write_text(markdown(results))
-    return files
+    return embed_report.write(results, out, markdown(results))

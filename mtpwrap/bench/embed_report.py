@@ -140,9 +140,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(results: dict, out: Path) -> dict[str, Path]:
+def write(results: dict, out: Path, md: str | None = None) -> dict[str, Path]:
+    """report.json and report.md in `out`: `md`, else this benchmark's markdown (`bench docs`
+    writes its own report through here)."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"json": out / "report.json", "md": out / "report.md"}
     files["json"].write_text(json.dumps(results, indent=2, default=str) + "\n")
-    files["md"].write_text(markdown(results))
+    files["md"].write_text(markdown(results) if md is None else md)
     return files

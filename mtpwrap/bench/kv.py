@@ -151,10 +151,6 @@ _CHUNK = re.compile(r"^\s*(\d+)\s+" + _PM + r"\s+" + _PM + r"\s+" + _PM + r"\s+"
                     + r"\s*%\s+" + _PM + r"\s*%\s*$", re.M)
 
 
-def _num(s: str) -> float:
-    return float(s)
-
-
 def parse_perplexity(text: str) -> dict:
     """What one `llama-perplexity` run printed (tools/perplexity/perplexity.cpp): with
     `--kl-divergence`, the PPL, KLD and top-token statistics against the base file; either
@@ -163,10 +159,10 @@ def parse_perplexity(text: str) -> dict:
     out: dict = {}
     for key, pat in _FIELDS.items():
         if m := pat.search(text):
-            out[key], out[key + "_unc"] = _num(m.group(1)), _num(m.group(2))
+            out[key], out[key + "_unc"] = float(m.group(1)), float(m.group(2))
     for key, pat in _SINGLE.items():
         if m := pat.search(text):
-            out[key] = _num(m.group(1))
+            out[key] = float(m.group(1))
     if m := _OVER.search(text):
         out.update(chunks=int(m.group(1)), window=int(m.group(2)), batch=int(m.group(3)),
                    seqs_per_pass=int(m.group(4)))
@@ -176,9 +172,9 @@ def parse_perplexity(text: str) -> dict:
             tokens = out["window"] * min(out["seqs_per_pass"], out["chunks"])
             out["prefill_tokens_per_s"] = tokens / out["seconds_first_pass"]
     if m := _FINAL.search(text):
-        out["final_ppl"], out["final_ppl_unc"] = _num(m.group(1)), _num(m.group(2))
-    chunks = [{"chunk": int(m.group(1)), "ppl": _num(m.group(2)), "kld": _num(m.group(6)),
-               "same_top_p_pct": _num(m.group(10))} for m in _CHUNK.finditer(text)]
+        out["final_ppl"], out["final_ppl_unc"] = float(m.group(1)), float(m.group(2))
+    chunks = [{"chunk": int(m.group(1)), "ppl": float(m.group(2)), "kld": float(m.group(6)),
+               "same_top_p_pct": float(m.group(10))} for m in _CHUNK.finditer(text)]
     if chunks:
         out["per_chunk"] = chunks
     out["kv_caches"] = parse_kv_caches(text)

@@ -73,10 +73,9 @@ def kv_order(results: dict, inp: Inputs, context: int) -> tuple[list[str], str, 
 
 
 def write_kv_order(results: dict, *, profile: str | None, context: int | None,
-                   binary: str | None, replay: str | Path | None = None) -> tuple[Path, str]:
+                   binary: str | None) -> tuple[Path, str]:
     """Write the profile's KV list in measured order as a user profile override."""
-    inp = gather(profile or "auto", model=results["plan"]["model"], binary=binary,
-                 replay=replay)
+    inp = gather(profile or "auto", model=results["plan"]["model"], binary=binary)
     ctx = context or (inp.profile.context if isinstance(inp.profile.context, int) else None)
     if ctx is None:
         raise ConfigError(f"bench kv --write: profile {inp.profile.name} has context: max; "

@@ -113,25 +113,23 @@ def resolve_profile(prof: Profile, *, binary: Path, model: Path,
 
 def cell_launch(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
                 parallel: int | None = 1, threads: int | None = None,
-                profile: Profile | None = None, caps: Capabilities | None = None,
-                bench: bool = True) -> tuple[LaunchConfig, Capabilities]:
-    """The launch of one cell. bench=True adds what the benchmark reads besides the API: flash
-    attention on in every cell (so cells compare), no warm-up, and log verbosity 4 (where
-    llama.cpp logs the KV cache it allocated)."""
-    extra: dict[str, Any] = {"flash_attn": "on", "no_warmup": True} if bench else {}
+                profile: Profile | None = None, caps: Capabilities | None = None
+                ) -> tuple[LaunchConfig, Capabilities]:
+    """The launch of one cell, with what the benchmark reads besides the API: flash attention
+    on in every cell (so cells compare), no warm-up, and log verbosity 4 (where llama.cpp logs
+    the KV cache it allocated)."""
     prof = cell_profile(cfg, profile or default_profile(), drafter=model, context=ctx_size,
-                        slots=parallel, threads=threads, **extra)
+                        slots=parallel, threads=threads, flash_attn="on", no_warmup=True)
     cl, caps = resolve_profile(prof, binary=binary, model=model, caps=caps)
-    if bench:
-        cl = cl.replace(verbosity=4, why={"verbosity": "the benchmark reads the KV allocation "
-                                                       "from the log"})
+    cl = cl.replace(verbosity=4, why={"verbosity": "the benchmark reads the KV allocation from "
+                                                   "the log"})
     return cl, caps
 
 
 def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int | None,
                   parallel: int | None = 1, log_path: Path | None = None,
                   threads: int | None = None, extra: list[str] | None = None,
-                  timeout: float = 300.0, profile: Profile | None = None, bench: bool = True,
+                  timeout: float = 300.0, profile: Profile | None = None,
                   tcp: bool = False) -> ServerProcess:
     """Start llama-server for `cfg` and wait until /health says ok; `Client.of` reaches it
     (its own UNIX socket when the binary binds one; `tcp`: loopback TCP all the same, for a
@@ -141,7 +139,7 @@ def launch_config(cfg: BenchConfig, *, binary: Path, model: Path, ctx_size: int 
     that exits or does not become healthy is stopped and reported with its log's last line.
     """
     cl, caps = cell_launch(cfg, binary=binary, model=model, ctx_size=ctx_size,
-                           parallel=parallel, threads=threads, profile=profile, bench=bench)
+                           parallel=parallel, threads=threads, profile=profile)
     return start_launch(cl, caps, binary=binary, log_path=log_path, extra=extra,
                         timeout=timeout, tcp=tcp,
                         what=f"llama-server for configuration {cfg.name!r}")

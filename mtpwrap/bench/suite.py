@@ -59,7 +59,6 @@ class SuitePlan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["configs"] = [c.to_dict() for c in self.configs]
         d["binary"] = str(self.binary) if self.binary else None
         d["model"] = str(self.model) if self.model else None
         d.pop("api_key")

@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpwrap.build.manifest import Manifest, binaries_ok, installed_variants, load_manifest
-from mtpwrap.build.planning import arch_number
-from mtpwrap.decide import hardware
+from mtpwrap.build.planning import arch_number, present_gpus
 from mtpwrap.errors import ConfigError, MissingToolError
 
 
@@ -24,18 +23,8 @@ def uncovered_gpus(manifest: Manifest, snap: Any | None = None) -> list[tuple[st
     4090's 8.9; "90a" covers 9.0)."""
     if not manifest.variant.startswith("cuda"):
         return []
-    if snap is None:
-        try:
-            snap = hardware.snapshot()
-        except Exception:
-            return []
     built = {str(arch_number(a)) for a in manifest.architectures if re.match(r"\d", a)}
-    gaps: list[tuple[str, str]] = []
-    for gpu in getattr(snap, "gpus", ()) or ():
-        cc = getattr(gpu, "compute_capability", None)
-        if cc and f"{cc[0]}{cc[1]}" not in built:
-            gaps.append((str(getattr(gpu, "name", "GPU")), f"{cc[0]}{cc[1]}"))
-    return gaps
+    return [(name, arch) for name, arch in present_gpus(snap) if arch not in built]
 
 
 def rebuild_command(manifest: Manifest, gaps: list[tuple[str, str]]) -> str:

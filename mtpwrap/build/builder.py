@@ -417,7 +417,6 @@ def configure_only(
     cuda_arch: str | None = None,
     cpu_isa: str | None = None,
     allow_unpinned: bool = False,
-    progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """CMake's configure step alone, in the build's own cache folder: seconds, no compile.
 
@@ -436,7 +435,7 @@ def configure_only(
         src = _patched_source(src, applied, build_dir, force=True)
         log = build_dir / "configure.log"
         log.write_text("")
-        record = cmake.configure(plan, src, build_dir, log, progress, force=True)
+        record = cmake.configure(plan, src, build_dir, log, progress=None, force=True)
     result = {"variant": plan.variant, "reason": plan.reason, "cpu_isa": plan.cpu_isa,
               "source": {**src.to_dict(), "why": src.reason},
               "cmake_options": record.pop("options"), "cuda": plan.cuda, "cache_key": key,

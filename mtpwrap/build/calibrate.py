@@ -166,14 +166,11 @@ def fit_params_args(fit_bin: Path, cl: Any) -> list[str]:
     return fit_params_launch(fit_bin, cl).argv[3:]
 
 
-def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int,
-                    args: list[str] | None = None) -> int:
+def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_cell: int) -> int:
     """Bytes per CAL_BLOCK values of cache_type, from the K buffer llama.cpp reports."""
-
-    if args is None:
-        args = fit_params_args(fit_bin, launch.plain(model, context=_CAL_CELLS, cache=cache_type,
-                                                     flash_attn="on", gpu_layers=0,
-                                                     why="KV type calibration"))
+    args = fit_params_args(fit_bin, launch.plain(model, context=_CAL_CELLS, cache=cache_type,
+                                                 flash_attn="on", gpu_layers=0,
+                                                 why="KV type calibration"))
     log = run_fit_params(fit_bin, model, args)
     details = parse_allocations(log).kv_detail
     if not details:
@@ -183,15 +180,13 @@ def measure_kv_type(fit_bin: Path, model: Path, cache_type: str, n_values_per_ce
     return int(round((d["k"] + d["v"]) * CAL_BLOCK / (2 * values)))
 
 
-def kv_type_sizes(binary: Path, model: Path | None = None,
-                  types: list[str] | None = None) -> dict[str, dict[str, int]]:
+def kv_type_sizes(binary: Path, types: list[str] | None = None) -> dict[str, dict[str, int]]:
     """{type: {"block": 256, "bytes": B}} for each cache type the binary accepts."""
 
     fit_bin = fit_params_binary(binary)
     types = types or accepted_cache_types(binary)
     with tempfile.TemporaryDirectory(prefix="mtpwrap-cal-") as tmp:
-        if model is None:
-            model = tiny_gguf.write_tiny_random(Path(tmp) / "cal.gguf", arch="llama")
+        model = tiny_gguf.write_tiny_random(Path(tmp) / "cal.gguf", arch="llama")
         facts = read_facts(model)
         nk, _ = facts.kv_row_values(facts.kv_layers[0])
         sizes: dict[str, dict[str, int]] = {}

@@ -134,19 +134,21 @@ def host_fingerprint() -> str:
     return hashlib.sha256(f"{platform.machine()}|{flags}".encode()).hexdigest()[:12]
 
 
-def present_gpu_archs(snap: Any | None = None) -> list[str]:
-    """The compute capabilities of the GPUs NVML sees ("89", "90"), each once; [] when none."""
+def present_gpus(snap: Any | None = None) -> list[tuple[str, str]]:
+    """Each GPU NVML sees (or `snap` holds) as (name, compute capability "89"); [] when none."""
     if snap is None:
         try:
             snap = hardware.snapshot()
         except Exception:
             return []
-    archs: list[str] = []
-    for gpu in getattr(snap, "gpus", ()) or ():
-        cc = getattr(gpu, "compute_capability", None)
-        if cc and f"{cc[0]}{cc[1]}" not in archs:
-            archs.append(f"{cc[0]}{cc[1]}")
-    return sorted(archs, key=arch_number)
+    return [(str(getattr(gpu, "name", "GPU")), f"{cc[0]}{cc[1]}")
+            for gpu in getattr(snap, "gpus", ()) or ()
+            if (cc := getattr(gpu, "compute_capability", None))]
+
+
+def present_gpu_archs(snap: Any | None = None) -> list[str]:
+    """The compute capabilities of the GPUs NVML sees ("89", "90"), each once; [] when none."""
+    return sorted({arch for _, arch in present_gpus(snap)}, key=arch_number)
 
 
 def arch_number(arch: str) -> int:

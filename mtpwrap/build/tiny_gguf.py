@@ -85,8 +85,16 @@ def _quant(name: str, ne: tuple[int, ...], il: int, n_layer: int, ftype: str) ->
 
 
 class _Builder:
-    def __init__(self, spec: ModelSpec, ftype: str, n_layer_quant: int) -> None:
+    """Adds a model's tensors to `spec`, starting with the embeddings, the output norm and (not
+    `tied` to the embeddings) the output matrix."""
+
+    def __init__(self, spec: ModelSpec, ftype: str, n_layer_quant: int, n_embd: int,
+                 tied: bool = False) -> None:
         self.spec, self.ftype, self.n = spec, ftype, n_layer_quant
+        self.t("token_embd.weight", n_embd, spec.n_vocab)
+        self.t("output_norm.weight", n_embd)
+        if not tied:
+            self.t("output.weight", n_embd, spec.n_vocab)
 
     def t(self, name: str, *ne: int, il: int = -1) -> None:
         self.spec.tensors.append(TensorSpec(name, tuple(ne), _quant(name, ne, il, self.n,
@@ -131,13 +139,8 @@ def _qwen35_spec(*, name: str, n_embd: int, n_layer: int, n_nextn: int, n_head: 
                      "expert_shared_feed_forward_length": moe["n_ff_shexp"]})
     if n_nextn:
         meta["nextn_predict_layers"] = n_nextn
-    nv = n_vocab or 151936
-    spec = ModelSpec(arch, name, "qwen35", nv, meta)
-    b = _Builder(spec, ftype, n_layer)
-    b.t("token_embd.weight", n_embd, nv)
-    b.t("output_norm.weight", n_embd)
-    if not tied:
-        b.t("output.weight", n_embd, nv)
+    spec = ModelSpec(arch, name, "qwen35", n_vocab or 151936, meta)
+    b = _Builder(spec, ftype, n_layer, n_embd, tied)
     key_dim, value_dim = d_state * n_group, d_state * n_v_heads
 
     def attn(il: int) -> None:
@@ -192,13 +195,8 @@ def _llama_spec(*, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv:
             "feed_forward_length": n_ff, "attention.head_count": n_head,
             "attention.head_count_kv": n_head_kv, "rope.freq_base": 500000.0,
             "rope.dimension_count": head_dim, "attention.layer_norm_rms_epsilon": 1e-5}
-    nv = n_vocab or 128256
-    spec = ModelSpec("llama", name, vocab, nv, meta)
-    b = _Builder(spec, ftype, n_layer)
-    b.t("token_embd.weight", n_embd, nv)
-    b.t("output_norm.weight", n_embd)
-    if not tied:
-        b.t("output.weight", n_embd, nv)
+    spec = ModelSpec("llama", name, vocab, n_vocab or 128256, meta)
+    b = _Builder(spec, ftype, n_layer, n_embd, tied)
     for il in range(n_layer):
         b.t(f"blk.{il}.attn_norm.weight", n_embd, il=il)
         b.t(f"blk.{il}.attn_q.weight", n_embd, n_embd, il=il)
@@ -222,9 +220,7 @@ def _gemma3_spec(*, name: str, n_embd: int, n_layer: int, n_head: int, n_head_kv
             "attention.layer_norm_rms_epsilon": 1e-6}
     # Gemma's own tokenizer is SentencePiece-like; the byte-level one loads the same tensors.
     spec = ModelSpec("gemma3", name, "llama-bpe", 262144, meta)
-    b = _Builder(spec, ftype, n_layer)
-    b.t("token_embd.weight", n_embd, spec.n_vocab)
-    b.t("output_norm.weight", n_embd)
+    b = _Builder(spec, ftype, n_layer, n_embd, tied=True)
     for il in range(n_layer):
         b.t(f"blk.{il}.attn_norm.weight", n_embd, il=il)
         b.t(f"blk.{il}.attn_q.weight", n_embd, head_dim * n_head, il=il)
@@ -257,10 +253,7 @@ def _deepseek2_lite_spec(ftype: str) -> ModelSpec:
             "expert_used_count": 6, "expert_shared_count": n_shared,
             "expert_weights_scale": 1.0}
     spec = ModelSpec("deepseek2", "DeepSeek-V2-Lite (shape only)", "deepseek-llm", 102400, meta)
-    b = _Builder(spec, ftype, n_layer)
-    b.t("token_embd.weight", n_embd, 102400)
-    b.t("output_norm.weight", n_embd)
-    b.t("output.weight", n_embd, 102400)
+    b = _Builder(spec, ftype, n_layer, n_embd)
     for il in range(n_layer):
         p = f"blk.{il}."
         b.t(p + "attn_norm.weight", n_embd, il=il)

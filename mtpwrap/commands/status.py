@@ -41,7 +41,7 @@ def command(as_json: bool) -> None:
             if rl.get("generation"):
                 rows.append([f"last {rl.get('kind', 'reload')}",
                              f"{rl.get('result')}: {rl.get('message') or '-'}"])
-            rows.append(["KV snapshots", report.get("persist_dir") or "off"])
+            rows.append(["document store", report.get("persist_dir") or "off"])
             if cmd := report.get("command"):
                 rows.append(["llama-server runs", shlex.join(cmd["argv"])
                              + (f"  ({cmd['note']})" if cmd.get("note") else "")])

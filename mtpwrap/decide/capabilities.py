@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,17 +45,8 @@ class OptionInfo:
     section: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "names": list(self.names),
-            "value_hint": self.value_hint,
-            "help": self.help,
-            "env": self.env,
-            "default": self.default,
-            "allowed": list(self.allowed) if self.allowed is not None else None,
-            "removed": self.removed,
-            "deprecated": self.deprecated,
-            "section": self.section,
-        }
+        return {**asdict(self), "names": list(self.names),
+                "allowed": list(self.allowed) if self.allowed is not None else None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OptionInfo:
@@ -157,31 +148,16 @@ class Capabilities:
             return f"{who} (version {self.version or '?'}, commit {self.commit or '?'})"
         return who
 
-    # -- persistence (the build manifest stores this under `capabilities`)
+    # -- persistence (the build manifest stores this under `capabilities`): every field under
+    # its own name, but `infos` as `options`
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "build": self.build,
-            "commit": self.commit,
-            "built_with": self.built_with,
-            "binary": self.binary,
-            "help_sha256": self.help_sha256,
-            "outputs_capped": self.outputs_capped,
-            "options": [i.to_dict() for i in self.infos],
-        }
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "infos"},
+                "options": [i.to_dict() for i in self.infos]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Capabilities:
-        return cls(
-            infos=[OptionInfo.from_dict(o) for o in d.get("options") or []],
-            version=d.get("version"),
-            build=d.get("build"),
-            commit=d.get("commit"),
-            built_with=d.get("built_with"),
-            binary=d.get("binary"),
-            help_sha256=d.get("help_sha256"),
-            outputs_capped=d.get("outputs_capped"),
-        )
+        return cls(infos=[OptionInfo.from_dict(o) for o in d.get("options") or []],
+                   **{f.name: d.get(f.name) for f in fields(cls) if f.name != "infos"})
 
 
 # --------------------------------------------------------------------------- parsing

@@ -89,8 +89,7 @@ class GpuInfo:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GpuInfo:
-        known = {f for f in cls.__dataclass_fields__}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         cc = kwargs.get("compute_capability")
         kwargs["compute_capability"] = tuple(cc) if cc is not None else None
         return cls(**kwargs)
@@ -184,18 +183,15 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def host_info(psutil_module: Any | None = None, *,
-              use_psutil: bool = True) -> dict[str, int | None]:
+def host_info(*, use_psutil: bool = True) -> dict[str, int | None]:
     """CPU cores and RAM (and when it was read). Without psutil, logical cores and RAM come
     from the OS; physical cores stay unknown."""
-    ps = psutil_module
-    if ps is None and use_psutil:
-        try:
+    ps: Any = None
+    if use_psutil:
+        with contextlib.suppress(ImportError):
             import psutil
 
             ps = psutil
-        except ImportError:
-            ps = None
     now = int(time.time())
     if ps is not None:
         vm = ps.virtual_memory()
@@ -216,8 +212,7 @@ def host_info(psutil_module: Any | None = None, *,
 # --------------------------------------------------------------------------- snapshot
 
 
-def snapshot(nvml: Any | None = None, *,
-             host: Mapping[str, int | None] | None = None) -> HardwareSnapshot:
+def snapshot(nvml: Any | None = None) -> HardwareSnapshot:
     """Take a hardware snapshot. Never raises for a missing driver or GPU: `error` says why."""
     source = "nvml"
     if nvml is None:
@@ -225,10 +220,9 @@ def snapshot(nvml: Any | None = None, *,
     else:
         load_error = None
         source = getattr(nvml, "SOURCE", "nvml")
-    if host is None:
-        # a recording carries the host it was made on; never mix in this machine's figures
-        recorded = getattr(nvml, "recorded_host", None)
-        host = recorded if recorded is not None else host_info()
+    # a recording carries the host it was made on; never mix in this machine's figures
+    recorded = getattr(nvml, "recorded_host", None)
+    host = recorded if recorded is not None else host_info()
     base = {k: host.get(k) for k in ("cpu_physical", "cpu_logical", "ram_total", "ram_available",
                                      "ram_read_at")}
     if nvml is None:

@@ -39,10 +39,10 @@ class KvType:
     name: str
     block: int      #: values per block
     bytes: int      #: bytes per block
-    source: str     #: where the size and the rules below come from
     #: float | upstream | tbq (the fork's TurboQuant) | rotor (the fork's planar/iso) |
     #: turbo (TheTom's)
     family: str
+    source: str     #: where the size and the rules below come from
 
     @property
     def bits(self) -> float:
@@ -53,31 +53,27 @@ class KvType:
         return self.family != "float"
 
 
-def _t(name: str, block: int, size: int, family: str, source: str) -> KvType:
-    return KvType(name, block, size, source, family)
-
-
 TABLE: dict[str, KvType] = {t.name: t for t in (
-    _t("f32", 1, 4, "float", "4-byte IEEE float"),
-    _t("f16", 1, 2, "float", "2-byte IEEE half"),
-    _t("bf16", 1, 2, "float", "2-byte bfloat16"),
-    _t("q8_0", 32, 34, "upstream", _UPSTREAM.format("q8_0")),
-    _t("q5_1", 32, 24, "upstream", _UPSTREAM.format("q5_1")),
-    _t("q5_0", 32, 22, "upstream", _UPSTREAM.format("q5_0")),
-    _t("q4_1", 32, 20, "upstream", _UPSTREAM.format("q4_1")),
-    _t("q4_0", 32, 18, "upstream", _UPSTREAM.format("q4_0")),
-    _t("iq4_nl", 32, 18, "upstream", _UPSTREAM.format("iq4_nl")),
+    KvType("f32", 1, 4, "float", "4-byte IEEE float"),
+    KvType("f16", 1, 2, "float", "2-byte IEEE half"),
+    KvType("bf16", 1, 2, "float", "2-byte bfloat16"),
+    KvType("q8_0", 32, 34, "upstream", _UPSTREAM.format("q8_0")),
+    KvType("q5_1", 32, 24, "upstream", _UPSTREAM.format("q5_1")),
+    KvType("q5_0", 32, 22, "upstream", _UPSTREAM.format("q5_0")),
+    KvType("q4_1", 32, 20, "upstream", _UPSTREAM.format("q4_1")),
+    KvType("q4_0", 32, 18, "upstream", _UPSTREAM.format("q4_0")),
+    KvType("iq4_nl", 32, 18, "upstream", _UPSTREAM.format("iq4_nl")),
     # the fork: 2-byte norm + 64 bytes of 4-bit indices / 48 bytes of 3-bit (or 32 + 16 signs)
-    _t("tbq4_0", 128, 66, "tbq", _FORK.format("tbq4_0")),
-    _t("planar4_0", 128, 66, "rotor", _FORK.format("planar4_0 = block_tbq4_0")),
-    _t("iso4_0", 128, 66, "rotor", _FORK.format("iso4_0 = block_tbq4_0")),
-    _t("tbq3_0", 128, 50, "tbq", _FORK.format("tbq3_0")),
-    _t("planar3_0", 128, 50, "rotor", _FORK.format("planar3_0")),
-    _t("iso3_0", 128, 50, "rotor", _FORK.format("iso3_0")),
+    KvType("tbq4_0", 128, 66, "tbq", _FORK.format("tbq4_0")),
+    KvType("planar4_0", 128, 66, "rotor", _FORK.format("planar4_0 = block_tbq4_0")),
+    KvType("iso4_0", 128, 66, "rotor", _FORK.format("iso4_0 = block_tbq4_0")),
+    KvType("tbq3_0", 128, 50, "tbq", _FORK.format("tbq3_0")),
+    KvType("planar3_0", 128, 50, "rotor", _FORK.format("planar3_0")),
+    KvType("iso3_0", 128, 50, "rotor", _FORK.format("iso3_0")),
     # TheTom's: 2-byte norm + 2-bit indices (+ 1-bit signs); turbo4 adds a reserved norm
-    _t("turbo2", 128, 34, "turbo", _TURBO.format("turbo2", "TURBO2")),
-    _t("turbo3", 128, 50, "turbo", _TURBO.format("turbo3", "TURBO3")),
-    _t("turbo4", 128, 68, "turbo", _TURBO.format("turbo4", "TURBO4")),
+    KvType("turbo2", 128, 34, "turbo", _TURBO.format("turbo2", "TURBO2")),
+    KvType("turbo3", 128, 50, "turbo", _TURBO.format("turbo3", "TURBO3")),
+    KvType("turbo4", 128, 68, "turbo", _TURBO.format("turbo4", "TURBO4")),
 )}
 
 
@@ -90,9 +86,9 @@ def size(t: str, measured: Mapping[str, Any] | None = None) -> tuple[int, int]:
         return int(v[0]), int(v[1])
     if t in TABLE:
         return TABLE[t].block, TABLE[t].bytes
-    known = sorted(set(TABLE) | set(measured or {}))
-    raise ConfigError(f"KV cache type {t!r} has no known size; use one of {', '.join(known)} "
-                      "or run `mtpwrap build` so the binary's types are measured.")
+    raise ConfigError(f"KV cache type {t!r} has no known size; use one of "
+                      f"{', '.join(sorted(known(measured)))} or run `mtpwrap build` so the "
+                      "binary's types are measured.")
 
 
 def known(measured: Mapping[str, Any] | None = None) -> set[str]:

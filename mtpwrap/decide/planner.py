@@ -30,7 +30,6 @@ from mtpwrap.units import GiB, MiB
 
 #: cache type -> (values per block, bytes per block): the built-in table (mtpwrap.decide.kv,
 #: each size with its source). Sizes measured from the binary (mtpwrap.calibrate) win.
-BUILTIN_KV_TYPES: dict[str, tuple[int, int]] = {n: (t.block, t.bytes) for n, t in kv.TABLE.items()}
 SPEC_KINDS = ("mtp", "draft", "ngram", "none")
 #: a fixed allowance per backend for what llama.cpp allocates outside the named buffers
 #: (CUDA context, cuBLAS workspace, graph metadata). Measured CUDA contexts are 300-500 MiB.
@@ -138,13 +137,7 @@ class MemoryPlan:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["rows"] = [asdict(r) for r in self.rows]
-        return d
-
-
-type_size = kv.size
-row_bytes = kv.row_bytes
+        return asdict(self)
 
 
 def _pad(x: int, n: int) -> int:
@@ -173,8 +166,8 @@ def kv_bytes(facts: ModelFacts, layers: list[int], cells: int, streams: int, typ
         if not cfg.flash_attn and nv:
             nv = v_max  # transposed V is sized to the widest layer
         c = swa_cells if (swa_cells is not None and il in facts.swa_layers) else cells
-        total += c * streams * (row_bytes(type_k, nk, kv_sizes)
-                                + (row_bytes(type_v, nv, kv_sizes) if nv else 0))
+        total += c * streams * (kv.row_bytes(type_k, nk, kv_sizes)
+                                + (kv.row_bytes(type_v, nv, kv_sizes) if nv else 0))
     return total
 
 
@@ -474,7 +467,7 @@ def plan(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int | None,
     """The full plan for one configuration."""
     cfg = config
     for t in (cfg.type_k, cfg.type_v, cfg.type_k_draft, cfg.type_v_draft):
-        type_size(t, kv_sizes)  # unknown types fail here, with the list of known ones
+        kv.size(t, kv_sizes)  # unknown types fail here, with the list of known ones
     warnings = list(facts.warnings)
     n_ctx, cells, streams = kv_geometry(cfg.n_ctx, cfg.n_slots, cfg.kv_unified)
     if facts.n_ctx_train and cells > facts.n_ctx_train:
@@ -577,19 +570,17 @@ def plan_with_limits(facts: ModelFacts, config: PlanConfig, device_memory_bytes:
 def supported_kv_types(kv_sizes: dict[str, Any] | None = None) -> list[str]:
     order = ["f16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl"]
     extra = sorted(t for t in (kv_sizes or {}) if t not in order and t not in ("f32", "bf16"))
-    return [t for t in order if t in BUILTIN_KV_TYPES or t in (kv_sizes or {})] + extra
+    return [t for t in order if t in kv.known(kv_sizes)] + extra
 
 
 def largest_context(facts: ModelFacts, config: PlanConfig, device_memory_bytes: int,
-                    kv_sizes: dict[str, Any] | None = None, kv_type: str | None = None,
-                    limit: int | None = None) -> int:
+                    kv_sizes: dict[str, Any] | None = None, kv_type: str | None = None) -> int:
     """The largest n_ctx (multiple of 256) that fits, with K and V at kv_type; 0 if none."""
     from dataclasses import replace
 
     base = replace(config, type_k=kv_type, type_v=kv_type) if kv_type else config
     # a slot count > 1 needs n_ctx/slots per slot: search over the total
-    hi_limit = limit or max(facts.n_ctx_train * (1 if base.kv_unified else base.n_slots),
-                            256)
+    hi_limit = max(facts.n_ctx_train * (1 if base.kv_unified else base.n_slots), 256)
 
     def fits(n: int) -> bool:
         p = plan(facts, replace(base, n_ctx=n), device_memory_bytes, kv_sizes)

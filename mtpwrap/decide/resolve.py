@@ -231,10 +231,6 @@ def admitted_types(types: Sequence[str], facts: ModelFacts, target: kv.Target
     return ok, refused
 
 
-def sized_types(kv_sizes: dict[str, Any] | None) -> set[str]:
-    return set(planner.BUILTIN_KV_TYPES) | set(kv_sizes or {})
-
-
 def read_model(model: Path | str) -> ModelFacts | None:
     """The model's header when the file is here and readable (a preview may name a model not
     fetched yet; a damaged header is reported by the memory plan)."""
@@ -270,7 +266,7 @@ def resolve(profile: Profile, *, snapshot: HardwareSnapshot | None,
                            binary=binary, model=str(model), kv_sizes=kv_sizes)
     facts = read_model(model)
     cfg = choose(profile, caps, snapshot, model=model,
-                 sized_types=sized_types(kv_sizes) if caps is None else None, facts=facts,
+                 sized_types=kv.known(kv_sizes) if caps is None else None, facts=facts,
                  target=kv_target(inp))
     cfg = cfg.replace(warnings=cfg.warnings + tuple(kv.differences(kv_sizes)))
     if cfg.spec == "mtp" and facts is not None:

@@ -26,12 +26,9 @@ def _no_constant(name: str) -> Any:
                   "finite number.")
 
 
-#: The largest magnitude a double holds: llama-server's JSON parser (nlohmann) fails on a
-#: number beyond it ("number overflow"), where Python's reads an infinity or a huge integer.
-_MAX_DOUBLE = 1.7976931348623157e308
-
-
 def _float(text: str) -> float:
+    # llama-server's JSON parser (nlohmann) fails on a number beyond a double's range ("number
+    # overflow"), where Python's reads an infinity or a huge integer.
     v = float(text)
     if not math.isfinite(v):
         raise BadBody(f"The request body has the number {text[:24]}, which is beyond the range "

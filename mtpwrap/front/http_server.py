@@ -184,12 +184,7 @@ class FrontHttpProtocol(asyncio.Protocol):
         self.raw: asyncio.Transport | None = None
         self.transport: _Transport | None = None
         self._inner_open = False  # the inner protocol was told of the connection, not its end
-        self._in_head = True
-        self._head_bytes = 0
-        self._header_count = 0
-        self._url = b""
-        self._header_size = 0
-        self._hosts = 0
+        self._new_head()
         self._head_timer: asyncio.TimerHandle | None = None
         self._refusal: tuple[int, str, str] | None = None
         # the request line as it arrives: "expect" (the next bytes start one), "reading" (from
@@ -386,13 +381,17 @@ class FrontHttpProtocol(asyncio.Protocol):
         if self._line_state == "expect":
             self._line_state = "unknown"  # it began inside a chunk: its start is not known
         self._mid_request = True
+        self._new_head()
+        self._arm_head_timer()
+
+    def _new_head(self) -> None:
+        """What a request's head is counted by, from its first byte."""
         self._in_head = True
         self._head_bytes = 0
         self._header_count = 0
         self._url = b""
         self._header_size = 0
         self._hosts = 0
-        self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
         self._url += url

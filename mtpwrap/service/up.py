@@ -4,7 +4,9 @@ starts; then the summary, and the service until it stops."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from mtpwrap.config.objects import AuditConfig
 from mtpwrap.config.settings import Settings
@@ -65,7 +67,7 @@ def summary_lines(runtime: Runtime) -> list[str]:
         ("documents", i.documents["summary"] if i.documents is not None else None),
         ("URL", f"{public_url(settings.host, settings.port)}/v1 ({keys})"),
         ("logs", str(child_log_file())),
-        ("snapshots", str(snaps.directory) if (snaps := persist_config(settings)) else "off"),
+        ("store", _store_line(settings, i.documents)),
         ("audit", _audit_line(settings)),
     ]
     rows += [(c.role, f"{c.name}: {c.model}, {c.slots} slot(s), memory {c.plan}")
@@ -73,6 +75,17 @@ def summary_lines(runtime: Runtime) -> list[str]:
     out = ["mtpwrap up"] + [f"  {k:<12} {v}" for k, v in rows]
     out += [f"  warning: {w}" for w in runtime.warnings]
     return out
+
+
+def _store_line(settings: Settings, plan: Mapping[str, Any] | None) -> str:
+    """Where the document store is, its bound, and how many full-context documents fit."""
+    cfg = persist_config(settings)
+    if cfg is None:
+        return "off (persist.enabled: false): a restart reads every document again"
+    full = int((plan or {}).get("entry_bytes") or 0)
+    bound = (f"{cfg.max_mb / 1024:.1f} GiB, about {cfg.max_bytes // full:,} full-context "
+             "document(s)" if cfg.max_mb and full else "a quarter of the free disk")
+    return f"{cfg.directory} ({bound}, kept {cfg.retention_days} days unused)"
 
 
 def _audit_line(settings: Settings) -> str:

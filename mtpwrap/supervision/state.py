@@ -22,15 +22,14 @@ class State(str, enum.Enum):
 #: Once shutting down, only these: nothing brings readiness back.
 SHUTDOWN_STATES = frozenset({State.DRAINING, State.STOPPING, State.STOPPED})
 
-_ANY_SHUTDOWN = SHUTDOWN_STATES
 #: Which state may follow which. Staying in a state with a new reason is always allowed.
 TRANSITIONS: dict[State, frozenset[State]] = {
     # a planned restart (reload, recycle) goes READY -> STARTING; a crash -> BACKOFF
-    State.STARTING: frozenset({State.READY, State.BACKOFF, State.FAILED}) | _ANY_SHUTDOWN,
-    State.READY: frozenset({State.STARTING, State.BACKOFF, State.FAILED}) | _ANY_SHUTDOWN,
-    State.BACKOFF: frozenset({State.STARTING, State.FAILED}) | _ANY_SHUTDOWN,
+    State.STARTING: frozenset({State.READY, State.BACKOFF, State.FAILED}) | SHUTDOWN_STATES,
+    State.READY: frozenset({State.STARTING, State.BACKOFF, State.FAILED}) | SHUTDOWN_STATES,
+    State.BACKOFF: frozenset({State.STARTING, State.FAILED}) | SHUTDOWN_STATES,
     # FAILED stays until a stop (or systemd restarts the whole service)
-    State.FAILED: _ANY_SHUTDOWN,
+    State.FAILED: SHUTDOWN_STATES,
     State.DRAINING: frozenset({State.STOPPING, State.STOPPED}),
     State.STOPPING: frozenset({State.STOPPED}),
     State.STOPPED: frozenset(),
