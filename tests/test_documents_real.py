@@ -164,6 +164,25 @@ def test_three_users_three_documents_round_robin(up: Up) -> None:
             assert read <= bound(sizes[n]), (rnd, n, read)
 
 
+def test_an_edit_of_an_early_turn_of_a_long_chat_re_reads_from_that_turn(up: Up) -> None:
+    """A chat that grew past the span of llama-server's checkpoints (11 × 1,024 tokens), then
+    an edit of its third turn: llama-server cannot cut its slot back that far (a hybrid model
+    rewinds only to a checkpoint), so the front restores the kept state of the chat that ends
+    nearest after that turn, and the edit re-reads from the turn, not from token 0."""
+    turns = [document(f"Turn{i}", clauses=70) for i in range(6)]  # about 2.9K tokens each
+    messages: list[dict[str, str]] = []
+    for t in turns:
+        messages.append({"role": "user", "content": t})
+        read, tokens = up.ask(messages)
+        messages.append({"role": "assistant", "content": "Noted."})
+    assert tokens > 16000, tokens  # past the checkpoints' span
+    # the third turn edited, with 12K tokens of chat after it
+    edited = [*messages[:4], {"role": "user", "content": document("Edited", 70)}]
+    read, total = up.ask(edited)
+    _, kept = up.ask(messages[:3])  # what the edit keeps: the first two turns
+    assert read <= total - kept + REREAD + QUESTION, (read, total, kept)
+
+
 def test_every_document_read_survives_restart_reload_and_a_crash(up: Up, profile: Path) -> None:
     """Three documents asked in turn (one slot: the first two leave it), then `restart`, a
     `reload` that changes llama-server's command line, and SIGKILL of llama-server: after each,

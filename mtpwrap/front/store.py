@@ -302,7 +302,9 @@ class Index:
     def __init__(self, entries: Sequence[Entry], head: Mapping[str, Any]) -> None:
         self.entries = [e for e in entries if e.header == head]
         self._at: dict[str, tuple[Entry, int]] = {}
-        for e in self.entries:  # least recently used first: the newest wins a shared name
+        # a shared name goes to the shortest state that holds it (its checkpoints end nearest
+        # to it: on a hybrid model the others may not reach back that far), the newest of those
+        for e in sorted(self.entries, key=lambda e: (-len(e.chain), e.used)):
             for depth, name in enumerate(e.chain, 1):
                 self._at[name] = (e, depth)
 
@@ -354,6 +356,9 @@ class Documents:
         self._held: collections.deque[list[str]] = collections.deque(maxlen=2)
         #: a full-context document's state, as the plan sizes it (0: not known)
         self.full_bytes = 0
+        #: how far back from its end a held or kept prompt can be cut (a hybrid or sliding
+        #: window model: its checkpoints' span; None: anywhere)
+        self.reach: int | None = None
         self._generation: int | None = None
         #: the last restore and save, and the totals (the state file, /healthz)
         self.report: dict[str, Any] = {"restored": 0, "saved": 0}
@@ -365,6 +370,8 @@ class Documents:
         plan = info.documents or {}
         self._held = collections.deque(self._held, maxlen=int(plan.get("documents") or 0) + 1)
         self.full_bytes = int(plan.get("entry_bytes") or 0)
+        span = int(plan.get("checkpoints") or 0) * int(plan.get("min_step") or 0)
+        self.reach = (span or 8192) if plan.get("needs_checkpoints") else None
         self._stamp = None
 
     def wants(self, body_bytes: int) -> bool:
@@ -397,8 +404,10 @@ class Documents:
             self._held.clear()
         read = Read(names, len(tokens), generation)
         entry, depth = (await self._fresh()).best(names)
-        near = max((shared(h, names) for h in self._held), default=0)
-        if entry is None or (depth - near) * BLOCK < self.min_tokens:
+        near = max((n for h in self._held if self._reaches(h, n := shared(h, names))),
+                   default=0)
+        if entry is None or (depth - near) * BLOCK < self.min_tokens \
+                or not self._reaches(entry.chain, depth):
             return read
         t = time.perf_counter()
         checked = await asyncio.to_thread(self.shelf.load, entry.name)
@@ -413,7 +422,7 @@ class Documents:
                         entry.tokens, status, answer.get("error") or "")
             return read
         await asyncio.to_thread(self.shelf.touch, entry.name)
-        self._held.append(list(entry.chain))
+        self._hold(list(entry.chain))
         read.restored = {"tokens": int(answer.get("n_restored") or entry.saved),
                          "shared": depth * BLOCK, "ms": ms, "bytes": entry.size}
         self.report = {**self.report, "restored": self.report["restored"] + 1,
@@ -429,10 +438,22 @@ class Documents:
             log.warning("document store: not kept (%s)", exc)
             return None
 
+    def _hold(self, names: list[str]) -> None:
+        """The slot holds `names` now; a prompt it extends was extended in place (llama-server
+        keeps no copy of it at its old length)."""
+        kept = [h for h in self._held if h != names[:len(h)]]
+        self._held.clear()
+        self._held.extend([*kept, names])
+
+    def _reaches(self, held: Sequence[str], depth: int) -> bool:
+        """Whether llama-server can cut a prompt of chain `held` back to `depth` blocks
+        (an edit of an early turn of a long chat: only a state that ends near it can)."""
+        return self.reach is None or (len(held) - depth) * BLOCK <= self.reach
+
     async def _after(self, ask: Ask, read: Read) -> dict[str, Any] | None:
         if read.generation != self._generation or self.head is None:
             return None
-        self._held.append(read.chain)
+        self._hold(read.chain)
         index = await self._fresh()
         entry, depth = index.best(read.chain)
         if entry is not None and (len(read.chain) - depth) * BLOCK < self.min_tokens:
