@@ -339,6 +339,7 @@ def test_the_status_page_in_a_real_browser(up: Up, tmp_path: Path) -> None:
         wait.until(lambda b: b.find_element(By.TAG_NAME, "body").get_attribute("data-loaded"))
         assert browser.find_element(By.ID, "state").text == "ready"
         assert browser.find_element(By.ID, "slots").text.endswith("of 2")
+        assert browser.find_element(By.ID, "store").text == "off"  # it serves one slot
         wait.until(lambda b: "contracts-app" in b.find_element(By.ID, "usage").text)
         refusals = browser.find_element(By.ID, "refusals").text
         assert "ops" in refusals and "scope" in refusals and "403" in refusals

@@ -226,6 +226,8 @@ def test_every_document_read_survives_restart_reload_and_a_crash(up: Up, profile
     assert len(json.loads(run_cli("documents", "list", "--json", env=up.env).stdout)["kept"]) \
         == 3
     assert httpx.get(f"{up.base}/healthz", timeout=30).json()["store"]["restored"] == 9
+    page = httpx.get(f"{up.base}/status.json", timeout=30).json()["store"]
+    assert (page["states"], page["saved"]) == (3, 3), page  # each kept once, before the restart
     directory = Path(up.state()["persist_dir"])
     files = sorted(p.name for p in directory.iterdir())
     assert sum(f.endswith(".ckpt") for f in files) == 3, files  # the checkpoints went with it

@@ -74,6 +74,8 @@ async function refresh() {
     $("queue").textContent = s.queue.interactive + " interactive, " + s.queue.batch + " batch";
     $("tps").textContent = s.tokens_per_s.toFixed(1);
     $("documents").textContent = s.documents ? s.documents.summary : "-";
+    $("store").textContent = s.store ? s.store.states + " kept, " + (s.store.bytes / 2 ** 30)
+      .toFixed(2) + " GiB; " + s.store.restored + " restored, " + s.store.saved + " saved" : "off";
     $("warmed").textContent = s.warmed.length ? s.warmed.map((w) => w.name + " (" +
       w.tokens + " tokens)").join(", ") : "none";
     $("reads").textContent = s.reads.length ? s.reads.map((r) => "slot " + r.slot + ": " +
@@ -115,6 +117,7 @@ _HTML = f"""<!doctype html>
 <tr><th>queued</th><td id="queue"></td></tr>
 <tr><th>tokens/s (last minute)</th><td id="tps" class="n"></td></tr>
 <tr><th>documents</th><td id="documents"></td></tr>
+<tr><th>document store</th><td id="store"></td></tr>
 <tr><th>reading now</th><td id="reads"></td></tr>
 <tr><th>read in ahead</th><td id="warmed"></td></tr>
 <tr><th>llama-server runs</th><td id="command"></td></tr>
@@ -157,6 +160,7 @@ def document(front: Front, gpu: GpuView, reads: list[Read]) -> dict[str, Any]:
         "time": time.time(), "state": st.state.value, "reason": st.reason,
         "model": info.model, "profile": info.profile, "context": info.context,
         "documents": info.documents,
+        "store": front.documents.summary() if front.documents is not None else None,
         # each prompt llama-server is reading: tokens done of total, rate, time left
         "reads": [r.to_dict() for r in reads],
         "slots": {"busy": front.forwarding, "total": front.config.max_concurrency},
