@@ -153,12 +153,14 @@ def test_a_killed_writes_leftovers_go_at_open_and_a_younger_one_stays(tmp_path: 
     d = tmp_path / "docs"
     shelf = shelf_at(d)
     old, young = d / f"{store.TMP}old.bin", d / f"{store.TMP}young.bin"
-    old.write_bytes(b"x")
-    young.write_bytes(b"x")  # another node may be writing it now
+    orphan = d / f"{'ab' * 16}.bin"  # linked, and killed before its record was written
+    for p in (old, young, orphan):
+        p.write_bytes(b"x")  # young: another node may be writing it now
     then = time.time() - store.STALE_S - 10
     os.utime(old, (then, then))
+    os.utime(orphan, (then, then))
     shelf.open()
-    assert not old.exists() and young.exists()
+    assert not old.exists() and young.exists() and not orphan.exists()
     assert shelf.forget() == 0 and list(d.iterdir()) == []
 
 

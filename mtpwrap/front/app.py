@@ -497,7 +497,7 @@ class Front:
         ask = usage.asker(self.clients.get(upstream), upstream.base_url, upstream.api_key,
                           TIMEOUT_S)
         try:
-            if store is not None and store.wants(len(body)):
+            if store is not None and store.head is not None and len(body) >= store.min_tokens:
                 tokens = await usage.prompt_tokens(ask, ex.label, doc)
                 read = None if tokens is None else \
                     await store.before(ask, upstream.generation, tokens)

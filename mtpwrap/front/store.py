@@ -30,21 +30,22 @@ import os
 import secrets
 import shutil
 import stat
-import threading
 import time
 from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from mtpwrap.config.objects import PersistConfig
 from mtpwrap.front.info import ServeInfo
+from mtpwrap.hashing import sha256_file
 from mtpwrap.units import MiB
 
 log = logging.getLogger("mtpwrap.documents")
+T = TypeVar("T")
 
 #: tokens in a block of the chain
 BLOCK = 256
@@ -97,16 +98,9 @@ def _model_id(model: str | None) -> str | None:
 
 
 def _sha256(path: str | None) -> str | None:
-    if not path:
-        return None
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    except OSError:
-        return None
-    return h.hexdigest()
+    with contextlib.suppress(OSError):
+        return sha256_file(Path(path)) if path else None
+    return None
 
 
 def directory_problems(directory: Path) -> list[str]:
@@ -158,36 +152,40 @@ class Shelf:
         self.config = config
         self.directory = config.directory
         self.max_bytes = config.max_bytes
-        self._lock = threading.Lock()
 
     def open(self) -> None:
         """Create the directory 0700 (tighten it if it exists); drop what killed writes left."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.directory, 0o700)
-        now = time.time()
-        for p in self._listing():
-            if p.name.startswith(TMP):
-                with contextlib.suppress(OSError):
-                    if now - p.stat().st_mtime > STALE_S:
-                        p.unlink()
+        self.sweep()
         if self.max_bytes <= 0:
             self.max_bytes = int(shutil.disk_usage(self.directory).free * AUTO_SHARE)
 
+    def sweep(self) -> None:
+        """Remove what a killed write left, once older than STALE_S (another node may be
+        writing a younger one): temporary files, and files of a state with no record (which
+        would keep its name from being written again)."""
+        now = time.time()
+        for p in self._listing():
+            orphan = p.name.startswith(TMP) or (p.suffix in (STATE, ".ckpt") and not self.path(
+                p.name.split(".", 1)[0], RECORD).exists())
+            with contextlib.suppress(OSError):
+                if orphan and now - p.stat().st_mtime > STALE_S:
+                    p.unlink()
+
     def stamp(self) -> int:
         """Changes when a file is added or removed (another node's included)."""
-        try:
+        with contextlib.suppress(OSError):
             return self.directory.stat().st_mtime_ns
-        except OSError:
-            return 0
+        return 0
 
     def path(self, name: str, suffix: str = STATE) -> Path:
         return self.directory / (name + suffix)
 
     def _listing(self) -> list[Path]:
-        try:
+        with contextlib.suppress(OSError):
             return list(self.directory.iterdir())
-        except OSError:
-            return []
+        return []
 
     def entries(self) -> list[Entry]:
         """Every whole state, least recently used first; a broken record is removed."""
@@ -265,18 +263,18 @@ class Shelf:
 
     def evict(self) -> list[str]:
         """Remove the states unused for `retention_days`, then the least recently used until
-        the total fits `max_bytes`; the names removed."""
-        with self._lock:
-            entries = self.entries()
-            horizon = time.time() - self.config.retention_days * 86400.0
-            total = sum(e.size for e in entries)
-            gone: list[str] = []
-            for e in entries:
-                if e.used >= horizon and total <= self.max_bytes:
-                    break
-                self.remove(e.name)
-                total -= e.size
-                gone.append(e.name)
+        the total fits `max_bytes`, and what killed writes left; the names removed."""
+        self.sweep()
+        entries = self.entries()
+        horizon = time.time() - self.config.retention_days * 86400.0
+        total = sum(e.size for e in entries)
+        gone: list[str] = []
+        for e in entries:
+            if e.used >= horizon and total <= self.max_bytes:
+                break
+            self.remove(e.name)
+            total -= e.size
+            gone.append(e.name)
         if gone:
             log.info("document store: removed %d state(s) past %d MiB or %d days",
                      len(gone), self.max_bytes // MiB, self.config.retention_days)
@@ -323,12 +321,7 @@ class Index:
 
 def shared(a: Sequence[str], b: Sequence[str]) -> int:
     """How many leading names two chains share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 @dataclass
@@ -374,10 +367,6 @@ class Documents:
         self.reach = (span or 8192) if plan.get("needs_checkpoints") else None
         self._stamp = None
 
-    def wants(self, body_bytes: int) -> bool:
-        """Whether a request may be document-sized (a token is one byte at least)."""
-        return self.head is not None and body_bytes >= self.min_tokens
-
     async def _fresh(self) -> Index:
         stamp = await asyncio.to_thread(self.shelf.stamp)
         if stamp != self._stamp and self.head is not None:
@@ -389,11 +378,7 @@ class Documents:
         """Restore the kept state that shares the longest prefix with `tokens` when it saves
         `min_tokens` more than llama-server holds; what to do after the answer (None: the
         prompt is too short for the store). A failing disk or link costs only the restore."""
-        try:
-            return await self._before(ask, generation, tokens)
-        except (httpx.HTTPError, OSError) as exc:
-            log.warning("document store: no restore (%s)", exc)
-            return None
+        return await _tried("no restore", self._before(ask, generation, tokens))
 
     async def _before(self, ask: Ask, generation: int, tokens: Sequence[int]) -> Read | None:
         names = chain(tokens)
@@ -432,11 +417,7 @@ class Documents:
     async def after(self, ask: Ask, read: Read) -> dict[str, Any] | None:
         """The answer to `read` went out: keep the slot's state unless a kept one covers its
         prompt; what was saved (tokens, bytes, ms), or None. A failure costs only the save."""
-        try:
-            return await self._after(ask, read)
-        except (httpx.HTTPError, OSError) as exc:
-            log.warning("document store: not kept (%s)", exc)
-            return None
+        return await _tried("not kept", self._after(ask, read))
 
     def _hold(self, names: list[str]) -> None:
         """The slot holds `names` now; a prompt it extends was extended in place (llama-server
@@ -488,3 +469,12 @@ class Documents:
                 "bytes": sum(e.size for e in entries), "max_bytes": self.shelf.max_bytes,
                 "full_context_documents": self.shelf.max_bytes // self.full_bytes
                 if self.full_bytes else None, **self.report}
+
+
+async def _tried(what: str, work: Awaitable[T]) -> T | None:
+    """`work`'s result; None, logged, where the disk or llama-server's link failed."""
+    try:
+        return await work
+    except (httpx.HTTPError, OSError) as exc:
+        log.warning("document store: %s (%s)", what, exc)
+        return None
