@@ -199,7 +199,8 @@ def test_restored_when_it_saves_enough_and_kept_once(tmp_path: Path,
         monkeypatch.setattr(shelf, name, watched)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    info = ServeInfo(model=str(model), binary=str(model), kv="f16 / f16", context=32768)
+    info = ServeInfo(model=str(model), binary=str(model), kv="f16 / f16", context=32768,
+                     documents={"documents": 4})  # llama-server's RAM cache holds four
     slot = Slot(shelf.directory)
     a, b = doc(1), doc(2)
 
@@ -208,7 +209,7 @@ def test_restored_when_it_saves_enough_and_kept_once(tmp_path: Path,
         await docs.launch(info)
         out: list[Any] = []
         for gen, tokens in ((1, a), (1, a[:7000] + doc(9, 300)), (1, b), (2, a + [1] * 40),
-                            (2, a[:100])):
+                            (2, a[:100]), (3, b), (3, a), (3, b)):
             read = await docs.before(slot, gen, tokens)
             out.append(None if read is None else read.restored)
             if read is not None:
@@ -217,14 +218,16 @@ def test_restored_when_it_saves_enough_and_kept_once(tmp_path: Path,
 
     out = asyncio.run(scenario())
     assert on_loop == []
-    first, first_saved, second, second_saved, third, third_saved, fourth, _, fifth = out
+    first, first_saved, second, second_saved, third, third_saved, fourth, _, fifth = out[:9]
     assert first is None and first_saved is not None and first_saved["tokens"] == 9000
     assert second is None and second_saved is None  # the child holds it; covered by a's state
     assert third is None and third_saved is not None
     # a new child (a restart): a's state goes into the slot before the question on it
     assert fourth is not None and fourth["shared"] == 8192
     assert fifth is None  # too short for the store
-    assert [c[0] for c in slot.calls] == ["save", "save", "restore"]
+    # a restore replaces what the slot held (llama-server keeps no copy): b comes back again
+    assert [r is not None for r in out[9::2]] == [True, True, True]
+    assert [c[0] for c in slot.calls] == ["save", "save", "restore"] + ["restore"] * 3
     assert len(shelf.entries()) == 2
 
 

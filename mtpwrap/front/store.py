@@ -407,6 +407,8 @@ class Documents:
                         entry.tokens, status, answer.get("error") or "")
             return read
         await asyncio.to_thread(self.shelf.touch, entry.name)
+        if self._held:  # what the slot held is gone: a restore does not cache it
+            self._held.pop()
         self._hold(list(entry.chain))
         read.restored = {"tokens": int(answer.get("n_restored") or entry.saved),
                          "shared": depth * BLOCK, "ms": ms, "bytes": entry.size}
