@@ -1,8 +1,8 @@
 """A fleet on loopback, all real: N `mtpwrap up --profile cpu-demo` nodes (real llama-server, demo
-model) behind the real HAProxy configured by `mtpwrap fleet haproxy`, and optionally the real
-Prometheus configured by `mtpwrap fleet prometheus` with the shipped rules.
+model; or another profile) behind the real HAProxy configured by `mtpwrap fleet haproxy`, and
+optionally the real Prometheus configured by `mtpwrap fleet prometheus` with the shipped rules.
 
-Used by tests/test_fleet_real.py and benchmarks/fleet_report.py.
+Used by tests/test_fleet_real.py, benchmarks/fleet_report.py and benchmarks/fleet_routing.py.
 """
 
 from __future__ import annotations
@@ -68,8 +68,12 @@ def p99(values: list[float]) -> float:
 class LocalFleet:
     def __init__(self, work: Path, binary: Path, model: Path, n: int,
                  check_interval_s: float = 1.0, haproxy_args: tuple[str, ...] = (),
-                 api_key: str | None = None, **node_env: str) -> None:
+                 api_key: str | None = None, profile: str = "cpu-demo",
+                 **node_env: str) -> None:
         self.work = work
+        #: each node's profile: a name, or a profile file's path (with `threads: 1`: the nodes
+        #: share the cores)
+        self.profile = profile
         self.names = [f"n{i}" for i in range(1, n + 1)]
         self.nodes: dict[str, Instance] = {}
         self._binary, self._model, self._node_env = binary, model, node_env
@@ -118,7 +122,7 @@ class LocalFleet:
         if log.exists():
             log.rename(log.with_suffix(f".{time.time_ns()}.log"))
         self.nodes[name] = Instance(self.work / name, port, self._binary, self._model, log=log,
-                                    **env)
+                                    profile=self.profile, **env)
         return self.nodes[name]
 
     def chat(self, **kw: Any) -> httpx.Response:

@@ -22,10 +22,12 @@ import httpx
 import pytest
 
 from mtpwrap.proc import free_loopback_port
-from tests.helpers import REPO, cli_env, require_tool, run_cli
+from tests.helpers import REPO, cli_env, require_tool, run_cli, wait_for
 
 RULES = REPO / "deploy" / "prometheus" / "mtpwrap-rules.yml"
 RULES_TEST = REPO / "deploy" / "prometheus" / "mtpwrap-rules.test.yml"
+#: the header Open WebUI sends with each request of a chat (ENABLE_FORWARD_USER_INFO_HEADERS)
+CHAT = "X-OpenWebUI-Chat-Id"
 
 
 def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
@@ -38,6 +40,7 @@ def test_haproxy_config_passes_haproxy_check(tmp_path: Path) -> None:
     text = out.read_text()
     assert "server gpu1 127.0.0.1:8081" in text and "server node2 [::1]:8082" in text
     assert "inter 500ms" in text
+    assert f"stick on req.hdr({CHAT})" in text and "balance leastconn" in text  # the default
     check = subprocess.run(["haproxy", "-c", "-f", str(out)], capture_output=True, text=True,
                            check=False)
     assert check.returncode == 0 and "WARNING" not in check.stderr, check.stderr
@@ -81,6 +84,8 @@ def test_check_without_haproxy_says_what_to_install(tmp_path: Path) -> None:
     (["10.0.0.5:1,slots=1,slots=2"], "node '10.0.0.5:1,slots=1,slots=2': slots is given twice"),
     (["10.0.0.5:1", "--fall", "0"], "--fall: must be at least 1, got 0"),
     (["10.0.0.5:1", "--bind", "8000"], "--bind '8000': expected HOST:PORT"),
+    (["10.0.0.5:1", "--affinity-header", "X Chat"], "--affinity-header 'X Chat': expected a "
+                                                    "header name"),
 ])
 def test_bad_input_is_one_sentence_and_exit_78(args: list[str], needle: str) -> None:
     r = run_cli("fleet", "haproxy", *args)
@@ -187,7 +192,8 @@ def test_alert_rules_behave_as_specified() -> None:
 class Backend:
     """A loopback HTTP backend: /readyz is 200; a POST is answered as `mode` says (`ok`: a JSON
     reply naming the backend; `empty`: the connection closed with no answer; `partial`: a 200
-    and half a body, then closed; `sse`: `chunks` SSE events `gap_s` apart)."""
+    and half a body, then closed; `sse`: `chunks` SSE events `gap_s` apart; `draining`: 503 to
+    everything, /readyz included, as mtpwrap's front answers while it drains)."""
 
     def __init__(self, name: str, mode: str = "ok", chunks: int = 0, gap_s: float = 0.0) -> None:
         self.name, self.mode, self.chunks, self.gap_s = name, mode, chunks, gap_s
@@ -204,7 +210,7 @@ class Backend:
                 pass
 
             def do_GET(self) -> None:
-                self.send_response(200)
+                self.send_response(503 if backend.mode == "draining" else 200)
                 self.send_header("Content-Length", "2")
                 self.end_headers()
                 self.wfile.write(b"ok")
@@ -232,6 +238,12 @@ class Backend:
                 backend.posts.append({k.lower(): v for k, v in self.headers.items()})
                 if backend.mode == "empty":
                     self.close_connection = True
+                    return
+                if backend.mode == "draining":
+                    self.send_response(503)
+                    self.send_header("Retry-After", "1")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 if backend.mode == "sse":
                     self.send_response(200)
@@ -270,16 +282,23 @@ class Backend:
         self.server.server_close()
 
 
+def servers(stats: int) -> dict[str, dict[str, str]]:
+    """HAProxy's own view of each server of the `mtpwrap` backend, from its stats page."""
+    text = httpx.get(f"http://127.0.0.1:{stats}/stats;csv", timeout=5).text
+    return {r["svname"]: r for r in csv.DictReader(io.StringIO(text.lstrip("# ")))
+            if r["pxname"] == "mtpwrap" and r["svname"] not in ("FRONTEND", "BACKEND")}
+
+
 @contextlib.contextmanager
 def balancer(tmp_path: Path, backends: list[Backend], *args: str,
-             scheme: str = "http", rows: dict[str, dict[str, str]] | None = None) -> Iterator[str]:
-    """The real HAProxy on `mtpwrap fleet haproxy` for `backends`; yields its base URL once every
-    backend is UP."""
+             scheme: str = "http", rows: dict[str, dict[str, str]] | None = None,
+             stats: int | None = None) -> Iterator[str]:
+    """The real HAProxy on `mtpwrap fleet haproxy` for `backends` (its stats page on the port
+    `stats`, when given); yields its base URL once every backend is UP."""
     from tests.fleet_harness import start_haproxy, stop
-    from tests.helpers import wait_for
 
     require_tool("haproxy", "haproxy")
-    port, stats = free_loopback_port(), free_loopback_port()
+    port, stats = free_loopback_port(), stats or free_loopback_port()
     cfg = tmp_path / "haproxy.cfg"
     r = run_cli("fleet", "haproxy", *[f"{b.name}=127.0.0.1:{b.port}{b.options}" for b in backends],
                 "--bind", f"127.0.0.1:{port}", "--metrics-bind", "none",
@@ -292,12 +311,11 @@ def balancer(tmp_path: Path, backends: list[Backend], *args: str,
     proc = start_haproxy(cfg, tmp_path / "haproxy.log", f"http://127.0.0.1:{stats}/stats")
     try:
         def all_up() -> bool:
-            text = httpx.get(f"http://127.0.0.1:{stats}/stats;csv", timeout=5).text
-            found = [r for r in csv.DictReader(io.StringIO(text.lstrip("# ")))
-                     if r["pxname"] == "mtpwrap" and r["svname"] not in ("FRONTEND", "BACKEND")]
+            found = servers(stats)
             if rows is not None:  # HAProxy's own view of each server, for the caller
-                rows.update({r["svname"]: r for r in found})
-            return len(found) == len(backends) and all(r["status"] == "UP" for r in found)
+                rows.update(found)
+            return len(found) == len(backends) and all(r["status"] == "UP"
+                                                       for r in found.values())
 
         wait_for("every backend UP", all_up, 20)
         with httpx.Client(base_url=base, verify=verify, timeout=30) as client:
@@ -339,9 +357,10 @@ def test_a_response_that_began_is_never_retried(tmp_path: Path) -> None:
     cut, good = Backend("cut", "partial"), Backend("good")
     outcomes = []
     with balancer(tmp_path, [cut, good]) as client:
-        for _ in range(4):
+        for i in range(4):  # each a chat of its own: the default affinity places it by leastconn
             try:
-                outcomes.append(client.post("/v1/chat/completions", json={}).json()["node"])
+                outcomes.append(client.post("/v1/chat/completions", json={},
+                                            headers={CHAT: f"chat-{i}"}).json()["node"])
             except (httpx.HTTPError, json.JSONDecodeError):
                 outcomes.append("cut short")
     assert cut.posts, "leastconn never chose the node that cuts its answers"
@@ -349,18 +368,69 @@ def test_a_response_that_began_is_never_retried(tmp_path: Path) -> None:
     assert len(good.posts) == outcomes.count("good")  # ... and nothing was sent twice
 
 
-def test_affinity_header_keeps_a_conversation_on_one_node(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("args", "header"), [
+    ((), CHAT), (("--affinity-header", "X-Session-Id"), "X-Session-Id")])
+def test_a_chat_stays_on_one_node(tmp_path: Path, args: tuple[str, ...], header: str) -> None:
+    """By default Open WebUI's chat id (ENABLE_FORWARD_USER_INFO_HEADERS=true) keeps each chat
+    on the node that read its document; requests without it are spread; another header can be
+    named."""
     a, b = Backend("a"), Backend("b")
-    with balancer(tmp_path, [a, b], "--affinity-header", "X-Session-Id") as client:
-        def node(session: str | None) -> str:
-            headers = {"X-Session-Id": session} if session else {}
+    with balancer(tmp_path, [a, b], *args) as client:
+        def node(chat: str | None) -> str:
+            headers = {header: chat} if chat else {}
             r = client.post("/v1/chat/completions", json={}, headers=headers)
             return str(r.json()["node"])
 
         assert len({node(None) for _ in range(6)}) == 2  # no header: spread as before
-        for session in ("conv-1", "conv-2", "conv-3", "conv-4"):
-            assert len({node(session) for _ in range(5)}) == 1, session
-        assert len({node(f"conv-{i}") for i in range(1, 5)}) == 2  # conversations spread
+        for chat in ("chat-1", "chat-2", "chat-3", "chat-4"):
+            assert len({node(chat) for _ in range(5)}) == 1, chat
+        assert len({node(f"chat-{i}") for i in range(1, 5)}) == 2  # chats spread
+
+
+def test_without_affinity_a_chat_is_spread(tmp_path: Path) -> None:
+    a, b = Backend("a"), Backend("b")
+    with balancer(tmp_path, [a, b], "--affinity-header", "none") as client:
+        served = {client.post("/v1/chat/completions", json={},
+                              headers={CHAT: "chat-1"}).json()["node"] for _ in range(4)}
+    assert served == {"a", "b"}
+
+
+def test_a_chat_whose_node_drains_or_dies_moves_once(tmp_path: Path) -> None:
+    """Three chats on three nodes. One node drains (503 to its requests and its /readyz, as
+    mtpwrap's front while it drains): its chat's next request is retried on another node,
+    which keeps the chat after the drained node is back. Another node dies (refused
+    connections): its chat moves once too. The third chat never moves."""
+    nodes = [Backend("a"), Backend("b"), Backend("c")]
+    stats = free_loopback_port()
+
+    def status(name: str) -> str:
+        return servers(stats)[name]["status"]
+
+    with balancer(tmp_path, nodes, "--check-interval-s", "0.2", stats=stats) as client:
+        def node(chat: str | None) -> str:
+            r = client.post("/v1/chat/completions", json={},
+                            headers={CHAT: chat} if chat else {})
+            assert r.status_code == 200, (chat, r.status_code)
+            return str(r.json()["node"])
+
+        home = {node(f"chat-{i}"): f"chat-{i}" for i in range(3)}
+        assert set(home) == {"a", "b", "c"}  # a new chat goes by leastconn: one on each
+        drained, dead, kept = nodes
+        drained.mode = "draining"
+        moved = node(home["a"])  # a's 503 is retried on another node, at once
+        assert moved != "a"
+        wait_for("HAProxy takes a out", lambda: status("a").startswith("DOWN"), 10)
+        drained.mode = "ok"
+        wait_for("HAProxy takes a back", lambda: status("a") == "UP", 10)
+        assert {node(home["a"]) for _ in range(4)} == {moved}  # moved once, not back
+        dead.mode = "empty"  # like a killed process: kept-alive connections close unanswered,
+        dead.close()  # and new ones are refused; either is retried elsewhere
+        moved_from_b = node(home["b"])
+        wait_for("HAProxy takes b out", lambda: status("b").startswith("DOWN"), 10)
+        assert moved_from_b in ("a", "c")
+        assert {node(home["b"]) for _ in range(4)} == {moved_from_b}
+        assert {node(home["c"]) for _ in range(4)} == {"c"}
+        assert len(kept.posts) >= 5
 
 
 def test_tls_termination_and_the_api_key_passed_untouched(tmp_path: Path) -> None:

@@ -10,6 +10,10 @@ HAProxy configured by `mtpwrap fleet haproxy`, watched by the real Prometheus co
   drained with SIGTERM (what `systemctl stop` sends). Only requests in flight on the killed
   node may fail; the drained node causes no error; HAProxy takes the dead node out within
   ~3 s and back once it is ready; Prometheus fires MtpwrapNodeDown for it.
+
+And two nodes of the tiny hybrid qwen35 (one slot, a shared `persist.dir`) behind HAProxy as
+rendered by default: two chats, each with its own ~8K-token document and Open WebUI's chat id
+header; each chat's second question re-reads only its question (back to a checkpoint).
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
+import yaml
 
+from mtpwrap.build.tiny_gguf import write_tiny_random
 from tests.fleet_harness import LocalFleet, answers, chat, p99
 from tests.helpers import REPO, require_tool, wait_for
 
@@ -245,3 +252,75 @@ def test_kill_restart_and_drain_under_load(fleet: LocalFleet) -> None:
     assert not [o for o in failed if o.start > drained_at - 0.05], report
     assert removed_s < 3.5, report
     assert readded_s < 4, report  # rise 2 x inter 1 s, and a check's own time
+
+
+#: what a chat's next question may re-read of its document: the checkpoint spacing (1,024
+#: tokens) and a short question in its chat template
+REREAD = 1024 + 96
+
+
+def document(name: str, clauses: int = 200) -> str:
+    """About 8K tokens of contract, different for each name (as tests/test_documents_real.py)."""
+    return " ".join(f"{name} clause {i}: the party of part {i % 5} shall deliver item {i * 7} "
+                    f"by day {i % 28 + 1}." for i in range(clauses))
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny hybrid qwen35 with its MTP head (the flagship's architecture), one slot, one
+    thread (the nodes share the machine's cores)."""
+    folder = tmp_path_factory.mktemp("fleet-documents")
+    model = write_tiny_random(folder / "tiny-qwen35-mtp-32k.gguf", "qwen35", mtp=True,
+                              context=32768)
+    path = folder / "tiny-fleet.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "tiny-fleet", "description": "The tiny hybrid model, one slot, one thread",
+        "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
+        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
+        "gpu_layers": 0, "slots": 1, "threads": 1}))
+    yield path
+    model.unlink()
+
+
+def test_each_chat_goes_back_to_the_node_that_read_its_document(
+        tmp_path: Path, llama_server_bin: Path, tiny_profile: Path) -> None:
+    """Two chats asked in the order a, b, b, a (leastconn alone would send each second question
+    to the other node). The default configuration keeps each chat on the node that read its
+    document, so its second question re-reads at most the checkpoint spacing; the shared store
+    would give the same bound on the other node, by a restore."""
+    require_tool("haproxy", "haproxy")
+    model = Path(yaml.safe_load(tiny_profile.read_text())["model"])
+    with LocalFleet(tmp_path, llama_server_bin, model, 2, profile=str(tiny_profile),
+                    MTPWRAP_PERSIST_DIR=str(tmp_path / "shared-store")) as fleet:
+        client = openai.OpenAI(base_url=f"{fleet.base}/v1", api_key="unused", max_retries=0,
+                               timeout=300)
+        docs = {"chat-a": document("Alpha"), "chat-b": document("Bravo")}
+        history: dict[str, list[dict[str, str]]] = {c: [] for c in docs}
+        asked: dict[str, list[tuple[str, int, int]]] = {c: [] for c in docs}  # node, read, of
+
+        def ask(chat: str, question: str) -> None:
+            messages = history[chat]
+            messages.append({"role": "user", "content": question if messages else
+                             f"{docs[chat]}\n\nQuestion: {question}"})
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=messages, max_tokens=1, temperature=0,  # type: ignore[arg-type]
+                extra_headers={"X-OpenWebUI-Chat-Id": chat, "X-OpenWebUI-User-Id": chat[-1]})
+            answer = raw.parse()
+            assert answer.usage is not None
+            messages.append({"role": "assistant",
+                             "content": answer.choices[0].message.content or ""})
+            asked[chat].append((raw.headers["x-mtpwrap-node"],
+                                int((answer.model_extra or {})["timings"]["prompt_n"]),
+                                answer.usage.prompt_tokens))
+
+        for chat, question in (("chat-a", "Which clause names day 9?"),
+                               ("chat-b", "Which clause names day 9?"),
+                               ("chat-b", "Who delivers item 70?"),
+                               ("chat-a", "Who delivers item 70?")):
+            ask(chat, question)
+        print("\nnode, tokens read, prompt tokens per question:", json.dumps(asked))
+        for (node, read, tokens), (again, reread, _) in asked.values():
+            assert read >= tokens - 8 and tokens > 6000, asked  # the first reads it whole
+            assert reread <= REREAD, asked
+            assert again == node, asked  # the chat went back to the node that read it
+        assert {nodes[0][0] for nodes in asked.values()} == set(fleet.names), asked

@@ -19,8 +19,8 @@ from mtpwrap.build.calibrate import (
     measure_config,
     measure_server,
 )
-from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide import kv
+from mtpwrap.decide.gguf_facts import read_facts
 from mtpwrap.decide.planner import MemoryPlan, PlanConfig, plan
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("drop_gguf_files")]

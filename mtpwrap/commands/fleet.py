@@ -58,9 +58,9 @@ def command() -> None:
 @click.option("--tls-cert", type=click.Path(dir_okay=False, path_type=Path),
               envvar="MTPWRAP_FLEET_TLS_CERT",
               help="PEM file (certificate, then private key): clients reach the fleet by HTTPS.")
-@click.option("--affinity-header", metavar="NAME", envvar="MTPWRAP_FLEET_AFFINITY_HEADER",
-              help="Client header naming a conversation (such as X-Session-Id): its requests "
-                   "stay on one node, which keeps its prompt cache.")
+@click.option("--affinity-header", metavar="NAME", default="X-OpenWebUI-Chat-Id", show_default=True,
+              envvar="MTPWRAP_FLEET_AFFINITY_HEADER", help="Header naming a chat: its "
+              "questions go back to the node that read its document; 'none': leastconn alone.")
 @click.option("--admin-socket", type=click.Path(path_type=Path),
               envvar="MTPWRAP_FLEET_ADMIN_SOCKET",
               help="UNIX socket for HAProxy's runtime API (drain a node by hand).")
@@ -88,7 +88,7 @@ def command() -> None:
 @_OUTPUT
 def haproxy(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path | None,
             bind: str, metrics_bind: str, stats_bind: str,
-            tls_cert: Path | None, affinity_header: str | None, admin_socket: Path | None,
+            tls_cert: Path | None, affinity_header: str, admin_socket: Path | None,
             check_host: str, check_interval_s: float, fall: int, rise: int, max_per_node: int,
             retries: int, server_timeout_s: float, check: bool, output: Path | None) -> None:
     """Print haproxy.cfg that spreads requests over the nodes by their /readyz.
@@ -97,16 +97,17 @@ def haproxy(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: Path
     it serves at once, becomes its maxconn (else --max-per-node); weight, its share of new
     requests. --inventory gives the nodes in a YAML file instead.
 
-    Nodes that are loading, restarting or draining get no new requests; a refused connection
-    a connection closed unanswered, or a node's own 503 is retried once on another node;
-    nothing that reached llama-server is.
+    A chat (--affinity-header) goes back to its node; nodes loading, restarting or draining
+    get no new requests; a refused connection, a connection closed unanswered, or a node's own
+    503 is retried once on another node; nothing that reached llama-server is.
     """
     from mtpwrap.front import fleet
 
     opts = fleet.HaproxyOptions(
         bind=bind, metrics_bind=None if metrics_bind.lower() == "none" else metrics_bind,
         stats_bind=None if stats_bind.lower() == "none" else stats_bind, tls_cert=tls_cert,
-        affinity_header=affinity_header, admin_socket=admin_socket, check_host=check_host,
+        affinity_header=None if affinity_header.lower() == "none" else affinity_header,
+        admin_socket=admin_socket, check_host=check_host,
         check_interval_s=check_interval_s, fall=fall, rise=rise, max_per_node=max_per_node,
         retries=retries, server_timeout_s=server_timeout_s)
     text = fleet.render_haproxy(fleet.parse_nodes(node_flags + nodes, inventory), opts)
@@ -134,7 +135,6 @@ def prometheus(nodes: tuple[str, ...], node_flags: tuple[str, ...], inventory: P
     from mtpwrap.front import fleet
 
     opts = fleet.PrometheusOptions(
-        scrape_interval_s=scrape_interval_s,
-        haproxy_metrics=None if haproxy_metrics.lower() == "none" else haproxy_metrics,
-        rule_files=rule_files, key_file=key_file)
+        scrape_interval_s=scrape_interval_s, rule_files=rule_files, key_file=key_file,
+        haproxy_metrics=None if haproxy_metrics.lower() == "none" else haproxy_metrics)
     _emit(fleet.render_prometheus(fleet.parse_nodes(node_flags + nodes, inventory), opts), output)

@@ -5,14 +5,15 @@ Each node is one `mtpwrap up` (one GPU, one llama-server). The load balancer ask
 `/readyz`, never llama-server: mtpwrap's readiness already means "the model answers and this
 node is not draining". What the rendered HAProxy configuration does, and why:
 
-- `balance leastconn`: generations last seconds to minutes and vary a lot in length, so the
-  node with the fewest open requests is the best guess at the least busy one (round robin would
-  pile long requests onto one node).
+- Chat affinity, then `balance leastconn`: a stick table on a client header naming the chat
+  (`affinity_header`; Open WebUI's `X-OpenWebUI-Chat-Id` by default) sends a chat's next
+  questions to the node that read its document (slot, RAM cache), where they re-read only the
+  question; a chat's first request, and any without the header, go to the node with the fewest
+  open requests. A chat whose node is down moves once, and stays where it moved.
 - `option httpchk` GET `/readyz` every `check_interval_s` (1 s), each check given at most that
   long (`timeout check`): a node that is loading, restarting llama-server, failed, draining or
   gone leaves the rotation after `fall` (2) failed checks, so within about 3 s, and comes back
-  after `rise` passed ones. `/livez` is deliberately not used: a live but unready node must get
-  no traffic.
+  after `rise` passed ones. Not `/livez`: a live but unready node must get no traffic.
 - No `on-marked-down shutdown-sessions`: a draining node answers `/readyz` 503 at once, and the
   streams it is still serving must be allowed to finish within its drain budget.
 - `retry-on conn-failure empty-response 503`, `retries 1` and `option redispatch 1`: a node
@@ -24,16 +25,15 @@ node is not draining". What the rendered HAProxy configuration does, and why:
   never once a response has begun: a generation is not idempotent.
 - `maxconn` per server, the node's `slots` (else `max_per_node`): requests beyond it wait in
   HAProxy's queue (for at most `timeout queue`), where the first node to free a slot takes
-  them, rather than in one busy node's own queue. A node's `weight` sets its share of new
-  requests relative to the others (a faster GPU: a higher weight).
+  them (a chat's waits for its node), not in a node's own queue. A node's `weight` sets its
+  share of new requests relative to the others (a faster GPU: a higher weight).
 - `timeout server`/`timeout client` cover the longest silence of a node: a non-streamed long
   generation sends nothing until it is done; `timeout tunnel` covers upgraded connections.
 - `option http-no-delay`: HAProxy 2.6 otherwise holds small response chunks back to fill
   packets, so SSE tokens arrive bunched; with it each chunk is sent as it comes.
-- Optional: a stick table on a client header (`affinity_header`, such as `X-Session-Id`), so a
-  conversation returns to the node that holds its prompt cache; TLS termination (`tls_cert`).
-- The stats page listens on loopback only (`stats_bind`); the Prometheus exporter may listen
-  elsewhere (`metrics_bind`). `Authorization` goes to the nodes untouched: they check the keys.
+- Optional TLS termination (`tls_cert`). The stats page listens on loopback only (`stats_bind`);
+  the Prometheus exporter may listen elsewhere (`metrics_bind`). `Authorization` goes to the
+  nodes untouched: they check the keys.
 """
 
 from __future__ import annotations
@@ -220,9 +220,10 @@ class HaproxyOptions:
     stats_bind: str | None = "127.0.0.1:8405"
     #: a PEM file (certificate, then key) to terminate TLS on `bind`; None = plain HTTP.
     tls_cert: Path | None = None
-    #: a client header naming a conversation, to keep it on one node; None = no affinity.
-    affinity_header: str | None = None
-    #: how long a conversation's node is remembered after its last request.
+    #: a client header naming a chat, to keep it on the node that read its document; None =
+    #: none (leastconn only).
+    affinity_header: str | None = "X-OpenWebUI-Chat-Id"
+    #: how long a chat's node is remembered after its last request.
     affinity_expire_s: float = 1800.0
     #: a UNIX socket for the runtime API (`set server mtpwrap/NAME state drain`); None = none.
     admin_socket: Path | None = None
@@ -321,15 +322,14 @@ def render_haproxy(nodes: Sequence[Node], opts: HaproxyOptions) -> str:
     ]
     if opts.affinity_header is not None:
         lines += [
-            f"    # One conversation ({opts.affinity_header}) stays on the node that holds its",
-            "    # prompt cache while that node is up; requests without the header are spread.",
-            f"    stick-table type string len 64 size 100k "
-            f"expire {_duration(opts.affinity_expire_s)}",
+            f"    # A chat ({opts.affinity_header}) goes back to the node that read its",
+            "    # document while it is up; a first request, and one without it, by leastconn.",
+            "    stick-table type string len 64 size 100k expire "
+            f"{_duration(opts.affinity_expire_s)}",
             f"    stick on req.hdr({opts.affinity_header})",
         ]
     lines += [
-        "    # A node takes traffic only while its /readyz says the model answers and it is",
-        "    # not draining.",
+        "    # Traffic only while a node's /readyz says its model answers and it is not draining.",
         "    option httpchk",
         "    # mtpwrap answers only Host names it knows (else 421), so the check names one.",
         f"    http-check send meth GET uri /readyz ver HTTP/1.1 hdr Host {opts.check_host}",
