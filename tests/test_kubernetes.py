@@ -140,6 +140,9 @@ def check_pod(pod: dict[str, Any], s: Any, proxy: Any) -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     model_dir = str(Path(s.model).parent) if s.model else ""
     assert "persistentVolumeClaim" in volumes[mounts[model_dir]]  # the model on a volume
+    # the document store on the volume every pod shares, writable
+    store = volumes[mounts[s.persist["dir"]]]["persistentVolumeClaim"]
+    assert store["claimName"] == "mtpwrap-documents" and not store.get("readOnly")
     shipped = yaml.safe_load(documents()["ConfigMap"]["data"]["mtpwrap.yaml"])
     keys_dir = str(Path(shipped["api_key_file"]).parent)
     assert volumes[mounts[keys_dir]]["secret"]["secretName"]  # the keys from a Secret
