@@ -169,7 +169,7 @@ def test_a_front_made_answer_has_no_token_counts_and_the_record_has_every_field(
                        "status", "by", "stream", "prompt_tokens", "cached_tokens",
                        "completion_tokens", "drafted_tokens", "accepted_tokens", "queued_s",
                        "ttft_s", "total_s", "bytes_in", "bytes_out", "finish", "reason",
-                       "tokens_from", "restored", "saved"]
+                       "tokens_from", "restored", "saved", "chat", "user"]
     assert r["tokens_from"] is None and r["restored"] is None
     json.dumps(r)  # plain JSON
     assert audit.tokens({"prompt_tokens": 5, "completion_tokens": None}) == 5

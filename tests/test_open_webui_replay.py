@@ -135,3 +135,7 @@ def test_the_recipe_reads_the_document_once(up: Instance) -> None:
     for line in later:
         assert read(line) <= REREAD, line
         assert line["reread_cause"] is None, line
+    # the chat and the person as Open WebUI names them (its forwarded headers), in each line
+    sent = captured("recipe")[0]["headers"]
+    assert {(x["chat"], x["user"]) for x in (first, *later)} == {
+        (sent["X-OpenWebUI-Chat-Id"], sent["X-OpenWebUI-User-Id"])}, first

@@ -132,7 +132,8 @@ def list_(as_json: bool) -> None:
 
     data = instance.read_instance() or {}
     shelf = _shelf(data.get("persist_dir"))
-    kept = [e.listing() for e in reversed(shelf.entries())]
+    kept = [{"name": e.name, "tokens": e.tokens, "bytes": e.size, "last_use": e.used}
+            for e in reversed(shelf.entries())]
     warmed = instance.read_warmed()
     if as_json:
         console.print_json({"warmed": warmed, "store": str(shelf.directory), "kept": kept})
@@ -173,7 +174,8 @@ def forget(names: tuple[str, ...], everything: bool, timeout: float) -> None:
         if missing := [n for n in names if n not in known]:
             raise ConfigError(f"documents forget: {', '.join(missing)}: no such kept state in "
                               f"{shelf.directory} (see `mtpwrap documents list`).")
-        shelf.forget(list(names))
+        for name in names:
+            shelf.remove(name)
         console.info(f"removed {len(names)} kept state(s) from {shelf.directory}; a copy "
                      "llama-server holds in its slot or RAM cache goes with its next restart "
                      "(`documents forget --all`)")

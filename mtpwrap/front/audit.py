@@ -115,6 +115,9 @@ class Ticket:
     #: (front/store.py: tokens, bytes, ms)
     restored: dict[str, Any] | None = None
     saved: dict[str, Any] | None = None
+    #: the chat and the person as the client names them (Open WebUI's forwarded user headers)
+    chat: str | None = None
+    user: str | None = None
 
     def record(self, model: str) -> dict[str, Any]:
         counts = self.tally.counts(self.status, self.prompt_counted, self.prompt_estimate,
@@ -128,7 +131,7 @@ class Ticket:
             "total_s": round(time.perf_counter() - self.t0, 4),
             "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "finish": counts["finish"], "reason": self.reason, "tokens_from": counts["from"],
-            "restored": self.restored, "saved": self.saved,
+            "restored": self.restored, "saved": self.saved, "chat": self.chat, "user": self.user,
         }
 
 
@@ -311,6 +314,9 @@ class Trail:
         client = scope.get("client")
         route = path if path in FRONT_PAGES else route_label(scope["method"], path)
         t = Ticket(method=scope["method"], route=route, client=client[0] if client else "-")
+        said = {k: v.decode("latin-1")[:128] for k, v in scope.get("headers") or ()
+                if k in (b"x-openwebui-chat-id", b"x-openwebui-user-id")}
+        t.chat, t.user = said.get(b"x-openwebui-chat-id"), said.get(b"x-openwebui-user-id")
         if key is not None:
             t.key, t.klass, t.api_key = key.name, key.klass, key
         return t

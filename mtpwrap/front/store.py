@@ -139,10 +139,6 @@ class Entry:
     used: float
     header: Mapping[str, Any]
 
-    def listing(self) -> dict[str, Any]:
-        return {"name": self.name, "tokens": self.tokens, "bytes": self.size,
-                "last_use": self.used}
-
 
 class Shelf:
     """The directory: records, files, the size bound. Every method reads or writes files:
@@ -280,18 +276,14 @@ class Shelf:
                      len(gone), self.max_bytes // MiB, self.config.retention_days)
         return gone
 
-    def forget(self, names: Sequence[str] | None = None) -> int:
-        """Remove the named states (None: every one, and every temporary file); how many."""
-        if names is None:
-            n = len(self.entries())
-            for p in self._listing():
-                if p.suffix in (RECORD, STATE, ".ckpt") or p.name.startswith(TMP):
-                    with contextlib.suppress(OSError):
-                        p.unlink()
-            return n
-        for name in names:
-            self.remove(name)
-        return len(names)
+    def forget(self) -> int:
+        """Remove every state and every temporary file; how many states there were."""
+        n = len(self.entries())
+        for p in self._listing():
+            if p.suffix in (RECORD, STATE, ".ckpt") or p.name.startswith(TMP):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        return n
 
 
 class Index:
@@ -450,7 +442,7 @@ class Documents:
         if status != 200:
             log.warning("document not kept (%d tokens): HTTP %d %s", read.tokens, status,
                         answer.get("error") or "")
-            await asyncio.to_thread(self.shelf.forget, [tmp[:-len(STATE)]])
+            await asyncio.to_thread(self.shelf.remove, tmp[:-len(STATE)])
             return None
         kept = await asyncio.to_thread(self.shelf.commit, tmp, read.chain, read.tokens,
                                        int(answer.get("n_saved") or 0), self.head)
