@@ -236,6 +236,33 @@ def test_every_document_read_survives_restart_reload_and_a_crash(up: Up, profile
         assert p.stat().st_mode & 0o777 == 0o600, p
 
 
+def test_a_sliding_window_model_keeps_its_document_across_a_restart(
+        tmp_path: Path, free_port: int, llama_server_bin: Path) -> None:
+    """The same on gemma-3-270m (sliding-window attention: reuse goes back to a checkpoint
+    too): after `mtpwrap restart`, a new question re-reads at most the checkpoint spacing."""
+    from mtpwrap.models import known
+
+    model = known.ensure(known.GEMMA)
+    gemma = tmp_path / "gemma-documents.yaml"
+    gemma.write_text(yaml.safe_dump({
+        "name": "gemma-documents", "description": "gemma-3-270m, 16K context, one slot",
+        "hardware": {"requires_gpu": False}, "model": str(model), "context": 16384,
+        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "none"}, "gpu_layers": 0,
+        "slots": 1, "threads": 1}))
+    up = Up(tmp_path / "gemma", free_port, llama_server_bin, gemma)
+    try:
+        a = document("Alpha")
+        read, tokens = up.ask(same(a, "Which clause names day 9?"))
+        assert read >= tokens - 8 and tokens > 5000, (read, tokens)  # its tokenizer's count
+        r = run_cli("restart", env=up.env, timeout=240)
+        assert r.returncode == 0, r.output
+        read, _ = up.ask(same(a, "Who delivers item 70?"))
+        assert read <= bound(tokens), read
+        assert httpx.get(f"{up.base}/healthz", timeout=30).json()["store"]["restored"] == 1
+    finally:
+        up.close()
+
+
 def test_a_document_read_on_one_node_is_restored_on_another(
         tmp_path: Path, free_port: int, llama_server_bin: Path, profile: Path) -> None:
     """Two nodes on one shared store (one directory, as a network mount gives several
