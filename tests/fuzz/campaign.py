@@ -384,9 +384,15 @@ def phase_faults(binary: Path, model: Path, work: Path, n: int, seconds: float,
 
 def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
     # Connections the clients left open close within the idle timeout (3 s), the pooled ones
-    # to llama-server within their expiry (2 s): wait for it.
+    # to llama-server within their expiry (2 s): wait for it. httpx drops an expired idle
+    # connection only when its pool is used again, so each look first has the front scrape
+    # llama-server's /metrics through that pool (a run failed on 3 such idle fds).
+    def back() -> bool:
+        t.inst.processing(KEY)
+        return t.usage()[0] <= start[0] + 2
+
     with contextlib.suppress(TimeoutError):
-        wait_for("fds back", lambda: t.usage()[0] <= start[0] + 2, 15, every=0.25)
+        wait_for("fds back", back, 15, every=0.5)
     fds, rss = t.usage()
     busy = t.inst.processing(KEY)
     ph.leaks = {"fds": [start[0], fds], "rss_mib": [round(start[1] / 2**20, 1),
