@@ -494,8 +494,8 @@ class Front:
             return
         store = self.documents if relay is self.relay and ex.slot else None
         read: Read | None = None
-        ask = usage.asker(self.clients.get(upstream), upstream.base_url, upstream.api_key,
-                          TIMEOUT_S)
+        ask: Any = None if store is None else usage.asker(  # only where the store acts
+            self.clients.get(upstream), upstream.base_url, upstream.api_key, TIMEOUT_S)
         try:
             if store is not None and store.head is not None and len(body) >= store.min_tokens:
                 tokens = await usage.prompt_tokens(ask, ex.label, doc)
