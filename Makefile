@@ -77,8 +77,10 @@ fuzz: build model
 	  $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
 # The unit tier: every test not marked integration or slow; each gets an empty MTPWRAP_HOME.
+# One worker per core (pytest-xdist), each test file on one worker: these tests run fakes, not
+# llama-server, so they share the cores well.
 unit: install
-	$(BIN)/python -m pytest -m "not integration and not slow"
+	$(BIN)/python -m pytest -m "not integration and not slow" -n auto --dist loadfile
 
 # Every test not marked integration (slow ones too) as a fresh machine without network or
 # build tools runs it: no network, an empty MTPWRAP_HOME, no cmake or C/C++ compiler on PATH.
