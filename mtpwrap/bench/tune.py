@@ -207,8 +207,9 @@ def _deepest(plan: TunePlan) -> BenchConfig:
 
 
 def _complete(http: httpx.Client, text: str, n_predict: int, depth: int) -> dict:
+    # Decode speed only: a passage is read once, at its first depth, and kept in its slot.
     r = http.post("/completion", json={
-        "prompt": text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+        "prompt": text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
         "speculative.n_max": depth})
     r.raise_for_status()
     return dict(r.json().get("timings") or {})
