@@ -50,11 +50,10 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import yaml  # noqa: E402
 
-from mtpwrap.build.tiny_gguf import write_tiny_random  # noqa: E402
 from mtpwrap.front.audit import read_records  # noqa: E402
 from mtpwrap.proc import free_loopback_port  # noqa: E402
 from tests.fleet_harness import start_haproxy, stop  # noqa: E402
-from tests.helpers import Instance, run_cli, wait_for  # noqa: E402
+from tests.helpers import Instance, run_cli, tiny_hybrid_profile, wait_for  # noqa: E402
 
 HEADER = "X-OpenWebUI-Chat-Id"
 USERS = ("alice", "bob", "carol")
@@ -186,14 +185,8 @@ def main() -> None:
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="mtpwrap-fleet-routing-") as tmp:
         work = Path(tmp)
-        model = work / "tiny-qwen35-mtp-32k.gguf"
-        write_tiny_random(model, "qwen35", mtp=True, context=32768)
-        profile = work / "tiny-fleet.yaml"
-        profile.write_text(yaml.safe_dump({
-            "name": "tiny-fleet", "description": "The tiny hybrid model, one slot, one thread",
-            "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
-            "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
-            "gpu_layers": 0, "slots": 1, "threads": 1}))
+        profile = tiny_hybrid_profile(work, "tiny-fleet")
+        model = Path(yaml.safe_load(profile.read_text())["model"])
         for policy in policies:
             t = time.monotonic()
             results[policy] = run_policy(policy, work / policy.replace("+", "-"), binary,

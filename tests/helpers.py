@@ -31,6 +31,27 @@ SNAPSHOTS = DATA / "snapshots"
 FAKE_LLAMA_SERVER = Path(__file__).resolve().parent / "fakes" / "fake_llama_server.py"
 
 
+# --------------------------------------------------------------------------- the tiny hybrid
+
+def tiny_hybrid_profile(folder: Path, name: str, threads: int = 1) -> Path:
+    """A profile serving the tiny hybrid qwen35 with its MTP head (the flagship's architecture:
+    recurrent layers, so a prompt is reused back to a context checkpoint only), 32K context, one
+    slot (the document store serves one), on the CPU. The model is written beside it."""
+    import yaml
+
+    from mtpwrap.build.tiny_gguf import write_tiny_random
+
+    model = write_tiny_random(folder / "tiny-qwen35-mtp-32k.gguf", "qwen35", mtp=True,
+                              context=32768)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": name, "description": "The tiny hybrid model with its MTP head, one slot",
+        "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
+        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
+        "gpu_layers": 0, "slots": 1, "threads": threads}))
+    return path
+
+
 # --------------------------------------------------------------------------- the CLI
 
 

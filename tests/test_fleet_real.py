@@ -32,9 +32,8 @@ import openai
 import pytest
 import yaml
 
-from mtpwrap.build.tiny_gguf import write_tiny_random
 from tests.fleet_harness import LocalFleet, answers, chat, p99
-from tests.helpers import REPO, require_tool, wait_for
+from tests.helpers import REPO, require_tool, tiny_hybrid_profile, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -269,17 +268,9 @@ def document(name: str, clauses: int = 200) -> str:
 def tiny_profile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The tiny hybrid qwen35 with its MTP head (the flagship's architecture), one slot, one
     thread (the nodes share the machine's cores)."""
-    folder = tmp_path_factory.mktemp("fleet-documents")
-    model = write_tiny_random(folder / "tiny-qwen35-mtp-32k.gguf", "qwen35", mtp=True,
-                              context=32768)
-    path = folder / "tiny-fleet.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "tiny-fleet", "description": "The tiny hybrid model, one slot, one thread",
-        "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
-        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
-        "gpu_layers": 0, "slots": 1, "threads": 1}))
+    path = tiny_hybrid_profile(tmp_path_factory.mktemp("fleet-documents"), "tiny-fleet")
     yield path
-    model.unlink()
+    Path(yaml.safe_load(path.read_text())["model"]).unlink()
 
 
 def test_each_chat_goes_back_to_the_node_that_read_its_document(

@@ -23,8 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from mtpwrap.build.tiny_gguf import write_tiny_random
-from tests.helpers import DATA, Instance, audit_lines
+from tests.helpers import DATA, Instance, audit_lines, tiny_hybrid_profile
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +45,8 @@ def up(tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path) -> Iter
     from mtpwrap.proc import free_loopback_port
 
     folder = tmp_path_factory.mktemp("open-webui")
-    model = write_tiny_random(folder / "tiny-qwen35-mtp-32k.gguf", "qwen35", mtp=True,
-                              context=32768)
-    profile = folder / "tiny-owui.yaml"
-    profile.write_text(yaml.safe_dump({
-        "name": "tiny-owui",
-        "description": "The tiny hybrid model with its MTP head, 32K context, on the CPU",
-        "hardware": {"requires_gpu": False}, "model": str(model), "context": 32768,
-        "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
-        "gpu_layers": 0, "slots": 1, "threads": 1}))
+    profile = tiny_hybrid_profile(folder, "tiny-owui")
+    model = Path(yaml.safe_load(profile.read_text())["model"])
     keys = ",".join(f"{key} name=open-webui-{name} scopes=inference"
                     for name, key in KEYS.items())
     u = Instance(folder / "home", free_loopback_port(), llama_server_bin, model,
