@@ -243,15 +243,20 @@ def gemma_model() -> Path:
 @pytest.fixture(scope="module")
 def gemma_figures(cpu_manifest: dict, gemma_model: Path,
                   tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """bench kv on the CPU build and gemma-3-270m: Korean court rulings, one window of 1024,
-    two chunks, f16 (against itself), q8_0 and q4_0."""
+    """bench kv on the CPU build and gemma-3-270m: Korean court rulings, one window of 256,
+    two chunks, f16 (against itself), q8_0 and q4_0, one thread.
+
+    A window of 256 (a quarter of 1024's tokens) still separates the types by far: mean KLD
+    q8_0 0.0087 ± 0.0009 against q4_0 0.100 ± 0.013 here, top-1 agreement 94.9 % against
+    85.4 % (1024: 0.012 against 0.143, 94.6 % against 81.7 %). One thread: the figures are
+    the same as with two, and a loaded machine does not slow it down as much."""
     from mtpwrap.bench import kv_run, materials
 
     build = materials.kv_build(cpu_manifest["binaries"]["llama-server"]["path"])
     plan = kv_run.KvPlan(perplexity=build.perplexity, server=build.server, model=gemma_model,
                          types=["f16", "q8_0", "q4_0"], offered=build.offered,
-                         corpora=["ruling"], depths=[1024], chunks=[2], speed=False,
-                         target=build.target)
+                         corpora=["ruling"], depths=[256], chunks=[2], speed=False,
+                         target=build.target, threads=1)
     return kv_run.run(plan, tmp_path_factory.mktemp("kv"))
 
 
@@ -267,7 +272,7 @@ def test_f16_against_itself_is_zero_and_q4_0_loses_more_than_q8_0(gemma_figures:
     assert q4["kld_mean"] > q8["kld_mean"] and q4["same_top_p_pct"] < q8["same_top_p_pct"]
     for t, bits in (("f16", 16.0), ("q8_0", 8.5), ("q4_0", 4.5)):
         assert rows[t]["k_bits_per_value"] == pytest.approx(bits, rel=0.02)
-        assert rows[t]["scored_positions"] == [512, 1023] and rows[t]["chunks"] == 2
+        assert rows[t]["scored_positions"] == [128, 255] and rows[t]["chunks"] == 2
     docs = gemma_figures["corpora"]["ruling"]["documents"]
     assert docs and all(len(d["sha256"]) == 64 for d in docs)
     assert len({d["name"] for d in docs}) == len(docs)  # whole documents, each once
@@ -293,7 +298,7 @@ def test_write_orders_the_profiles_kv_by_measured_kld_and_args_says_why(
     assert path.is_relative_to(tmp_path / "config")
     assert written["kv"]["k"] == want == written["kv"]["v"]
     assert written["context"] == 2048 and written["model"] == gemma_figures["plan"]["model"]
-    assert f"KLD {measured['q8_0']:.3g} vs {measured['q4_0']:.3g} at 1K" in why
+    assert f"KLD {measured['q8_0']:.3g} vs {measured['q4_0']:.3g} at 256" in why
     r = run_cli("args", "--profile", "cpu-demo", "--binary", server, cwd=tmp_path,
                 env=cli_env(XDG_CONFIG_HOME=str(tmp_path / "config")))
     assert r.returncode == 0, r.stderr
