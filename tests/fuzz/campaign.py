@@ -114,16 +114,17 @@ class Phase_:
 
 
 class Target:
-    """The instance under test: `mtpwrap up` in a process of its own."""
+    """The instance under test: `mtpwrap up` in a process of its own (`threads`: llama-server's,
+    if not the default)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, threads: int | None = None) -> None:
         from mtpwrap.build.manifest import load_manifest
         from mtpwrap.models import known
         from mtpwrap.proc import free_loopback_port
         from tests.helpers import Instance
 
         work.mkdir(parents=True, exist_ok=True)
-        (work / "fuzz.yaml").write_text(PROFILE)
+        (work / "fuzz.yaml").write_text(PROFILE + (f"threads: {threads}\n" if threads else ""))
         (work / "mtpwrap.yaml").write_text(CONFIG)
         self.binary = binary = Path(os.environ.get("MTPWRAP_BINARY")
                                     or load_manifest().binary("llama-server"))
@@ -351,11 +352,11 @@ OPERATOR_SHARE = 0.3
 
 
 def phase_faults(binary: Path, model: Path, work: Path, n: int, seconds: float,
-                 seed: int, n_operator: int = 1_000) -> Phase_:
+                 seed: int, n_operator: int = 1_000, threads: int | None = None) -> Phase_:
     ph = Phase_("faults")
     t0 = time.monotonic()
     ops, bad, kinds, log = operator.run_operator(work / "operator", binary, model, n_operator,
-                                                 seed, seconds * OPERATOR_SHARE)
+                                                 seed, seconds * OPERATOR_SHARE, threads)
     ph.tried += ops
     for kind, count in kinds.items():
         ph.outcomes[f"operator {kind}"] = count
@@ -410,14 +411,15 @@ def check_leaks(t: Target, ph: Phase_, start: tuple[int, int]) -> None:
 
 
 def run(out: Path, seconds: float, n_bodies: int, n_schema: int, n_raw: int, n_faults: int,
-        seed: int, save_found: bool = False) -> dict[str, Any]:
+        seed: int, save_found: bool = False, threads: int | None = None) -> dict[str, Any]:
     """The phases in `seconds`, each to a deadline from the start: bodies to 34 % of it, schema
     to 36 %, raw to 58 %, faults the rest; shrinking a phase's failures comes out of the next
     one's time. At this machine's rates (bodies 70-84/s, raw 55/s, faults 0.8-1.1/s) 20,000
     bodies, 10,000 raw cases and 300 fault scenarios just fit 840 s:
-    docs/measurements/2026-12-02-fuzz-campaign.md."""
+    docs/measurements/2026-12-02-fuzz-campaign.md. `threads`: the instances' llama-servers'
+    (the CI smoke's is 1: two on two busy cores make a token take seconds)."""
     out.mkdir(parents=True, exist_ok=True)
-    t = Target(out / "instance")
+    t = Target(out / "instance", threads)
     started = time.monotonic()
     phases: list[Phase_] = []
     try:
@@ -441,7 +443,8 @@ def run(out: Path, seconds: float, n_bodies: int, n_schema: int, n_raw: int, n_f
     finally:
         log = t.close()
     phases.append(phase_faults(t.binary, t.model, out / "faults", n_faults,
-                               max(10.0, seconds - (time.monotonic() - started)), seed))
+                               max(10.0, seconds - (time.monotonic() - started)), seed,
+                               threads=threads))
     tracebacks = log.count("Traceback (most recent call last)")
     report = {
         "seed": seed, "seconds_budget": seconds, "cpu": platform.processor() or platform.machine(),

@@ -40,7 +40,8 @@ KINDS = ("none", "latency", "bandwidth", "cut", "reset", "stall", "slow_close",
 #: faults that leave every answer intact (a 502/504 under them is a failure)
 BENIGN = ("none", "latency", "bandwidth")
 #: the rig's budget for a stream without progress: a stall fault is shorter or longer than it
-#: (the wait for the first token stays long, so that a loaded machine's slow prefill is no 504)
+#: (the wait for the first token stays long, so that a loaded machine's slow prefill is no 504).
+#: The campaign's; the CI test gives `rig` a shorter one
 STREAM_STALL_S = 6.0
 
 
@@ -201,11 +202,13 @@ REQUESTS = (
 )
 
 
-def random_fault(rng: random.Random) -> Fault:
+def random_fault(rng: random.Random, stall_s: float = STREAM_STALL_S) -> Fault:
+    """A fault drawn from `rng`; a stall is 0.3 s or 1 s longer than the stream budget
+    `stall_s`."""
     kind = rng.choice(KINDS)
     after = rng.choice((0, 1, 17, 60, 200, 400, 1000, 5000))
     value = {"latency": rng.choice((0.01, 0.1, 0.4)), "bandwidth": rng.choice((2000.0, 20000.0)),
-             "stall": rng.choice((0.3, STREAM_STALL_S + 1)), "slow_close": rng.choice((0.1, 1.0)),
+             "stall": rng.choice((0.3, stall_s + 1)), "slow_close": rng.choice((0.1, 1.0)),
              "bad_length": rng.choice((0.0, 0.5))}.get(kind, 0.0)
     return Fault(kind, after, value)
 
@@ -257,10 +260,11 @@ def check(fault: Fault, status: int | None, what: str) -> str | None:
     return None
 
 
-def scenario(client: httpx.Client, relay: FaultRelay, rng: random.Random) -> list[str]:
+def scenario(client: httpx.Client, relay: FaultRelay, rng: random.Random,
+             stall_s: float = STREAM_STALL_S) -> list[str]:
     """One fault, one to three requests under it, then the fault cleared and one plain request
     that must be answered 200 (the front recovered). Returns the broken promises."""
-    fault = random_fault(rng)
+    fault = random_fault(rng, stall_s)
     relay.fault = fault
     bad = []
     for _ in range(rng.choice((1, 1, 2, 3))):
@@ -281,9 +285,11 @@ KEY = "fault-client-key-0123"
 
 
 @contextlib.contextmanager
-def rig(binary: Path, model: Path, work: Path) -> Iterator[Rig]:
+def rig(binary: Path, model: Path, work: Path, stall_s: float = STREAM_STALL_S
+        ) -> Iterator[Rig]:
     """The real llama-server, the relay in front of it and the front (in this process) over
-    the relay, with stall budgets short enough for a scenario to see them."""
+    the relay, with stall budgets short enough for a scenario to see them (`stall_s` for a
+    stream without progress after its first chunk)."""
     from mtpwrap.config.objects import ProxyConfig
     from tests.fakes.front_harness import LlamaChild, serve_front
 
@@ -292,12 +298,12 @@ def rig(binary: Path, model: Path, work: Path) -> Iterator[Rig]:
                        extra=["-c", "4096", "-b", "64", "-ub", "64"],
                        log_path=work / "llama.log").start(timeout=300)
     relay = FaultRelay(child.port).start()
-    cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=STREAM_STALL_S, prefill_stall_s=30.0,
+    cfg = ProxyConfig(api_keys=(KEY,), stream_stall_s=stall_s, prefill_stall_s=30.0,
                       connect_timeout_s=2.0, keepalive_s=1.0, queue_timeout_s=30.0)
     try:
         with serve_front(relay.base_url, INTERNAL, cfg) as (srv, _sup), httpx.Client(
                 base_url=srv.url, timeout=60, headers={"authorization": f"Bearer {KEY}"}) as c:
-            yield Rig(c, relay, child.client(timeout=10))
+            yield Rig(c, relay, child.client(timeout=10), stall_s)
         # the front is gone: every connection it had through the relay must close
         with contextlib.suppress(TimeoutError):
             wait_for("the front's connections closed", lambda: relay.open == 0, 10, every=0.05)
@@ -311,6 +317,7 @@ class Rig:
     client: httpx.Client      # to the front
     relay: FaultRelay
     llama: httpx.Client       # to llama-server itself
+    stall_s: float = STREAM_STALL_S  # the front's budget for a stream without progress
 
     def processing(self) -> int:
         """Slots llama-server is working on, from its own /slots."""
@@ -332,7 +339,7 @@ def run_scenarios(r: Rig, n: int, seed: int, seconds: float = 1e9) -> tuple[int,
     end = time.monotonic() + seconds
     done = 0
     while done < n and time.monotonic() < end:
-        bad += scenario(r.client, r.relay, rng)
+        bad += scenario(r.client, r.relay, rng, r.stall_s)
         done += 1
     busy, held = r.settled()
     if busy:

@@ -127,13 +127,14 @@ def parallel(calls: list[Callable[[], Outcome]], timeout: float = REQUEST_S + 30
 class Ops:
     """The operator cases' instance: `mtpwrap up` with the key file and the stalling NVML."""
 
-    def __init__(self, work: Path, binary: Path, model: Path, budgets: list[int]) -> None:
+    def __init__(self, work: Path, binary: Path, model: Path, budgets: list[int],
+                 threads: int | None = None) -> None:
         from mtpwrap.proc import free_loopback_port
         from tests.fuzz.campaign import CONFIG, PROFILE
         from tests.helpers import Instance, cli_env
 
         work.mkdir(parents=True, exist_ok=True)
-        (work / "fuzz.yaml").write_text(PROFILE)
+        (work / "fuzz.yaml").write_text(PROFILE + (f"threads: {threads}\n" if threads else ""))
         (work / "mtpwrap.yaml").write_text(CONFIG)
         self.keys = work / "keys"
         self.keys.write_text(key_file(budgets))
@@ -318,12 +319,14 @@ def case_reload(o: Ops, rng: random.Random, restart: bool) -> list[str]:
 
 
 def run_operator(work: Path, binary: Path, model: Path, n: int, seed: int,
-                 seconds: float) -> tuple[int, list[str], dict[str, int], str]:
+                 seconds: float, threads: int | None = None
+                 ) -> tuple[int, list[str], dict[str, int], str]:
     """Up to `n` operator cases (or `seconds`), drawn from `seed`: (how many ran, the broken
-    promises, the cases by kind, the instance's log)."""
+    promises, the cases by kind, the instance's log). `threads`: llama-server's, if not the
+    default."""
     rng = random.Random(seed)
     budgets = [rng.choice((60, 100, 150, TIGHT)) for _ in range(max(1, n))]
-    o = Ops(work, binary, model, budgets)
+    o = Ops(work, binary, model, budgets, threads)
     bad: list[str] = []
     kinds: dict[str, int] = {}
     done = 0
