@@ -32,8 +32,6 @@ from mtpwrap.decide import acceptance, profiles
 from mtpwrap.errors import ConfigError
 
 if TYPE_CHECKING:
-    import httpx
-
     from mtpwrap.decide.capabilities import Capabilities
     from mtpwrap.decide.profile_types import Profile
 
@@ -185,8 +183,12 @@ def run_per_class(plan: TunePlan, workdir: Path, per_class: int = 2,
             for d in depths:
                 progress(f"{cls} depth {d}")
                 n = seconds = 0.0
-                for text in prompts:
-                    timings = _complete(http, text, plan.n_predict, d)
+                for text in prompts:  # decode only: a passage is read once, then kept
+                    r = http.post("/completion", json={
+                        "prompt": text, "n_predict": plan.n_predict, "temperature": 0.0,
+                        "cache_prompt": True, "speculative.n_max": d})
+                    r.raise_for_status()
+                    timings = dict(r.json().get("timings") or {})
                     n += float(timings.get("predicted_n", 0))
                     seconds += float(timings.get("predicted_ms", 0.0)) / 1000.0
                 table[cls][str(d)] = n / seconds if seconds else None
@@ -204,15 +206,6 @@ def _deepest(plan: TunePlan) -> BenchConfig:
     return BenchConfig(f"{plan.kind}-k{max(plan.depths)}", spec=plan.kind,
                        depth=max(plan.depths), kv=plan.kv,
                        draft_model=str(plan.draft_model) if plan.draft_model else None)
-
-
-def _complete(http: httpx.Client, text: str, n_predict: int, depth: int) -> dict:
-    # Decode speed only: a passage is read once, at its first depth, and kept in its slot.
-    r = http.post("/completion", json={
-        "prompt": text, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True,
-        "speculative.n_max": depth})
-    r.raise_for_status()
-    return dict(r.json().get("timings") or {})
 
 
 def write_class_policy(result: dict, plan: TunePlan) -> Path:
