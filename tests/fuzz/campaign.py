@@ -68,6 +68,13 @@ slots: 2
 flash_attn: auto
 extra_args: ["--n-predict", "8"]
 """
+
+
+def profile(threads: int | None = None) -> str:
+    """The campaign's profile, with llama-server's `threads` if not the default."""
+    return PROFILE + (f"threads: {threads}\n" if threads else "")
+
+
 CONFIG = """\
 proxy:
   max_predict: 64
@@ -124,7 +131,7 @@ class Target:
         from tests.helpers import Instance
 
         work.mkdir(parents=True, exist_ok=True)
-        (work / "fuzz.yaml").write_text(PROFILE + (f"threads: {threads}\n" if threads else ""))
+        (work / "fuzz.yaml").write_text(profile(threads))
         (work / "mtpwrap.yaml").write_text(CONFIG)
         self.binary = binary = Path(os.environ.get("MTPWRAP_BINARY")
                                     or load_manifest().binary("llama-server"))

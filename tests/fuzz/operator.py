@@ -130,11 +130,11 @@ class Ops:
     def __init__(self, work: Path, binary: Path, model: Path, budgets: list[int],
                  threads: int | None = None) -> None:
         from mtpwrap.proc import free_loopback_port
-        from tests.fuzz.campaign import CONFIG, PROFILE
+        from tests.fuzz.campaign import CONFIG, profile
         from tests.helpers import Instance, cli_env
 
         work.mkdir(parents=True, exist_ok=True)
-        (work / "fuzz.yaml").write_text(PROFILE + (f"threads: {threads}\n" if threads else ""))
+        (work / "fuzz.yaml").write_text(profile(threads))
         (work / "mtpwrap.yaml").write_text(CONFIG)
         self.keys = work / "keys"
         self.keys.write_text(key_file(budgets))
