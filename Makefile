@@ -65,7 +65,7 @@ system-deps:
 # System tools first (the unit tier runs HAProxy and promtool), then lint and the unit tier,
 # so a broken unit test fails before anything is compiled.
 test: install system-deps lint unit model build
-	$(BIN)/python -m pytest -m "integration or slow"
+	$(BIN)/python -m pytest -m "integration or slow" --durations=40
 
 # The front's fuzz campaign (tests/fuzz/campaign.py): seeds, generated bodies, raw HTTP/1.1,
 # upstream faults and an operator's faults on the real llama-server in FUZZ_SECONDS (a random
@@ -80,7 +80,7 @@ fuzz: build model
 # One worker per core (pytest-xdist), each test file on one worker: these tests run fakes, not
 # llama-server, so they share the cores well.
 unit: install
-	$(BIN)/python -m pytest -m "not integration and not slow" -n auto --dist loadfile
+	$(BIN)/python -m pytest -m "not integration and not slow" -n auto --dist loadfile --durations=15
 
 # Every test not marked integration (slow ones too) as a fresh machine without network or
 # build tools runs it: no network, an empty MTPWRAP_HOME, no cmake or C/C++ compiler on PATH.
