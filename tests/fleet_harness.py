@@ -90,12 +90,6 @@ class LocalFleet:
         self.prom_base = ""
 
     def start(self, timeout: float = 240) -> None:
-        # The nodes share one machine's few cores, and llama.cpp's worker threads spin while
-        # they wait: one thread per node, through a user profile that overrides cpu-demo.
-        profiles = self.work / "config" / "mtpwrap" / "profiles"
-        profiles.mkdir(parents=True, exist_ok=True)
-        demo = yaml.safe_load((REPO / "profiles" / "cpu-demo.yaml").read_text())
-        (profiles / "cpu-demo.yaml").write_text(yaml.safe_dump({**demo, "threads": 1}))
         for name in self.names:  # all load at once; each waits on its own model load
             self.start_node(name, free_loopback_port())
         for inst in self.nodes.values():

@@ -30,7 +30,7 @@ def tiny_profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "description": "The tiny hybrid model with its MTP head on the CPU",
         "hardware": {"requires_gpu": False}, "model": str(model), "context": 4096,
         "kv": {"k": ["f16"], "v": ["f16"]}, "spec": {"kind": "mtp", "depth": 2},
-        "gpu_layers": 0, "slots": 1, "threads": 2}))
+        "gpu_layers": 0, "slots": 1, "threads": 1}))
     return profile
 
 
@@ -91,7 +91,7 @@ def test_a_crash_of_llama_server_is_survived_and_measured(llama_server_bin: Path
     profile.write_text(yaml.safe_dump({
         "description": "The demo model, one slot, on the CPU", "hardware": {"requires_gpu": False},
         "model": str(demo_model), "context": 2048, "kv": {"k": ["f16"], "v": ["f16"]},
-        "spec": {"kind": "none"}, "gpu_layers": 0, "slots": 1, "threads": 2}))
+        "spec": {"kind": "none"}, "gpu_layers": 0, "slots": 1, "threads": 1}))
     out = tmp_path / "report"
     r = run_cli("bench", "docs", "--profile", str(profile), "--binary", str(llama_server_bin),
                 "--corpora", "en", "--doc-tokens", "1000", "--long-tokens", "64",

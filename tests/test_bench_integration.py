@@ -126,8 +126,7 @@ def test_bench_quick_cli_writes_report(server_bin: Path, model: Path, tmp_path: 
     env = cli_env(MTPWRAP_BINARY=str(server_bin), MTPWRAP_DEMO_MODEL=str(model))
     # The smallest cells that still take every path: two contexts (the speed plot's two
     # points), 8 tokens (the CLI's least: the prefill token and two verification steps of the
-    # self-draft). Most of the run is the fixed quality and load requests of each of the five
-    # servers (256 prompt tokens, 32 generated), which `bench` has no option to shrink.
+    # self-draft); the quality and load requests shrink with them (32 tokens read, 8 made).
     p = run_cli("bench", "--quick", "--contexts", "16,32", "--concurrency", "1,2",
                 "--n-predict", "8", "--out", str(out), env=env, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

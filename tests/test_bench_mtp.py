@@ -33,7 +33,7 @@ def test_draft_mtp_runs_and_counters_move(server_bin: Path, tiny_mtp: Path,
                                           tmp_path: Path) -> None:
     cfg = BenchConfig("mtp", spec="mtp", depth=2)
     srv = launch_config(cfg, binary=server_bin, model=tiny_mtp, ctx_size=512,
-                        log_path=tmp_path / "server.log")
+                        threads=1, log_path=tmp_path / "server.log")
     client = Client.of(srv)
     try:
         prompt = client.tokenize("제1조 대한민국은 민주공화국이다. Article 1. " * 4)

@@ -100,7 +100,7 @@ def test_tiny_qwen35_runs_mtp_drafts_in_llama_server(llama_server_bin: Path, fre
     base = f"http://127.0.0.1:{free_port}"
     argv = [str(llama_server_bin), "-m", str(model), "--host", "127.0.0.1", "--port",
             str(free_port), "-c", "2048", "-np", "1", "--spec-type", "draft-mtp",
-            "--spec-draft-n-max", "3", "--metrics", "--no-warmup", "-t", "2", "-lv", "4"]
+            "--spec-draft-n-max", "3", "--metrics", "--no-warmup", "-t", "1", "-lv", "4"]
     with running_server(argv, base_url=base, timeout=120,
                         log_path=tmp_path / "server.log") as srv:
         out = httpx.post(base + "/completion", timeout=120, json={

@@ -47,8 +47,8 @@ QWEN_TAIL = ["--no-warmup", "--metrics", "--no-webui"]
 #: (profile, binary) → argv after HEAD. Reviewed by hand against docs/facts.md §1 and the --help
 #: texts.
 PINNED: dict[tuple[str, str], list[str]] = {
-    ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-ctk", "f16", "-ctv", "f16",
-                               "--flash-attn", "auto", "--metrics", "--no-webui"],
+    ("cpu-demo", "upstream"): ["-c", "4096", "-ngl", "0", "-np", "2", "-t", "1", "-ctk", "f16",
+                               "-ctv", "f16", "--flash-attn", "auto", "--metrics", "--no-webui"],
     # 4090-262k leaves the ubatch to the memory plan (resolve), which this table precedes
     ("4090-262k", "fork"): ["-c", "262144", "-ngl", "99", "-np", "1",
                             "-ctk", "tbq4_0", "-ctv", "tbq4_0", "--flash-attn", "on",

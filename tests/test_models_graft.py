@@ -167,7 +167,7 @@ def test_the_grafted_model_drafts_in_llama_server_like_its_base(
 
     def greedy(model: Path) -> dict[str, int]:
         srv = launch_config(BenchConfig("mtp", spec="mtp", depth=3),
-                            binary=llama_server_bin, model=model, ctx_size=512,
+                            binary=llama_server_bin, model=model, ctx_size=512, threads=1,
                             log_path=tmp_path / f"{model.stem}.log")
         client = Client.of(srv)
         try:

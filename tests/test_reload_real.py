@@ -64,10 +64,8 @@ class Served:
         self.auth = {"Authorization": f"Bearer {key}"} if key else {}
 
     def set_profile(self, **changes: object) -> None:
-        # one thread, as the front tests' llama-server: two ggml threads on a 2-core machine
-        # shared with the suite took 11-18 s for an 8-token answer (steps wait on each other)
-        # and one slot: the document store serves a launch of one (front/store.py)
-        data = {**yaml.safe_load(DEMO_PROFILE.read_text()), "threads": 1, "slots": 1}
+        # one slot: the document store serves a launch of one (front/store.py)
+        data = {**yaml.safe_load(DEMO_PROFILE.read_text()), "slots": 1}
         data.update(changes)
         self.profile.write_text(yaml.safe_dump(data))
 

@@ -30,7 +30,7 @@ def serve(binary: Path, model: Path, snaps: Path, log: Path, *extra: str
     with trial.endpoint(probe(binary)) as ep:
         assert ep.socket is not None
         argv = [str(binary), "-m", str(model), "--host", ep.socket, "-c", "2048", "-np", "1",
-                "-t", "2", "--no-webui", "--slot-save-path", str(snaps), *extra]
+                "-t", "1", "--no-webui", "--slot-save-path", str(snaps), *extra]
         with running_server(argv, base_url=ep.base_url, socket=ep.socket, log_path=log,
                             timeout=120) as srv:
             yield srv

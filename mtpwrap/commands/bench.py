@@ -106,8 +106,12 @@ def command(ctx: click.Context, quick: bool, url: str | None, api_key: str | Non
         # drafter) and a batch of k+1 (verification), so a self-draft loses its known answer
         # (acceptance exactly 1.0); one thread also avoids spin-waits on a shared machine.
         threads = 1
+    n_predict = n_predict or (64 if quick else 256)
+    # the quality and load requests (256 tokens read, 32 made) no larger than the cells asked
     plan = suite.SuitePlan(configs=cfgs, contexts=ctx_list, langs=lang_list,
-                           n_predict=n_predict or (64 if quick else 256), concurrency=conc,
+                           n_predict=n_predict, concurrency=conc,
+                           load_context=min(256, max(ctx_list)),
+                           load_predict=min(32, n_predict), quality_tokens=min(32, n_predict),
                            gap_s=None if gap_ms is None else gap_ms / 1000.0, binary=binary,
                            model=mpath, url=url, api_key=api_key, threads=threads,
                            profile=profile)
