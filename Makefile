@@ -63,9 +63,11 @@ system-deps:
 	else echo "missing system packages: $$missing(run: sudo make system-deps)"; fi
 
 # System tools first (the unit tier runs HAProxy and promtool), then lint and the unit tier,
-# so a broken unit test fails before anything is compiled.
+# so a broken unit test fails before anything is compiled. The rest on one worker per core, two
+# at most, each test file on one worker: every llama-server a test starts takes one thread.
 test: install system-deps lint unit model build
-	$(BIN)/python -m pytest -m "integration or slow" --durations=40
+	$(BIN)/python -m pytest -m "integration or slow" -n auto --maxprocesses 2 --dist loadfile \
+	  --durations=40
 
 # The front's fuzz campaign (tests/fuzz/campaign.py): seeds, generated bodies, raw HTTP/1.1,
 # upstream faults and an operator's faults on the real llama-server in FUZZ_SECONDS (a random

@@ -33,8 +33,8 @@ N_PREDICT = 24
 def launch_config(model: Path, gpu: bool) -> LaunchConfig:
     """One slot, a short context, the model drafting for itself, every draft kept (`p_min` 0:
     the fork's default of 0.75 keeps none from a small model, and the probe would learn
-    nothing)."""
-    return launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft",
+    nothing), one thread (a self-draft is bit-exact on one, and it spins on no shared core)."""
+    return launch.plain(model, context=1024, gpu_layers=99 if gpu else 0, spec="draft", threads=1,
                         spec_type="draft-simple", depth=4, draft_model=str(model), p_min=0.0,
                         why="draft-depth probe")
 
