@@ -65,3 +65,19 @@ def build_root() -> Path:
 def user_config_dir() -> Path:
     xdg = os.environ.get("XDG_CONFIG_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".config") / "mtpwrap"
+
+
+def replace_text(path: Path, text: str, mode: int = 0o666) -> None:
+    """`path` holds `text` (created with `mode`, less the umask), written beside it and renamed:
+    a reader never sees half a file, and two writers at once each replace it whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = private_tmp(path)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w",
+                   encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def private_tmp(path: Path) -> Path:
+    """A temporary name beside `path` that no other process writes."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -488,3 +488,24 @@ def test_the_ui_download_is_turned_off_only_where_the_tree_declares_it(tmp_path:
     assert planning.webui_options(upstream)[0] == {"LLAMA_USE_PREBUILT_UI": "OFF"}
     assert planning.webui_options(fork)[0] == {"LLAMA_BUILD_WEBUI": "OFF"}  # no bundle.js
     assert "LLAMA_USE_PREBUILT_UI" not in planning.plan_build(cpu=True).options
+
+
+def test_two_builds_writing_one_manifest_at_once_both_succeed(tmp_path: Path) -> None:
+    """Two builds that finish together (two `mtpwrap build`, two test workers) each replace
+    the manifest whole: a temporary name they shared made one's rename fail."""
+    import sys
+    import time
+
+    path = tmp_path / "manifest.json"
+    script = ("import sys, time\nfrom pathlib import Path\n"
+              "from mtpwrap.build.manifest import write_json\n"
+              "while time.time() < float(sys.argv[3]): pass\n"  # both start at once
+              "for i in range(2000): write_json(Path(sys.argv[1]), {'by': sys.argv[2], 'i': i})")
+    start = str(time.time() + 2)
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), w, start],
+                                stderr=subprocess.PIPE, text=True, env=cli_env())
+               for w in "ab"]
+    errors = [w.communicate(timeout=120)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], errors
+    assert json.loads(path.read_text())["i"] == 1999
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary left

@@ -224,10 +224,7 @@ def _write_profile(data: dict, name: str) -> Path:
 
     path = paths.user_config_dir() / "profiles" / f"{name}.yaml"
     profiles.validate(data, where=str(path), expected_name=name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-    tmp.replace(path)  # atomic: a reader never sees half a profile
+    paths.replace_text(path, yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
     return path
 
 

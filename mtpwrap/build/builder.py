@@ -99,7 +99,7 @@ def _install(manifest: Manifest, variant_dir: Path) -> Manifest:
         src = Path(info.get("cache_path", info["path"]))
         dst = bin_dir / name
         if not (dst.is_file() and hashing.sha256_file(dst) == info["sha256"]):
-            tmp = dst.with_suffix(".tmp")
+            tmp = paths.private_tmp(dst)
             shutil.copy2(src, tmp)
             os.replace(tmp, dst)
         binaries[name] = {"path": str(dst), "cache_path": str(src), "sha256": info["sha256"]}

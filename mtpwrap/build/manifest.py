@@ -8,7 +8,6 @@ the smoke test, the patches, the capabilities parsed from --help.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,10 +87,7 @@ class Manifest:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: a reader never sees half a manifest."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+    paths.replace_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def read(path: Path) -> Manifest:

@@ -27,7 +27,7 @@ def pack_prebuilt(manifest: Manifest, dest: Path) -> Path:
     """An installed build's binaries and manifest.json as one xz archive, to carry to a machine
     that should not spend its time compiling (see `install_prebuilt`)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".tmp")
+    tmp = paths.private_tmp(dest)
     # llama-server and llama-fit-params each hold the whole CUDA backend: a dictionary larger
     # than one binary lets xz store that code once (sm_89: 82 MB with the default, 44 with this).
     filters = [{"id": lzma.FILTER_LZMA2, "preset": 6, "dict_size": PACK_DICT_BYTES}]
@@ -80,7 +80,7 @@ def install_prebuilt(archive: str | Path, snap: Any | None = None,
             if src_fh is None:
                 raise ConfigError(f"prebuilt {path}: bin/{name} is missing.")
             dst = bin_dir / name
-            tmp = dst.with_suffix(".tmp")
+            tmp = paths.private_tmp(dst)
             with tmp.open("wb") as out:
                 shutil.copyfileobj(src_fh, out)
             tmp.chmod(0o755)

@@ -19,13 +19,13 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mtpwrap import paths
 from mtpwrap.config.apikeys import ApiKey
 from mtpwrap.supervision.writer import LatestWriter
 
@@ -187,12 +187,8 @@ class Budgets:
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         assert self.path is not None
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"counts": rows}, f)
-            os.replace(tmp, self.path)
+            paths.replace_text(self.path, json.dumps({"counts": rows}), 0o600)
         except OSError as err:
             log.warning("budgets: cannot write %s (%s)", self.path, err)
 

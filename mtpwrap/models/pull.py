@@ -297,13 +297,11 @@ def verify(part: Path, f: RemoteFile, where: str) -> None:
 def write_record(final: Path, *, repo: str, revision: str, endpoint: str,
                  f: RemoteFile) -> Path:
     rec = record_path(final)
-    tmp = rec.with_name(f".{rec.name}.tmp")
-    tmp.write_text(json.dumps({
+    paths.replace_text(rec, json.dumps({
         "repo": repo, "revision": revision, "file": f.path, "sha256": f.sha256,
         "size": f.size, "endpoint": public_endpoint(endpoint),
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }, indent=2) + "\n")
-    os.replace(tmp, rec)
     return rec
 
 

@@ -93,18 +93,8 @@ def write_instance(data: dict[str, Any]) -> None:
     me = identify(os.getpid())
     data = {**data, "boot_id": boot_id(), "pid_start": me.start if me else None,
             "written": ticks_now()}
-    _replace(instance_path(), json.dumps(data, indent=2, default=str))
+    paths.replace_text(instance_path(), json.dumps(data, indent=2, default=str))
 
-
-def _replace(path: Path, text: str, mode: int = 0o666) -> None:
-    """`path` holds `text` (created with `mode`, less the umask), written beside it and
-    renamed: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
@@ -261,4 +251,4 @@ def read_warmed() -> list[dict[str, Any]]:
 
 
 def write_warmed(entries: list[dict[str, Any]]) -> None:
-    _replace(instance_path().with_name(WARMED), json.dumps(entries, indent=1), 0o600)
+    paths.replace_text(instance_path().with_name(WARMED), json.dumps(entries, indent=1), 0o600)
