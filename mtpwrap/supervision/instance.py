@@ -96,7 +96,6 @@ def write_instance(data: dict[str, Any]) -> None:
     paths.replace_text(instance_path(), json.dumps(data, indent=2, default=str))
 
 
-
 def reap_leftovers(data: dict[str, Any] | None) -> list[int]:
     """Kill what is left of the llama-server groups (the chat model's and each companion's)
     that a previous, SIGKILLed mtpwrap left behind. Returns the pids killed.
