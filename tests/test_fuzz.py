@@ -142,7 +142,7 @@ def target(tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path,
            demo_model: Path, monkeypatch_module: pytest.MonkeyPatch) -> Iterator[campaign.Target]:
     monkeypatch_module.setenv("MTPWRAP_BINARY", str(llama_server_bin))
     monkeypatch_module.setenv("MTPWRAP_DEMO_MODEL", str(demo_model))
-    t = campaign.Target(tmp_path_factory.mktemp("fuzz-seeds"))
+    t = campaign.Target(tmp_path_factory.mktemp("fuzz-seeds"), threads=1)
     try:
         yield t
     finally:
@@ -195,11 +195,13 @@ def test_the_front_keeps_its_promises_under_an_operators_faults(
         tmp_path: Path, llama_server_bin: Path, demo_model: Path) -> None:
     """One case of each kind of tests/fuzz/operator.py, fixed seed, on `mtpwrap up` with the
     real llama-server: streams closed early on budgeted keys, a hung NVML, a reload and a
-    restart under load (the campaign draws more)."""
+    restart under load (the campaign draws more). llama-server has one thread: with two, its
+    workers spin at every barrier, and beside two busy processes a 48-token stream took 150 s."""
     from tests.fuzz import operator
 
     done, bad, kinds, log = operator.run_operator(tmp_path, llama_server_bin, demo_model,
-                                                  len(operator.KINDS), seed=11, seconds=600)
+                                                  len(operator.KINDS), seed=11, seconds=600,
+                                                  threads=1)
     assert done == len(operator.KINDS)
     assert kinds == {"budget": 2, "nvml": 1, "reload": 1, "restart": 1}
     assert not bad, "\n".join(bad)
