@@ -72,10 +72,13 @@ def replace_text(path: Path, text: str, mode: int = 0o666) -> None:
     a reader never sees half a file, and two writers at once each replace it whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = private_tmp(path)
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w",
-                   encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w",
+                       encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves nothing behind
+        tmp.unlink(missing_ok=True)
 
 
 def private_tmp(path: Path) -> Path:

@@ -509,3 +509,15 @@ def test_two_builds_writing_one_manifest_at_once_both_succeed(tmp_path: Path) ->
     assert [w.returncode for w in writers] == [0, 0], errors
     assert json.loads(path.read_text())["i"] == 1999
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]  # no temporary left
+
+
+def test_a_write_that_fails_leaves_the_file_as_it_was_and_nothing_beside_it(
+        tmp_path: Path) -> None:
+    from mtpwrap import paths
+
+    path = tmp_path / "state.json"
+    path.write_text("before")
+    with pytest.raises(UnicodeEncodeError):  # fails mid-write, as a full disk would
+        paths.replace_text(path, "after \ud800")
+    assert path.read_text() == "before"
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]

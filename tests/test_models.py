@@ -79,7 +79,7 @@ def test_chunked_model_is_assembled_in_order_and_checked(isolated_home: Path) ->
     assert path == isolated_home / "models" / "tiny.gguf"
     assert path.read_bytes() == whole
     assert models.cached(m) == path
-    assert not list(path.parent.glob(".*.part"))
+    assert not list(path.parent.glob(".*.tmp"))
 
 
 def test_chunked_model_with_wrong_digest_leaves_nothing(isolated_home: Path) -> None:

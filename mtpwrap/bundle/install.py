@@ -40,7 +40,7 @@ def _place_download(root: Path, item: Item) -> Path:
     if dest.is_file() and hashing.sha256_file(dest) == item.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
+    tmp = paths.private_tmp(dest)
     shutil.copyfile(root / item.path, tmp)
     os.replace(tmp, dest)
     return dest

@@ -4,6 +4,7 @@ proxy settings), kept in the download cache, checked by sha256.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,15 +29,20 @@ def pinned_file(package: str, version: str, filename: str, sha256: str, *,
     dest = dest_dir or paths.downloads_dir()
     target = dest / filename
     if not target.exists():
-        dest.mkdir(parents=True, exist_ok=True)
+        # a folder of this process's own: a fetch beside it never reads a half-written file
+        mine = paths.private_tmp(target)
+        mine.mkdir(parents=True, exist_ok=True)
         kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *kind,
-               "--disable-pip-version-check", "-q", "-d", str(dest), f"{package}=={version}"]
+               "--disable-pip-version-check", "-q", "-d", str(mine), f"{package}=={version}"]
         try:
             done = proc.run(cmd, timeout=900, what="pip download")
             failed, why = done.returncode != 0, done.last_line()
         except proc.CommandTimedOut:
             failed, why = True, "pip timed out after 900 s"
+        if not failed and (mine / filename).exists():
+            (mine / filename).replace(target)
+        shutil.rmtree(mine, ignore_errors=True)
         if failed or not target.exists():
             raise RuntimeFailure(
                 f"could not download {package}=={version} from the package index "

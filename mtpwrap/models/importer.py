@@ -121,7 +121,7 @@ def _place(src: Path, tmp: Path, link: bool) -> str:
 
 def stage(src: Path, dest: Path, exp: Expected, *, link: bool) -> Path:
     """`src` under a hidden name in `dest`, verified; removed again when it does not match."""
-    tmp = dest / f".{src.name}.import"
+    tmp = paths.private_tmp(dest / src.name)
     tmp.unlink(missing_ok=True)
     try:
         actual = _place(src, tmp, link)
@@ -173,8 +173,6 @@ def import_files(sources: Sequence[Path], *, dest: Path | None = None, sums: Pat
         rec.update({"sha256": exp.sha256, "size": src.stat().st_size,
                     "imported_from": str(src), "verified_by": exp.source,
                     "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-        rtmp = dest / f".{record_path(final).name}.tmp"
-        rtmp.write_text(json.dumps(rec, indent=2) + "\n")
-        os.replace(rtmp, record_path(final))
+        paths.replace_text(record_path(final), json.dumps(rec, indent=2) + "\n")
         os.replace(tmp, final)
     return [dest / src.name for src, _ in wanted]

