@@ -315,7 +315,8 @@ def test_demo_model_runs_on_and_reports_a_128_value_block_type_not_applicable(
     server = cpu_manifest["binaries"]["llama-server"]["path"]
     r = run_cli("bench", "kv", "--binary", server, "--model", str(demo_model), "--types",
                 "f16,tbq4_0", "--corpora", "licence", "--depths", "256", "--chunks", "2",
-                "--no-speed", "--out", str(tmp_path / "out"), timeout=600, cwd=tmp_path)
+                "--no-speed", "--threads", "1", "--out", str(tmp_path / "out"), timeout=600,
+                cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
     na = {t["kv"]: t for t in rep["types"] if not t["applicable"]}

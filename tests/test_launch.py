@@ -469,6 +469,7 @@ spec:
   draft_model: demo
   draft_kv: {k: [q8_0], v: [q8_0]}
 slots: 1
+threads: 1
 """
 
 
