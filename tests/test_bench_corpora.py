@@ -85,6 +85,16 @@ def test_a_corpus_too_small_is_said_not_repeated() -> None:
     assert "documents" not in rows[1] and "cannot fill" in rows[1]["cannot_fill"]
 
 
+def test_a_class_passage_is_half_to_whole_its_size_even_from_one_long_line() -> None:
+    # a title, a statute of one 700-character line, short lines: every passage in bounds
+    words = " ".join(f"조항{i}" for i in range(140))
+    text = "\n".join(["제1장 총칙", words, *(f"제{i}조 짧은 줄" for i in range(40))])
+    passages = corpora._chunks(text, 150, 100)
+    assert len(passages) > 5
+    assert all(75 < len(p) <= 150 for p in passages), [len(p) for p in passages]
+    assert " ".join(" ".join(passages).split()) in " ".join(text.split())  # in order, whole
+
+
 def test_near_duplicates_are_skipped() -> None:
     words = [f"w{i}" for i in range(400)]
     base = " ".join(words)

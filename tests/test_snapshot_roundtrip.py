@@ -19,7 +19,7 @@ from mtpwrap.proc import ServerProcess, running_server
 pytestmark = pytest.mark.integration
 
 PROMPT = " ".join(f"Clause {i}: the party of part {i % 5} shall deliver item {i * 7} by day "
-                  f"{i % 28 + 1}." for i in range(40))
+                  f"{i % 28 + 1}." for i in range(20))
 SUFFIX = " Question: which clause names day 9?"
 
 
