@@ -15,9 +15,8 @@ PORT   ?= 8080
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
 	# With nvcc present, the cuBLAS wheel (~450 MB) lets the tests configure the CUDA build.
-	if command -v nvcc >/dev/null; then $(BIN)/python -m pip install -q -e '.[test,cuda]'; fi
+	$(BIN)/python -m pip install -q -e ".[test$$(command -v nvcc >/dev/null && echo ,cuda)]"
 	touch $(STAMP)
 
 install: $(STAMP)
