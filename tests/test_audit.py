@@ -6,6 +6,7 @@ counts equal llama-server's usage, canaries nowhere) are in tests/test_audit_rea
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import stat
 import tempfile
@@ -81,6 +82,7 @@ def test_journald_gets_structured_fields() -> None:
         fields = dict(line.split("=", 1) for line in journal.recv(65536).decode().splitlines())
     finally:
         journal.close()
+        shutil.rmtree(Path(path).parent)
     assert fields["SYSLOG_IDENTIFIER"] == "mtpwrap-audit" and fields["PRIORITY"] == "6"
     assert fields["MTPWRAP_KEY"] == "app" and fields["MTPWRAP_STATUS"] == "200"
     assert fields["MTPWRAP_TOKENS_IN"] == "7" and fields["MTPWRAP_TOKENS_OUT"] == "5"

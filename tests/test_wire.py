@@ -5,6 +5,7 @@ connections, answers cut short, bytes that are not HTTP."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -46,6 +47,7 @@ class Server:
     async def __aexit__(self, *_exc: object) -> None:
         assert self._server is not None
         self._server.close()
+        shutil.rmtree(Path(self.path).parent, ignore_errors=True)
 
     @property
     def upstream(self) -> Upstream:
@@ -298,10 +300,9 @@ def test_bytes_that_are_not_http_are_a_bad_response() -> None:
     run(main())
 
 
-def test_a_missing_socket_or_closed_port_is_a_failed_connect() -> None:
+def test_a_missing_socket_or_closed_port_is_a_failed_connect(tmp_path: Path) -> None:
     async def main() -> None:
-        gone = Upstream("http://llama", "k", 1,
-                        socket=str(Path(tempfile.mkdtemp()) / "none.sock"))
+        gone = Upstream("http://llama", "k", 1, socket=str(tmp_path / "none.sock"))
         with pytest.raises(ConnectFailed, match="none.sock") as err:
             await pool().request(gone, "GET", "/health", [], b"")
         assert err.value.kind == "connect"
