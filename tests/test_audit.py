@@ -9,9 +9,9 @@ import json
 import shutil
 import socket
 import stat
-import tempfile
 from pathlib import Path
 
+from mtpwrap import upstream
 from mtpwrap.front import audit, usage
 from mtpwrap.front.audit import FileSink, JournalSink, Ticket, read_records
 from mtpwrap.front.usage import Tally, answer_counts, reservation
@@ -72,7 +72,7 @@ def test_a_line_cut_by_a_crash_is_skipped(tmp_path: Path) -> None:
 
 
 def test_journald_gets_structured_fields() -> None:
-    path = str(Path(tempfile.mkdtemp(prefix="journal-")) / "socket")
+    path = str(upstream.private_socket_dir("socket") / "socket")
     journal = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     journal.bind(path)
     try:

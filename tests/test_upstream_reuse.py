@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mtpwrap import upstream
 from mtpwrap.config.objects import ProxyConfig
 from mtpwrap.proc import free_loopback_port
 from tests.fakes.front_harness import LlamaChild, serve_front
@@ -32,8 +32,7 @@ GAPS = (1.9, 2.1, 4.8, 5.0, 5.2)
 def child(request: pytest.FixtureRequest, llama_server_bin: Path, demo_model: Path
           ) -> Iterator[LlamaChild]:
     """llama-server on its UNIX socket, and (for a binary without one) on loopback TCP."""
-    run = Path(tempfile.mkdtemp(prefix="mtpwrap-reuse-"))  # short: a socket path has 107 bytes
-    os.chmod(run, 0o700)
+    run = upstream.private_socket_dir("llama.sock")
     unix = request.param == "unix"
     c = LlamaChild(llama_server_bin, demo_model, 0 if unix else free_loopback_port(), INTERNAL,
                    socket=run / "llama.sock" if unix else None, log_path=run / "llama.log")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mtpwrap import upstream
 from mtpwrap.supervision import wire
 from mtpwrap.supervision.state import Upstream
 from mtpwrap.supervision.wire import BadResponse, ConnectFailed, Disconnected, WirePool
@@ -32,7 +32,7 @@ class Server:
         self.ended = 0  # connections whose serving ended (the client closed, mostly)
         self.heads: list[bytes] = []
         self.bodies: list[bytes] = []
-        self.path = str(Path(tempfile.mkdtemp(prefix="wire-")) / "s.sock")
+        self.path = str(upstream.private_socket_dir("s.sock") / "s.sock")
         self.port = 0
         self._server: asyncio.AbstractServer | None = None
 
